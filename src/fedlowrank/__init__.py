@@ -1,0 +1,1 @@
+"""Federated fine-tuning in low-rank subspaces under non-IID data."""

@@ -1,0 +1,92 @@
+"""LoRA in one place: factors, scaling rule, dropout, initialisation.
+
+Conventions (DESIGN §7): ``B: [out, r]``, ``A: [r, in]``, ``ΔW = s · B A`` with ``s = α / r`` (``"standard"``)
+or ``s = α / √r`` (``"rslora"``). Ranks can differ per client: :meth:`LoRALinear.set_factors` resizes the
+factors and recomputes ``s`` from the new rank by the same rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model import AdaptedLinear, AdaptedModel
+
+SCALING_RULES = ("standard", "rslora")
+
+
+def lora_scale(alpha: float, rank: int, rule: str = "standard") -> float:
+    """The LoRA scaling ``s``: ``α/r`` (standard) or ``α/√r`` (rsLoRA). The only place it is computed."""
+    if rule == "standard":
+        return alpha / rank
+    if rule == "rslora":
+        return alpha / math.sqrt(rank)
+    raise ValueError(f"lora.scaling must be one of {SCALING_RULES}, got {rule!r}")
+
+
+def init_lora_factors(out_features: int, in_features: int, rank: int, generator: torch.Generator,
+                      dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's default init: ``A ~ kaiming_uniform(a=√5)`` (``U(-1/√in, 1/√in)``), ``B = 0``.
+
+    Returns ``(A: [r, in], B: [out, r])``.
+    """
+    bound = 1.0 / math.sqrt(in_features)
+    a = (torch.rand(rank, in_features, generator=generator, dtype=dtype) * 2 - 1) * bound
+    return a, torch.zeros(out_features, rank, dtype=dtype)
+
+
+class LoRALinear(AdaptedLinear):
+    """``y = x (W0 + base_delta)ᵀ + s · dropout(x) Aᵀ Bᵀ + bias``, computed in factored form."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, scaling: str = "standard", dropout: float = 0.0):
+        super().__init__(base)
+        if rank < 1 or rank > min(base.in_features, base.out_features):
+            raise ValueError(f"lora.rank must be in [1, {min(base.in_features, base.out_features)}], got {rank}")
+        self.alpha = float(alpha)
+        self.scaling_rule = scaling
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        dtype = base.weight.dtype
+        self.lora_A = nn.Parameter(torch.zeros(rank, base.in_features, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=dtype))
+        self.scale = lora_scale(self.alpha, rank, scaling)
+
+    @property
+    def rank(self) -> int:
+        return self.lora_A.shape[0]
+
+    def set_factors(self, A: torch.Tensor, B: torch.Tensor) -> None:
+        """Load ``A: [r, in]``, ``B: [out, r]`` (any r); the scale follows the rank by the configured rule."""
+        r = A.shape[0]
+        if A.shape != (r, self.in_features) or B.shape != (self.out_features, r):
+            raise ValueError(f"LoRA factors of shapes A{tuple(A.shape)}, B{tuple(B.shape)} do not fit a "
+                             f"[{self.out_features}, {self.in_features}] layer")
+        dtype = self.base.weight.dtype
+        if r != self.rank:
+            self.lora_A = nn.Parameter(torch.empty(r, self.in_features, dtype=dtype))
+            self.lora_B = nn.Parameter(torch.empty(self.out_features, r, dtype=dtype))
+            self.scale = lora_scale(self.alpha, r, self.scaling_rule)
+        with torch.no_grad():
+            self.lora_A.copy_(A)
+            self.lora_B.copy_(B)
+
+    def adapter_delta(self) -> torch.Tensor:
+        return self.scale * (self.lora_B @ self.lora_A)
+
+    def adapter_output(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)
+
+
+def attach_lora(model: AdaptedModel, rank: int, alpha: float, scaling: str = "standard", dropout: float = 0.0) -> None:
+    """Wrap every target linear of ``model`` in a :class:`LoRALinear` (factors zero until loaded)."""
+    model.attach(lambda name, lin: LoRALinear(lin, rank, alpha, scaling, dropout))
+
+
+def lora_modules(model: AdaptedModel) -> dict[str, LoRALinear]:
+    mods = model.adapters()
+    bad = [n for n, m in mods.items() if not isinstance(m, LoRALinear)]
+    if bad or not mods:
+        raise TypeError("the model has no LoRA adapters attached" if not mods else f"not LoRA adapters: {bad}")
+    return mods  # type: ignore[return-value]

@@ -1,0 +1,1 @@
+"""Bundled run configurations (``fedlowrank run main``)."""

@@ -1,0 +1,111 @@
+"""Factored linear algebra of sums of low-rank products ``ΔW = Σₖ Bₖ Aₖ`` (never forming ``ΔW`` densely).
+
+Shapes: ``Bₖ: [out, rₖ]``, ``Aₖ: [rₖ, in]``, ranks may differ. Stack ``B_c = [B₁ … B_K]: [out, R]`` and
+``A_c = [A₁; …; A_K]: [R, in]`` with ``R = Σ rₖ``, so ``ΔW = B_c A_c``. Costs are O((out + in)·R²), not
+O(out·in·min(out, in)). Computed in float64; results are float64.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def stack_factors(Bs: Sequence[torch.Tensor], As: Sequence[torch.Tensor],
+                  weights: Sequence[float] | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B_c: [out, R], A_c: [R, in])`` with ``B_c A_c = Σₖ wₖ Bₖ Aₖ`` (weights folded into the A blocks)."""
+    if len(Bs) != len(As) or not Bs:
+        raise ValueError(f"need as many B as A factors (>0), got {len(Bs)} and {len(As)}")
+    w = [1.0] * len(Bs) if weights is None else [float(x) for x in weights]
+    B_c = torch.cat([B.to(torch.float64) for B in Bs], dim=1)
+    A_c = torch.cat([wk * A.to(torch.float64) for wk, A in zip(w, As)], dim=0)
+    return B_c, A_c
+
+
+def factored_svd(B_c: torch.Tensor, A_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD of ``B_c A_c`` through QR of both factors and an SVD of the small ``R×R`` core.
+
+    Returns ``U: [out, R]``, ``S: [R]`` (descending), ``Vh: [R, in]`` with ``U diag(S) Vh = B_c A_c``
+    (for R ≤ min(out, in); otherwise the first min(out, in) components).
+    """
+    B_c, A_c = B_c.to(torch.float64), A_c.to(torch.float64)
+    Q1, R1 = torch.linalg.qr(B_c)            # [out, R'], [R', R]
+    Q2, R2 = torch.linalg.qr(A_c.T)          # [in, R''], [R'', R]
+    U, S, Vh = torch.linalg.svd(R1 @ R2.T, full_matrices=False)
+    return Q1 @ U, S, Vh @ Q2.T
+
+
+def truncated_svd(B_c: torch.Tensor, A_c: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Best rank-``rank`` approximation of ``B_c A_c``: ``(U_r: [out, r], S_r: [r], Vh_r: [r, in])``."""
+    U, S, Vh = factored_svd(B_c, A_c)
+    r = min(rank, S.shape[0])
+    return U[:, :r], S[:r], Vh[:r]
+
+
+def normalize_qr_signs(Q: torch.Tensor, R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Q D, D R)`` with ``D = sign(diag R)`` (0 → +1): the product is unchanged and ``diag R ≥ 0``.
+
+    ``Q: [out, m]``, ``R: [m, in]``; makes an unpivoted QR unique where it is unique up to signs.
+    """
+    d = torch.sign(torch.diagonal(R))
+    d = torch.where(d == 0, torch.ones_like(d), d)
+    return Q * d, d[:, None] * R
+
+
+def factored_qr(B_c: torch.Tensor, A_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpivoted QR of ``B_c A_c`` without forming it: ``B_c = Q₁R₁``, ``R₁A_c = Q₂R₂``, so ``B_c A_c = (Q₁Q₂) R₂``.
+
+    Returns ``Q: [out, m]`` orthonormal columns and ``R: [m, in]`` upper trapezoidal with ``diag R ≥ 0``
+    (:func:`normalize_qr_signs`), ``m = min(out, R, in)``. Where the QR of ``B_c A_c`` is unique (its leading
+    ``m`` columns independent) this is the dense QR with the same sign convention.
+    """
+    B_c, A_c = B_c.to(torch.float64), A_c.to(torch.float64)
+    Q1, R1 = torch.linalg.qr(B_c)
+    Q2, R2 = torch.linalg.qr(R1 @ A_c)
+    return normalize_qr_signs(Q1 @ Q2, R2)
+
+
+def normalize_svd_signs(U: torch.Tensor, Vh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U D, D Vh)`` with ``D`` making the largest-magnitude entry of each column of ``U`` positive."""
+    idx = U.abs().argmax(dim=0)
+    d = torch.sign(U.gather(0, idx[None, :])[0])
+    d = torch.where(d == 0, torch.ones_like(d), d)
+    return U * d, d[:, None] * Vh
+
+
+def pad_basis(Q: torch.Tensor, R: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Q: [out, m]``, ``R: [m, in]`` → ``[out, rank]``, ``[rank, in]`` with the same product ``Q R``.
+
+    Truncates when ``rank ≤ m``; otherwise completes Q with orthonormal columns (deterministically, from the
+    complete QR of Q) and R with zero rows. Needs ``rank ≤ out``.
+    """
+    m = Q.shape[1]
+    if rank <= m:
+        return Q[:, :rank], R[:rank]
+    if rank > Q.shape[0]:
+        raise ValueError(f"cannot complete a basis of {Q.shape[0]}-vectors to rank {rank}")
+    full = torch.linalg.qr(Q, mode="complete").Q              # [out, out], first m columns = ±Q
+    Q = torch.cat([Q, full[:, m:rank]], dim=1)
+    R = torch.cat([R, R.new_zeros(rank - m, R.shape[1])], dim=0)
+    return Q, R
+
+
+DECOMPOSITIONS = ("qr", "svd")
+
+
+def factored_basis(B_c: torch.Tensor, A_c: torch.Tensor, method: str = "qr") -> tuple[torch.Tensor, torch.Tensor]:
+    """``B_c A_c = Q R`` with orthonormal ``Q: [out, m]`` and ``R: [m, in]``, in factored form (float64).
+
+    ``"qr"``: the unpivoted QR (:func:`factored_qr`), so ``Q[:, :r] R[:r]`` projects onto the span of the first
+    ``r`` columns of ``B_c A_c``. ``"svd"``: ``Q = U``, ``R = diag(S) Vh`` (:func:`factored_svd`, signs by
+    :func:`normalize_svd_signs`), the Eckart–Young optimal truncations. Either way the truncation error is
+    ``‖B_c A_c − Q[:, :r] R[:r]‖_F = ‖R[r:]‖_F``.
+    """
+    if method == "qr":
+        return factored_qr(B_c, A_c)
+    if method == "svd":
+        U, S, Vh = factored_svd(B_c, A_c)
+        U, Vh = normalize_svd_signs(U, Vh)
+        return U, S[:, None] * Vh
+    raise ValueError(f"decomposition must be one of {DECOMPOSITIONS}, got {method!r}")

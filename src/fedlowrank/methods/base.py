@@ -1,0 +1,287 @@
+"""The method contract (DESIGN §3) and the pieces LoRA-style methods share.
+
+One round of any method::
+
+    msg_k            = method.broadcast(server, k, rnd)                 # what goes down to client k
+    reply_k, state_k = method.train(model, msg_k, state_k, trainer)     # client side (trainer = data + loss + hp)
+    server           = method.aggregate(server, [Reply(k, n_k, reply_k)...], rnd)
+
+Server and client state are explicit :class:`~fedlowrank.message.State` objects; per-client state lives in a
+store the runtime owns, never in the method. The runtime serialises every message and counts its bytes.
+A method never imports a runtime, and runtimes never look at a method's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from ..adapters.lora import LoRALinear, attach_lora, init_lora_factors, lora_modules
+from ..adapters.model import AdaptedModel
+from ..message import Message, Reply, State
+from ..seeding import torch_generator
+from ..training.corrections import ClientCorrection, make_corrections
+
+
+@dataclass
+class SetupInfo:
+    """Everything a method may know about the run when it sets up (identical on server and clients).
+
+    Attributes:
+        num_clients: M, the number of clients.
+        client_sizes: local data size of each client (length M).
+        client_ranks: LoRA rank of each client (length M; all equal unless heterogeneous ranks are used).
+        rank: the server/global LoRA rank r (``lora.rank``).
+        alpha: ``lora.alpha``; scaling: ``lora.scaling`` (``standard`` α/r or ``rslora`` α/√r); dropout.
+        weighting: ``"num_examples"`` (pₖ ∝ nₖ) or ``"uniform"`` (pₖ = 1/K) over the round's replies.
+        server_lr: β of the averaging step, ``new = old + β·(avg − old)`` (1 = plain averaging).
+        seed: the run's seed (methods derive their streams with :func:`fedlowrank.seeding.derive_seed`).
+        rounds: total number of rounds T.
+    """
+
+    num_clients: int
+    client_sizes: list[int]
+    client_ranks: list[int]
+    rank: int = 8
+    alpha: float = 16.0
+    scaling: str = "standard"
+    dropout: float = 0.0
+    weighting: str = "num_examples"
+    server_lr: float = 1.0
+    seed: int = 0
+    rounds: int = 10
+
+    @property
+    def heterogeneous_ranks(self) -> bool:
+        return len(set(self.client_ranks)) > 1
+
+
+class Method:
+    """Base class of every federated method. Subclasses are dataclasses whose fields are the method's options.
+
+    Class attributes (shown by ``fedlowrank methods``):
+        name: registered name (lower case, hyphens).
+        description: one line.
+        paper: the paper it comes from.
+        uplink / downlink: what a client sends / receives each round, in words with shapes.
+        needs_individual_replies: True if the server step needs each reply (stacking, RPCA, QR of the
+            concatenation); False if weighted sums suffice (secure-aggregation friendly).
+        supports_heterogeneous_ranks: whether clients may have different LoRA ranks.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    uplink: ClassVar[str] = ""
+    downlink: ClassVar[str] = ""
+    needs_individual_replies: ClassVar[bool] = False
+    supports_heterogeneous_ranks: ClassVar[bool] = False
+
+    info: SetupInfo
+
+    def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
+        """Attach adapters to ``model`` and return the initial server state. Deterministic given ``info``."""
+        raise NotImplementedError
+
+    def init_client(self, client: int) -> State:
+        """Initial state of a client that has never trained (default: empty)."""
+        return State()
+
+    def broadcast(self, server: State, client: int, rnd: int) -> Message:
+        raise NotImplementedError
+
+    def train(self, model: AdaptedModel, msg: Message, state: State, trainer) -> tuple[Message, State]:
+        """Load ``msg`` into ``model``, train with ``trainer.fit(...)``, return (reply, new client state).
+
+        The reply must carry ``num_examples`` (``trainer.num_examples``) and ``train_loss``.
+        """
+        raise NotImplementedError
+
+    def aggregate(self, server: State, replies: list[Reply], rnd: int) -> State:
+        raise NotImplementedError
+
+    def load_global(self, model: AdaptedModel, server: State) -> None:
+        """Put the global model into ``model`` for evaluation on the global test set."""
+        raise NotImplementedError
+
+    def report(self, **metrics: float) -> None:
+        """Record diagnostics of the current server step (floats); the runtime logs them with the round."""
+        self.__dict__.setdefault("_metrics", {}).update(metrics)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The diagnostics recorded since the last call (called by the runtime after each aggregate)."""
+        return self.__dict__.pop("_metrics", {})
+
+    # -- shared helpers ------------------------------------------------------------------------------
+    @classmethod
+    def options(cls) -> dict[str, Any]:
+        """The method's options (dataclass fields) with their defaults."""
+        if not dataclasses.is_dataclass(cls):
+            return {}
+        return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+                for f in dataclasses.fields(cls)}
+
+    def client_weights(self, replies: Sequence[Reply]) -> torch.Tensor:
+        """pₖ over the replies: proportional to data size or uniform (``info.weighting``); sums to 1. [K]"""
+        if self.info.weighting == "uniform":
+            w = torch.ones(len(replies), dtype=torch.float64)
+        else:
+            w = torch.tensor([float(r.num_examples) for r in replies], dtype=torch.float64)
+        return w / w.sum()
+
+    def server_step(self, old: torch.Tensor, avg: torch.Tensor) -> torch.Tensor:
+        """Scaled averaging (Task-Arithmetic style): ``old + β·(avg − old)``; β = ``info.server_lr``."""
+        beta = self.info.server_lr
+        return avg if beta == 1.0 else old + beta * (avg - old)
+
+
+def weighted_sum(tensors: Iterable[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """Σₖ wₖ tₖ, accumulated in float64 and cast back to the first tensor's dtype."""
+    it = list(tensors)
+    acc = torch.zeros_like(it[0], dtype=torch.float64)
+    for t, w in zip(it, weights.tolist()):
+        acc.add_(t.to(torch.float64), alpha=w)
+    return acc.to(it[0].dtype)
+
+
+def head_tensors(model: AdaptedModel) -> dict[str, torch.Tensor]:
+    """The head's parameters as message entries ``"head/<param name>"``."""
+    return {f"head/{n}": p.detach().clone() for n, p in model.head_parameters().items()}
+
+
+def load_head(model: AdaptedModel, msg: Message) -> None:
+    with torch.no_grad():
+        for n, p in model.head_parameters().items():
+            p.copy_(msg[f"head/{n}"])
+
+
+@dataclass
+class LoRAMethod(Method):
+    """Common machinery of methods that train LoRA factors on the target modules (FedIT and its family).
+
+    Message keys: ``"<module>.lora_A"`` ``[r, in]``, ``"<module>.lora_B"`` ``[out, r]``, ``"head/<param>"``,
+    ``"<module>.base_delta"`` ``[out, in]`` (only when the method keeps a non-zero base delta). Keys of
+    composed pieces are namespaced with a slash (``"scaffold.c/<key>"``); plain keys never contain one.
+
+    Options shared by every LoRA method:
+        correction: client-side drift corrections composed on top of the method: ``"none"``,
+            ``"fedprox"``, ``"scaffold"`` or ``"fedprox+scaffold"``.
+        mu: FedProx's proximal coefficient μ (used when ``correction`` includes fedprox).
+    """
+
+    correction: str = "none"
+    mu: float = 0.01
+
+    trains: ClassVar[tuple[str, ...]] = ("A", "B")
+
+    def __post_init__(self) -> None:
+        self._corrections: list[ClientCorrection] = make_corrections(self.correction, mu=self.mu)
+
+    # -- set-up ----------------------------------------------------------------------------------------
+    def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
+        self.info = info
+        attach_lora(model, info.rank, info.alpha, info.scaling, info.dropout)
+        server = State()
+        gen = torch_generator(info.seed, "lora-init")
+        for name, mod in lora_modules(model).items():
+            A, B = init_lora_factors(mod.out_features, mod.in_features, info.rank, gen, mod.base.weight.dtype)
+            server[f"{name}.lora_A"], server[f"{name}.lora_B"] = A, B
+        server.update(head_tensors(model))
+        for c in self._corrections:
+            c.init_server(server, self.trainable_keys(model))
+        return server
+
+    def trainable_keys(self, model: AdaptedModel) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of what clients train: factors in ``trains`` plus the head (global rank)."""
+        keys: dict[str, tuple[int, ...]] = {}
+        for name, mod in lora_modules(model).items():
+            if "A" in self.trains:
+                keys[f"{name}.lora_A"] = (self.info.rank, mod.in_features)
+            if "B" in self.trains:
+                keys[f"{name}.lora_B"] = (mod.out_features, self.info.rank)
+        keys.update({f"head/{n}": tuple(p.shape) for n, p in model.head_parameters().items()})
+        return keys
+
+    # -- client side -----------------------------------------------------------------------------------
+    def load_message(self, model: AdaptedModel, msg: Message) -> None:
+        """Load factors, base deltas and head from a message into the model."""
+        for name, mod in lora_modules(model).items():
+            mod.set_factors(msg[f"{name}.lora_A"], msg[f"{name}.lora_B"])
+            mod.set_base_delta(msg.get(f"{name}.base_delta"))
+        load_head(model, msg)
+
+    def trainable(self, model: AdaptedModel, factors: Iterable[str]) -> dict[str, nn.Parameter]:
+        """``{"<module>.lora_A": Parameter, ..., "head/<p>": Parameter}`` for the given factors."""
+        params: dict[str, nn.Parameter] = {}
+        for name, mod in lora_modules(model).items():
+            if "A" in factors:
+                params[f"{name}.lora_A"] = mod.lora_A
+            if "B" in factors:
+                params[f"{name}.lora_B"] = mod.lora_B
+        params.update({f"head/{n}": p for n, p in model.head_parameters().items()})
+        return params
+
+    def factors_to_train(self, rnd: int) -> tuple[str, ...]:
+        return self.trains
+
+    def local_train(self, model: AdaptedModel, msg: Message, state: State, trainer,
+                    factors: Iterable[str]) -> tuple[dict[str, nn.Parameter], Message, State, float]:
+        """Load ``msg``, train ``factors`` + head with the composed corrections.
+
+        Returns (trained params, extra reply entries from corrections, new client state, mean train loss).
+        """
+        self.load_message(model, msg)
+        params = self.trainable(model, factors)
+        model.set_trainable(params)
+        state = State(state)
+        for c in self._corrections:
+            c.start(msg, state, params)
+        result = trainer.fit(model, params, corrections=self._corrections)
+        extra = Message()
+        for c in self._corrections:
+            extra.update(c.finish(params, state, result))
+        return params, extra, state, result.loss
+
+    def reply(self, params: dict[str, nn.Parameter], keys: Iterable[str], extra: Message, trainer,
+              loss: float) -> Message:
+        msg = Message({k: params[k].detach().clone() for k in keys})
+        msg.update(extra)
+        msg["num_examples"] = int(trainer.num_examples)
+        msg["train_loss"] = float(loss)
+        return msg
+
+    # -- server side -----------------------------------------------------------------------------------
+    def average_into(self, server: State, replies: Sequence[Reply], keys: Iterable[str], weights: torch.Tensor) -> None:
+        """``server[key] ← server_step(server[key], Σₖ pₖ reply_k[key])`` for each key."""
+        for key in keys:
+            avg = weighted_sum((r.message[key] for r in replies), weights)
+            server[key] = self.server_step(server[key], avg)
+
+    def aggregate_corrections(self, server: State, replies: Sequence[Reply]) -> None:
+        for c in self._corrections:
+            c.aggregate(server, replies, self.info.num_clients)
+
+    def correction_broadcast(self, server: State, msg: Message) -> Message:
+        for c in self._corrections:
+            msg.update(c.broadcast(server))
+        return msg
+
+    def global_tensors(self, server: State, keys: Iterable[str]) -> Message:
+        return Message({k: server[k] for k in keys})
+
+    def lora_keys(self, server: State, factors: Iterable[str] = ("A", "B")) -> list[str]:
+        suffixes = tuple(f".lora_{f}" for f in factors)
+        return [k for k in server if k.endswith(suffixes) and "/" not in k]  # "ns/..." keys belong to others
+
+    def head_keys(self, server: State) -> list[str]:
+        return [k for k in server if k.startswith("head/")]
+
+    def load_global(self, model: AdaptedModel, server: State) -> None:
+        self.load_message(model, Message(server))
+
+
+__all__ = ["Method", "LoRAMethod", "SetupInfo", "weighted_sum", "head_tensors", "load_head"]

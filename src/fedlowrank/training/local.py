@@ -1,0 +1,175 @@
+"""Local training on one client: the loop every method shares.
+
+A method calls ``trainer.fit(model, params, corrections=..., optimizer=...)``. The trainer owns the client's
+data (its indices into the task's training set), the task's loss, the hyper-parameters and the client's
+seeded stream for data order and dropout in this round, so that the result does not depend on which other
+clients ran before.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..seeding import derive_seed, numpy_rng
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+@dataclass
+class TrainConfig:
+    """Local training hyper-parameters (config section ``[train]``).
+
+    Attributes:
+        local_steps: optimizer steps per round (used when ``local_epochs`` is 0).
+        local_epochs: passes over the client's data per round (overrides ``local_steps`` when > 0).
+        batch_size: examples per step.
+        optimizer: one of :data:`OPTIMIZERS` (``momentum`` is SGD with ``momentum``).
+        lr: learning rate at round 0; ``schedule`` decays it over rounds (one of :data:`SCHEDULES`).
+        head_lr: learning rate of the head (0 = same as ``lr``).
+        momentum, weight_decay, betas, eps: optimizer settings.
+        max_grad_norm: clip the global gradient norm (0 = off).
+        warmup_rounds: linear warm-up of the learning rate over the first rounds.
+    """
+
+    local_steps: int = 5
+    local_epochs: float = 0.0
+    batch_size: int = 16
+    optimizer: str = "adamw"
+    lr: float = 5e-4
+    head_lr: float = 0.0
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float = 0.0
+    schedule: str = "constant"
+    warmup_rounds: int = 0
+
+    def lr_at(self, rnd: int, rounds: int, base: float | None = None) -> float:
+        """Learning rate in round ``rnd`` (1-based) of ``rounds``."""
+        lr = self.lr if base is None else base
+        if self.warmup_rounds and rnd <= self.warmup_rounds:
+            return lr * rnd / self.warmup_rounds
+        progress = (rnd - 1) / max(rounds - 1, 1)
+        if self.schedule == "cosine":
+            return lr * 0.5 * (1 + math.cos(math.pi * progress))
+        if self.schedule == "linear":
+            return lr * (1 - progress) + lr * 0.01 * progress
+        return lr
+
+
+@dataclass
+class FitResult:
+    """What a local fit reports: mean training loss, steps taken and the learning rate used."""
+
+    loss: float
+    steps: int
+    lr: float
+
+
+def make_optimizer(cfg: TrainConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=groups[0]["lr"], weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "momentum":
+        return torch.optim.SGD(groups, lr=groups[0]["lr"], momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=groups[0]["lr"], betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=groups[0]["lr"], betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    raise ValueError(f"train.optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
+
+
+OptimizerFactory = Callable[[dict[str, nn.Parameter], float], torch.optim.Optimizer]
+
+
+class LocalTrainer:
+    """One client's local training in one round.
+
+    Args:
+        task: provides ``batch(indices) -> batch`` and ``loss(net, batch) -> scalar``.
+        indices: the client's example indices into the task's training set, shape ``[n_k]``.
+        cfg: :class:`TrainConfig`.
+        client, rnd, rounds, seed: identify the stream (data order, dropout) and the learning rate.
+    """
+
+    def __init__(self, task, indices: np.ndarray, cfg: TrainConfig, client: int, rnd: int, rounds: int, seed: int):
+        self.task = task
+        self.indices = np.asarray(indices)
+        self.cfg = cfg
+        self.client, self.rnd, self.rounds, self.seed = client, rnd, rounds, seed
+        self.compute_seconds = 0.0
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.indices)
+
+    @property
+    def lr(self) -> float:
+        return self.cfg.lr_at(self.rnd, self.rounds)
+
+    @property
+    def num_steps(self) -> int:
+        if self.cfg.local_epochs > 0:
+            return max(1, math.ceil(self.cfg.local_epochs * self.num_examples / self.cfg.batch_size))
+        return self.cfg.local_steps
+
+    def batches(self) -> Iterator:
+        """Minibatches of the client's data, reshuffled each epoch, wrapping around."""
+        rng = numpy_rng(self.seed, "data-order", self.client, self.rnd)
+        bs = min(self.cfg.batch_size, self.num_examples)
+        order = rng.permutation(self.indices)
+        pos = 0
+        while True:
+            if pos + bs > len(order):
+                order, pos = rng.permutation(self.indices), 0
+            yield self.task.batch(order[pos : pos + bs])
+            pos += bs
+
+    def fit(self, model, params: dict[str, nn.Parameter], corrections: Sequence = (),
+            optimizer: OptimizerFactory | None = None) -> FitResult:
+        """Train ``params`` (already loaded into ``model``) for :attr:`num_steps` steps."""
+        import time
+
+        torch.manual_seed(derive_seed(self.seed, "dropout", self.client, self.rnd))
+        lr = self.lr
+        if optimizer is not None:
+            opt = optimizer(params, lr)
+        else:
+            head_lr = self.cfg.lr_at(self.rnd, self.rounds, self.cfg.head_lr) if self.cfg.head_lr else lr
+            body = [p for k, p in params.items() if not k.startswith("head/")]
+            head = [p for k, p in params.items() if k.startswith("head/")]
+            groups = [g for g in ({"params": body, "lr": lr}, {"params": head, "lr": head_lr}) if g["params"]]
+            opt = make_optimizer(self.cfg, groups)
+        net = model.net
+        net.train()
+        losses: list[float] = []
+        steps = self.num_steps
+        batches = self.batches()
+        plist = list(params.values())
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            batch = next(batches)
+            opt.zero_grad(set_to_none=True)
+            loss = self.task.loss(net, batch)
+            total = loss
+            for c in corrections:
+                extra = c.loss(params, net, batch, self.task)
+                if extra is not None:
+                    total = total + extra
+            total.backward()
+            for c in corrections:
+                c.grad(params)
+            if self.cfg.max_grad_norm > 0:
+                nn.utils.clip_grad_norm_(plist, self.cfg.max_grad_norm)
+            opt.step()
+            losses.append(float(loss.detach()))
+        self.compute_seconds += time.perf_counter() - t0
+        net.eval()
+        return FitResult(loss=float(np.mean(losses)) if losses else float("nan"), steps=steps, lr=lr)
