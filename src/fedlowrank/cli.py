@@ -4,6 +4,7 @@
 * ``fedlowrank compare [CONFIG] [--methods a,b] [--seeds 0,1]`` — several methods on the same partition,
   seeds and budget; prints a table, writes ``results.json``, ``results.md`` and accuracy-vs-round /
   accuracy-vs-bytes plots.
+* ``fedlowrank resume RUN_DIR`` — continue an interrupted run from its newest checkpoint, bit for bit.
 * ``fedlowrank methods`` — every registered method with its paper and payloads.
 
 CONFIG is a TOML file or the name of a bundled config (``main``, ``tiny``, ``agnews``).
@@ -61,10 +62,28 @@ def cmd_run(args) -> int:
     cfg = load_config(args.config, args.set)
     run_dir = Path(args.out) if args.out else _run_dir(cfg, cfg.method_name)
     sim = Simulation(cfg, run_dir=run_dir, log=None if args.quiet else _log)
-    summary = sim.run()
+    return _finish(sim, run_dir)
+
+
+def _finish(sim, run_dir: Path) -> int:
+    try:
+        summary = sim.run()
+    except KeyboardInterrupt:
+        _log(f"interrupted in round {sim.round + 1}; continue with: fedlowrank resume {run_dir}"
+             + ("" if sim.cfg.run.checkpoint_every else " (needs run.checkpoint_every > 0)"))
+        return 130
     _log(f"run directory: {run_dir}")
     print(json.dumps(summary, indent=1))
     return 0
+
+
+def cmd_resume(args) -> int:
+    from .runtime.simulator import Simulation
+
+    run_dir = Path(args.run_dir)
+    sim = Simulation.resume(run_dir, log=None if args.quiet else _log)
+    _log(f"resuming {run_dir} after round {sim.round} of {sim.cfg.run.rounds}")
+    return _finish(sim, run_dir)
 
 
 def _table(rows: list[dict[str, Any]], metric: str) -> str:
@@ -143,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--methods", default=None, help="comma-separated method names (default: compare.methods)")
     sp.add_argument("--seeds", default=None, help="comma-separated seeds (default: compare.seeds)")
     sp.set_defaults(func=cmd_compare)
+    sp = sub.add_parser("resume", help="continue an interrupted run from its newest checkpoint")
+    sp.add_argument("run_dir", help="the run directory")
+    sp.add_argument("--quiet", action="store_true", help="no progress lines")
+    sp.set_defaults(func=cmd_resume)
     sp = sub.add_parser("methods", help="list the methods")
     sp.set_defaults(func=cmd_methods)
     return p
@@ -150,11 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
+    from .runtime.checkpoint import CheckpointError
+    from .runtime.simulator import DivergenceError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, CheckpointError, DivergenceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

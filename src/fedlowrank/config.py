@@ -39,6 +39,8 @@ class RunSection:
     threads: int = 0
     checkpoint_every: int = 0
     min_replies: int = 1
+    dropout: float = 0.0
+    dropout_schedule: list[list[int]] = field(default_factory=list)
     stop_metric: str = ""
     stop_above: float = 0.0
 
@@ -58,8 +60,8 @@ class DataSection:
     path: str = "../shared/data/agnews"
     train: str = ""
     test: str = ""
-    text_column: str | int = 0
-    label_column: str | int = 1
+    text_column: str = "0"
+    label_column: str = "1"
     test_fraction: float = 0.2
     max_train_examples: int = 0
     max_test_examples: int = 0
@@ -70,6 +72,7 @@ class DataSection:
 class LoRASection:
     rank: int = 8
     ranks: list[int] = field(default_factory=list)
+    server_rank: int = 0
     alpha: float = 16.0
     scaling: str = "standard"
     dropout: float = 0.0
@@ -153,8 +156,10 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a table, got {value!r}")
         return value
-    if isinstance(default, str) and not isinstance(value, (str, int)):
-        raise ConfigError(f"{where} must be a string, got {value!r}")
+    if isinstance(default, str):
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return str(value)
     return value
 
 
@@ -200,6 +205,9 @@ def validate(cfg: RunConfig) -> None:
     _need(r.eval_every >= 1, f"run.eval_every must be >= 1, got {r.eval_every}")
     _need(1 <= r.min_replies <= r.clients_per_round,
           f"run.min_replies must be in [1, run.clients_per_round = {r.clients_per_round}], got {r.min_replies}")
+    _need(0 <= r.dropout < 1, f"run.dropout must be in [0, 1), got {r.dropout}")
+    _need(all(isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) for v in x) for x in r.dropout_schedule),
+          f"run.dropout_schedule must be a list of [round, client] pairs, got {r.dropout_schedule}")
     _need(r.threads >= 0, f"run.threads must be >= 0 (0 = torch default), got {r.threads}")
     _choice("task.kind", cfg.task.kind, TASKS)
     _choice("data.source", cfg.data.source, SOURCES)
@@ -207,6 +215,7 @@ def validate(cfg: RunConfig) -> None:
     _need(p.alpha > 0, f"partition.alpha must be > 0, got {p.alpha}")
     _need(p.min_partition_size >= 0, f"partition.min_partition_size must be >= 0, got {p.min_partition_size}")
     _need(lo.rank >= 1, f"lora.rank must be >= 1, got {lo.rank}")
+    _need(lo.server_rank >= 0, f"lora.server_rank must be >= 0 (0 = max(lora.ranks)), got {lo.server_rank}")
     _need(all(isinstance(x, int) and x >= 1 for x in lo.ranks), f"lora.ranks must be positive integers, got {lo.ranks}")
     _need(lo.alpha > 0, f"lora.alpha must be > 0, got {lo.alpha}")
     _need(0 <= lo.dropout < 1, f"lora.dropout must be in [0, 1), got {lo.dropout}")
@@ -226,10 +235,6 @@ def validate(cfg: RunConfig) -> None:
                            f"allowed: {', '.join(sorted(allowed)) or 'none'}")
         _need(not lo.ranks or cls.supports_heterogeneous_ranks or len(set(cfg.client_ranks())) == 1,
               f"lora.ranks: method {cfg.method_name!r} does not support heterogeneous ranks")
-        for name in cfg.compare.methods:
-            c = method_class(name)
-            _need(not lo.ranks or c.supports_heterogeneous_ranks or len(set(cfg.client_ranks())) == 1,
-                  f"lora.ranks: method {name!r} (in compare.methods) does not support heterogeneous ranks")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

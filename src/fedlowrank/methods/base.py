@@ -71,6 +71,8 @@ class Method:
         needs_individual_replies: True if the server step needs each reply (stacking, RPCA, QR of the
             concatenation); False if weighted sums suffice (secure-aggregation friendly).
         supports_heterogeneous_ranks: whether clients may have different LoRA ranks.
+        personalized: True if each client's model differs from the global one (part of it stays private);
+            the runtime then reports the mean over clients of their own models' test metrics.
     """
 
     name: ClassVar[str] = ""
@@ -80,6 +82,7 @@ class Method:
     downlink: ClassVar[str] = ""
     needs_individual_replies: ClassVar[bool] = False
     supports_heterogeneous_ranks: ClassVar[bool] = False
+    personalized: ClassVar[bool] = False
 
     info: SetupInfo
 
@@ -107,6 +110,21 @@ class Method:
     def load_global(self, model: AdaptedModel, server: State) -> None:
         """Put the global model into ``model`` for evaluation on the global test set."""
         raise NotImplementedError
+
+    def load_personal(self, model: AdaptedModel, server: State, state: State) -> None:
+        """Put client-specific model (global part + the client's private state) into ``model``."""
+        self.load_global(model, server)
+
+    def reply_keys(self, down: Message, rnd: int) -> set[str] | None:
+        """The exact tensor keys an honest reply to ``down`` carries, or ``None`` when not declared.
+
+        The runtime rejects replies with missing or unexpected keys when this is declared.
+        """
+        return None
+
+    def max_reply_bytes(self, down: Message) -> int:
+        """Upper bound on an honest reply's serialised size; larger replies are rejected."""
+        return 2 * down.nbytes() + (1 << 20)
 
     def report(self, **metrics: float) -> None:
         """Record diagnostics of the current server step (floats); the runtime logs them with the round."""

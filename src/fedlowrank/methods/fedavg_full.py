@@ -49,7 +49,7 @@ class FedAvgFull(Method):
         return params
 
     def weight_keys(self, server: State) -> list[str]:
-        return [k for k in server if k.endswith(".weight") or k.startswith("head/")]
+        return [k for k in server if (k.endswith(".weight") and "/" not in k) or k.startswith("head/")]
 
     def load_global(self, model: AdaptedModel, server) -> None:
         for key, p in self.trainable(model).items():
@@ -62,6 +62,10 @@ class FedAvgFull(Method):
         for c in self._corrections:
             msg.update(c.broadcast(server))
         return msg
+
+    def reply_keys(self, down, rnd):
+        trained = self.weight_keys(down)
+        return set(trained) | {key for c in self._corrections for key in c.upload_keys(trained)}
 
     def train(self, model, msg, state, trainer):
         self.load_global(model, msg)

@@ -6,12 +6,16 @@ a simulated run with the same seeds produce the same global model:
 * :func:`setup_info` — the :class:`SetupInfo` a method is set up with (same on server and clients);
 * :func:`sample_clients` — uniform sampling of K of M clients without replacement, from the round's stream;
 * :func:`wire` — what crosses the network: a message serialised and parsed back;
-* :func:`client_update` — one client's round: fresh base deltas, ``method.train``, the reply.
+* :func:`client_update` — one client's round: fresh base deltas, ``method.train``, the reply;
+* :func:`check_reply` — whether the server may use a reply (shapes, dtypes, finiteness, size, keys).
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+import torch
 
 from ..adapters.model import AdaptedModel
 from ..message import Message, State
@@ -25,7 +29,7 @@ def setup_info(cfg, client_sizes: list[int]) -> SetupInfo:
     ranks = cfg.client_ranks()
     return SetupInfo(
         num_clients=cfg.partition.num_clients, client_sizes=list(client_sizes), client_ranks=ranks,
-        rank=max(ranks) if cfg.lora.ranks else cfg.lora.rank, alpha=cfg.lora.alpha, scaling=cfg.lora.scaling,
+        rank=cfg.lora.server_rank or (max(ranks) if cfg.lora.ranks else cfg.lora.rank), alpha=cfg.lora.alpha, scaling=cfg.lora.scaling,
         dropout=cfg.lora.dropout, weighting=cfg.server.weighting, server_lr=cfg.server.lr, seed=cfg.run.seed,
         rounds=cfg.run.rounds)
 
@@ -52,3 +56,36 @@ def client_update(method: Method, model: AdaptedModel, msg: Message, state: Stat
     trainer = LocalTrainer(task, indices, cfg.train, client, rnd, cfg.run.rounds, cfg.run.seed)
     reply, new_state = method.train(model, msg, state, trainer)
     return reply, new_state, trainer
+
+
+def check_reply(method: Method, down: Message, reply: Message, rnd: int, client_size: int | None = None) -> str | None:
+    """Why ``reply`` must be rejected, or ``None`` if it is acceptable.
+
+    Checks: ``num_examples`` an int in ``[1, client_size]``; ``train_loss`` a finite number; every tensor of a
+    floating dtype finite; tensors named as in ``down`` keep their shape and dtype; the serialised size within
+    ``method.max_reply_bytes(down)``; the key set equal to ``method.reply_keys(down, rnd)`` when declared.
+    """
+    n = reply.get("num_examples")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (client_size is not None and n > client_size):
+        return f"num_examples must be an integer in [1, {client_size or 'inf'}], got {n!r}"
+    loss = reply.get("train_loss")
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        return f"train_loss must be a finite number, got {loss!r}"
+    size, limit = reply.nbytes(), method.max_reply_bytes(down)
+    if size > limit:
+        return f"reply of {size} bytes exceeds the method's bound of {limit} bytes"
+    tensors = reply.tensors()
+    expected = method.reply_keys(down, rnd)
+    if expected is not None:
+        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        if missing:
+            return f"missing tensors: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+        if unexpected:
+            return f"unexpected tensors: {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}"
+    for key, t in tensors.items():
+        ref = down.get(key)
+        if isinstance(ref, torch.Tensor) and (t.shape != ref.shape or t.dtype != ref.dtype):
+            return f"tensor {key!r} is {t.dtype} {tuple(t.shape)}, expected {ref.dtype} {tuple(ref.shape)}"
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return f"tensor {key!r} has non-finite values"
+    return None

@@ -6,8 +6,13 @@ ledger), run :func:`~fedlowrank.runtime.engine.client_update` on the shared mode
 clients' small states, never with model copies.
 
 A run directory holds ``config.json`` (resolved), ``partition.json`` (per-client label histograms),
-``metrics.jsonl`` (a row per round: metrics, bytes, time breakdown) and ``ledger.jsonl`` (a row per client
-per round: bytes up and down).
+``metrics.jsonl`` (a row per round: metrics, bytes, time breakdown), ``ledger.jsonl`` (a row per client
+per round: bytes up and down) and ``checkpoints/`` (every ``run.checkpoint_every`` rounds and at the end).
+
+Robustness: sampled clients may drop out (``run.dropout``, ``run.dropout_schedule``); every reply is
+checked (:func:`~fedlowrank.runtime.engine.check_reply`) and a bad one is rejected with a logged reason,
+its client's state left as it was; a round with fewer than ``run.min_replies`` usable replies is skipped
+and the global state is not touched.
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..message import Reply, State
+from ..message import Message, Reply, State
 from ..methods import get_method
 from ..partition import format_histograms, label_histograms, partition
 from ..tasks import Task, build_task
-from .engine import client_update, sample_clients, setup_info, wire
+from ..seeding import numpy_rng
+from .checkpoint import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .engine import check_reply, client_update, sample_clients, setup_info, wire
 
 
 class DivergenceError(RuntimeError):
@@ -41,8 +48,8 @@ class Ledger:
 
     rows: list[dict[str, int]] = field(default_factory=list)
 
-    def add(self, rnd: int, client: int, down: int, up: int) -> None:
-        self.rows.append({"round": rnd, "client": client, "down": down, "up": up})
+    def add(self, round: int, client: int, down: int, up: int) -> None:
+        self.rows.append({"round": round, "client": client, "down": down, "up": up})
 
     @property
     def total_up(self) -> int:
@@ -65,10 +72,13 @@ class Simulation:
         task: a task to reuse (its data and tokenisation); built from ``cfg`` when ``None``.
         run_dir: where to write the run's files; ``None`` writes nothing.
         log: where progress lines go (``None`` = silent).
+        tamper: fault injection for tests and robustness studies: ``tamper(rnd, client, reply) -> reply`` is
+            applied to every reply before it is sent.
     """
 
     def __init__(self, cfg, task: Task | None = None, run_dir: str | Path | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None,
+                 tamper: Callable[[int, int, Message], Message] | None = None):
         self.cfg = cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
@@ -87,6 +97,7 @@ class Simulation:
         self.round = 0
         self.last_eval: dict[str, float] = {}
         self.log = log
+        self.tamper = tamper
         self.run_dir = Path(run_dir) if run_dir is not None else None
         if self.run_dir is not None:
             self._start_run_dir()
@@ -116,40 +127,78 @@ class Simulation:
 
     # -- rounds --------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
+        """Global model on the test set; for personalised methods, the mean over the clients that have a state
+        of their own model's metrics."""
+        if self.method.personalized and self.store:
+            rows = []
+            for k in sorted(self.store):
+                self.method.load_personal(self.model, self.server, self.store[k])
+                rows.append(self.task.evaluate(self.model.net))
+            return {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
         self.method.load_global(self.model, self.server)
         return self.task.evaluate(self.model.net)
+
+    def dropped_clients(self, rnd: int, clients: list[int]) -> set[int]:
+        """Sampled clients that do not reply this round: ``run.dropout_schedule`` pairs ``[round, client]`` and,
+        independently, each with probability ``run.dropout`` (from the round's own stream)."""
+        r = self.cfg.run
+        dropped = {c for rr, c in r.dropout_schedule if rr == rnd and c in clients}
+        if r.dropout > 0:
+            rng = numpy_rng(r.seed, "dropout", rnd)
+            dropped |= {c for c, u in zip(clients, rng.random(len(clients))) if u < r.dropout}
+        return dropped
 
     def run_round(self) -> dict[str, Any]:
         """Run the next round; returns its metrics row."""
         cfg, rnd = self.cfg, self.round + 1
         t_start = time.perf_counter()
         clients = sample_clients(cfg.run.seed, rnd, cfg.partition.num_clients, cfg.run.clients_per_round)
+        dropped = self.dropped_clients(rnd, clients)
         replies: list[Reply] = []
+        new_states: dict[int, State] = {}  # committed only when the round is aggregated
+        rejected: list[dict[str, Any]] = []
         ledger_rows: list[dict[str, int]] = []
         compute = 0.0
         losses: list[float] = []
         for k in clients:
             msg = self.method.broadcast(self.server, k, rnd)
-            down = msg.nbytes()
+            down_bytes = msg.nbytes()
+            down = wire(msg)
             state = self.store.get(k)
             if state is None:
                 state = self.method.init_client(k)
-            reply, new_state, trainer = client_update(self.method, self.model, wire(msg), state, self.task,
+            reply, new_state, trainer = client_update(self.method, self.model, down, state, self.task,
                                                       self.parts[k], cfg, k, rnd)
             compute += trainer.compute_seconds
-            up = reply.nbytes()
-            self.store[k] = new_state
-            loss = float(reply.get("train_loss", float("nan")))
-            if not math.isfinite(loss):
-                raise DivergenceError(f"round {rnd}: method {self.method.name!r}: client {k} reported a "
-                                      f"non-finite training loss ({loss})")
-            losses.append(loss)
-            replies.append(Reply(k, int(reply["num_examples"]), wire(reply)))
-            self.ledger.add(rnd, k, down, up)
-            ledger_rows.append({"round": rnd, "client": k, "down": down, "up": up})
-        t_agg = time.perf_counter()
-        self.server = self.method.aggregate(self.server, replies, rnd)
-        aggregation = time.perf_counter() - t_agg
+            if k in dropped:
+                ledger_rows.append({"round": rnd, "client": k, "down": down_bytes, "up": 0})
+                continue
+            if self.tamper is not None:
+                reply = self.tamper(rnd, k, reply)
+            received = wire(reply)
+            ledger_rows.append({"round": rnd, "client": k, "down": down_bytes, "up": reply.nbytes()})
+            reason = check_reply(self.method, down, received, rnd, len(self.parts[k]))
+            if reason is not None:
+                rejected.append({"client": k, "reason": reason})
+                if self.log:
+                    self.log(f"[{self.method.name}] round {rnd}: rejected the reply of client {k}: {reason}")
+                continue
+            new_states[k] = new_state
+            losses.append(float(received["train_loss"]))
+            replies.append(Reply(k, int(received["num_examples"]), received))
+        for row in ledger_rows:
+            self.ledger.add(**row)
+        aggregation = 0.0
+        skipped = len(replies) < cfg.run.min_replies
+        if skipped:
+            if self.log:
+                self.log(f"[{self.method.name}] round {rnd}: only {len(replies)} usable replies, fewer than "
+                         f"run.min_replies = {cfg.run.min_replies}: round skipped, global state unchanged")
+        else:
+            t_agg = time.perf_counter()
+            self.server = self.method.aggregate(self.server, replies, rnd)
+            self.store.update(new_states)
+            aggregation = time.perf_counter() - t_agg
         diagnostics = self.method.pop_metrics()
         evaluation, metrics = 0.0, {}
         if rnd % cfg.run.eval_every == 0 or rnd == cfg.run.rounds:
@@ -159,13 +208,20 @@ class Simulation:
             evaluation = time.perf_counter() - t_eval
         total = time.perf_counter() - t_start
         row: dict[str, Any] = {
-            "round": rnd, "clients": clients, "train_loss": float(np.mean(losses)), **metrics,
+            "round": rnd, "clients": clients, "replied": [r.client for r in replies],
+            "train_loss": float(np.mean(losses)) if losses else float("nan"), **metrics,
             "bytes_up": sum(r["up"] for r in ledger_rows), "bytes_down": sum(r["down"] for r in ledger_rows),
             "cum_bytes_up": self.ledger.total_up, "cum_bytes_down": self.ledger.total_down,
             "time": {"client_compute": compute, "aggregation": aggregation, "evaluation": evaluation,
                      "other": total - compute - aggregation - evaluation, "total": total},
             "peak_rss_mb": peak_rss_mb(),
         }
+        if dropped:
+            row["dropped"] = sorted(dropped)
+        if rejected:
+            row["rejected"] = rejected
+        if skipped:
+            row["skipped"] = True
         if diagnostics:
             row["diagnostics"] = diagnostics
         self.round = rnd
@@ -173,6 +229,9 @@ class Simulation:
         self._append("metrics.jsonl", [row])
         self._append("ledger.jsonl", ledger_rows)
         self._check_divergence(row)
+        if self.run_dir is not None and cfg.run.checkpoint_every and (
+                rnd % cfg.run.checkpoint_every == 0 or rnd == cfg.run.rounds):
+            self.save_checkpoint()
         if self.log:
             acc = f" acc={metrics['accuracy']:.4f}" if "accuracy" in metrics else ""
             extra = "".join(f" {k}={v:.4g}" for k, v in metrics.items() if k not in ("accuracy", "loss"))
@@ -180,7 +239,46 @@ class Simulation:
                      f"up={row['bytes_up'] / 1e6:.2f}MB down={row['bytes_down'] / 1e6:.2f}MB {total:.1f}s")
         return row
 
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        assert self.run_dir is not None
+        ck = Checkpoint(self.round, self.method.name, self.server, self.store, self.history, self.ledger.rows)
+        return save_checkpoint(self.run_dir, ck)
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, task: Task | None = None,
+               log: Callable[[str], None] | None = None) -> "Simulation":
+        """Rebuild the run in ``run_dir`` from its resolved config and newest checkpoint, ready to continue."""
+        from ..config import from_dict
+
+        run_dir = Path(run_dir)
+        ck = load_checkpoint(latest_checkpoint(run_dir))
+        try:
+            raw = json.loads((run_dir / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{run_dir}: config.json unreadable ({exc})") from exc
+        sim = cls(from_dict(raw), task=task, run_dir=None, log=log)
+        if ck.method != sim.method.name:
+            raise CheckpointError(f"checkpoint is of method {ck.method!r}, config says {sim.method.name!r}")
+        sim.server, sim.store, sim.round = ck.server, ck.clients, ck.round
+        sim.history, sim.ledger.rows = ck.history, ck.ledger
+        evals = [r for r in ck.history if "accuracy" in r or "loss" in r]
+        sim.last_eval = {k: v for k, v in evals[-1].items() if k in ("accuracy", "loss")} if evals else {}
+        sim.run_dir = run_dir
+        for name, rows in (("metrics.jsonl", ck.history), ("ledger.jsonl", ck.ledger)):
+            (run_dir / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return sim
+
     def _check_divergence(self, row: dict[str, Any]) -> None:
+        """Stop on a non-finite global parameter, a round whose every reply was non-finite, or a metric bound."""
+        name, rnd = self.method.name, row["round"]
+        bad = [k for k, v in self.server.tensors().items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        if bad:
+            raise DivergenceError(f"round {rnd}: method {name!r}: non-finite global parameter {bad[0]!r}")
+        rejected = row.get("rejected", [])
+        if rejected and not row["replied"] and all("finite" in r["reason"] for r in rejected):
+            raise DivergenceError(f"round {rnd}: method {name!r}: every client's training diverged "
+                                  f"({rejected[0]['reason']})")
         bound_key = self.cfg.run.stop_metric
         if bound_key and bound_key in row and (not math.isfinite(row[bound_key]) or row[bound_key] > self.cfg.run.stop_above):
             raise DivergenceError(f"round {row['round']}: method {self.method.name!r}: {bound_key} = {row[bound_key]} "

@@ -23,9 +23,10 @@ def build_task(cfg) -> Task:
         elif d.source == "files":
             if not d.train:
                 raise ValueError("data.train: a file path is required when data.source = 'files'")
-            data = load_text_files(d.train, d.test or None, d.text_column, d.label_column, d.test_fraction, cfg.run.seed)
+            columns = [int(c) if c.isdigit() else c for c in (d.text_column, d.label_column)]
+            data = load_text_files(d.train, d.test or None, *columns, d.test_fraction, cfg.run.seed)
         else:
-            data = load_hf(d.hf_name, str(d.text_column), str(d.label_column))
+            data = load_hf(d.hf_name, d.text_column, d.label_column)
         data = subsample(data, d.max_train_examples, d.max_test_examples, cfg.run.seed)
         return TextClassification(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None,
                                   cfg.task.eval_batch_size, **cfg.task.options)

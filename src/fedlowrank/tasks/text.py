@@ -45,6 +45,7 @@ def _load_net(model: str, num_labels: int) -> nn.Module:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     if model == "tiny-bert":
         cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                          intermediate_size=64, max_position_embeddings=512, num_labels=num_labels)

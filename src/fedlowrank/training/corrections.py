@@ -48,6 +48,10 @@ class ClientCorrection:
     def aggregate(self, server: State, replies: list[Reply], num_clients: int) -> None:
         pass
 
+    def upload_keys(self, trained: list[str]) -> set[str]:
+        """Keys this correction adds to a reply, given the trained parameters' keys."""
+        return set()
+
 
 class FedProx(ClientCorrection):
     """Adds ``μ/2 · Σ ‖w − w_start‖²`` over the trainable parameters (w_start = what was broadcast)."""
@@ -103,12 +107,15 @@ class Scaffold(ClientCorrection):
 
     def finish(self, params: dict[str, nn.Parameter], state: State, result) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        denom = max(result.steps, 1) * result.lr
         for k, p in params.items():
-            new_ci = self._ci[k] - self._c[k] + (self._x[k] - p.detach()) / denom
+            lr = result.head_lr if k.startswith("head/") and result.head_lr is not None else result.lr
+            new_ci = self._ci[k] - self._c[k] + (self._x[k] - p.detach()) / (max(result.steps, 1) * lr)
             out[self.prefix_dc + k] = new_ci - self._ci[k]
             state[self.prefix_ci + k] = new_ci
         return out
+
+    def upload_keys(self, trained: list[str]) -> set[str]:
+        return {self.prefix_dc + k for k in trained}
 
     def aggregate(self, server: State, replies: list[Reply], num_clients: int) -> None:
         frac = len(replies) / num_clients

@@ -72,6 +72,7 @@ class FitResult:
     loss: float
     steps: int
     lr: float
+    head_lr: float | None = None  # the head's learning rate when it has its own group (None: ``lr``)
 
 
 def make_optimizer(cfg: TrainConfig, groups: list[dict]) -> torch.optim.Optimizer:
@@ -138,7 +139,7 @@ class LocalTrainer:
         import time
 
         torch.manual_seed(derive_seed(self.seed, "dropout", self.client, self.rnd))
-        lr = self.lr
+        lr = head_lr = self.lr
         if optimizer is not None:
             opt = optimizer(params, lr)
         else:
@@ -172,4 +173,4 @@ class LocalTrainer:
             losses.append(float(loss.detach()))
         self.compute_seconds += time.perf_counter() - t0
         net.eval()
-        return FitResult(loss=float(np.mean(losses)) if losses else float("nan"), steps=steps, lr=lr)
+        return FitResult(loss=float(np.mean(losses)) if losses else float("nan"), steps=steps, lr=lr, head_lr=head_lr)

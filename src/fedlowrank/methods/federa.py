@@ -1,0 +1,29 @@
+"""FeDeRA as FLoRG's paper describes it (FLoRG spec §5 item 2; Yan et al. 2024 is cited for it).
+
+Clients train LoRA (both factors) at one common rank r. The server forms ``ΔW̄ = Σ pₖ s Bₖ Aₖ``, takes its rank-r
+truncated SVD ``U_r Σ_r V_rᵀ`` and re-factorises ``B = U_r Σ_r^{1/2} / √s``, ``A = Σ_r^{1/2} V_rᵀ / √s`` (the
+spec's [REC] even split), broadcast to every client. This is FlexLoRA with a homogeneous rank, and shares its code;
+the SVD is factored (QR of the stacked factors, SVD of the small core), never of a dense ``d × k`` matrix.
+
+Not implemented: the original FeDeRA paper's variant (adapters initialised from the SVD of the pretrained
+weights, then FedAvg of A and B), which the spec lists as an optional ``federa_orig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import register
+from .flexlora import FlexLoRA
+
+
+@register
+@dataclass
+class FeDeRA(FlexLoRA):
+    name = "federa"
+    description = "average Σpₖ sBₖAₖ and re-factorise by truncated SVD (homogeneous rank; as in FLoRG's paper)"
+    paper = ("Yan et al., FeDeRA: Efficient Fine-tuning of Language Models in Federated Learning Leveraging "
+             "Weight Decomposition (2024), as described by FLoRG")
+    uplink = "A_k [r,in] and B_k [out,r] per target module, head"
+    downlink = "rank-r truncated SVD factors A [r,in], B [out,r] per target module, head"
+    supports_heterogeneous_ranks = False

@@ -1,0 +1,239 @@
+"""FedRPCA (Jhunjhunwala et al., "FedRPCA: Enhancing Federated LoRA Aggregation Using Robust PCA").
+
+Clients train LoRA A, B and the head exactly as in FedIT (any ``correction``: FedProx / SCAFFOLD compose on the
+client, paper Fig. 5). The server, for each LoRA matrix separately (A and B of every module), stacks the K
+participating clients' updates ``Δᵢ = Xᵢ − X^t`` as the columns of ``M_X: [numel, K]`` (Eqs. 7–8), splits
+it by Robust PCA into ``L + S`` (Eq. 9; :func:`fedlowrank.linalg.rpca.robust_pca`, paper defaults) and
+updates (Eqs. 10–11)::
+
+    X^{t+1} = X^t + L·p + β·S·p          p = client weights (uniform 1/K in the paper: server.weighting)
+
+With ``M = L + S + R`` (R the ADMM residual) this is ``FedAvg + (β − 1)·S·p − R·p``, which is how it is
+computed, so that β = 1 with ``fold_residual`` (``L ← M − S``) is FedAvg bit for bit. β is adaptive by
+default (§4, App. B.3): ``E = ‖S·p‖/‖M·p‖``, ``β = 1/E`` per matrix (``beta_scope = "global"``: one β from
+the mean E), β = 1 when ``‖S·p‖ ≤ 1e-12·‖M·p‖`` (S = 0) or ``M·p = 0``. One client, identical client
+updates and an all-zero matrix are all common knowledge (``L = M``, ``S = 0``): the FedAvg update. The head is averaged (``head_agg = "fedavg"``) or decomposed as
+its own matrices (``"rpca"``). Control variates of SCAFFOLD are averaged plainly.
+
+Diagnostics (``report``), per round: means over matrices of ADMM iterations, relative residual, rank(L),
+non-zero fraction of S, E, β (also split A/B), and the mean pairwise cosine similarity of the clients'
+columns of M, L and S (paper Figs. 1, 4); per matrix under ``rpca/<matrix>/<stat>`` when ``per_matrix_metrics``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from ..linalg.rpca import RPCAResult, robust_pca
+from ..message import State
+from . import register
+from .base import weighted_sum
+from .fedit import FedIT
+
+GRANULARITIES = ("per_matrix", "per_module_concat", "global")
+BETA_SCOPES = ("per_matrix", "global")
+HEAD_AGGS = ("fedavg", "rpca")
+EPS = 1e-12          # ‖S·p‖ ≤ EPS·‖M·p‖ counts as S = 0 for the adaptive β (spec §2.5)
+
+
+def mean_pairwise_cosine(rows: torch.Tensor) -> torch.Tensor:
+    """Mean off-diagonal cosine similarity between the rows of each matrix ``[B, K, n] → [B]`` (zero rows: 0)."""
+    K = rows.shape[1]
+    unit = rows / torch.linalg.vector_norm(rows, dim=2, keepdim=True).clamp(min=torch.finfo(rows.dtype).tiny)
+    cos = unit @ unit.mT
+    return (cos.sum((1, 2)) - cos.diagonal(dim1=1, dim2=2).sum(1)) / (K * (K - 1))
+
+
+@register
+@dataclass
+class FedRPCA(FedIT):
+    """Options:
+        beta: ``"adaptive"`` (β = 1/E each round) or a fixed β > 0 (paper grid 2, 3, 4; 1 = FedAvg).
+        beta_scope: ``"per_matrix"`` (one β per RPCA call) or ``"global"`` (β = 1/mean E over the matrices).
+        beta_min, beta_max: clip the adaptive β to ``[beta_min, beta_max]`` (0 = no bound; off by default).
+        granularity: one RPCA call per LoRA matrix (``"per_matrix"``), per module with vec(ΔA) stacked over
+            vec(ΔB) (``"per_module_concat"``), or on all LoRA parameters at once (``"global"``).
+        head_agg: the head by FedAvg (``"fedavg"``) or by RPCA, each head tensor its own matrix (``"rpca"``).
+        fold_residual: use ``L ← M − S`` so that ``L·p + S·p`` is FedAvg exactly (off = paper).
+        rpca_tol, rpca_max_iter: ADMM stopping rule (paper: 1e-7, 1000).
+        per_matrix_metrics: also report every matrix's diagnostics.
+        correction, mu: client-side FedProx / SCAFFOLD (inherited).
+    """
+
+    name = "fedrpca"
+    description = "FedIT clients; server splits each LoRA matrix's client updates by Robust PCA, L·p + β·S·p"
+    paper = "Jhunjhunwala et al., FedRPCA: Enhancing Federated LoRA Aggregation Using Robust PCA (2025)"
+    uplink = "A [r,in] and B [out,r] per target module, head"
+    downlink = "A, B per target module, head"
+    needs_individual_replies = True
+
+    beta: float | str = "adaptive"
+    beta_scope: str = "per_matrix"
+    beta_min: float = 0.0
+    beta_max: float = 0.0
+    granularity: str = "per_matrix"
+    head_agg: str = "fedavg"
+    fold_residual: bool = False
+    rpca_tol: float = 1e-7
+    rpca_max_iter: int = 1000
+    per_matrix_metrics: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beta, str):
+            if self.beta != "adaptive":
+                raise ValueError(f"method.beta must be 'adaptive' or a number > 0, got {self.beta!r}")
+        elif isinstance(self.beta, bool) or not (isinstance(self.beta, (int, float)) and 0 < self.beta < math.inf):
+            raise ValueError(f"method.beta must be 'adaptive' or a number > 0, got {self.beta!r}")
+        for opt, value, allowed in (("beta_scope", self.beta_scope, BETA_SCOPES),
+                                    ("granularity", self.granularity, GRANULARITIES),
+                                    ("head_agg", self.head_agg, HEAD_AGGS)):
+            if value not in allowed:
+                raise ValueError(f"method.{opt} must be one of {allowed}, got {value!r}")
+        if not (self.beta_min >= 0 and self.beta_max >= 0 and (self.beta_max == 0 or self.beta_max >= self.beta_min)):
+            raise ValueError(f"method.beta_min, method.beta_max must be >= 0 with beta_max = 0 (off) or "
+                             f">= beta_min, got {self.beta_min}, {self.beta_max}")
+        if not self.rpca_tol > 0:
+            raise ValueError(f"method.rpca_tol must be > 0, got {self.rpca_tol}")
+        if self.rpca_max_iter < 1:
+            raise ValueError(f"method.rpca_max_iter must be >= 1, got {self.rpca_max_iter}")
+        super().__post_init__()
+
+    # -- server side -------------------------------------------------------------------------------------
+    def rpca_groups(self, lora_keys: list[str], head_keys: list[str]) -> dict[str, list[str]]:
+        """The matrices RPCA decomposes: ``{matrix name: [server keys whose flattened updates it stacks]}``.
+
+        LoRA keys are grouped by ``granularity``; each head tensor (``head_agg = "rpca"``) is its own matrix.
+        """
+        groups: dict[str, list[str]] = defaultdict(list)
+        for k in lora_keys:
+            name = {"global": "global", "per_module_concat": k.rsplit(".lora_", 1)[0]}.get(self.granularity, k)
+            groups[name].append(k)
+        groups.update({k: [k] for k in head_keys})
+        return dict(groups)
+
+    def aggregate(self, server, replies, rnd):
+        server = State(server)
+        p = self.client_weights(replies)
+        heads = self.head_keys(server)
+        groups = self.rpca_groups(self.lora_keys(server), heads if self.head_agg == "rpca" else [])
+        # D[g]: [K, numel] float64, row i = client i's flattened update (the paper's M_X is Dᵀ)
+        D = {g: torch.cat([torch.stack([r.message[k].to(torch.float64).flatten() for r in replies])
+                           - server[k].to(torch.float64).flatten() for k in ks], dim=1)
+             for g, ks in groups.items()}
+        corr, stats, seconds = self.corrections(D, p)
+        for g, ks in groups.items():
+            offset = 0
+            for k in ks:
+                n = server[k].numel()
+                avg = weighted_sum((r.message[k] for r in replies), p)      # FedAvg, as FedIT computes it
+                new = avg.to(torch.float64) + corr[g][offset:offset + n].view(server[k].shape)
+                server[k] = self.server_step(server[k], new.to(server[k].dtype))
+                offset += n
+        if self.head_agg == "fedavg":
+            self.average_into(server, replies, heads, p)
+        self.aggregate_corrections(server, replies)
+        self.report_stats(stats, seconds)
+        return server
+
+    def corrections(self, D: dict[str, torch.Tensor], p: torch.Tensor
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, float]], float]:
+        """FedRPCA's change to the FedAvg update of each matrix, ``(β − 1)·S·p − R·p`` ``[numel]``, the
+        per-matrix stats and the seconds spent in RPCA.
+
+        ``D[g]: [K, numel]`` are the client updates of matrix ``g``. Same-shape matrices go to RPCA as one batch.
+        """
+        K = len(p)
+        corr = {g: torch.zeros(d.shape[1], dtype=torch.float64) for g, d in D.items()}
+        if K < 2:                                                 # one client: FedAvg, nothing to split
+            return corr, {}, 0.0
+        by_shape: dict[tuple[int, ...], list[str]] = defaultdict(list)
+        for g, d in D.items():
+            by_shape[tuple(d.shape)].append(g)
+        t0 = time.perf_counter()
+        parts: dict[str, tuple[torch.Tensor, torch.Tensor, dict[str, float]]] = {}
+        for names in by_shape.values():
+            M = torch.stack([D[g] for g in names])                # [B, K, numel]; RPCA(Mᵀ) = RPCA(M)ᵀ
+            res = self.decompose(M)
+            S = res.S
+            R = torch.zeros_like(M) if self.fold_residual else M - res.L - S
+            Mp, Sp, Rp = (torch.einsum("bkn,k->bn", X, p) for X in (M, S, R))
+            nM, nS = torch.linalg.vector_norm(Mp, dim=1), torch.linalg.vector_norm(Sp, dim=1)
+            E = torch.where(nM > 0, nS / nM, 0.0)                              # 0 where M·p = 0
+            cos = [mean_pairwise_cosine(X) for X in (M, res.L, S)]
+            for i, g in enumerate(names):
+                parts[g] = (Sp[i], Rp[i], {
+                    "iterations": float(res.iterations[i]), "residual": float(res.residual[i]),
+                    "converged": float(res.converged[i]), "rank_L": float(res.rank[i]),
+                    "nnz_S": float((S[i] != 0).double().mean()), "E": float(E[i]),
+                    "cos_M": float(cos[0][i]), "cos_L": float(cos[1][i]), "cos_S": float(cos[2][i])})
+        seconds = time.perf_counter() - t0
+        betas = self.betas({g: s["E"] for g, (_, _, s) in parts.items()})
+        stats = {}
+        for g, (Sp, Rp, s) in parts.items():
+            corr[g] = (betas[g] - 1.0) * Sp - Rp
+            stats[g] = {**s, "beta": betas[g]}
+        return corr, stats, seconds
+
+    def decompose(self, M: torch.Tensor) -> RPCAResult:
+        """Robust PCA of every matrix of ``M: [B, K, n]`` (rows = clients).
+
+        A matrix whose K rows are identical (all clients sent the same update, or none changed it) is the
+        one-client case repeated: all common knowledge, ``L = M``, ``S = 0``, so FedRPCA gives FedAvg there.
+        (The PCP optimum of ``c·1ᵀ`` itself has ``S ≠ 0`` where ``|c_j| > λ√K·‖c‖``.)
+        """
+        same = (M == M[:, :1]).flatten(1).all(1)
+        out = RPCAResult(L=M.clone(), S=torch.zeros_like(M), iterations=torch.zeros(len(M), dtype=torch.int64),
+                         residual=torch.zeros(len(M), dtype=M.dtype), rank=(M != 0).flatten(1).any(1).long(),
+                         converged=torch.ones(len(M), dtype=torch.bool))
+        idx = torch.nonzero(~same).flatten()
+        if idx.numel():
+            res = robust_pca(M[idx], tol=self.rpca_tol, max_iter=self.rpca_max_iter)
+            for name in ("L", "S", "iterations", "residual", "rank", "converged"):
+                getattr(out, name)[idx] = getattr(res, name)
+        return out
+
+    def betas(self, E: dict[str, float]) -> dict[str, float]:
+        """β of every matrix from its ``E = ‖S·p‖/‖M·p‖`` (0 when ``M·p = 0``): fixed, or adaptive ``1/E``.
+
+        Adaptive: β = 1 where ``E ≤ 1e-12`` (S = 0 or M·p = 0; spec §2.5), then the optional clip. With
+        ``beta_scope = "global"`` one β = 1/mean E over the matrices with ``E > 0``.
+        """
+        if not isinstance(self.beta, str):
+            return {g: float(self.beta) for g in E}
+        if self.beta_scope == "global":
+            nonzero = [e for e in E.values() if e > 0]
+            mean = sum(nonzero) / len(nonzero) if nonzero else 0.0
+            E = {g: mean for g in E}
+        return {g: self.clip(1.0 / e) if e > EPS else 1.0 for g, e in E.items()}
+
+    def clip(self, beta: float) -> float:
+        if self.beta_max > 0:
+            beta = min(beta, self.beta_max)
+        return max(beta, self.beta_min)
+
+    def report_stats(self, stats: dict[str, dict[str, float]], seconds: float) -> None:
+        """Round means over matrices (``rpca/<stat>_mean``, A/B split for E and β), per-matrix values optional."""
+        if not stats:
+            return
+        out = {"rpca/seconds": seconds}
+        names = list(stats)
+        for stat in ("iterations", "residual", "rank_L", "nnz_S", "E", "beta", "cos_M", "cos_L", "cos_S"):
+            values = [stats[g][stat] for g in names]
+            out[f"rpca/{stat}_mean"] = sum(values) / len(values)
+        out["rpca/iterations_max"] = max(stats[g]["iterations"] for g in names)
+        out["rpca/residual_max"] = max(stats[g]["residual"] for g in names)
+        out["rpca/not_converged"] = float(sum(1 for g in names if not stats[g]["converged"]))
+        for factor in ("A", "B"):
+            sub = [g for g in names if g.endswith(f".lora_{factor}")]
+            for stat in ("E", "beta"):
+                if sub:
+                    out[f"rpca/{stat}_{factor}_mean"] = sum(stats[g][stat] for g in sub) / len(sub)
+        if self.per_matrix_metrics:
+            for g in names:
+                out.update({f"rpca/{g}/{stat}": v for stat, v in stats[g].items()})
+        self.report(**out)

@@ -1,0 +1,84 @@
+"""FlexLoRA (Bai et al., "Federated Fine-tuning of Large Language Models under Heterogeneous Tasks and Client
+Resources", NeurIPS 2024): average the full-size updates, SVD-truncate back to each client's rank.
+
+Clients train A and B at their own rank from the factors they received. The server forms
+``ΔW = Σ pₖ sₖ Bₖ Aₖ`` in factored form (stacked factors, QR of both, SVD of the small core —
+:func:`~fedlowrank.linalg.lowrank.factored_svd`; ``ΔW`` is never formed) and keeps its best rank-``r`` approximation
+``U_r S_r V_rᵀ`` (``r`` = server rank = max client rank) as the global adapter, split evenly between the factors:
+
+    B̄ = U_r S_r^{1/2} / √s,   Ā = S_r^{1/2} V_rᵀ / √s,   so  s B̄ Ā = U_r S_r V_rᵀ  exactly.
+
+Client k receives the leading ``r_k`` directions rescaled to its own scale (:mod:`~fedlowrank.methods.hetlora`),
+i.e. exactly the rank-``r_k`` truncated SVD of ``ΔW`` (FedGaLore spec §5.4, ILoRA spec §5). The public
+code's ``B = U_r S_r / s``, ``A = V_rᵀ`` is the same product; the FedLLM-Factory variant (``√S`` on one side only) is not. Server step β:
+``ΔW = (1 − β) s B̄_old Ā_old + β Σ pₖ sₖ Bₖ Aₖ`` (the old adapter is one more stacked block).
+Reports ``truncation_err``: ``‖ΔW − U_r S_r V_rᵀ‖_F / ‖ΔW‖_F``, averaged over modules (0 at full rank).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+from ..adapters.lora import lora_scale
+from ..linalg.lowrank import factored_svd, stack_factors
+from ..message import Message, Reply, State
+from . import register
+from .base import LoRAMethod
+from .fedit import FedIT
+from .hetlora import download_factors, module_names, refuse_scaffold_with_hetero_ranks
+from .ilora import zero_pad
+
+
+@register
+@dataclass
+class FlexLoRA(LoRAMethod):
+    name = "flexlora"
+    description = "average Σpₖ sₖBₖAₖ (factored), truncated SVD back to each client's rank"
+    paper = ("Bai et al., Federated Fine-tuning of Large Language Models under Heterogeneous Tasks and Client "
+             "Resources (NeurIPS 2024)")
+    uplink = "A_k [r_k,in] and B_k [out,r_k] per target module, head"
+    downlink = "rank-r_k truncated SVD factors A [r_k,in], B [out,r_k] per target module, head"
+    needs_individual_replies = True
+    supports_heterogeneous_ranks = True
+    reply_keys = FedIT.reply_keys          # the trained factors named in the download, head, corrections
+
+    def setup(self, model, info):
+        refuse_scaffold_with_hetero_ranks(self, info)
+        return super().setup(model, info)
+
+    def broadcast(self, server: State, client: int, rnd: int) -> Message:
+        msg = download_factors(server, self.lora_keys(server), self.info, client)
+        msg.update(self.global_tensors(server, self.head_keys(server)))
+        return self.correction_broadcast(server, msg)
+
+    def train(self, model, msg, state, trainer):
+        params, extra, state, loss = self.local_train(model, msg, state, trainer, ("A", "B"))
+        return self.reply(params, params, extra, trainer, loss), state
+
+    def aggregate(self, server: State, replies: list[Reply], rnd: int) -> State:
+        server = State(server)
+        p = self.client_weights(replies)
+        beta, r = self.info.server_lr, self.info.rank
+        s = lora_scale(self.info.alpha, r, self.info.scaling)
+        errors = []
+        for name in module_names(server):
+            ka, kb = f"{name}.lora_A", f"{name}.lora_B"
+            Bs, As = [rep.message[kb] for rep in replies], [rep.message[ka] for rep in replies]
+            w = [beta * float(pk) * lora_scale(self.info.alpha, self.info.client_ranks[rep.client], self.info.scaling)
+                 for pk, rep in zip(p, replies)]
+            if beta != 1.0:
+                Bs, As, w = Bs + [server[kb]], As + [server[ka]], w + [(1.0 - beta) * s]
+            U, S, Vh = factored_svd(*stack_factors(Bs, As, w))
+            k = min(r, S.shape[0])
+            root = (S[:k] / s).sqrt()
+            dtype = server[kb].dtype
+            server[kb] = zero_pad((U[:, :k] * root).to(dtype), server[kb].shape)
+            server[ka] = zero_pad((root[:, None] * Vh[:k]).to(dtype), server[ka].shape)
+            total = float(S.pow(2).sum())
+            errors.append(math.sqrt(float(S[k:].pow(2).sum()) / total) if total > 0 else 0.0)
+        self.average_into(server, replies, self.head_keys(server), p)
+        self.aggregate_corrections(server, replies)
+        self.report(truncation_err=sum(errors) / len(errors))
+        return server

@@ -1,0 +1,192 @@
+"""FLoRG (Meng, Tang and Wong, "FLoRG: Federated fine-tuning with low-rank Gram matrices and Procrustes alignment").
+
+Per target linear ``[out, in]``, ``k = min(in, out)``: ``ΔW = s · L AᵀA R`` (eq. 1) with one trainable
+``A: [r, k]`` and frozen seeded bases ``L: [out, k]``, ``R: [k, in]`` (:mod:`fedlowrank.adapters.gram`).
+Round t:
+
+* down: ``Aᵗ`` per layer and the head; clients train ``A`` and the head locally (autograd gives eq. 2);
+* up: ``Aₙ`` per layer (r×k — half of FedIT's ``r(in+out)`` on square layers) and the head;
+* server, per layer (:func:`fedlowrank.linalg.gram.aggregate_gram`): ``Q = Σ pₙ AₙᵀAₙ`` (eq. 4, exact),
+  canonical factor ``Ã`` with ``ÃᵀÃ = Q`` (eqs. 6–7), Procrustes ``S* = UVᵀ`` from ``Aᵗ Ãᵀ = UΣVᵀ``
+  (Theorem 1, eq. 11), ``Aᵗ⁺¹ = S* Ã``; the head is averaged as in FedIT.
+
+Choices where the paper is silent or inconsistent (spec §9):
+
+* A3: ``S*`` is the thin-SVD ``UVᵀ`` (r×r'). For r' > r (the generic case) it has orthonormal rows and acts as a
+  rank-r truncation (Gram(Aᵗ⁺¹) = Nyström approximation of Q, not Q); the Gram matrix is preserved only when
+  r' ≤ r.
+* A4: ``s`` follows ``lora.alpha``/``lora.scaling`` like every LoRA method (α/r by default).
+* A5: ``A¹`` is Gaussian with ``s·σ²·k = init_perturbation`` (default 1e-2), not zero (A = 0 never trains);
+  ``compensate_init`` subtracts ``s L A¹ᵀA¹ R`` so that the initial model is the pretrained one.
+* A6: the optimizer is the run's ``train.optimizer`` (AdamW in the paper), fresh every round.
+* A7/A13: the head is shared and averaged; weights pₙ follow ``server.weighting`` (the paper uses uniform).
+* A8: ``procrustes = false`` keeps the top-r rows of the canonical factor (eigenvalues descending).
+* ``server.lr`` β < 1 blends the Gram matrices, ``Q = (1−β) AᵗᵀAᵗ + β Σ pₙ AₙᵀAₙ`` (still PSD); β > 1 is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..adapters.gram import A_INITS, BASES_INITS, GramLinear, gram_bases, gram_modules, init_gram_A
+from ..adapters.lora import lora_scale
+from ..adapters.model import AdaptedModel
+from ..linalg.gram import GRAM_DECOMPOSITIONS, aggregate_gram, gram_distance, stack_gram_factors
+from ..message import Message, State
+from ..seeding import torch_generator
+from ..training.corrections import make_corrections
+from . import register
+from .base import Method, SetupInfo, head_tensors, load_head, weighted_sum
+
+
+@register
+@dataclass
+class FLoRG(Method):
+    """Options:
+        procrustes: align the new factor to the previous one (Theorem 1); false = the paper's ablation.
+        server_decomp: ``"stacked_svd"`` (SVD of the stacked [Nr, k] factors, O(k(Nr)²); default),
+            ``"eigh"`` (the paper's k×k eigendecomposition, O(k³)) or ``"closed_form"``
+            (``(AQAᵀ)^{-1/2}AQ``, O(Nr²k); needs ``procrustes``). All three give the same factor.
+        bases_init: L, R initialisation: ``"semi_orthogonal"`` (default), ``"kaiming"`` or ``"svd"`` (of W0).
+        a_init: ``"gaussian"`` (default) or ``"kaiming"``; init_perturbation: s·σ²·k for the Gaussian init.
+        compensate_init: start from the pretrained model (``ΔW = s L(AᵀA − A¹ᵀA¹)R``).
+        eig_tol: relative threshold on the eigenvalues of Q (r' = number above ``eig_tol·λ_max``).
+        correction, mu: client-side FedProx / SCAFFOLD on A and the head (as in the LoRA methods).
+    """
+
+    name = "florg"
+    description = "one trainable A per layer, ΔW = s·L AᵀA R; Gram-matrix aggregation + Procrustes alignment"
+    paper = "Meng, Tang and Wong, FLoRG: Federated fine-tuning with low-rank Gram matrices and Procrustes alignment"
+    uplink = "A [r,k] per target module (k = min(in,out)), head"
+    downlink = "A [r,k] per target module, head (L, R come from the shared seed)"
+    needs_individual_replies = True
+    supports_heterogeneous_ranks = False
+
+    procrustes: bool = True
+    server_decomp: str = "stacked_svd"
+    bases_init: str = "semi_orthogonal"
+    a_init: str = "gaussian"
+    init_perturbation: float = 1e-2
+    compensate_init: bool = False
+    eig_tol: float = 1e-10
+    correction: str = "none"
+    mu: float = 0.01
+
+    def __post_init__(self) -> None:
+        for option, value, allowed in (("server_decomp", self.server_decomp, GRAM_DECOMPOSITIONS),
+                                       ("bases_init", self.bases_init, BASES_INITS),
+                                       ("a_init", self.a_init, A_INITS)):
+            if value not in allowed:
+                raise ValueError(f"method.{option} must be one of {allowed}, got {value!r}")
+        if self.server_decomp == "closed_form" and not self.procrustes:
+            raise ValueError("method.server_decomp = 'closed_form' needs method.procrustes = true; "
+                             "allowed without Procrustes: 'eigh', 'stacked_svd'")
+        if not 0 < self.eig_tol < 1:
+            raise ValueError(f"method.eig_tol must be in (0, 1), got {self.eig_tol}")
+        self._corrections = make_corrections(self.correction, mu=self.mu)
+
+    # -- set-up ----------------------------------------------------------------------------------------
+    def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
+        """Attach a :class:`GramLinear` to every target (bases and A¹ from per-layer seeded streams)."""
+        if info.heterogeneous_ranks:
+            raise ValueError("lora.ranks: florg does not support heterogeneous client ranks")
+        if info.server_lr > 1:
+            raise ValueError(f"server.lr must be <= 1 for florg (Q must stay PSD), got {info.server_lr}")
+        self.info = info
+        scale = lora_scale(info.alpha, info.rank, info.scaling)
+        index = {name: i for i, name in enumerate(model.target_names)}
+        inits: dict[str, torch.Tensor] = {}
+
+        def make(name: str, lin: nn.Linear) -> GramLinear:
+            i = index[name]
+            L, R = gram_bases(lin.weight, self.bases_init, torch_generator(info.seed, "florg-bases", i))
+            k = L.shape[1]
+            inits[name] = init_gram_A(info.rank, k, scale, self.a_init, self.init_perturbation,
+                                      torch_generator(info.seed, "florg-A", i), lin.weight.dtype)
+            return GramLinear(lin, L, R, info.rank, scale, info.dropout,
+                              A_ref=inits[name] if self.compensate_init else None)
+
+        model.attach(make)
+        server = State({f"{name}.gram_A": A for name, A in inits.items()})
+        server.update(head_tensors(model))
+        shapes = {k: tuple(v.shape) for k, v in server.items()}
+        for c in self._corrections:
+            c.init_server(server, shapes)
+        return server
+
+    def model_keys(self, server: State) -> list[str]:
+        """Keys of the global model in the server state: ``"<module>.gram_A"`` and ``"head/<param>"``."""
+        return [k for k in server if (k.endswith(".gram_A") and "/" not in k) or k.startswith("head/")]
+
+    # -- client side -----------------------------------------------------------------------------------
+    def load_global(self, model: AdaptedModel, server) -> None:
+        for name, mod in gram_modules(model).items():
+            mod.set_A(server[f"{name}.gram_A"])
+        load_head(model, server)
+
+    def trainable(self, model: AdaptedModel) -> dict[str, nn.Parameter]:
+        params: dict[str, nn.Parameter] = {f"{n}.gram_A": m.gram_A for n, m in gram_modules(model).items()}
+        params.update({f"head/{n}": p for n, p in model.head_parameters().items()})
+        return params
+
+    def broadcast(self, server: State, client: int, rnd: int) -> Message:
+        msg = Message({k: server[k] for k in self.model_keys(server)})
+        for c in self._corrections:
+            msg.update(c.broadcast(server))
+        return msg
+
+    def reply_keys(self, down: Message, rnd: int) -> set[str]:
+        trained = self.model_keys(down)
+        return set(trained) | {key for c in self._corrections for key in c.upload_keys(trained)}
+
+    def train(self, model, msg, state, trainer):
+        self.load_global(model, msg)
+        params = self.trainable(model)
+        model.set_trainable(params)
+        state = State(state)
+        for c in self._corrections:
+            c.start(msg, state, params)
+        result = trainer.fit(model, params, corrections=self._corrections)
+        reply = Message({k: p.detach().clone() for k, p in params.items()})
+        for c in self._corrections:
+            reply.update(c.finish(params, state, result))
+        reply.update(num_examples=int(trainer.num_examples), train_loss=float(result.loss))
+        return reply, state
+
+    # -- server side -----------------------------------------------------------------------------------
+    def aggregate(self, server, replies, rnd):
+        """Per layer: Gram sum, decomposition, Procrustes (eqs. 4–11); head: weighted average."""
+        new = State(server)
+        p = self.client_weights(replies)
+        weights = p.tolist()
+        beta = self.info.server_lr
+        drift2, trunc, ranks = 0.0, [], []
+        for key in self.model_keys(server):
+            if key.startswith("head/"):
+                new[key] = self.server_step(server[key], weighted_sum((r.message[key] for r in replies), p))
+                continue
+            A_prev = server[key]
+            As = [r.message[key] for r in replies]
+            w = [beta * x for x in weights]
+            if beta < 1:
+                As, w = As + [A_prev], w + [1.0 - beta]
+            A_next, r_prime = aggregate_gram(A_prev, As, w, self.server_decomp, self.procrustes, self.eig_tol)
+            new[key] = A_next.to(A_prev.dtype)
+            drift2 += float((A_next - A_prev.to(torch.float64)).square().sum())
+            M = stack_gram_factors(As, w)                      # MᵀM = Q, for the diagnostics
+            trunc.append(gram_distance(A_next, M) / max(gram_distance(M, A_prev), 1e-300))
+            if r_prime is not None:
+                ranks.append(r_prime)
+        for c in self._corrections:
+            c.aggregate(new, replies, self.info.num_clients)
+        metrics = {"florg_drift": drift2**0.5, "florg_trunc_err": sum(trunc) / len(trunc)}
+        if ranks:
+            metrics["florg_rank"] = sum(ranks) / len(ranks)
+        self.report(**metrics)
+        return new
+
+
+__all__ = ["FLoRG"]

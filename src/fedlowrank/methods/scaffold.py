@@ -1,0 +1,42 @@
+"""SCAFFOLD (Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning",
+ICML 2020) on LoRA, option II, with partial participation as in the paper's Algorithm 1.
+
+Control variates live on every trainable tensor θ (A ``[r,in]`` and B ``[out,r]`` of each module, head),
+server ``c`` and client ``cᵢ``, all zero at the start. Client i in the sampled set S, K local steps of
+learning rate η (Alg. 1 lines 9–12; Eq. 4 option II)::
+
+    yᵢ ← yᵢ − η·(gᵢ(yᵢ) − cᵢ + c)              (the corrected gradient is what the optimizer sees)
+    cᵢ⁺ = cᵢ − c + (x − yᵢ)/(K η),   Δcᵢ = cᵢ⁺ − cᵢ   (uploaded with yᵢ)
+
+Server (Alg. 1 lines 16–17): ``x ← FedIT average of yᵢ`` (server step β = ``server.lr``) and
+``c ← c + (|S|/N)·mean_{i∈S} Δcᵢ``, which keeps ``c = (1/N) Σᵢ cᵢ`` over all N clients. The correction
+itself is :class:`fedlowrank.training.corrections.Scaffold`, composable with any LoRA method through its
+``correction`` option; this method is FedIT with that option set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import register
+from .fedit import FedIT
+
+
+@register
+@dataclass
+class Scaffold(FedIT):
+    """Options: ``correction`` (``"scaffold"`` or ``"fedprox+scaffold"``), ``mu`` (FedProx's μ when combined)."""
+
+    name = "scaffold"
+    description = "FedIT with SCAFFOLD control variates (option II) on A, B and the head"
+    paper = "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning (ICML 2020)"
+    uplink = "A [r,in], B [out,r] per target module, head; and Δcᵢ of the same shapes"
+    downlink = "Ā, B̄ per target module, head; and the server control variate c of the same shapes"
+
+    correction: str = "scaffold"
+
+    def __post_init__(self) -> None:
+        if "scaffold" not in self.correction:
+            raise ValueError(f"method.correction of scaffold must include the control variates; allowed: "
+                             f"'scaffold', 'fedprox+scaffold'; got {self.correction!r}")
+        super().__post_init__()

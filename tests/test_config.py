@@ -1,0 +1,60 @@
+import pytest
+
+from fedlowrank.config import ConfigError, load_config, parse_override
+from fedlowrank.runtime.simulator import Simulation
+
+from helpers import tiny_task
+
+
+@pytest.mark.parametrize("override, field", [
+    ("lora.alpha=0", "lora.alpha"),
+    ("lora.alpha=-1", "lora.alpha"),
+    ("run.clients_per_round=9", "run.clients_per_round"),
+    ("method.name=nope", "method.name"),
+    ("method.bogus=1", "method.bogus"),
+    ("lora.scaling=sqrt", "lora.scaling"),
+    ("train.optimizer=lbfgs", "train.optimizer"),
+    ("partition.kind=random", "partition.kind"),
+    ("partition.alpha=0", "partition.alpha"),
+    ("run.rounds=0", "run.rounds"),
+    ("run.rounds=1.5", "run.rounds"),
+    ("train.lr=fast", "train.lr"),
+    ("lora.dropout=1.0", "lora.dropout"),
+    ("server.weighting=median", "server.weighting"),
+    ("run.bogus=1", "run.bogus"),
+    ("bogus.key=1", "bogus"),
+    ("lora.ranks=[2,4]", "lora.ranks"),  # fedit does not support heterogeneous ranks
+])
+def test_bad_values_fail_naming_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config("tiny", [override])
+
+
+def test_errors_found_when_the_model_is_built():
+    with pytest.raises(ValueError, match=r"lora.rank must be in \[1, 32\]"):
+        Simulation(load_config("tiny", ["lora.rank=33"]), task=tiny_task())
+    with pytest.raises(ValueError, match="lora.targets: 'qkv' matches no nn.Linear"):
+        from fedlowrank.tasks import build_task
+
+        Simulation(load_config("tiny", ["lora.targets=['qkv']"]), task=build_task(load_config("tiny", ["lora.targets=['qkv']"])))
+    with pytest.raises(ValueError, match="more than the 200 training examples"):
+        Simulation(load_config("tiny", ["partition.num_clients=300", "partition.min_partition_size=0"]), task=tiny_task())
+
+
+def test_overrides_are_typed():
+    assert parse_override("lora.ranks=[2, 4]") == (["lora", "ranks"], [2, 4])
+    assert parse_override("method.beta=adaptive") == (["method", "beta"], "adaptive")
+    assert parse_override("run.seed=3") == (["run", "seed"], 3)
+    cfg = load_config("tiny", ["lora.rank=4", "train.lr=0.01", "method.correction=scaffold"])
+    assert cfg.lora.rank == 4 and cfg.train.lr == 0.01 and cfg.method_options == {"correction": "scaffold"}
+    with pytest.raises(ConfigError, match="section.key"):
+        parse_override("rank=4")
+    with pytest.raises(ConfigError, match="no file"):
+        load_config("does-not-exist.toml")
+
+
+def test_heterogeneous_ranks_dealt_round_robin():
+    cfg = load_config("tiny", ["method.name=fedit"])
+    assert cfg.client_ranks() == [2, 2, 2, 2]
+    cfg.lora.ranks = [1, 2]
+    assert cfg.client_ranks() == [1, 2, 1, 2]
