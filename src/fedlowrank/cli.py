@@ -86,6 +86,17 @@ def cmd_resume(args) -> int:
     return _finish(sim, run_dir)
 
 
+def cmd_export(args) -> int:
+    from .export import export_run
+
+    suffix = args.format + (f"-r{args.rank}" if args.rank is not None else "")
+    out = Path(args.out) if args.out else Path(args.run_dir) / f"export-{suffix}"
+    report = export_run(args.run_dir, out, args.format, args.rank)
+    _log(f"exported to {out}")
+    print(json.dumps(report, indent=1))
+    return 0
+
+
 def _table(rows: list[dict[str, Any]], metric: str) -> str:
     head = f"| method | final {metric} | best {metric} | bytes up | bytes down | time (s) |"
     lines = [head, "|---|---|---|---|---|---|"]
@@ -109,8 +120,12 @@ def cmd_compare(args) -> int:
     cfg = load_config(args.config, args.set)
     methods = args.methods.split(",") if args.methods else list(cfg.compare.methods)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else list(cfg.compare.seeds)
+    def method_sets(name: str) -> list[str]:
+        """Per-method settings (``compare.overrides``, e.g. a learning rate tuned per method), then --set."""
+        return [f"method.name={name}", *cfg.compare.overrides.get(name, []), *args.set]
+
     for name in methods:  # validate every method before any work
-        load_config(args.config, [*args.set, f"method.name={name}"])
+        load_config(args.config, method_sets(name))
     out = Path(args.out) if args.out else _run_dir(cfg, "compare")
     out.mkdir(parents=True, exist_ok=True)
     metric = cfg.run.stop_metric or ("accuracy" if cfg.task.kind == "text-classification" else "rel_error")
@@ -120,7 +135,7 @@ def cmd_compare(args) -> int:
     for name in methods:
         finals, bests, up, down, secs = [], [], 0, 0, 0.0
         for seed in seeds:
-            mcfg = load_config(args.config, [*args.set, f"method.name={name}", f"run.seed={seed}"])
+            mcfg = load_config(args.config, [*method_sets(name), f"run.seed={seed}"])
             if seed not in tasks:
                 tasks[seed] = build_task(mcfg)
             sim = Simulation(mcfg, task=tasks[seed], run_dir=out / f"{name}-seed{seed}",
@@ -168,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_resume)
     sp = sub.add_parser("methods", help="list the methods")
     sp.set_defaults(func=cmd_methods)
+    sp = sub.add_parser("export", help="export a run's global model: PEFT LoRA adapter or merged model")
+    sp.add_argument("run_dir", help="the run directory (needs a checkpoint)")
+    sp.add_argument("--format", choices=("peft", "merged"), default="peft", help="default: peft")
+    sp.add_argument("--rank", type=int, default=None,
+                    help="peft only: re-factorise each target's total update to this rank by truncated SVD")
+    sp.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export-FORMAT[-rRANK])")
+    sp.set_defaults(func=cmd_export)
     return p
 
 

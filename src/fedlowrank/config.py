@@ -89,6 +89,7 @@ class ServerSection:
 class CompareSection:
     methods: list[str] = field(default_factory=lambda: ["fedit", "fedavg-full"])
     seeds: list[int] = field(default_factory=lambda: [0])
+    overrides: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -227,6 +228,8 @@ def validate(cfg: RunConfig) -> None:
     _need(t.local_steps >= 1 or t.local_epochs > 0, "train.local_steps must be >= 1 (or train.local_epochs > 0)")
     _choice("server.weighting", cfg.server.weighting, WEIGHTINGS)
     _need(cfg.server.lr > 0, f"server.lr must be > 0, got {cfg.server.lr}")
+    _need(all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in cfg.compare.overrides.values()),
+          "compare.overrides must map a method name to a list of \"section.key=value\" strings")
     try:
         cls = method_class(cfg.method_name)
         allowed = cls.options()

@@ -224,20 +224,25 @@ class Simulation:
             row["skipped"] = True
         if diagnostics:
             row["diagnostics"] = diagnostics
-        self.round = rnd
-        self.history.append(row)
-        self._append("metrics.jsonl", [row])
-        self._append("ledger.jsonl", ledger_rows)
-        self._check_divergence(row)
-        if self.run_dir is not None and cfg.run.checkpoint_every and (
-                rnd % cfg.run.checkpoint_every == 0 or rnd == cfg.run.rounds):
-            self.save_checkpoint()
+        self.record_round(row, ledger_rows)
         if self.log:
             acc = f" acc={metrics['accuracy']:.4f}" if "accuracy" in metrics else ""
             extra = "".join(f" {k}={v:.4g}" for k, v in metrics.items() if k not in ("accuracy", "loss"))
             self.log(f"[{self.method.name}] round {rnd}/{cfg.run.rounds}{acc}{extra} loss={row['train_loss']:.4f} "
                      f"up={row['bytes_up'] / 1e6:.2f}MB down={row['bytes_down'] / 1e6:.2f}MB {total:.1f}s")
         return row
+
+    def record_round(self, row: dict[str, Any], ledger_rows: list[dict[str, int]]) -> None:
+        """Store a finished round (both runtimes): history, metrics.jsonl, ledger.jsonl, divergence check,
+        checkpoint."""
+        self.round = row["round"]
+        self.history.append(row)
+        self._append("metrics.jsonl", [row])
+        self._append("ledger.jsonl", ledger_rows)
+        self._check_divergence(row)
+        if self.run_dir is not None and self.cfg.run.checkpoint_every and (
+                self.round % self.cfg.run.checkpoint_every == 0 or self.round == self.cfg.run.rounds):
+            self.save_checkpoint()
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:

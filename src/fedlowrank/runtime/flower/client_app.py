@@ -1,0 +1,78 @@
+"""The Flower ``ClientApp``: a SuperNode with ``partition-id = k`` is client ``k`` of the run.
+
+* ``query``: answers the server's question "which client are you?" (``partition-id``, ``num-partitions``);
+* ``train``: rebuilds the run from the run config (cached per process), then runs
+  :func:`~fedlowrank.runtime.engine.client_update` — the simulator's client step — on partition ``k`` with
+  the client's state from ``context.state`` (``method.init_client(k)`` the first time) and stores the new
+  state back, so that stateful methods (control variates, private factors, optimiser moments) carry over
+  rounds. Start each SuperNode with ``--node-config "partition-id=<k> num-partitions=<M>"``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from flwr.app import ConfigRecord, Context, MetricRecord, RecordDict
+from flwr.app import Message as FlowerMessage
+from flwr.clientapp import ClientApp
+
+# Flower starts a fresh process for every message: torch and the run are imported in `train` only, so that
+# the partition query answers without loading them.
+
+ROUTE = "fedlowrank"  # ConfigRecord naming the client and round of a train message (and a query's answer)
+STATE = "fedlowrank.state."  # prefix of the client state's records in context.state
+
+app = ClientApp()
+_runs: dict[str, Any] = {}  # run config (JSON) -> the Simulation this process built from it
+
+
+def _run(context: Context):
+    from ..simulator import Simulation
+    from .settings import load_run_config
+
+    key = json.dumps(dict(context.run_config), sort_keys=True)
+    if key not in _runs:
+        _runs.clear()
+        cfg, _ = load_run_config(context.run_config)
+        _runs[key] = Simulation(cfg)
+    return _runs[key]
+
+
+def _partition(context: Context) -> tuple[int, int]:
+    try:
+        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    except KeyError:
+        raise ValueError("this SuperNode has no partition: start it with "
+                         "--node-config \"partition-id=<k> num-partitions=<partition.num_clients>\"") from None
+
+
+@app.query()
+def query(msg: FlowerMessage, context: Context) -> FlowerMessage:
+    k, m = _partition(context)
+    return FlowerMessage(RecordDict({ROUTE: ConfigRecord({"partition-id": k, "num-partitions": m})}), reply_to=msg)
+
+
+@app.train()
+def train(msg: FlowerMessage, context: Context) -> FlowerMessage:
+    from ...message import Message, State
+    from ..engine import client_update
+    from .records import from_records, put_records, to_records
+
+    sim = _run(context)
+    k, _ = _partition(context)
+    route = msg.content[ROUTE]
+    if int(route["client"]) != k:
+        raise ValueError(f"message for client {route['client']} reached the SuperNode of partition {k}")
+    rnd = int(route["round"])
+    down = from_records(msg.content, Message)
+    state = from_records(context.state, State, STATE)
+    if state is None:
+        state = sim.method.init_client(k)
+    reply, new_state, trainer = client_update(sim.method, sim.model, down, state, sim.task, sim.parts[k], sim.cfg,
+                                              k, rnd)
+    put_records(context.state, new_state, STATE)
+    metrics = MetricRecord({"num-examples": int(reply["num_examples"]),
+                            "train-loss": float(reply.get("train_loss", float("nan"))),
+                            "compute-seconds": float(trainer.compute_seconds)})
+    return FlowerMessage(RecordDict({**to_records(reply), "metrics": metrics}), reply_to=msg)

@@ -1,0 +1,39 @@
+"""The Flower ``ServerApp``: builds the run from the Flower run config and drives it with :class:`MethodStrategy`.
+
+The run directory (``flower.run-dir``, else ``run.out_dir/<run.name>-flower-<run id>``) gets what a simulated
+run writes (``config.json``, ``partition.json``, ``metrics.jsonl``, ``ledger.jsonl``, ``summary.json``,
+``checkpoints/`` every ``run.checkpoint_every`` rounds) plus ``server_state.safetensors``, the method's final
+server state (the global model).
+"""
+
+from __future__ import annotations
+
+import json
+from logging import INFO
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.common import log
+from flwr.serverapp import Grid, ServerApp
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    # torch and the run are imported here, not at module level: `flwr run` imports this module to validate
+    # the app, and needs neither.
+    from ..simulator import Simulation
+    from .settings import load_run_config
+    from .strategy import MethodStrategy, state_arrays
+
+    cfg, settings = load_run_config(context.run_config)
+    run_dir = Path(settings.run_dir or Path(cfg.run.out_dir) / f"{cfg.run.name}-flower-{context.run_id}")
+    sim = Simulation(cfg, run_dir=run_dir, log=lambda line: log(INFO, "%s", line))
+    log(INFO, "fedlowrank: run directory %s", run_dir)
+    strategy = MethodStrategy(sim, settings)
+    strategy.connect(grid)
+    strategy.start(grid, state_arrays(sim.server), num_rounds=cfg.run.rounds, timeout=settings.round_timeout,
+                   evaluate_fn=strategy.evaluate)
+    (run_dir / "server_state.safetensors").write_bytes(sim.server.to_bytes())
+    log(INFO, "fedlowrank: summary %s", json.dumps(sim.summary()))

@@ -1,0 +1,73 @@
+"""How a Flower run config maps to a fedlowrank :class:`~fedlowrank.config.RunConfig`.
+
+Flower's run config is flat (``[tool.flwr.app.config]`` in the app's ``pyproject.toml``, overridden with
+``flwr run --run-config 'k=v ...'``) and only accepts keys the app declares. The mapping:
+
+* ``config`` — the fedlowrank TOML file (absolute path) or bundled config name (``tiny``, ``main``);
+  ``""`` = the defaults;
+* ``section.key`` (e.g. ``method.name``, ``run.rounds``, ``lora.rank``) — exactly ``--set section.key=value``;
+  the value ``""`` means *not set* (the TOML's value stays), so that declaring a key never shadows the file;
+* ``set`` — any further overrides, space separated, in ``--set`` syntax (``"method.mu=0.1 lora.ranks=[2,4]"``),
+  for keys the app does not declare; applied last;
+* ``flower.*`` — options of the Flower runtime itself (:class:`FlowerSettings`).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+from ...config import ConfigError, RunConfig, load_config
+
+
+@dataclass
+class FlowerSettings:
+    """Options of the Flower runtime (run-config keys ``flower.<name with hyphens>``).
+
+    Attributes:
+        round_timeout: seconds the server waits for a round's replies; clients that have not replied by
+            then are counted as dropped (the round goes on if ``run.min_replies`` replies arrived).
+        node_timeout: seconds the server waits at the start for a SuperNode per client
+            (``partition.num_clients``); the run starts with the nodes present after that.
+        run_dir: where the ServerApp writes the run directory; ``""`` = ``run.out_dir/<run.name>-flower-<run id>``.
+    """
+
+    round_timeout: float = 600.0
+    node_timeout: float = 120.0
+    run_dir: str = ""
+
+
+def _key(name: str) -> str:
+    return "flower." + name.replace("_", "-")
+
+
+def _as_override(value: bool | int | float | str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value) if isinstance(value, str) else repr(value)
+
+
+def load_run_config(run_config: Mapping[str, bool | int | float | str]) -> tuple[RunConfig, FlowerSettings]:
+    """The validated fedlowrank config and the Flower settings of a Flower run config."""
+    settings = FlowerSettings()
+    known = {_key(f.name): f for f in fields(FlowerSettings)}
+    overrides: list[str] = []
+    for key, value in run_config.items():
+        if key in ("config", "set"):
+            continue
+        if key.startswith("flower."):
+            if key not in known:
+                raise ConfigError(f"{key} is not a Flower runtime option; allowed: {', '.join(sorted(known))}")
+            f = known[key]
+            try:
+                setattr(settings, f.name, type(f.default)(value))
+            except ValueError:
+                raise ConfigError(f"{key} must be a {type(f.default).__name__}, got {value!r}") from None
+            continue
+        if value != "":
+            overrides.append(f"{key}={_as_override(value)}")
+    overrides += shlex.split(str(run_config.get("set", "")))
+    if settings.round_timeout <= 0 or settings.node_timeout < 0:
+        raise ConfigError("flower.round-timeout must be > 0 and flower.node-timeout >= 0")
+    return load_config(str(run_config.get("config", "")) or None, overrides), settings

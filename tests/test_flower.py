@@ -1,0 +1,235 @@
+"""The Flower runtime in one process: records, config mapping, and every method through the Strategy and the
+ClientApp, against the in-process simulator (same seeds, same partition => the same global state).
+
+A loop-back ``Grid`` hands each message to the real ``ClientApp`` with a per-node ``Context`` (its
+``node_config`` and persistent ``state``), as a SuperNode does; the client side builds its own
+``Simulation`` from the run config, so nothing is shared with the server but the messages.
+The real SuperLink/SuperNode processes are exercised in ``test_flower_deployment.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+
+import pytest
+
+pytest.importorskip("flwr")
+
+import torch  # noqa: E402
+from flwr.app import Context, Error, RecordDict  # noqa: E402
+from flwr.app import Message as FlowerMessage  # noqa: E402
+from flwr.serverapp import Grid  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+from helpers import run_tiny, tiny_task  # noqa: E402
+
+import fedlowrank.runtime.simulator as simulator  # noqa: E402
+from fedlowrank.config import ConfigError  # noqa: E402
+from fedlowrank.message import Message, Reply, State  # noqa: E402
+from fedlowrank.methods import available_methods  # noqa: E402
+from fedlowrank.runtime.engine import client_update, sample_clients  # noqa: E402
+from fedlowrank.runtime.flower import client_app  # noqa: E402
+from fedlowrank.runtime.flower.records import from_records, to_records  # noqa: E402
+from fedlowrank.runtime.flower.settings import load_run_config  # noqa: E402
+from fedlowrank.runtime.flower.strategy import MethodStrategy, state_arrays  # noqa: E402
+
+
+class LoopGrid(Grid):
+    """Delivers each message to ``client_app.app`` in this process; nodes in ``drop`` never reply to training;
+    ``tamper(client, reply)`` may edit a reply on its way back; nodes in ``broken`` get an invalid run config."""
+
+    def __init__(self, run_config, num_clients: int, drop=(), tamper=None, broken=()):
+        self.contexts = {1000 + k: Context(7, 1000 + k, {"partition-id": k, "num-partitions": num_clients},
+                                           RecordDict(), dict(run_config)) for k in range(num_clients)}
+        for k in broken:
+            self.contexts[1000 + k].run_config["set"] += " train.lr=-1"
+        self.drop, self.tamper, self.sent = {1000 + k for k in drop}, tamper, 0
+
+    def set_run(self, run_id):
+        pass
+
+    @property
+    def run(self):
+        raise NotImplementedError
+
+    def create_message(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def push_messages(self, messages):
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):
+        raise NotImplementedError
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for msg in messages:
+            self.sent += 1
+            msg.metadata.__dict__["_message_id"] = f"msg-{self.sent}"
+            node = msg.metadata.dst_node_id
+            if node in self.drop and msg.metadata.message_type == "train":
+                continue  # the node answered the partition query, then vanished mid-round
+            try:
+                reply = client_app.app(msg, self.contexts[node])
+            except Exception as exc:  # what a SuperNode turns a ClientApp exception into
+                reply = FlowerMessage(Error(code=0, reason=repr(exc)), reply_to=msg)
+            if self.tamper is not None and not reply.has_error() and msg.metadata.message_type == "train":
+                self.tamper(node - 1000, reply)
+            replies.append(reply)
+        return replies
+
+
+@pytest.fixture(autouse=True)
+def flower_process(monkeypatch):
+    """This process plays SuperLink and SuperNodes: Flower needs a task identity to build messages, and the
+    client side reuses the tiny task's data (its model, method and state are its own)."""
+    for name in ("run_id", "node_id", "task_id"):
+        monkeypatch.setattr(TaskIdentity, f"_{name}", 7)
+    monkeypatch.setattr(simulator, "build_task", lambda cfg: tiny_task())
+    client_app._runs.clear()
+    yield
+    client_app._runs.clear()
+
+
+def run_flower(*sets: str, drop=(), tamper=None, broken=()):
+    """The tiny run of ``sets`` through MethodStrategy + ClientApp; returns (server-side Simulation, grid)."""
+    run_config = {"config": "tiny", "set": shlex.join(sets), "flower.node-timeout": 0.0}
+    cfg, settings = load_run_config(run_config)
+    sim = simulator.Simulation(cfg, task=tiny_task())
+    strategy = MethodStrategy(sim, settings)
+    grid = LoopGrid(run_config, cfg.partition.num_clients, drop, tamper, broken)
+    strategy.connect(grid)
+    strategy.start(grid, state_arrays(sim.server), num_rounds=cfg.run.rounds, timeout=1.0,
+                   evaluate_fn=strategy.evaluate)
+    return sim, grid
+
+
+def assert_same_state(a: State, b: State, exact: bool = True) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+            if exact:
+                assert torch.equal(a[k], b[k]), k
+            else:
+                torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+        else:
+            assert a[k] == b[k] or (isinstance(a[k], float) and math.isnan(a[k]) and math.isnan(b[k])), k
+
+
+# -- records -----------------------------------------------------------------------------------------
+def test_records_round_trip_is_exact_for_every_dtype_shape_and_scalar():
+    g = torch.Generator().manual_seed(0)
+    msg = Message({
+        "m.lora_A": torch.randn(3, 5, generator=g), "m.lora_B": torch.randn(7, 2, generator=g, dtype=torch.float64),
+        "stacked": torch.randn(4, 3, 5, generator=g).to(torch.bfloat16), "half": torch.randn(2, generator=g).half(),
+        "ids": torch.tensor([3, -1], dtype=torch.int64), "mask": torch.tensor([True, False]),
+        "empty": torch.zeros(0, 4), "scalar_t": torch.tensor(2.5),
+        "num_examples": 12, "train_loss": 0.25, "name": "x", "flag": False, "seeds": [1, 2, 3], "none": None,
+        "nested": {"a": [1.5, "b"]}, "big": 2**70, "nan": float("nan"),
+    })
+    content = RecordDict(to_records(msg))
+    back = from_records(content, Message)
+    assert back.to_bytes() == msg.to_bytes()  # same dtypes, shapes, bytes and scalars (typed)
+    assert type(back["flag"]) is bool and type(back["num_examples"]) is int and back["none"] is None
+    assert from_records(RecordDict(), State) is None
+
+
+# -- config mapping ----------------------------------------------------------------------------------
+def test_run_config_maps_to_set_overrides():
+    cfg, settings = load_run_config({"config": "tiny", "method.name": "fedit", "lora.rank": "", "run.rounds": 3,
+                                     "train.lr": 0.01, "set": "method.correction=scaffold lora.alpha=8",
+                                     "flower.round-timeout": 20})
+    assert cfg.method == {"name": "fedit", "correction": "scaffold"}
+    assert (cfg.run.rounds, cfg.lora.rank, cfg.lora.alpha, cfg.train.lr) == (3, 2, 8.0, 0.01)  # "" keeps tiny's rank
+    assert settings.round_timeout == 20.0
+    with pytest.raises(ConfigError, match="flower.round-timout"):
+        load_run_config({"config": "tiny", "flower.round-timout": 3})
+    with pytest.raises(ConfigError, match="train.lr must be > 0"):
+        load_run_config({"config": "tiny", "set": "train.lr=-1"})
+
+
+# -- every method, Flower vs simulator ----------------------------------------------------------------
+SGD_ONLY = ("ssf", "fedsub")  # methods defined with plain SGD local steps
+CASES = [(name, ("train.optimizer=sgd",) if name in SGD_ONLY else ()) for name in available_methods()] + [
+    ("fedit", ("method.correction=scaffold",)),
+    *[(name, ("lora.ranks=[1,2]", f'compare.methods=["{name}"]')) for name, cls in available_methods().items() if cls.supports_heterogeneous_ranks],
+]
+
+
+@pytest.mark.parametrize("method,sets", CASES, ids=[f"{m}{'-' + '-'.join(s) if s else ''}" for m, s in CASES])
+def test_flower_run_equals_simulator(method, sets):
+    sets = (f"method.name={method}", *sets)
+    try:
+        ref = run_tiny(method, *sets[1:])
+    except Exception as exc:  # not a Flower question: the method does not run on this config at all
+        pytest.skip(f"{method} {sets[1:]} fails in the simulator too: {exc!r}")
+    sim, grid = run_flower(*sets)
+    assert_same_state(sim.server, ref.server)
+    assert sim.ledger.rows == ref.ledger.rows  # bytes counted from the same serialised messages
+    for flower_row, sim_row in zip(sim.history, ref.history, strict=True):
+        for key in ("clients", "replied", "rejected", "skipped", "accuracy", "train_loss"):
+            assert flower_row.get(key) == sim_row.get(key), key
+        assert flower_row["flower_bytes_up"] > 0 and "dropped" not in flower_row
+    for k, state in ref.store.items():  # each client's state persisted in its node's context.state
+        assert_same_state(from_records(grid.contexts[1000 + k].state, State, client_app.STATE), state)
+
+
+# -- failures ----------------------------------------------------------------------------------------
+def test_dropped_client_round_aggregates_the_remaining_replies(caplog):
+    cfg, _ = load_run_config({"config": "tiny", "set": "method.name=scaffold"})
+    sampled = sample_clients(cfg.run.seed, 1, cfg.partition.num_clients, cfg.run.clients_per_round)
+    lost, kept = sampled[1], sampled[0]
+    with caplog.at_level("WARNING"):
+        sim, _ = run_flower("method.name=scaffold", "run.rounds=1", drop=[lost])
+    row = sim.history[0]
+    assert row["replied"] == [kept] and row["dropped"] == [lost] and "skipped" not in row
+    assert f"client {lost} dropped (no reply from node {1000 + lost} within flower.round-timeout" in caplog.text
+    assert "1 usable replies of 2 sampled clients; run.min_replies = 1 is met, aggregated them" in caplog.text
+    assert {"round": 1, "client": lost, "down": sim.ledger.rows[1]["down"], "up": 0} in sim.ledger.rows
+    # the global state is the method's aggregate of the one reply
+    ref = simulator.Simulation(cfg, task=tiny_task())
+    reply, _, _ = client_update(ref.method, ref.model, ref.method.broadcast(ref.server, kept, 1),
+                                ref.method.init_client(kept), ref.task, ref.parts[kept], cfg, kept, 1)
+    expected = ref.method.aggregate(ref.server, [Reply(kept, reply["num_examples"], reply)], 1)
+    assert_same_state(sim.server, expected)
+
+
+def test_below_min_replies_keeps_the_global_state(caplog):
+    cfg, _ = load_run_config({"config": "tiny"})
+    lost = sample_clients(cfg.run.seed, 1, cfg.partition.num_clients, cfg.run.clients_per_round)[0]
+    with caplog.at_level("WARNING"):
+        sim, _ = run_flower("run.rounds=1", "run.min_replies=2", drop=[lost])
+    initial = simulator.Simulation(cfg, task=tiny_task()).server
+    assert_same_state(sim.server, initial)
+    assert sim.history[0]["skipped"] and sim.history[0]["dropped"] == [lost]
+    assert "fewer than run.min_replies = 2: round skipped, global state unchanged" in caplog.text
+
+
+def test_non_finite_reply_is_rejected_and_logged(caplog):
+    def poison(client, reply):
+        if client == poisoned:
+            reply.content["scalars"]["train_loss"] = float("nan")
+
+    cfg, _ = load_run_config({"config": "tiny"})
+    poisoned = sample_clients(cfg.run.seed, 1, cfg.partition.num_clients, cfg.run.clients_per_round)[1]
+    with caplog.at_level("WARNING"):
+        sim, _ = run_flower("run.rounds=1", tamper=poison)
+    assert sim.history[0]["rejected"] == [{"client": poisoned, "reason": "train_loss must be a finite number, got nan"}]
+    assert sim.history[0]["replied"] == [c for c in sim.history[0]["clients"] if c != poisoned]
+    assert all(torch.isfinite(t).all() for t in sim.server.tensors().values())
+    assert f"rejected the reply of client {poisoned}: train_loss must be a finite number" in caplog.text
+
+
+def test_failing_client_is_a_dropout_not_a_crash(caplog):
+    """A SuperNode whose ClientApp raises (here: its run config is invalid) sends an error reply."""
+    cfg, _ = load_run_config({"config": "tiny"})
+    broken, kept = sample_clients(cfg.run.seed, 1, cfg.partition.num_clients, cfg.run.clients_per_round)
+    with caplog.at_level("WARNING"):
+        sim, _ = run_flower("run.rounds=1", broken=[broken])
+    assert sim.history[0]["replied"] == [kept] and sim.history[0]["dropped"] == [broken]
+    assert f"client {broken} dropped (node {1000 + broken} answered with an error" in caplog.text and "train.lr must be > 0" in caplog.text
