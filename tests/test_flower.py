@@ -9,7 +9,6 @@ The real SuperLink/SuperNode processes are exercised in ``test_flower_deployment
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 

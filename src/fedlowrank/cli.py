@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +110,7 @@ def _table(rows: list[dict[str, Any]], metric: str) -> str:
 
 
 def cmd_compare(args) -> int:
-    from .config import ConfigError, load_config
+    from .config import load_config
     from .plots import plot_comparison
     from .runtime.simulator import Simulation
     from .tasks import build_task

@@ -14,13 +14,13 @@ A method never imports a runtime, and runtimes never look at a method's name.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
 from torch import nn
 
-from ..adapters.lora import LoRALinear, attach_lora, init_lora_factors, lora_modules
+from ..adapters.lora import attach_lora, init_lora_factors, lora_modules
 from ..adapters.model import AdaptedModel
 from ..message import Message, Reply, State
 from ..seeding import torch_generator
@@ -297,6 +297,12 @@ class LoRAMethod(Method):
 
     def head_keys(self, server: State) -> list[str]:
         return [k for k in server if k.startswith("head/")]
+
+    def reply_keys(self, down: Message, rnd: int) -> set[str]:
+        """The factors trained this round as named in the download, the head, and the corrections' uploads."""
+        factors = tuple(f".lora_{f}" for f in self.factors_to_train(rnd))
+        trained = [k for k in down.tensors() if (k.endswith(factors) and "/" not in k) or k.startswith("head/")]
+        return set(trained) | {key for c in self._corrections for key in c.upload_keys(trained)}
 
     def load_global(self, model: AdaptedModel, server: State) -> None:
         self.load_message(model, Message(server))

@@ -30,8 +30,7 @@ from ..linalg.lowrank import stack_factors
 from ..message import Message, Reply, State
 from . import register
 from .base import LoRAMethod
-from .fedit import FedIT
-from .hetlora import (download_factors, module_names, padded_average, rank_weights,
+from .ranks import (download_factors, module_names, padded_average, rank_weights,
                       refuse_scaffold_with_hetero_ranks)
 
 
@@ -46,7 +45,6 @@ class FedExLoRA(LoRAMethod):
     downlink = "Ā[:r_k], B̄[:, :r_k] and the dense base delta [out,in] per target module (from round 2), head"
     needs_individual_replies = True
     supports_heterogeneous_ranks = True
-    reply_keys = FedIT.reply_keys          # the trained factors named in the download, head, corrections
 
     def setup(self, model, info):
         refuse_scaffold_with_hetero_ranks(self, info)

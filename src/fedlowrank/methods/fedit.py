@@ -27,11 +27,6 @@ class FedIT(LoRAMethod):
         msg = self.global_tensors(server, self.lora_keys(server) + self.head_keys(server))
         return self.correction_broadcast(server, msg)
 
-    def reply_keys(self, down, rnd):
-        factors = tuple(f".lora_{f}" for f in self.factors_to_train(rnd))
-        trained = [k for k in down.tensors() if (k.endswith(factors) and "/" not in k) or k.startswith("head/")]
-        return set(trained) | {key for c in self._corrections for key in c.upload_keys(trained)}
-
     def train(self, model, msg, state, trainer):
         params, extra, state, loss = self.local_train(model, msg, state, trainer, self.factors_to_train(0))
         return self.reply(params, params, extra, trainer, loss), state

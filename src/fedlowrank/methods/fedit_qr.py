@@ -21,7 +21,8 @@ from ..linalg.lowrank import factored_qr, stack_factors
 from ..message import State
 from . import register
 from .base import weighted_sum
-from .ilora import QRInitLoRA, zero_pad
+from .ilora import QRInitLoRA
+from .ranks import zero_pad
 
 
 @register

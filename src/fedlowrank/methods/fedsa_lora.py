@@ -23,7 +23,6 @@ from ..adapters.model import AdaptedModel
 from ..message import Message, State
 from . import register
 from .base import LoRAMethod
-from .fedit import FedIT
 
 
 @register
@@ -36,7 +35,6 @@ class FedSALoRA(LoRAMethod):
     downlink = "Ā [r,in] per target module, head"
     needs_individual_replies = False
     supports_heterogeneous_ranks = False
-    reply_keys = FedIT.reply_keys          # the trained factors named in the download, head, corrections
 
     def __post_init__(self) -> None:
         super().__post_init__()

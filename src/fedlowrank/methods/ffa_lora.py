@@ -22,8 +22,7 @@ from ..message import Message, State
 from ..seeding import torch_generator
 from . import register
 from .base import LoRAMethod, SetupInfo
-from .fedit import FedIT
-from .hetlora import download_factors, module_names, padded_average, rank_weights, refuse_scaffold_with_hetero_ranks
+from .ranks import download_factors, module_names, padded_average, rank_weights, refuse_scaffold_with_hetero_ranks
 
 
 def frozen_A(model: AdaptedModel, info: SetupInfo) -> dict[str, torch.Tensor]:
@@ -43,7 +42,6 @@ class FFALoRA(LoRAMethod):
     downlink = "B̄[:, :r_k] [out,r_k] per target module, head (A is regenerated from the seed)"
     needs_individual_replies = False
     supports_heterogeneous_ranks = True
-    reply_keys = FedIT.reply_keys          # the trained factors named in the download, head, corrections
 
     trains = ("B",)
 

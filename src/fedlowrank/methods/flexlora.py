@@ -26,9 +26,8 @@ from ..linalg.lowrank import factored_svd, stack_factors
 from ..message import Message, Reply, State
 from . import register
 from .base import LoRAMethod
-from .fedit import FedIT
-from .hetlora import download_factors, module_names, refuse_scaffold_with_hetero_ranks
-from .ilora import zero_pad
+from .ranks import download_factors, module_names, refuse_scaffold_with_hetero_ranks, zero_pad
+
 
 
 @register
@@ -42,7 +41,6 @@ class FlexLoRA(LoRAMethod):
     downlink = "rank-r_k truncated SVD factors A [r_k,in], B [out,r_k] per target module, head"
     needs_individual_replies = True
     supports_heterogeneous_ranks = True
-    reply_keys = FedIT.reply_keys          # the trained factors named in the download, head, corrections
 
     def setup(self, model, info):
         refuse_scaffold_with_hetero_ranks(self, info)

@@ -21,62 +21,17 @@ self-pruning regulariser is not implemented. The head is averaged with ``pₖ``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
 from ..adapters.lora import lora_scale
 from ..message import Message, Reply, State
 from . import register
-from .base import LoRAMethod, SetupInfo, weighted_sum
-from .fedit import FedIT
-from .ilora import leading, zero_pad
+from .base import LoRAMethod
+from .ranks import download_factors, module_names, padded_average, rank_weights, refuse_scaffold_with_hetero_ranks
 
 AGGREGATIONS = ("weighted", "sparsity")
-
-
-def scale_ratio(info: SetupInfo, rank: int) -> float:
-    """``ρ = s_rank / s_server``: a client's LoRA scale over the server's (exactly 1.0 at the server rank)."""
-    if rank == info.rank:
-        return 1.0
-    return lora_scale(info.alpha, rank, info.scaling) / lora_scale(info.alpha, info.rank, info.scaling)
-
-
-def module_names(keys: Iterable[str]) -> list[str]:
-    """Target module names, from the ``"<module>.lora_A"`` keys among ``keys`` (in order; ``"ns/…"`` keys of
-    corrections and the head excluded)."""
-    return [k[: -len(".lora_A")] for k in keys if k.endswith(".lora_A") and "/" not in k]
-
-
-def download_factors(server: State, keys: Iterable[str], info: SetupInfo, client: int,
-                     exponent: float = 0.5) -> Message:
-    """Client ``client``'s leading-``r_k`` slices of the server factors ``keys``, times ``ρ_k^{-exponent}``.
-
-    ``exponent = 0.5`` when both factors carry the rescaling, ``1.0`` when only B does (A frozen, FFA-LoRA).
-    Slices are contiguous copies: the message holds, and the ledger counts, only ``r_k`` directions.
-    """
-    r = info.client_ranks[client]
-    c = scale_ratio(info, r) ** -exponent
-    return Message({k: leading(k, server[k], r) * c for k in keys})          # c = 1.0 (equal ranks) is exact
-
-
-def rank_weights(replies: Sequence[Reply], info: SetupInfo, weights: torch.Tensor,
-                 exponent: float = 0.5) -> torch.Tensor:
-    """``pₖ ρ_k^{exponent}``: the weights of the zero-padded average at the server's scale. ``[K]`` float64."""
-    rho = torch.tensor([scale_ratio(info, info.client_ranks[r.client]) for r in replies], dtype=torch.float64)
-    return weights * rho ** exponent                                          # exact when every ρ is 1.0
-
-
-def padded_average(replies: Sequence[Reply], key: str, shape: Sequence[int], weights: torch.Tensor) -> torch.Tensor:
-    """``Σₖ wₖ pad(reply_k[key])`` with each factor zero-padded to the server ``shape``."""
-    return weighted_sum((zero_pad(r.message[key], shape) for r in replies), weights)
-
-
-def refuse_scaffold_with_hetero_ranks(method: LoRAMethod, info: SetupInfo) -> None:
-    """SCAFFOLD's control variates live at the server rank; with per-client ranks their shapes would not match."""
-    if info.heterogeneous_ranks and "scaffold" in method.correction:
-        raise ValueError(f"method.correction: {method.name!r} with heterogeneous ranks (lora.ranks) allows "
-                         f"'none' or 'fedprox', got {method.correction!r}")
 
 
 def product_norm(B: torch.Tensor, A: torch.Tensor) -> float:
@@ -102,7 +57,6 @@ class HetLoRA(LoRAMethod):
     downlink = "Ā[:r_k] [r_k,in], B̄[:, :r_k] [out,r_k] per target module, head"
     needs_individual_replies = False
     supports_heterogeneous_ranks = True
-    reply_keys = FedIT.reply_keys          # the trained factors named in the download, head, corrections
 
     aggregation: str = "weighted"
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -55,31 +54,10 @@ from ..message import Message, Reply, State
 from ..training.corrections import Scaffold
 from . import register
 from .base import LoRAMethod, SetupInfo, head_tensors, load_head
+from .ranks import copy, leading, zero_pad
 
 HETERO_BASES = ("per_client", "residual")
 CV_GRADS = ("mean", "last")
-
-
-def copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy (a message holds exactly its slice, never a view of the server state)."""
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-def leading(key: str, t: torch.Tensor, r: int) -> torch.Tensor:
-    """The leading ``r`` directions of a LoRA-shaped entry: rows of ``*lora_A`` ``[·, in]``, columns of
-    ``*lora_B`` ``[out, ·]``; other entries unchanged (copied)."""
-    if key.endswith("lora_A"):
-        t = t[:r]
-    elif key.endswith("lora_B"):
-        t = t[:, :r]
-    return copy(t)
-
-
-def zero_pad(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """``t`` in the leading corner of a zero tensor of ``shape`` (rank-``r_k`` factor → server rank)."""
-    out = t.new_zeros(tuple(shape))
-    out[tuple(slice(0, n) for n in t.shape)] = t
-    return out
 
 
 @dataclass

@@ -29,8 +29,7 @@ from ..linalg.lowrank import stack_factors
 from ..message import Message, Reply, State
 from . import register
 from .base import LoRAMethod
-from .fedit import FedIT
-from .hetlora import (download_factors, module_names, padded_average, rank_weights,
+from .ranks import (download_factors, module_names, padded_average, rank_weights,
                       refuse_scaffold_with_hetero_ranks)
 
 
@@ -92,7 +91,6 @@ class LoRAFAIR(LoRAMethod):
     downlink = "Ā[:r_k], (B̄+ΔB)[:, :r_k] per target module, head"
     needs_individual_replies = True
     supports_heterogeneous_ranks = True
-    reply_keys = FedIT.reply_keys          # the trained factors named in the download, head, corrections
 
     lam: float = 0.01
     steps: int = 200

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from ..message import Message, State
 from . import register
 from .base import LoRAMethod
-from .fedit import FedIT
 
 
 @register
@@ -30,7 +29,6 @@ class RoLoRA(LoRAMethod):
     downlink = "Ā and B̄ per target module, which factor to train, head"
     needs_individual_replies = False
     supports_heterogeneous_ranks = False
-    reply_keys = FedIT.reply_keys          # the trained factors named in the download, head, corrections
 
     def __post_init__(self) -> None:
         super().__post_init__()
