@@ -5,6 +5,8 @@
   seeds and budget; prints a table, writes ``results.json``, ``results.md`` and accuracy-vs-round /
   accuracy-vs-bytes plots.
 * ``fedlowrank resume RUN_DIR`` — continue an interrupted run from its newest checkpoint, bit for bit.
+* ``fedlowrank export RUN_DIR [--format peft|merged] [--rank R]`` — the global model as a PEFT adapter
+  (or its rank-R SVD re-factorisation) or a merged Hugging Face model.
 * ``fedlowrank methods`` — every registered method with its paper and payloads.
 
 CONFIG is a TOML file or the name of a bundled config (``main``, ``tiny``, ``agnews``).

@@ -250,9 +250,9 @@ class Simulation:
         return save_checkpoint(self.run_dir, ck)
 
     @classmethod
-    def resume(cls, run_dir: str | Path, task: Task | None = None,
-               log: Callable[[str], None] | None = None) -> "Simulation":
-        """Rebuild the run in ``run_dir`` from its resolved config and newest checkpoint, ready to continue."""
+    def from_checkpoint(cls, run_dir: str | Path, task: Task | None = None,
+                        log: Callable[[str], None] | None = None) -> "Simulation":
+        """The run in ``run_dir`` at its newest checkpoint. Reads only: nothing in ``run_dir`` is written."""
         from ..config import from_dict
 
         run_dir = Path(run_dir)
@@ -268,9 +268,17 @@ class Simulation:
         sim.history, sim.ledger.rows = ck.history, ck.ledger
         evals = [r for r in ck.history if "accuracy" in r or "loss" in r]
         sim.last_eval = {k: v for k, v in evals[-1].items() if k in ("accuracy", "loss")} if evals else {}
-        sim.run_dir = run_dir
-        for name, rows in (("metrics.jsonl", ck.history), ("ledger.jsonl", ck.ledger)):
-            (run_dir / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return sim
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, task: Task | None = None,
+               log: Callable[[str], None] | None = None) -> "Simulation":
+        """Rebuild the run in ``run_dir`` from its resolved config and newest checkpoint, ready to continue;
+        ``metrics.jsonl`` and ``ledger.jsonl`` are cut back to the checkpoint's round."""
+        sim = cls.from_checkpoint(run_dir, task, log)
+        sim.run_dir = Path(run_dir)
+        for name, rows in (("metrics.jsonl", sim.history), ("ledger.jsonl", sim.ledger.rows)):
+            (sim.run_dir / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         return sim
 
     def _check_divergence(self, row: dict[str, Any]) -> None:

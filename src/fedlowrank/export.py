@@ -1,0 +1,246 @@
+"""Export a run's global model for the Hugging Face stack: a PEFT LoRA adapter or a merged model.
+
+``export_run(run_dir, out_dir, format, rank)`` rebuilds the global model from the run's newest checkpoint and
+writes, in ``out_dir``:
+
+* ``format="peft"`` — ``adapter_config.json`` + ``adapter_model.safetensors`` (through PEFT's own
+  ``save_pretrained``, so every key carries the ``base_model.model.`` prefix that ``PeftModel.from_pretrained``
+  maps) with the head in ``modules_to_save``. Exact when the run's update is a LoRA (every target a
+  :class:`~fedlowrank.adapters.lora.LoRALinear` without base delta); otherwise ``rank`` is required and the
+  total update of each target, ``ΔW = W_eff − W0`` ``[out, in]``, is re-factorised by truncated SVD,
+  ``ΔW ≈ s · B A`` with ``B = U_r √(Σ_r/s)``, ``A = √(Σ_r/s) V_rᵀ`` (s from the run's ``lora.alpha`` and
+  ``lora.scaling``), and the relative Frobenius errors ``‖ΔW − ΔW_r‖_F / ‖ΔW‖_F`` are reported per module and
+  overall (``√(Σ discarded σ²) / √(Σ σ²)`` over all modules).
+* ``format="merged"`` — the backbone with ``W_eff`` in place of every target weight and the trained head,
+  written by transformers' ``save_pretrained`` (loadable with ``AutoModel*.from_pretrained``).
+
+Every export is checked by loading the written files back and evaluating them on the task's test set next to
+the run's global model (``report["check"]``). Nothing in the run directory is modified. ``peft`` and
+``transformers`` are imported lazily: the core does not need them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .adapters.lora import LoRALinear, lora_scale
+from .adapters.model import AdaptedLinear, AdaptedModel
+
+FORMATS = ("peft", "merged")
+REPORT_FILE = "export.json"
+
+
+def load_global_simulation(run_dir: str | Path, task=None):
+    """The run's :class:`~fedlowrank.runtime.simulator.Simulation` at its newest checkpoint, with the global model
+    loaded into ``sim.model``. Read-only: unlike ``Simulation.resume``, nothing in ``run_dir`` is rewritten."""
+    from .runtime.simulator import Simulation
+
+    sim = Simulation.from_checkpoint(run_dir, task)
+    sim.method.load_global(sim.model, sim.server)
+    return sim
+
+
+# -- the global model's weights -----------------------------------------------------------------------------
+def effective_weight(model: AdaptedModel, name: str) -> torch.Tensor:
+    """``W0 + base_delta + adapter_delta`` of an adapted target, or the weight of a plain (fully trained) linear."""
+    mod = model.target(name)
+    with torch.no_grad():
+        if isinstance(mod, AdaptedLinear):
+            return (mod.frozen_weight() + mod.adapter_delta()).detach().clone()
+        return mod.weight.detach().clone()
+
+
+def merged_state_dict(model: AdaptedModel) -> dict[str, torch.Tensor]:
+    """The state dict of the plain backbone (no adapter modules) holding the global model: every target as an
+    ``nn.Linear`` with its effective weight, everything else (head included) as it is in ``model.net``."""
+    prefixes = tuple(f"{n}." for n in model.target_names)
+    out = {k: v.detach().clone() for k, v in model.net.state_dict().items() if not k.startswith(prefixes)}
+    for n in model.target_names:
+        out[f"{n}.weight"] = effective_weight(model, n)
+        bias = model.base_linear(n).bias
+        if bias is not None:
+            out[f"{n}.bias"] = bias.detach().clone()
+    return out
+
+
+def merged_net(model: AdaptedModel, pristine: nn.Module) -> nn.Module:
+    """A copy of the pristine backbone ``pristine`` carrying the global model (strict load: nothing left out)."""
+    net = copy.deepcopy(pristine)
+    net.load_state_dict(merged_state_dict(model), strict=True)
+    return net.eval()
+
+
+def not_lora_reason(model: AdaptedModel) -> str | None:
+    """Why the global model's update is not an exact rank-r LoRA on the targets, or ``None`` when it is."""
+    for n, mod in model.targets():
+        if not isinstance(mod, LoRALinear):
+            kind = "a dense trained weight" if isinstance(mod, nn.Linear) else f"a {type(mod).__name__}"
+            return f"target {n!r} is {kind}, not a LoRA adapter"
+        if mod.base_delta is not None and bool(mod.base_delta.any()):
+            return f"target {n!r} carries a base delta (changes to the frozen weight)"
+    return None
+
+
+def _outside_update(model: AdaptedModel, pristine: nn.Module) -> list[str]:
+    """State-dict keys outside the targets and the head where the global model differs from the pristine one."""
+    prefixes = tuple(f"{n}." for n in model.target_names)
+    head = set(model.head_names)
+    ref = pristine.state_dict()
+    return [k for k, v in merged_state_dict(model).items()
+            if not k.startswith(prefixes) and k not in head and not torch.equal(v, ref[k])]
+
+
+def head_modules(model: AdaptedModel) -> list[str]:
+    """Module names holding the head parameters (PEFT's ``modules_to_save``)."""
+    return sorted({n.rsplit(".", 1)[0] for n in model.head_names})
+
+
+# -- LoRA factors ---------------------------------------------------------------------------------------------
+def svd_factors(delta: torch.Tensor, rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """Truncated SVD of ``delta [out, in]`` as LoRA factors with ``scale · B A = ΔW_r`` (best rank-r, Eckart–Young).
+
+    Returns ``(A [r, in], B [out, r], discarded, total)``: ``discarded = Σ_{i>r} σᵢ² = ‖ΔW − ΔW_r‖_F²`` and
+    ``total = ‖ΔW‖_F²``, in float64.
+    """
+    U, S, Vh = torch.linalg.svd(delta.to(torch.float64), full_matrices=False)
+    root = torch.sqrt(S[:rank] / scale)
+    B, A = U[:, :rank] * root, root[:, None] * Vh[:rank]
+    return A.to(delta.dtype), B.to(delta.dtype), float((S[rank:] ** 2).sum()), float((S ** 2).sum())
+
+
+def _lora_from_run(model: AdaptedModel) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float, str]:
+    """The run's own factors, ``{name: (A, B)}``, with B rescaled so that PEFT's scale (from the module's alpha,
+    rank and rule) reproduces the module's scale exactly; returns ``(factors, alpha, rule)``."""
+    first = model.target(model.target_names[0])
+    alpha, rule = first.alpha, first.scaling_rule
+    factors = {}
+    for n, m in model.targets():
+        peft_scale = lora_scale(alpha, m.rank, rule)
+        factors[n] = (m.lora_A.detach().clone(), (m.lora_B * (m.scale / peft_scale)).detach().clone())
+    return factors, alpha, rule
+
+
+def _lora_by_svd(model: AdaptedModel, pristine: nn.Module, rank: int, alpha: float, rule: str
+                 ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, float], float]:
+    """Factors of every target's total update ``W_eff − W0`` at ``rank``; per-module and overall relative errors."""
+    scale = lora_scale(alpha, rank, rule)
+    factors, errors, discarded, total = {}, {}, 0.0, 0.0
+    for n in model.target_names:
+        w0 = pristine.get_submodule(n).weight
+        limit = min(w0.shape)
+        if not 1 <= rank <= limit:
+            raise ValueError(f"--rank must be in [1, {limit}] for target {n!r} of shape {tuple(w0.shape)}, got {rank}")
+        A, B, d, t = svd_factors(effective_weight(model, n) - w0, rank, scale)
+        factors[n] = (A, B)
+        errors[n] = math.sqrt(d / t) if t > 0 else 0.0
+        discarded, total = discarded + d, total + t
+    return factors, errors, (math.sqrt(discarded / total) if total > 0 else 0.0)
+
+
+def _save_peft(model: AdaptedModel, pristine: nn.Module, factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
+               alpha: float, rule: str, out_dir: Path) -> dict[str, Any]:
+    """Wrap a copy of the pristine backbone (with the global head) in PEFT, load ``factors``, ``save_pretrained``."""
+    from peft import LoraConfig, get_peft_model
+
+    net = copy.deepcopy(pristine)
+    head = dict(net.named_parameters())
+    with torch.no_grad():
+        for n, p in model.head_parameters().items():
+            head[n].copy_(p)
+    ranks = {n: A.shape[0] for n, (A, _) in factors.items()}
+    r = Counter(ranks.values()).most_common(1)[0][0]  # the rest go to rank_pattern
+    config = LoraConfig(r=r, lora_alpha=alpha, use_rslora=rule == "rslora", lora_dropout=0.0, bias="none",
+                        target_modules=list(model.target_names), modules_to_save=head_modules(model),
+                        rank_pattern={n: k for n, k in ranks.items() if k != r})
+    peft_model = get_peft_model(net, config)
+    with torch.no_grad():
+        for n, (A, B) in factors.items():
+            layer = peft_model.base_model.model.get_submodule(n)
+            layer.lora_A["default"].weight.copy_(A)
+            layer.lora_B["default"].weight.copy_(B)
+    peft_model.save_pretrained(str(out_dir))
+    return {"r": r, "lora_alpha": alpha, "use_rslora": rule == "rslora", "rank_pattern": config.rank_pattern,
+            "target_modules": list(model.target_names), "modules_to_save": head_modules(model)}
+
+
+def load_peft(pristine: nn.Module, out_dir: str | Path) -> nn.Module:
+    """``PeftModel.from_pretrained`` on a copy of the pristine backbone (as a user would load the export)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(copy.deepcopy(pristine), str(out_dir)).eval()
+
+
+# -- entry point ------------------------------------------------------------------------------------------------
+def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", rank: int | None = None,
+               task=None) -> dict[str, Any]:
+    """Export the global model of the run in ``run_dir`` to ``out_dir``; returns the report (also written to
+    ``out_dir/export.json``).
+
+    Args:
+        format: ``"peft"`` (LoRA adapter) or ``"merged"`` (full model, transformers ``save_pretrained``).
+        rank: for ``"peft"``: re-factorise each target's total update to this rank by truncated SVD (required
+            when the run's update is not a LoRA; allowed for any run, e.g. to compress a LoRA).
+        task: the run's task, to reuse (tests); built from the run's config when ``None``.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"--format must be one of {FORMATS}, got {format!r}")
+    if rank is not None and format != "peft":
+        raise ValueError("--rank applies to --format peft only (a merged model has no rank)")
+    sim = load_global_simulation(run_dir, task)
+    model, pristine = sim.model, sim.task.build_model().net.eval()
+    out_dir = Path(out_dir)
+    report: dict[str, Any] = {"run_dir": str(run_dir), "method": sim.method.name, "round": sim.round,
+                              "format": format, "out_dir": str(out_dir)}
+    if format == "merged":
+        net = merged_net(model, pristine)
+        if not hasattr(net, "save_pretrained"):
+            raise ValueError(f"--format merged needs a transformers model; this task's model is a {type(net).__name__}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        net.save_pretrained(str(out_dir))
+        exported = type(net).from_pretrained(str(out_dir)).eval()
+    else:
+        reason = not_lora_reason(model) if rank is None else None
+        if reason is not None:
+            raise ValueError(f"method {sim.method.name!r}: the global update is not a rank-r LoRA ({reason}); "
+                             f"export it with --format peft --rank R (truncated-SVD re-factorisation of each "
+                             f"target's total update, with its error reported) or with --format merged")
+        outside = _outside_update(model, pristine)
+        if outside:
+            raise ValueError(f"method {sim.method.name!r} changed parameters outside the targets and the head "
+                             f"({', '.join(outside[:5])}), which a LoRA adapter cannot carry; use --format merged")
+        if rank is None:
+            factors, alpha, rule = _lora_from_run(model)
+            report["svd"] = False
+        else:
+            alpha, rule = sim.cfg.lora.alpha, sim.cfg.lora.scaling
+            factors, errors, overall = _lora_by_svd(model, pristine, rank, alpha, rule)
+            report.update(svd=True, rel_error=errors, rel_error_overall=overall)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        report["peft"] = _save_peft(model, pristine, factors, alpha, rule, out_dir)
+        exported = load_peft(pristine, out_dir)
+    report["check"] = {"run": sim.task.evaluate(model.net), "exported": sim.task.evaluate(exported)}
+    report["files"] = sorted(p.name for p in out_dir.iterdir()) + [REPORT_FILE]
+    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1))
+    return report
+
+
+__all__ = [
+    "FORMATS",
+    "effective_weight",
+    "export_run",
+    "head_modules",
+    "load_global_simulation",
+    "load_peft",
+    "merged_net",
+    "merged_state_dict",
+    "not_lora_reason",
+    "svd_factors",
+]
