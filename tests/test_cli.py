@@ -16,6 +16,7 @@ def test_run_writes_metrics_ledger_and_config(tmp_path, capsys):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["method"]["name"] == "fedit" and cfg["run"]["rounds"] == 2
     assert len(json.loads((out / "partition.json").read_text())["label_histograms"]) == 4
+    assert (out / "partition.png").stat().st_size > 1000
 
 
 def test_compare_writes_table_and_plots(tmp_path, capsys):

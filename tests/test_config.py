@@ -58,3 +58,13 @@ def test_heterogeneous_ranks_dealt_round_robin():
     assert cfg.client_ranks() == [2, 2, 2, 2]
     cfg.lora.ranks = [1, 2]
     assert cfg.client_ranks() == [1, 2, 1, 2]
+
+
+def test_bundled_configs_validate_with_every_compared_method():
+    from fedlowrank.config import bundled_configs
+
+    assert {"main", "tiny", "agnews"} <= set(bundled_configs())
+    for name in bundled_configs():
+        cfg = load_config(name)
+        for method in cfg.compare.methods:
+            load_config(name, [f"method.name={method}", *cfg.compare.overrides.get(method, [])])

@@ -31,6 +31,7 @@ import torch
 from ..message import Message, Reply, State
 from ..methods import get_method
 from ..partition import format_histograms, label_histograms, partition
+from ..plots import plot_label_histograms
 from ..tasks import Task, build_task
 from ..seeding import numpy_rng
 from .checkpoint import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -110,8 +111,9 @@ class Simulation:
         if self.task.train_labels is not None:
             hist = label_histograms(self.task.train_labels, self.parts, int(self.task.train_labels.max()) + 1)
             report["label_histograms"] = hist.tolist()
+            names = getattr(getattr(self.task, "data", None), "label_names", None)
+            plot_label_histograms(hist, self.run_dir / "partition.png", names)
             if self.log:
-                names = getattr(getattr(self.task, "data", None), "label_names", None)
                 self.log("per-client label counts:\n" + format_histograms(hist, names))
         (self.run_dir / "partition.json").write_text(json.dumps(report, indent=1))
         for name in ("metrics.jsonl", "ledger.jsonl"):
