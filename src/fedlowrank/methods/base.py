@@ -24,7 +24,7 @@ from ..adapters.lora import attach_lora, init_lora_factors, lora_modules
 from ..adapters.model import AdaptedModel
 from ..message import Message, Reply, State
 from ..seeding import torch_generator
-from ..training.corrections import ClientCorrection, make_corrections
+from ..training.corrections import ClientCorrection, fit_with_corrections, make_corrections
 
 
 @dataclass
@@ -135,6 +135,21 @@ class Method:
         return self.__dict__.pop("_metrics", {})
 
     # -- shared helpers ------------------------------------------------------------------------------
+    def composed_corrections(self) -> list[ClientCorrection]:
+        """The client corrections composed on this method (``correction`` option; none by default)."""
+        return self.__dict__.get("_corrections", [])
+
+    def correction_broadcast(self, server: State, msg: Message) -> Message:
+        """``msg`` plus what the corrections send down (e.g. SCAFFOLD's control variate)."""
+        for c in self.composed_corrections():
+            msg.update(c.broadcast(server))
+        return msg
+
+    def correction_upload_keys(self, trained: Iterable[str]) -> set[str]:
+        """What the corrections add to a reply, given the trained tensors' keys."""
+        trained = list(trained)
+        return {key for c in self.composed_corrections() for key in c.upload_keys(trained)}
+
     @classmethod
     def options(cls) -> dict[str, Any]:
         """The method's options (dataclass fields) with their defaults."""
@@ -254,15 +269,8 @@ class LoRAMethod(Method):
         """
         self.load_message(model, msg)
         params = self.trainable(model, factors)
-        model.set_trainable(params)
-        state = State(state)
-        for c in self._corrections:
-            c.start(msg, state, params)
-        result = trainer.fit(model, params, corrections=self._corrections)
-        extra = Message()
-        for c in self._corrections:
-            extra.update(c.finish(params, state, result))
-        return params, extra, state, result.loss
+        result, extra, state = fit_with_corrections(self._corrections, model, msg, state, params, trainer)
+        return params, Message(extra), state, result.loss
 
     def reply(self, params: dict[str, nn.Parameter], keys: Iterable[str], extra: Message, trainer,
               loss: float) -> Message:
@@ -283,11 +291,6 @@ class LoRAMethod(Method):
         for c in self._corrections:
             c.aggregate(server, replies, self.info.num_clients)
 
-    def correction_broadcast(self, server: State, msg: Message) -> Message:
-        for c in self._corrections:
-            msg.update(c.broadcast(server))
-        return msg
-
     def global_tensors(self, server: State, keys: Iterable[str]) -> Message:
         return Message({k: server[k] for k in keys})
 
@@ -302,7 +305,7 @@ class LoRAMethod(Method):
         """The factors trained this round as named in the download, the head, and the corrections' uploads."""
         factors = tuple(f".lora_{f}" for f in self.factors_to_train(rnd))
         trained = [k for k in down.tensors() if (k.endswith(factors) and "/" not in k) or k.startswith("head/")]
-        return set(trained) | {key for c in self._corrections for key in c.upload_keys(trained)}
+        return set(trained) | self.correction_upload_keys(trained)
 
     def load_global(self, model: AdaptedModel, server: State) -> None:
         self.load_message(model, Message(server))

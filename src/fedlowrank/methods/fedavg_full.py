@@ -14,7 +14,7 @@ from torch import nn
 
 from ..adapters.model import AdaptedModel
 from ..message import Message, State
-from ..training.corrections import make_corrections
+from ..training.corrections import fit_with_corrections, make_corrections
 from . import register
 from .base import Method, SetupInfo, head_tensors, load_head, weighted_sum
 
@@ -58,26 +58,18 @@ class FedAvgFull(Method):
         load_head(model, server)
 
     def broadcast(self, server: State, client: int, rnd: int) -> Message:
-        msg = Message({k: server[k] for k in self.weight_keys(server)})
-        for c in self._corrections:
-            msg.update(c.broadcast(server))
-        return msg
+        return self.correction_broadcast(server, Message({k: server[k] for k in self.weight_keys(server)}))
 
     def reply_keys(self, down, rnd):
         trained = self.weight_keys(down)
-        return set(trained) | {key for c in self._corrections for key in c.upload_keys(trained)}
+        return set(trained) | self.correction_upload_keys(trained)
 
     def train(self, model, msg, state, trainer):
         self.load_global(model, msg)
         params = self.trainable(model)
-        model.set_trainable(params)
-        state = State(state)
-        for c in self._corrections:
-            c.start(msg, state, params)
-        result = trainer.fit(model, params, corrections=self._corrections)
+        result, extra, state = fit_with_corrections(self._corrections, model, msg, state, params, trainer)
         reply = Message({k: p.detach().clone() for k, p in params.items()})
-        for c in self._corrections:
-            reply.update(c.finish(params, state, result))
+        reply.update(extra)
         reply.update(num_examples=trainer.num_examples, train_loss=result.loss)
         return reply, state
 

@@ -28,6 +28,7 @@ from ..linalg.ajive import IDENTIFIABILITY, ajive_combine
 from ..linalg.projectors import canonical, projection_side
 from ..message import Message, Reply, State
 from ..seeding import derive_seed
+from ..training.corrections import fit_with_corrections
 from ..training.galore import LOADED, PROJECTORS, V_REPROJECT, GaLore, seeded_basis
 from . import register
 from .base import SetupInfo, weighted_sum
@@ -147,10 +148,6 @@ class FedGaLore(FedAvgFull):
     def train(self, model, msg, state, trainer):
         self.load_global(model, msg)
         params = self.trainable(model)
-        model.set_trainable(params)
-        state = State(state)
-        for c in self._corrections:
-            c.start(msg, state, params)
         names = list(model.target_names)
         cfg = trainer.cfg
         if self.state_sync != "none" and cfg.optimizer not in ("adam", "adamw"):
@@ -183,15 +180,14 @@ class FedGaLore(FedAvgFull):
             built.append(opt)
             return opt
 
-        result = trainer.fit(model, params, corrections=self._corrections, optimizer=factory)
+        result, extra, state = fit_with_corrections(self._corrections, model, msg, state, params, trainer, factory)
         opt = built[-1]
         if self.upload == "segments":
             reply = Message({k: p.detach().clone() for k, p in params.items() if k.startswith("head/")})
             reply.update(self.segment_payload(opt, params, names, svd_refreshes))
         else:
             reply = Message({k: p.detach().clone() for k, p in params.items()})
-        for c in self._corrections:
-            reply.update(c.finish(params, state, result))
+        reply.update(extra)
         if self.state_sync != "none":
             index = LOADED
             for n in names:

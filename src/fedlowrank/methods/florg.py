@@ -37,7 +37,7 @@ from ..adapters.model import AdaptedModel
 from ..linalg.gram import GRAM_DECOMPOSITIONS, aggregate_gram, gram_distance, stack_gram_factors
 from ..message import Message, State
 from ..seeding import torch_generator
-from ..training.corrections import make_corrections
+from ..training.corrections import fit_with_corrections, make_corrections
 from . import register
 from .base import Method, SetupInfo, head_tensors, load_head, weighted_sum
 
@@ -133,26 +133,18 @@ class FLoRG(Method):
         return params
 
     def broadcast(self, server: State, client: int, rnd: int) -> Message:
-        msg = Message({k: server[k] for k in self.model_keys(server)})
-        for c in self._corrections:
-            msg.update(c.broadcast(server))
-        return msg
+        return self.correction_broadcast(server, Message({k: server[k] for k in self.model_keys(server)}))
 
     def reply_keys(self, down: Message, rnd: int) -> set[str]:
         trained = self.model_keys(down)
-        return set(trained) | {key for c in self._corrections for key in c.upload_keys(trained)}
+        return set(trained) | self.correction_upload_keys(trained)
 
     def train(self, model, msg, state, trainer):
         self.load_global(model, msg)
         params = self.trainable(model)
-        model.set_trainable(params)
-        state = State(state)
-        for c in self._corrections:
-            c.start(msg, state, params)
-        result = trainer.fit(model, params, corrections=self._corrections)
+        result, extra, state = fit_with_corrections(self._corrections, model, msg, state, params, trainer)
         reply = Message({k: p.detach().clone() for k, p in params.items()})
-        for c in self._corrections:
-            reply.update(c.finish(params, state, result))
+        reply.update(extra)
         reply.update(num_examples=int(trainer.num_examples), train_loss=float(result.loss))
         return reply, state
 

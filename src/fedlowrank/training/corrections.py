@@ -136,3 +136,21 @@ def make_corrections(spec: str, mu: float = 0.01) -> list[ClientCorrection]:
         out.append(Scaffold())
     return out
 
+
+
+def fit_with_corrections(corrections: list[ClientCorrection], model, msg: Message, state: State,
+                         params: dict[str, nn.Parameter], trainer, optimizer=None):
+    """Train ``params`` (already loaded into ``model``) with the composed corrections.
+
+    Runs the corrections' ``start`` hooks, ``trainer.fit``, then their ``finish`` hooks. Returns
+    ``(fit result, extra reply entries from the corrections, the client's new state)``.
+    """
+    model.set_trainable(params)
+    state = State(state)
+    for c in corrections:
+        c.start(msg, state, params)
+    result = trainer.fit(model, params, corrections=corrections, optimizer=optimizer)
+    extra: dict[str, torch.Tensor] = {}
+    for c in corrections:
+        extra.update(c.finish(params, state, result))
+    return result, extra, state
