@@ -60,6 +60,13 @@ def cmd_run(args) -> int:
     from .runtime.simulator import Simulation
 
     cfg = load_config(args.config, args.set)
+    if args.vectorized:
+        from .runtime.vectorized import run_vectorized
+
+        result = run_vectorized(cfg, log=None if args.quiet else _log)
+        print(json.dumps({"method": result.method, "rounds": result.rounds, "seconds": result.seconds,
+                          "diverged_at": result.diverged_at, **result.final}, indent=1))
+        return 0
     run_dir = Path(args.out) if args.out else _run_dir(cfg, cfg.method_name)
     sim = Simulation(cfg, run_dir=run_dir, log=None if args.quiet else _log)
     return _finish(sim, run_dir)
@@ -171,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("run", help="run one method")
     common(sp)
+    sp.add_argument("--vectorized", action="store_true",
+                    help="batched rounds for closed-form tasks (matrix-regression) and methods with a batched_round")
     sp.set_defaults(func=cmd_run)
     sp = sub.add_parser("compare", help="compare methods on the same partition, seeds and budget")
     common(sp)

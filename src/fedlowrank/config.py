@@ -42,7 +42,7 @@ class RunSection:
     dropout: float = 0.0
     dropout_schedule: list[list[int]] = field(default_factory=list)
     stop_metric: str = ""
-    stop_above: float = 0.0
+    stop_above: float = float("inf")
 
 
 @dataclass

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ..adapters.model import AdaptedModel
-from ..message import Message, State
+from ..message import Message, Reply, State
 from ..training.corrections import fit_with_corrections, make_corrections
 from . import register
 from .base import Method, SetupInfo, head_tensors, load_head, weighted_sum
@@ -81,3 +82,32 @@ class FedAvgFull(Method):
         for c in self._corrections:
             c.aggregate(new, replies, self.info.num_clients)
         return new
+
+    def batched_round(self, model: AdaptedModel, server: State, clients: torch.Tensor, oracle, rnd: int) -> State:
+        """Hook of :mod:`fedlowrank.runtime.vectorized`: Full-FedAvg / Full-SCAFFOLD is SSF's round (:mod:`.ssf`)
+        with ``P = I``. In this mode every client's control lives in the server state
+        (``scaffold.ci/<key> [N, ...]``), as the vectorised runner keeps no per-client store."""
+        from .ssf import local_sgd, scaffold_control_step, server_model_step
+
+        if self.correction not in ("none", "scaffold") or model.head_names:
+            raise ValueError("method.correction: the vectorised fedavg-full supports 'none' or 'scaffold' on "
+                             f"target layers only; got {self.correction!r}")
+        server = State(server)
+        keys = {n: f"{n}.weight" for n in model.target_names}
+        corr = {}
+        for n, k in keys.items():
+            w = server[k]
+            if self.correction == "scaffold":
+                ci = server.setdefault(f"scaffold.ci/{k}", torch.zeros(self.info.num_clients, *w.shape, dtype=w.dtype))
+                corr[n] = server[f"scaffold.c/{k}"] - ci[clients]
+            else:
+                corr[n] = torch.zeros(len(clients), *w.shape, dtype=w.dtype)
+        coef, gbar = local_sgd({n: server[k] for n, k in keys.items()}, dict.fromkeys(keys), corr, oracle)
+        weights = self.client_weights([Reply(int(i), self.info.client_sizes[int(i)], Message()) for i in clients])
+        for n, k in keys.items():
+            server[k], _ = server_model_step(server[k], None, coef[n], weights, self.info.server_lr)
+            if self.correction == "scaffold":
+                ci = server[f"scaffold.ci/{k}"]
+                server[f"scaffold.c/{k}"], ci[clients] = scaffold_control_step(
+                    server[f"scaffold.c/{k}"], ci[clients], None, gbar[n], self.info.num_clients, "scaffold")
+        return server

@@ -90,7 +90,8 @@ class Scaffold(ClientCorrection):
 
     def init_server(self, server: State, shapes: dict[str, tuple[int, ...]]) -> None:
         for k, shape in shapes.items():
-            server[self.prefix_c + k] = torch.zeros(shape)
+            like = server.get(k)  # controls in the trained tensor's dtype (float64 for the matrix regression)
+            server[self.prefix_c + k] = torch.zeros(shape, dtype=like.dtype if isinstance(like, torch.Tensor) else None)
 
     def broadcast(self, server: State) -> dict[str, torch.Tensor]:
         return {k: v for k, v in server.items() if k.startswith(self.prefix_c)}

@@ -1,0 +1,545 @@
+"""SSF — Subspace SCAFFOLD with residual backfill (Zhu, Huang, Xu, Li, arXiv:2604.25467, Algorithm 1) — and
+FedSub (Zhang, Xu, Yuan, arXiv:2509.05213, as specified in specs/ssf.md §5), on the same footing.
+
+Layout ``[out, in]`` (``nn.Linear``); the paper's ``X [d, m]`` is ``Wᵀ`` with ``d = in``, ``m = out``. Each target
+layer ℓ gets a shared Haar-random orthonormal projector ``P [r, in]`` (``P Pᵀ = I_r``) from the run seed, the
+projector epoch ``e = rnd // refresh_every`` and ℓ (spec §2.2). Adapter form (spec §2.10): the effective
+weight is ``W + Y P`` with ``W`` frozen for the round and trainable coefficients ``Y [out, r]`` starting at 0,
+so autograd returns the projected gradient ``∂L/∂Y = G Pᵀ`` and never forms a dense weight gradient.
+
+SSF round (eq. 5–7; partial participation by spec §2.4), client i of the S sampled, K local SGD steps η::
+
+    corrᵢ = (c − cᵢ) Pᵀ                                     [out, r]  (constant in the round)
+    Y ← Y − η (G(W + Y P) Pᵀ + corrᵢ)                      K times (C3); residual W(I − PᵀP) frozen
+    ḡᵢ = (1/K) Σ_k G_k Pᵀ,  Δcᵢ = ḡᵢ − cᵢ Pᵀ,  cᵢ ← cᵢ + Δcᵢ P          (eq. 7: refresh only the subspace)
+    W ← W + η_g (Σ pᵢ Yᵢ) P                                 (projected FedAvg + backfill, eq. 5)
+    c ← c + (1/N) Σ Δcᵢ P   ("scaffold": keeps c = mean_i cᵢ)   or   c ← c(I − PᵀP) + (mean ḡᵢ) P   ("sample_mean")
+
+FedSub round: ``Y ← Y − η G Pᵀ − Λᵢ/K`` (i.e. correction ``Λᵢ/(Kη)``), ``B̄ = Σ pᵢ Yᵢ``, ``W ← W + η_g B̄ P``,
+``Λᵢ ← Λᵢ + Yᵢ − B̄`` for the participants; at a projector refresh every dual is re-expressed in the new basis,
+``Λ ← Λ P_old P_newᵀ`` (``dual_transfer = "rotate"``). Default refresh every 5 rounds (paper Table 1).
+
+Non-projected trainable tensors (the head) use ``P = I``: full SCAFFOLD (SSF, ``head_update = "scaffold"``) or
+FedAvg. Full-SCAFFOLD/Full-FedAvg are the same maths with ``P = I`` (:func:`project`/:func:`lift` accept
+``None``); this is how ``fedavg-full`` can share :func:`local_sgd` and the server steps.
+
+State (simulation mode, as in the paper's implementation, spec A14): the server holds ``w/<key>`` (the global
+weight), for SSF ``c/<key>`` and every client's ``ci/<key> [N, ...]`` (full size, host memory), for FedSub
+``dual/<layer> [N, out, r]``. A client keeps only its copy of the model (``w/<layer>``, ``synced``), which it
+brings up to date from the increments ``η_g B̄ [out, r]`` of the rounds it missed, or from the full weight when
+that is no larger (spec §2.7 "catch-up"); with full participation the download is one increment per round.
+Per participant per round and layer, in floats:
+
+    SSF     down: increment (rm) + corrᵢ (rm) + round index;           up: Yᵢ (rm) + ḡᵢ (rm)   = 4rm
+    FedSub  down: increment (rm) + Λᵢ (rm);                              up: Yᵢ (rm)             = 3rm
+
+(plus rm per extra missed round, capped at dm, under partial participation). The pure batched functions
+below (leading client dimension S) are the whole maths: the methods' per-client contract
+(``broadcast``/``train``/``aggregate``) and :meth:`SubspaceMethod.batched_round`, the hook of
+:mod:`fedlowrank.runtime.vectorized`, both call them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..adapters.model import AdaptedLinear, AdaptedModel
+from ..linalg.projectors import random_basis
+from ..message import Message, Reply, State
+from ..seeding import torch_generator
+from ..training.corrections import ClientCorrection
+from . import register
+from .base import Method, SetupInfo, head_tensors, load_head
+
+CONTROL_UPDATES = ("scaffold", "sample_mean")
+CONTROLS = ("full", "none")
+HEAD_UPDATES = ("scaffold", "fedavg")
+DUAL_TRANSFERS = ("rotate", "none", "reset")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pure maths (leading client dimension S where a tensor is per client)
+# ---------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=256)
+def projector(seed: int, epoch: int, layer: int, dim: int, rank: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Shared projector ``P [rank, dim]`` of layer ``layer`` in projector epoch ``epoch``: Haar-random orthonormal
+    rows (QR of a float64 Gaussian, sign-fixed; spec §2.2), identical on every party. Do not modify in place."""
+    return random_basis(dim, rank, torch_generator(seed, "subspace-projector", epoch, layer), dtype).T.contiguous()
+
+
+def project(x: torch.Tensor, P: torch.Tensor | None) -> torch.Tensor:
+    """``[..., out, in] → [..., out, r]``: ``x Pᵀ`` (the paper's ``P x``); identity when ``P`` is None."""
+    return x if P is None else x @ P.T
+
+
+def lift(y: torch.Tensor, P: torch.Tensor | None) -> torch.Tensor:
+    """``[..., out, r] → [..., out, in]``: ``y P`` (the paper's ``Pᵀ y``); identity when ``P`` is None."""
+    return y if P is None else y @ P
+
+
+class BatchedOracle(Protocol):
+    """Minibatch gradients of the round's S clients at once (built by :mod:`fedlowrank.runtime.vectorized`)."""
+
+    steps: int   # K
+    lr: float    # η_l
+
+    def grad(self, weights: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+        """``{key: W [S, out, in]}`` → ``{key: ∇f_i(W_i; ξ_i^step) [S, out, in]}``."""
+        ...
+
+
+def local_sgd(start: dict[str, torch.Tensor], proj: dict[str, torch.Tensor | None], corr: dict[str, torch.Tensor],
+              oracle: BatchedOracle) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """K corrected SGD steps of S clients in the subspace (Alg. 1 C2–C3), all clients at once.
+
+    Args:
+        start: global weights ``W [out, in]`` per key (frozen during the round: the backfilled residual).
+        proj: ``P [r, in]`` per key, or None for a full-dimensional tensor.
+        corr: the constant correction per key ``[S, out, r]`` (SSF ``(c − cᵢ)Pᵀ``, FedSub ``Λᵢ/(Kη)``, zeros).
+    Returns:
+        ``Y_K [S, out, r]`` (the coefficients moved from 0) and ``ḡ = (1/K) Σ_k G_k Pᵀ [S, out, r]``.
+    """
+    coef = {k: torch.zeros_like(c) for k, c in corr.items()}
+    acc = {k: torch.zeros_like(c) for k, c in corr.items()}
+    for step in range(oracle.steps):
+        grads = oracle.grad({k: start[k] + lift(coef[k], proj[k]) for k in start}, step)
+        for k, g in grads.items():
+            gp = project(g, proj[k])
+            acc[k] += gp
+            coef[k].sub_(gp.add_(corr[k]), alpha=oracle.lr)
+    return coef, {k: a / oracle.steps for k, a in acc.items()}
+
+
+def server_model_step(w: torch.Tensor, proj: torch.Tensor | None, coef: torch.Tensor, weights: torch.Tensor,
+                      server_lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Projected averaging and backfill (Alg. 1 S4–S5): ``inc = η_g Σ pᵢ Yᵢ [out, r]``, ``W ← W + inc P``.
+
+    Returns ``(W_new [out, in], inc [out, r])``; the residual ``W(I − PᵀP)`` is untouched.
+    """
+    inc = server_lr * torch.einsum("s,s...->...", weights.to(coef.dtype), coef)
+    return w + lift(inc, proj), inc
+
+
+def scaffold_control_step(c: torch.Tensor, ci: torch.Tensor, proj: torch.Tensor | None, gbar: torch.Tensor,
+                          num_clients: int, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Control refresh on the active subspace (eq. 6–7, spec §2.4) for the S participants.
+
+    ``c [out, in]``, ``ci [S, out, in]`` (the participants' controls), ``gbar [S, out, r]`` (mean projected
+    gradients). Returns ``(c_new, ci_new)``. ``rule = "scaffold"``: ``c += (1/N) Σ Δcᵢ P`` (keeps c = mean cᵢ);
+    ``"sample_mean"``: ``c ← c(I − PᵀP) + (mean ḡᵢ) P`` (eq. 6 read literally on the sample).
+    """
+    dc = gbar - project(ci, proj)
+    ci_new = ci + lift(dc, proj)
+    if rule == "scaffold":
+        return c + lift(dc.sum(0), proj) / num_clients, ci_new
+    return c + lift(gbar.mean(0) - project(c, proj), proj), ci_new
+
+
+def fedsub_correction(dual: torch.Tensor, steps: int, lr: float) -> torch.Tensor:
+    """FedSub's step ``Y ← Y − η g − Λ/K`` written as a corrected gradient: ``corr = Λ / (K η)``."""
+    return dual / (steps * lr)
+
+
+def fedsub_dual_step(dual: torch.Tensor, coef: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``Λᵢ ← Λᵢ + Yᵢ − B̄`` for the participants (``dual, coef [S, out, r]``, ``B̄ = Σ pᵢ Yᵢ``)."""
+    return dual + coef - torch.einsum("s,s...->...", weights.to(coef.dtype), coef)
+
+
+def rotate_duals(dual: torch.Tensor, p_old: torch.Tensor, p_new: torch.Tensor, transfer: str) -> torch.Tensor:
+    """Duals ``[..., out, r]`` at a projector refresh: ``Λ P_old P_newᵀ`` (rotate), unchanged (none) or 0 (reset)."""
+    if transfer == "rotate":
+        return project(lift(dual, p_old), p_new)
+    return dual if transfer == "none" else torch.zeros_like(dual)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# adapter and client-side correction
+# ---------------------------------------------------------------------------------------------------------
+class SubspaceLinear(AdaptedLinear):
+    """``y = x (W0 + base_delta)ᵀ + (x Pᵀ) Yᵀ + bias``: frozen projector ``P [r, in]`` (LoRA's A), trainable
+    coefficients ``Y [out, r]`` (LoRA's B, zero at the start of each round). The global weight ``W`` is carried
+    as ``base_delta = W − W0`` (the backfill is counted, saved and exported like any base delta)."""
+
+    def __init__(self, base: nn.Linear, rank: int):
+        super().__init__(base)
+        dtype = base.weight.dtype
+        self.register_buffer("proj", torch.zeros(rank, base.in_features, dtype=dtype))
+        self.coef = nn.Parameter(torch.zeros(base.out_features, rank, dtype=dtype))
+
+    def reset(self, proj: torch.Tensor) -> None:
+        """Start a round in the subspace of ``proj [r, in]``: ``Y = 0``."""
+        self.proj = proj.to(self.base.weight.dtype)
+        with torch.no_grad():
+            self.coef.zero_()
+
+    def adapter_delta(self) -> torch.Tensor:
+        return self.coef @ self.proj
+
+    def adapter_output(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.proj), self.coef)
+
+
+class _CorrectedGradient(ClientCorrection):
+    """Adds the round's constant correction to each gradient and accumulates the raw (projected) gradients."""
+
+    name = "subspace-correction"
+
+    def __init__(self, corr: dict[str, torch.Tensor]):
+        self.corr = corr
+        self.total: dict[str, torch.Tensor] = {}
+
+    def grad(self, params: dict[str, nn.Parameter]) -> None:
+        for k, p in params.items():
+            if p.grad is None:
+                continue
+            if k in self.total:
+                self.total[k] += p.grad
+            else:
+                self.total[k] = p.grad.detach().clone()
+            if k in self.corr:
+                p.grad.add_(self.corr[k])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# methods
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class SubspaceMethod(Method):
+    """What SSF and FedSub share: per-layer shared projectors, the subspace adapter, the model catch-up, the
+    per-client contract and the vectorised round. Subclasses give the correction and the server update.
+
+    Options:
+        rank: subspace dimension r of every target layer (0 = ``lora.rank``), capped to the layer's ``in``.
+        ratio: if > 0, ``r_ℓ = round(ratio · in_ℓ)`` per layer instead (spec §2.10), at least 1.
+        refresh_every: new projectors every this many rounds (projector epoch ``rnd // refresh_every``).
+    """
+
+    rank: int = 0
+    ratio: float = 0.0
+    refresh_every: int = 1
+
+    needs_individual_replies: ClassVar[bool] = True
+    uploads_gradients: ClassVar[bool] = False   # whether replies carry ḡᵢ (``g/<key>``)
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"method.rank must be >= 0 (0 = lora.rank), got {self.rank}")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"method.ratio must be in [0, 1] (0 = use rank), got {self.ratio}")
+        if self.refresh_every < 1:
+            raise ValueError(f"method.refresh_every must be >= 1, got {self.refresh_every}")
+
+    # -- set-up ------------------------------------------------------------------------------------------
+    def layer_rank(self, dim: int) -> int:
+        r = round(self.ratio * dim) if self.ratio > 0 else (self.rank or self.info.rank)
+        return min(max(int(r), 1), dim)
+
+    def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
+        self.info = info
+        self._ranks = {n: self.layer_rank(model.base_linear(n).in_features) for n in model.target_names}
+        model.attach(lambda name, lin: SubspaceLinear(lin, self._ranks[name]))
+        self._layers = list(model.target_names)
+        self._index = {n: i for i, n in enumerate(self._layers)}
+        self._dims = {n: model.base_linear(n).in_features for n in self._layers}
+        self._dtype = model.base_linear(self._layers[0]).weight.dtype
+        server = State({f"w/{n}": model.base_linear(n).weight.detach().clone() for n in self._layers})
+        server.update({f"w/{k}": v for k, v in head_tensors(model).items()})
+        self._keys = [k[2:] for k in server]
+        # catch-up bookkeeping: model version, the version each client holds, retained increments
+        server.update({"version": 0, "sync.last": [0] * info.num_clients, "sync.hist": []})
+        longest = max(-(-self._dims[n] // self._ranks[n]) for n in self._layers)
+        self._history = longest * self.refresh_every
+        self.init_server(server)
+        return server
+
+    def init_server(self, server: State) -> None:
+        """Add the method's own server state."""
+        raise NotImplementedError
+
+    def epoch(self, rnd: int) -> int:
+        return rnd // self.refresh_every
+
+    def projectors(self, epoch: int) -> dict[str, torch.Tensor | None]:
+        """``P [r, in]`` per layer key (model dtype), None for the head keys."""
+        out: dict[str, torch.Tensor | None] = {k: None for k in self._keys}
+        for n in self._layers:
+            out[n] = projector(self.info.seed, epoch, self._index[n], self._dims[n], self._ranks[n], self._dtype)
+        return out
+
+    # -- the method's maths, per batch of clients ---------------------------------------------------------
+    def sent_corrections(self, server: State, clients: torch.Tensor, proj: dict, rnd: int) -> dict[str, torch.Tensor]:
+        """What the server sends each client to correct its steps, ``{key: [S, out, r]}`` (may omit keys)."""
+        raise NotImplementedError
+
+    def corrections(self, sent: dict[str, torch.Tensor], steps: int, lr: float) -> dict[str, torch.Tensor]:
+        """The constant gradient correction the client adds, from what it received."""
+        return sent
+
+    def apply(self, server: State, clients: torch.Tensor, weights: torch.Tensor, coef: dict[str, torch.Tensor],
+              gbar: dict[str, torch.Tensor], proj: dict, rnd: int) -> dict[str, torch.Tensor]:
+        """Server update from the participants' ``Yᵢ`` and ``ḡᵢ`` (``[S, ...]``); returns the layers' increments."""
+        raise NotImplementedError
+
+    def client_weights_of(self, clients: torch.Tensor) -> torch.Tensor:
+        return self.client_weights([Reply(int(k), self.info.client_sizes[int(k)], Message()) for k in clients])
+
+    # -- vectorised round (hook of runtime/vectorized.py) ------------------------------------------------
+    def batched_round(self, model: AdaptedModel, server: State, clients: torch.Tensor, oracle: BatchedOracle,
+                      rnd: int) -> State:
+        """One round for the S sampled ``clients`` at once with closed-form minibatch gradients.
+
+        Same maths as broadcast/train/aggregate (plain SGD local steps), without messages: the result is the
+        server state the contract would produce, except the catch-up bookkeeping (not advanced).
+        """
+        if any(k not in self._layers for k in self._keys):
+            raise ValueError(f"method {self.name!r}: the vectorised round supports target layers only, not a head")
+        server = State(server)
+        proj = self.projectors(self.epoch(rnd))
+        sent = self.sent_corrections(server, clients, proj, rnd)
+        corr = self.corrections(sent, oracle.steps, oracle.lr)
+        start = {k: server[f"w/{k}"] for k in self._keys}
+        corr = {k: corr[k] if k in corr else torch.zeros(len(clients), *project(start[k], proj[k]).shape,
+                                                         dtype=start[k].dtype) for k in self._keys}
+        coef, gbar = local_sgd(start, proj, corr, oracle)
+        self.apply(server, clients, self.client_weights_of(clients), coef, gbar, proj, rnd)
+        return server
+
+    # -- contract: server side ---------------------------------------------------------------------------
+    def broadcast(self, server: State, client: int, rnd: int) -> Message:
+        proj = self.projectors(self.epoch(rnd))
+        msg = self.sync_message(server, client)
+        msg["round"] = rnd
+        msg.update({f"w/{k}": server[f"w/{k}"] for k in self._keys if k not in self._layers})
+        sent = self.sent_corrections(server, torch.tensor([client]), proj, rnd)
+        msg.update({f"corr/{k}": v[0] for k, v in sent.items()})
+        return msg
+
+    def sync_message(self, server: State, client: int) -> Message:
+        """Catch-up of the client's model copy: per layer, the increments ``[out, r]`` of the versions it missed
+        (``sync/<layer>/<version>``, with their projector epochs in ``sync.epochs``), or the full weight
+        (``sync/<layer>/full``) when that is no larger or the history no longer holds them."""
+        version, last = int(server["version"]), int(server["sync.last"][client])
+        msg = Message({"sync.from": last, "sync.to": version})
+        if version == last:
+            return msg
+        hist = {int(v): int(e) for v, e in server["sync.hist"]}
+        kept = all(v in hist for v in range(last, version))
+        if kept:
+            msg["sync.epochs"] = [hist[v] for v in range(last, version)]
+        for n in self._layers:
+            if kept and (version - last) * self._ranks[n] < self._dims[n]:
+                msg.update({f"sync/{n}/{v}": server[f"inc/{v}/{n}"] for v in range(last, version)})
+            else:
+                msg[f"sync/{n}/full"] = server[f"w/{n}"]
+        return msg
+
+    def reply_keys(self, down: Message, rnd: int) -> set[str]:
+        keys = {f"dy/{k}" for k in self._keys}
+        if self.uploads_gradients:
+            keys |= {f"g/{k[5:]}" for k in down if k.startswith("corr/")}
+        return keys
+
+    def aggregate(self, server: State, replies: list[Reply], rnd: int) -> State:
+        server = State(server)
+        clients = torch.tensor([r.client for r in replies])
+        coef = {k: torch.stack([r.message[f"dy/{k}"] for r in replies]) for k in self._keys}
+        gbar = {k: torch.stack([r.message[f"g/{k}"] for r in replies]) for k in self._keys
+                if f"g/{k}" in replies[0].message}
+        proj = self.projectors(self.epoch(rnd))
+        inc = self.apply(server, clients, self.client_weights(replies), coef, gbar, proj, rnd)
+        self.record(server, clients.tolist(), inc, rnd)
+        return server
+
+    def record(self, server: State, clients: list[int], inc: dict[str, torch.Tensor], rnd: int) -> None:
+        """Advance the model version, remember who holds which version and keep the recent increments."""
+        version = int(server["version"])
+        for n, t in inc.items():
+            server[f"inc/{version}/{n}"] = t
+        last = list(server["sync.last"])
+        for k in clients:
+            last[k] = version
+        oldest = version + 1 - self._history
+        hist = [[v, e] for v, e in server["sync.hist"] if v >= oldest] + [[version, self.epoch(rnd)]]
+        for v, _ in server["sync.hist"]:
+            if v < oldest:
+                for n in self._layers:
+                    server.pop(f"inc/{v}/{n}", None)
+        server.update({"version": version + 1, "sync.last": last, "sync.hist": hist})
+
+    def load_global(self, model: AdaptedModel, server: State) -> None:
+        proj = self.projectors(0)
+        for n, mod in model.adapters().items():
+            mod.set_base_delta(server[f"w/{n}"] - mod.base.weight)
+            mod.reset(proj[n])
+        load_head(model, Message({k: server[f"w/{k}"] for k in self._keys if k not in self._layers}))
+
+    # -- contract: client side ---------------------------------------------------------------------------
+    def train(self, model: AdaptedModel, msg: Message, state: State, trainer) -> tuple[Message, State]:
+        cfg = getattr(trainer, "cfg", None)
+        if cfg is not None and cfg.optimizer != "sgd":
+            raise ValueError(f"train.optimizer: method {self.name!r} takes plain SGD local steps (the paper's); "
+                             f"set train.optimizer = 'sgd', got {cfg.optimizer!r}")
+        rnd = int(msg["round"])
+        proj = self.projectors(self.epoch(rnd))
+        state = self.catch_up(model, msg, state)
+        params: dict[str, nn.Parameter] = {}
+        for n, mod in model.adapters().items():
+            mod.set_base_delta(state[f"w/{n}"] - mod.base.weight)
+            mod.reset(proj[n])
+            params[n] = mod.coef
+        load_head(model, Message({k: msg[f"w/{k}"] for k in self._keys if k not in self._layers}))
+        params.update({f"head/{n}": p for n, p in model.head_parameters().items()})
+        start = {k: p.detach().clone() for k, p in params.items() if k not in self._layers}
+        model.set_trainable(params)
+        sent = {k[5:]: v for k, v in msg.items() if k.startswith("corr/")}
+        control = _CorrectedGradient(self.corrections(sent, trainer.num_steps, trainer.lr))
+        result = trainer.fit(model, params, corrections=[control])
+        reply = Message({f"dy/{k}": (p.detach() - start[k] if k in start else p.detach().clone())
+                         for k, p in params.items()})
+        if self.uploads_gradients:
+            reply.update({f"g/{k}": control.total[k] / result.steps for k in sent})
+        reply.update(num_examples=int(trainer.num_examples), train_loss=float(result.loss))
+        return reply, state
+
+    def catch_up(self, model: AdaptedModel, msg: Message, state: State) -> State:
+        """The client's model copy brought to the broadcast version (see :meth:`sync_message`). A client may be
+        ahead of what the server knows (a round whose aggregate was skipped): it skips what it already has."""
+        first, to = int(msg["sync.from"]), int(msg["sync.to"])
+        synced = int(state.get("synced", 0))
+        new = State({"synced": to})
+        for n in self._layers:
+            if f"sync/{n}/full" in msg:
+                new[f"w/{n}"] = msg[f"sync/{n}/full"].clone()
+                continue
+            if synced < first:
+                raise ValueError(f"method {self.name!r}: the client's model copy is at version {synced} but the "
+                                 f"increments start at version {first}")
+            w = state[f"w/{n}"] if f"w/{n}" in state else model.base_linear(n).weight.detach().clone()
+            for v in range(synced, to):
+                w = w + lift(msg[f"sync/{n}/{v}"], self.projectors(msg["sync.epochs"][v - first])[n])
+            new[f"w/{n}"] = w
+        return new
+
+
+@register
+@dataclass
+class SSF(SubspaceMethod):
+    """Options (besides rank, ratio, refresh_every):
+        control_update: ``"scaffold"`` (c += (1/N)ΣΔcᵢPᵀ..., keeps c = mean cᵢ) or ``"sample_mean"`` (spec A9).
+        controls: ``"full"`` (SSF) or ``"none"`` (ablation: subspace FedAvg with backfill, spec §2.6 item 7).
+        head_update: non-projected tensors (the head) with full SCAFFOLD (``"scaffold"``) or FedAvg.
+    """
+
+    name = "ssf"
+    description = "Subspace SCAFFOLD: shared random subspace per round, full-size controls, residual backfill"
+    paper = "Zhu et al., Subspace Optimization for Efficient Federated Learning under Heterogeneous Data (arXiv:2604.25467)"
+    uplink = "Y [out,r] and mean projected gradient [out,r] per target layer; head and its mean gradient"
+    downlink = "model increments [out,r] since last sync (or W), (c − cᵢ)Pᵀ [out,r] per layer; head, c − cᵢ of head"
+    uploads_gradients = True
+
+    control_update: str = "scaffold"
+    controls: str = "full"
+    head_update: str = "scaffold"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for option, value, allowed in (("control_update", self.control_update, CONTROL_UPDATES),
+                                       ("controls", self.controls, CONTROLS),
+                                       ("head_update", self.head_update, HEAD_UPDATES)):
+            if value not in allowed:
+                raise ValueError(f"method.{option} must be one of {allowed}, got {value!r}")
+
+    def controlled(self) -> list[str]:
+        if self.controls == "none":
+            return []
+        return [k for k in self._keys if k in self._layers or self.head_update == "scaffold"]
+
+    def init_server(self, server: State) -> None:
+        for k in self.controlled():
+            w = server[f"w/{k}"]
+            server[f"c/{k}"] = torch.zeros_like(w)
+            server[f"ci/{k}"] = torch.zeros(self.info.num_clients, *w.shape, dtype=w.dtype)
+
+    def sent_corrections(self, server, clients, proj, rnd):
+        return {k: project(server[f"c/{k}"] - server[f"ci/{k}"][clients], proj[k]) for k in self.controlled()}
+
+    def apply(self, server, clients, weights, coef, gbar, proj, rnd):
+        inc = {}
+        for k in self._keys:
+            server[f"w/{k}"], step = server_model_step(server[f"w/{k}"], proj[k], coef[k], weights, self.info.server_lr)
+            if k in self._layers:
+                inc[k] = step
+        for k in self.controlled():
+            ci = server[f"ci/{k}"]
+            server[f"c/{k}"], ci_new = scaffold_control_step(server[f"c/{k}"], ci[clients], proj[k], gbar[k],
+                                                             self.info.num_clients, self.control_update)
+            ci[clients] = ci_new   # in place: the N × size array is the clients' store (host memory)
+        return inc
+
+
+@register
+@dataclass
+class FedSub(SubspaceMethod):
+    """Options (besides rank, ratio): refresh_every (default 5, paper Table 1); dual_transfer at a refresh:
+    ``"rotate"`` (Λ ← Λ P_old P_newᵀ, FedSub's code), ``"none"`` (keep coordinates) or ``"reset"`` (Λ ← 0).
+    The head (if any) is averaged FedAvg-style."""
+
+    name = "fedsub"
+    description = "Subspace FedAvg with subspace-only duals rotated at each projector refresh"
+    paper = "Zhang, Xu, Yuan, An Efficient Subspace Algorithm for Federated Learning on Heterogeneous Data (arXiv:2509.05213)"
+    uplink = "Y [out,r] per target layer; head"
+    downlink = "model increments [out,r] since last sync (or W), dual Λᵢ [out,r] per layer; head"
+
+    refresh_every: int = 5
+    dual_transfer: str = "rotate"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dual_transfer not in DUAL_TRANSFERS:
+            raise ValueError(f"method.dual_transfer must be one of {DUAL_TRANSFERS}, got {self.dual_transfer!r}")
+
+    def init_server(self, server: State) -> None:
+        for n in self._layers:
+            w = server[f"w/{n}"]
+            server[f"dual/{n}"] = torch.zeros(self.info.num_clients, w.shape[0], self._ranks[n], dtype=w.dtype)
+        server["dual.epoch"] = 0
+
+    def duals_at(self, server: State, n: str, epoch: int, clients: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer ``n``'s duals (of ``clients``, or all) expressed in projector epoch ``epoch``: one rotation per
+        refresh since the stored epoch, as if every dual had been rotated at each refresh (spec A10)."""
+        dual = server[f"dual/{n}"] if clients is None else server[f"dual/{n}"][clients]
+        for e in range(int(server["dual.epoch"]), epoch):
+            dual = rotate_duals(dual, self.projectors(e)[n], self.projectors(e + 1)[n], self.dual_transfer)
+        return dual
+
+    def sent_corrections(self, server, clients, proj, rnd):
+        return {n: self.duals_at(server, n, self.epoch(rnd), clients) for n in self._layers}
+
+    def corrections(self, sent, steps, lr):
+        return {k: fedsub_correction(v, steps, lr) for k, v in sent.items()}
+
+    def apply(self, server, clients, weights, coef, gbar, proj, rnd):
+        epoch = self.epoch(rnd)
+        if int(server["dual.epoch"]) != epoch:
+            for n in self._layers:
+                server[f"dual/{n}"] = self.duals_at(server, n, epoch)
+            server["dual.epoch"] = epoch
+        inc = {}
+        for k in self._keys:
+            server[f"w/{k}"], step = server_model_step(server[f"w/{k}"], proj[k], coef[k], weights, self.info.server_lr)
+            if k in self._layers:
+                inc[k] = step
+                dual = server[f"dual/{k}"]
+                dual[clients] = fedsub_dual_step(dual[clients], coef[k], weights)
+        return inc
+
+
+__all__ = ["SSF", "FedSub", "SubspaceMethod", "SubspaceLinear", "BatchedOracle", "projector", "project", "lift",
+           "local_sgd", "server_model_step", "scaffold_control_step", "fedsub_correction", "fedsub_dual_step",
+           "rotate_duals"]

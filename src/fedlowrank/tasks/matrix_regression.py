@@ -1,0 +1,137 @@
+"""Synthetic federated matrix regression (SSF paper §5.1, eq. 130–136; recipe of specs/ssf.md §6.1).
+
+Client i holds ``A_i: [n, d]`` and ``B_i: [n, m]``; its loss is
+``f_i(X) = 1/(2n)·‖A_i X − B_i‖²_F + λ/2·‖X‖²_F`` and the global objective is ``F = (1/N) Σ_i f_i``.
+Heterogeneity is a per-client feature-mean shift: rows ``a_ij = μ_i + z_ij`` with ``μ_i ~ N(0, het²·I_d)``,
+``z_ij ~ N(0, I_d)``; labels ``B_i = A_i X_true + noise·N(0, 1)`` with one shared ``X_true ~ N(0, 1)^{d×m}``.
+``X*`` is the closed-form minimiser of F and the metric is ``RelErr(X) = ‖X − X*‖_F / ‖X*‖_F``.
+
+The model is an :class:`AdaptedModel` around one bias-free ``nn.Linear(d, m)`` (target ``"linear"``, no head)
+whose weight is ``Xᵀ: [m, d]`` (layout ``[out, in]``), initialised to 0 (so RelErr(X⁰) = 1). Every method of
+the project therefore trains X through the ordinary contract. The training set is the N·n rows in client
+order; :attr:`natural_partition` gives each row's client, so ``partition.kind = "natural"`` reproduces the
+paper's clients. For tasks like this one whose gradients are closed-form, :meth:`batched_grad` serves
+:mod:`fedlowrank.runtime.vectorized`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..adapters.model import AdaptedModel
+from .base import Task
+
+TARGET = "linear"
+
+
+class _Linear(nn.Module):
+    def __init__(self, d: int, m: int, dtype: torch.dtype):
+        super().__init__()
+        self.linear = nn.Linear(d, m, bias=False, dtype=dtype)
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return self.linear(a)
+
+
+def make_problem(seed: int, num_clients: int, dim: int, outputs: int, samples: int, het: float,
+                 ridge: float, noise: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Data and minimiser of spec §6.1 (numpy, float64): ``A [N, n, d]``, ``B [N, n, m]``, ``X* [d, m]``."""
+    rng = np.random.default_rng(seed)
+    x_true = rng.standard_normal((dim, outputs))
+    mu = het * rng.standard_normal((num_clients, dim))
+    A = rng.standard_normal((num_clients, samples, dim)) + mu[:, None, :]
+    B = A @ x_true + noise * rng.standard_normal((num_clients, samples, outputs))
+    H = np.einsum("inj,ink->jk", A, A) / (samples * num_clients) + ridge * np.eye(dim)
+    rhs = np.einsum("inj,ink->jk", A, B) / (samples * num_clients)
+    return A, B, np.linalg.solve(H, rhs)
+
+
+class MatrixRegression(Task):
+    """The federated matrix-regression task (config ``task.kind = "matrix-regression"``, options below).
+
+    Args:
+        num_clients: N (20); dim: d (100, the projected input dimension); outputs: m (10);
+        samples: n per client (50); het: std of the feature-mean shift (0.1 / 0.5 / 2.0 in the paper);
+        ridge: λ (0.1); noise: observation-noise std (0.01); data_seed: seed of the data (keep it fixed
+        across the methods of a comparison so that X* is shared); dtype: ``"float64"`` (default, needed for
+        the 1e-10 exactness checks) or ``"float32"``.
+
+    Metrics (:meth:`evaluate`): ``rel_error`` (NaN once X is non-finite) and ``objective`` F(X) − F(X*).
+    Divergence: stop a run with ``run.stop_metric = "rel_error"``, ``run.stop_above = 1e6`` (spec §6.1).
+    """
+
+    name = "matrix-regression"
+
+    def __init__(self, num_clients: int = 20, dim: int = 100, outputs: int = 10, samples: int = 50, het: float = 2.0,
+                 ridge: float = 0.1, noise: float = 0.01, data_seed: int = 0, dtype: str = "float64"):
+        for key, value in (("num_clients", num_clients), ("dim", dim), ("outputs", outputs), ("samples", samples)):
+            if int(value) < 1:
+                raise ValueError(f"task.options.{key} must be >= 1, got {value}")
+        if het < 0 or ridge < 0 or noise < 0:
+            raise ValueError("task.options.het, ridge and noise must be >= 0")
+        if dtype not in ("float64", "float32"):
+            raise ValueError(f"task.options.dtype must be one of ('float64', 'float32'), got {dtype!r}")
+        self.options = dict(num_clients=num_clients, dim=dim, outputs=outputs, samples=samples, het=het,
+                            ridge=ridge, noise=noise, data_seed=data_seed, dtype=dtype)
+        self.dtype = getattr(torch, dtype)
+        self.ridge = float(ridge)
+        A, B, x_star = make_problem(data_seed, num_clients, dim, outputs, samples, het, ridge, noise)
+        self.A = torch.from_numpy(A.reshape(num_clients * samples, dim)).to(self.dtype)   # [N·n, d]
+        self.B = torch.from_numpy(B.reshape(num_clients * samples, outputs)).to(self.dtype)  # [N·n, m]
+        self.x_star = torch.from_numpy(x_star)                                            # [d, m] float64
+        self.natural_partition = np.repeat(np.arange(num_clients), samples)
+        self._x_star_norm = float(self.x_star.norm())
+        self._f_star = self.objective(self.x_star)
+
+    @property
+    def num_train(self) -> int:
+        return self.A.shape[0]
+
+    def build_model(self) -> AdaptedModel:
+        return AdaptedModel(_Linear(self.A.shape[1], self.B.shape[1], self.dtype), [TARGET], [])
+
+    def batch(self, indices: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(indices), dtype=torch.long)
+
+    def loss(self, net: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        """``1/(2b)·‖A_b X − B_b‖² + λ/2·‖X‖²``; X is read through the net (``net(I_d) = X``), so any adapter works."""
+        d, b = self.A.shape[1], len(batch)
+        out = net(torch.cat([self.A[batch], torch.eye(d, dtype=self.dtype)]))
+        return 0.5 * ((out[:b] - self.B[batch]) ** 2).sum() / b + 0.5 * self.ridge * (out[b:] ** 2).sum()
+
+    def batched_grad(self, weights: dict[str, torch.Tensor], batches: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Minibatch gradients of S clients at once: ``W [S, m, d]``, ``batches [S, b]`` → ``∇_W [S, m, d]``.
+
+        ``g = (A_b Wᵀ − B_b)ᵀ A_b / b + λ W`` (the gradient of :meth:`loss` in the ``[out, in]`` layout).
+        """
+        W = weights[TARGET]
+        A, B = self.A[batches], self.B[batches]                        # [S, b, d], [S, b, m]
+        R = torch.baddbmm(B, A, W.mT, beta=-1.0)                       # A Wᵀ − B: [S, b, m]
+        return {TARGET: torch.baddbmm(W, R.mT, A, beta=self.ridge, alpha=1.0 / batches.shape[1])}
+
+    def weight(self, net: nn.Module) -> torch.Tensor:
+        """The model's X ``[d, m]`` (float64), read as ``net(I_d)`` whatever adapter is attached."""
+        with torch.no_grad():
+            return net(torch.eye(self.A.shape[1], dtype=self.dtype)).to(torch.float64)
+
+    def objective(self, x: torch.Tensor) -> float:
+        """F(X) for ``X [d, m]``."""
+        A, B = self.A.to(torch.float64), self.B.to(torch.float64)
+        # every client has n rows, so the mean over all rows is (1/N) Σ_i (1/n) Σ_j
+        return float(0.5 * ((A @ x - B) ** 2).sum(1).mean() + 0.5 * self.ridge * (x ** 2).sum())
+
+    def evaluate(self, net: nn.Module) -> dict[str, float]:
+        x = self.weight(net)
+        if not bool(torch.isfinite(x).all()):
+            return {"rel_error": math.nan, "objective": math.nan}
+        return {"rel_error": float((x - self.x_star).norm()) / self._x_star_norm,
+                "objective": self.objective(x) - self._f_star}
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "num_train": self.num_train, **self.options, "x_star_norm": self._x_star_norm}
