@@ -9,7 +9,7 @@
   (or its rank-R SVD re-factorisation) or a merged Hugging Face model.
 * ``fedlowrank methods`` — every registered method with its paper and payloads.
 
-CONFIG is a TOML file or the name of a bundled config (``main``, ``tiny``, ``agnews``).
+CONFIG is a TOML file or the name of a bundled config (``main``, ``tiny``, ``agnews``, ``matrix``).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
-        sp.add_argument("config", nargs="?", default=None, help="TOML file or bundled config name (main, tiny, agnews)")
+        sp.add_argument("config", nargs="?", default=None, help="TOML file or bundled config name (main, tiny, agnews, matrix)")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. lora.rank=4")
         sp.add_argument("--out", default=None, help="output directory (default: runs/<name>-...)")
         sp.add_argument("--quiet", action="store_true", help="no progress lines")

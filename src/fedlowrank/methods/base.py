@@ -272,6 +272,11 @@ class LoRAMethod(Method):
         result, extra, state = fit_with_corrections(self._corrections, model, msg, state, params, trainer)
         return params, Message(extra), state, result.loss
 
+    def train(self, model: AdaptedModel, msg: Message, state: State, trainer) -> tuple[Message, State]:
+        """FedIT's client: train the factors in ``trains`` and the head, reply with all of them."""
+        params, extra, state, loss = self.local_train(model, msg, state, trainer, self.trains)
+        return self.reply(params, params, extra, trainer, loss), state
+
     def reply(self, params: dict[str, nn.Parameter], keys: Iterable[str], extra: Message, trainer,
               loss: float) -> Message:
         msg = Message({k: params[k].detach().clone() for k in keys})

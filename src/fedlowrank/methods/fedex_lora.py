@@ -29,14 +29,12 @@ from ..adapters.lora import lora_scale
 from ..linalg.lowrank import stack_factors
 from ..message import Message, Reply, State
 from . import register
-from .base import LoRAMethod
-from .ranks import (download_factors, module_names, padded_average, rank_weights,
-                      refuse_scaffold_with_hetero_ranks)
+from .ranks import (HeteroRankLoRA, download_factors, module_names, padded_average, rank_weights)
 
 
 @register
 @dataclass
-class FedExLoRA(LoRAMethod):
+class FedExLoRA(HeteroRankLoRA):
     name = "fedex-lora"
     description = "FedIT averaging plus the exact residual Σpₖ sBₖAₖ − sB̄Ā folded into the base (dense download)"
     paper = ("Singhal et al., FedEx-LoRA: Exact Aggregation for Federated Parameter-Efficient Fine-Tuning of "
@@ -44,11 +42,6 @@ class FedExLoRA(LoRAMethod):
     uplink = "A_k [r_k,in] and B_k [out,r_k] per target module, head"
     downlink = "Ā[:r_k], B̄[:, :r_k] and the dense base delta [out,in] per target module (from round 2), head"
     needs_individual_replies = True
-    supports_heterogeneous_ranks = True
-
-    def setup(self, model, info):
-        refuse_scaffold_with_hetero_ranks(self, info)
-        return super().setup(model, info)
 
     def scale(self, rank: int) -> float:
         return lora_scale(self.info.alpha, rank, self.info.scaling)
@@ -66,10 +59,6 @@ class FedExLoRA(LoRAMethod):
     def broadcast(self, server: State, client: int, rnd: int) -> Message:
         msg = self.message_for_rank(server, download_factors(server, self.lora_keys(server), self.info, client))
         return self.correction_broadcast(server, msg)
-
-    def train(self, model, msg, state, trainer):
-        params, extra, state, loss = self.local_train(model, msg, state, trainer, ("A", "B"))
-        return self.reply(params, params, extra, trainer, loss), state
 
     def aggregate(self, server: State, replies: list[Reply], rnd: int) -> State:
         server = State(server)

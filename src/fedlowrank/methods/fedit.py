@@ -27,9 +27,6 @@ class FedIT(LoRAMethod):
         msg = self.global_tensors(server, self.lora_keys(server) + self.head_keys(server))
         return self.correction_broadcast(server, msg)
 
-    def train(self, model, msg, state, trainer):
-        params, extra, state, loss = self.local_train(model, msg, state, trainer, self.factors_to_train(0))
-        return self.reply(params, params, extra, trainer, loss), state
 
     def aggregate(self, server, replies, rnd):
         server = State(server)

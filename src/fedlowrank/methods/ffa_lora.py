@@ -21,8 +21,8 @@ from ..adapters.model import AdaptedModel
 from ..message import Message, State
 from ..seeding import torch_generator
 from . import register
-from .base import LoRAMethod, SetupInfo
-from .ranks import download_factors, module_names, padded_average, rank_weights, refuse_scaffold_with_hetero_ranks
+from .base import SetupInfo
+from .ranks import HeteroRankLoRA, download_factors, module_names, padded_average, rank_weights
 
 
 def frozen_A(model: AdaptedModel, info: SetupInfo) -> dict[str, torch.Tensor]:
@@ -34,19 +34,17 @@ def frozen_A(model: AdaptedModel, info: SetupInfo) -> dict[str, torch.Tensor]:
 
 @register
 @dataclass
-class FFALoRA(LoRAMethod):
+class FFALoRA(HeteroRankLoRA):
     name = "ffa-lora"
     description = "A frozen at a shared seeded init; only B (and the head) trained and averaged; exact"
     paper = "Sun et al., Improving LoRA in Privacy-preserving Federated Learning (ICLR 2024)"
     uplink = "B_k [out,r_k] per target module, head"
     downlink = "B̄[:, :r_k] [out,r_k] per target module, head (A is regenerated from the seed)"
     needs_individual_replies = False
-    supports_heterogeneous_ranks = True
 
     trains = ("B",)
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
-        refuse_scaffold_with_hetero_ranks(self, info)
         server = super().setup(model, info)
         server.update({f"{n}.lora_A": A for n, A in frozen_A(model, info).items()})
         return server

@@ -23,16 +23,15 @@ from dataclasses import dataclass
 
 from ..adapters.lora import lora_scale
 from ..linalg.lowrank import factored_svd, stack_factors
-from ..message import Message, Reply, State
+from ..message import Reply, State
 from . import register
-from .base import LoRAMethod
-from .ranks import download_factors, module_names, refuse_scaffold_with_hetero_ranks, zero_pad
+from .ranks import HeteroRankLoRA, module_names, zero_pad
 
 
 
 @register
 @dataclass
-class FlexLoRA(LoRAMethod):
+class FlexLoRA(HeteroRankLoRA):
     name = "flexlora"
     description = "average Σpₖ sₖBₖAₖ (factored), truncated SVD back to each client's rank"
     paper = ("Bai et al., Federated Fine-tuning of Large Language Models under Heterogeneous Tasks and Client "
@@ -40,20 +39,6 @@ class FlexLoRA(LoRAMethod):
     uplink = "A_k [r_k,in] and B_k [out,r_k] per target module, head"
     downlink = "rank-r_k truncated SVD factors A [r_k,in], B [out,r_k] per target module, head"
     needs_individual_replies = True
-    supports_heterogeneous_ranks = True
-
-    def setup(self, model, info):
-        refuse_scaffold_with_hetero_ranks(self, info)
-        return super().setup(model, info)
-
-    def broadcast(self, server: State, client: int, rnd: int) -> Message:
-        msg = download_factors(server, self.lora_keys(server), self.info, client)
-        msg.update(self.global_tensors(server, self.head_keys(server)))
-        return self.correction_broadcast(server, msg)
-
-    def train(self, model, msg, state, trainer):
-        params, extra, state, loss = self.local_train(model, msg, state, trainer, ("A", "B"))
-        return self.reply(params, params, extra, trainer, loss), state
 
     def aggregate(self, server: State, replies: list[Reply], rnd: int) -> State:
         server = State(server)

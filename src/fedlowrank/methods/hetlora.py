@@ -26,10 +26,9 @@ from typing import Sequence
 import torch
 
 from ..adapters.lora import lora_scale
-from ..message import Message, Reply, State
+from ..message import Reply, State
 from . import register
-from .base import LoRAMethod
-from .ranks import download_factors, module_names, padded_average, rank_weights, refuse_scaffold_with_hetero_ranks
+from .ranks import HeteroRankLoRA, module_names, padded_average, rank_weights
 
 AGGREGATIONS = ("weighted", "sparsity")
 
@@ -42,7 +41,7 @@ def product_norm(B: torch.Tensor, A: torch.Tensor) -> float:
 
 @register
 @dataclass
-class HetLoRA(LoRAMethod):
+class HetLoRA(HeteroRankLoRA):
     """HetLoRA: LoRA at each client's own rank, zero-padded factor averaging, truncation for redistribution.
 
     Options:
@@ -56,7 +55,6 @@ class HetLoRA(LoRAMethod):
     uplink = "A_k [r_k,in] and B_k [out,r_k] per target module, head"
     downlink = "Ā[:r_k] [r_k,in], B̄[:, :r_k] [out,r_k] per target module, head"
     needs_individual_replies = False
-    supports_heterogeneous_ranks = True
 
     aggregation: str = "weighted"
 
@@ -64,19 +62,6 @@ class HetLoRA(LoRAMethod):
         super().__post_init__()
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"method.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-
-    def setup(self, model, info):
-        refuse_scaffold_with_hetero_ranks(self, info)
-        return super().setup(model, info)
-
-    def broadcast(self, server: State, client: int, rnd: int) -> Message:
-        msg = download_factors(server, self.lora_keys(server), self.info, client)
-        msg.update(self.global_tensors(server, self.head_keys(server)))
-        return self.correction_broadcast(server, msg)
-
-    def train(self, model, msg, state, trainer):
-        params, extra, state, loss = self.local_train(model, msg, state, trainer, ("A", "B"))
-        return self.reply(params, params, extra, trainer, loss), state
 
     def module_weights(self, replies: Sequence[Reply], name: str, p: torch.Tensor) -> torch.Tensor:
         if self.aggregation == "weighted":

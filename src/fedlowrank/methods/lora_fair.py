@@ -26,11 +26,9 @@ import torch
 
 from ..adapters.lora import lora_scale
 from ..linalg.lowrank import stack_factors
-from ..message import Message, Reply, State
+from ..message import Reply, State
 from . import register
-from .base import LoRAMethod
-from .ranks import (download_factors, module_names, padded_average, rank_weights,
-                      refuse_scaffold_with_hetero_ranks)
+from .ranks import (HeteroRankLoRA, module_names, padded_average, rank_weights)
 
 
 def fair_loss_grad(X: torch.Tensor, B0: torch.Tensor, C: torch.Tensor, Ga: torch.Tensor, t_norm: float,
@@ -80,7 +78,7 @@ def fair_correction(B_bar: torch.Tensor, A_bar: torch.Tensor, B_s: torch.Tensor,
 
 @register
 @dataclass
-class LoRAFAIR(LoRAMethod):
+class LoRAFAIR(HeteroRankLoRA):
     """Options: ``lam`` (λ, default 0.01), ``steps`` (server Adam steps per module), ``step_size`` (relative)."""
 
     name = "lora-fair"
@@ -90,7 +88,6 @@ class LoRAFAIR(LoRAMethod):
     uplink = "A_k [r_k,in] and B_k [out,r_k] per target module, head"
     downlink = "Ā[:r_k], (B̄+ΔB)[:, :r_k] per target module, head"
     needs_individual_replies = True
-    supports_heterogeneous_ranks = True
 
     lam: float = 0.01
     steps: int = 200
@@ -104,19 +101,6 @@ class LoRAFAIR(LoRAMethod):
             raise ValueError(f"method.steps must be >= 0, got {self.steps}")
         if self.step_size <= 0:
             raise ValueError(f"method.step_size must be > 0, got {self.step_size}")
-
-    def setup(self, model, info):
-        refuse_scaffold_with_hetero_ranks(self, info)
-        return super().setup(model, info)
-
-    def broadcast(self, server: State, client: int, rnd: int) -> Message:
-        msg = download_factors(server, self.lora_keys(server), self.info, client)
-        msg.update(self.global_tensors(server, self.head_keys(server)))
-        return self.correction_broadcast(server, msg)
-
-    def train(self, model, msg, state, trainer):
-        params, extra, state, loss = self.local_train(model, msg, state, trainer, ("A", "B"))
-        return self.reply(params, params, extra, trainer, loss), state
 
     def aggregate(self, server: State, replies: list[Reply], rnd: int) -> State:
         server = State(server)

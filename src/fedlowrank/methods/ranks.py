@@ -6,6 +6,7 @@ heterogeneous path equals the homogeneous one bit for bit).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
@@ -79,3 +80,20 @@ def refuse_scaffold_with_hetero_ranks(method: LoRAMethod, info: SetupInfo) -> No
     if info.heterogeneous_ranks and "scaffold" in method.correction:
         raise ValueError(f"method.correction: {method.name!r} with heterogeneous ranks (lora.ranks) allows "
                          f"'none' or 'fedprox', got {method.correction!r}")
+
+
+@dataclass
+class HeteroRankLoRA(LoRAMethod):
+    """Base of the LoRA methods whose clients may hold their own ranks: SCAFFOLD refused with mixed ranks, and
+    each client downloads the leading ``r_k`` directions of the server factors at the server's scale."""
+
+    supports_heterogeneous_ranks = True
+
+    def setup(self, model, info: SetupInfo) -> State:
+        refuse_scaffold_with_hetero_ranks(self, info)
+        return super().setup(model, info)
+
+    def broadcast(self, server: State, client: int, rnd: int) -> Message:
+        msg = download_factors(server, self.lora_keys(server), self.info, client)
+        msg.update(self.global_tensors(server, self.head_keys(server)))
+        return self.correction_broadcast(server, msg)
