@@ -8,7 +8,9 @@ Default job (issue 9): MiniLM on AG News, 10 clients, 5 per round, 5 rounds::
 Flower side: a user-managed ``flower-superlink --simulation`` on a free port, then
 ``flwr run examples/flower_app`` with ``num-supernodes = --clients`` (each virtual SuperNode is the client
 of its ``partition-id``) and one CPU per ClientApp. Wall time of Flower = from ``flwr run`` to its exit
-(SuperLink already up), so it includes the Ray start, the ServerApp and every ClientApp. Needs
+(SuperLink already up), so it includes the Ray start, the ServerApp and every ClientApp. Both sides get the
+same cores: Ray runs ``--ray-cpus`` ClientApps side by side with one torch thread each, our simulator runs the
+clients one after another with ``--sim-threads`` (default ``--ray-cpus``) torch threads. Needs
 ``flwr[simulation]==1.41.0`` (Ray). Prints: wall times, their ratio, final accuracies, and whether the two
 global models are equal.
 """
@@ -120,6 +122,8 @@ def main() -> None:
     p.add_argument("--data-path", default="../shared/data/agnews")
     p.add_argument("--client-cpus", type=int, default=1, help="Ray CPUs per ClientApp")
     p.add_argument("--ray-cpus", type=int, default=os.cpu_count() or 1, help="CPUs given to Ray")
+    p.add_argument("--sim-threads", type=int, default=0,
+                   help="torch threads of our simulator (0 = --ray-cpus: both sides get the same cores)")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--set", action="append", default=[], help="further fedlowrank --set overrides")
     args = p.parse_args()
@@ -136,7 +140,10 @@ def main() -> None:
     print(f"versions: python {platform.python_version()}, torch {torch.__version__}, numpy {numpy.__version__}, "
           f"flwr {flwr.__version__}; cpus {os.cpu_count()}")
     print(f"load average before: {os.getloadavg()}")
-    t_sim, s_sim, server_sim = run_simulator(base, sets)
+    sim_threads = args.sim_threads or args.ray_cpus
+    print(f"simulator: {sim_threads} torch threads; Flower: up to {args.ray_cpus // args.client_cpus} ClientApps "
+          f"side by side, 1 torch thread each")
+    t_sim, s_sim, server_sim = run_simulator(base, [*sets, f"run.threads={sim_threads}"])
     print(f"load average after simulator: {os.getloadavg()}")
     with tempfile.TemporaryDirectory(prefix="bench-flower-") as tmp:
         t_fl, s_fl, server_fl, cmd = run_flower(base, sets, args, Path(tmp))

@@ -282,6 +282,38 @@ def test_scaffold_option_two_uses_the_heads_own_learning_rate():
         torch.testing.assert_close(states[chosen[0]][f"scaffold.ci/{key}"], g, atol=1e-5, rtol=1e-4)
 
 
+
+def test_scaffold_mean_gradient_refresh_is_option_two_under_plain_sgd():
+    """x − yᵢ = η Σₖ (gₖ + c − cᵢ), so option II's cᵢ⁺ is the mean raw gradient of the K steps."""
+    cfg = TrainConfig(local_steps=3, batch_size=8, optimizer="sgd", lr=0.2, momentum=0.0)
+    _, mean = run(get_method("scaffold", cv_grad="mean"), rounds=3, num_clients=3, per_round=2, cfg=cfg)
+    _, literal = run(get_method("scaffold", cv_grad="option2"), rounds=3, num_clients=3, per_round=2, cfg=cfg)
+    assert float(mean[-1][3]["scaffold.c/0.lora_A"].abs().max()) > 1e-4
+    for (_, _, _, server_m, states_m), (_, _, _, server_l, states_l) in zip(mean, literal):
+        for key in server_m:
+            torch.testing.assert_close(server_m[key], server_l[key], atol=1e-5, rtol=1e-4)
+        for k in states_m:
+            for key in states_m[k]:
+                torch.testing.assert_close(states_m[k][key], states_l[k][key], atol=1e-5, rtol=1e-4)
+
+
+def test_scaffold_under_adam_keeps_control_variates_on_the_gradient_scale():
+    """One Adam step moves every coordinate by ≈ η·sign(g): option II's (x − y)/η is ≈ sign(g), not g."""
+    cfg = TrainConfig(local_steps=1, batch_size=8, optimizer="adam", lr=0.01)
+    for cv_grad in ("mean", "option2"):
+        method = get_method("scaffold", cv_grad=cv_grad)
+        _, history = run(method, rounds=1, num_clients=2, cfg=cfg)
+        chosen, down, _, _, states = history[0]
+        for key, g in local_gradients(method, down[0], chosen[0], 1, cfg, 1, 2).items():
+            ci = states[chosen[0]][f"scaffold.ci/{key}"]
+            expected = g if cv_grad == "mean" else torch.sign(g)
+            torch.testing.assert_close(ci, expected, atol=2e-3, rtol=2e-3)
+
+
+def test_scaffold_refuses_an_unknown_refresh():
+    with pytest.raises(ValueError, match="method.cv_grad must be one of"):
+        get_method("scaffold", cv_grad="option1")
+
 # -- composition with another LoRA method ------------------------------------------------------------------
 def test_scaffold_composes_with_another_lora_method():
     _, history = run(FirstReplyLoRA(correction="scaffold"), rounds=4, num_clients=5, per_round=3)

@@ -204,15 +204,18 @@ class LoRAMethod(Method):
         correction: client-side drift corrections composed on top of the method: ``"none"``,
             ``"fedprox"``, ``"scaffold"`` or ``"fedprox+scaffold"``.
         mu: FedProx's proximal coefficient μ (used when ``correction`` includes fedprox).
+        cv_grad: how SCAFFOLD refreshes a client's control variate: ``"mean"`` raw gradient of the round
+            (= option II under plain SGD; default), ``"last"`` raw gradient, or the literal ``"option2"``.
     """
 
     correction: str = "none"
     mu: float = 0.01
+    cv_grad: str = "mean"
 
     trains: ClassVar[tuple[str, ...]] = ("A", "B")
 
     def __post_init__(self) -> None:
-        self._corrections: list[ClientCorrection] = make_corrections(self.correction, mu=self.mu)
+        self._corrections: list[ClientCorrection] = make_corrections(self.correction, self.mu, self.cv_grad)
 
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:

@@ -35,6 +35,7 @@ class FedSALoRA(LoRAMethod):
     downlink = "Ā [r,in] per target module, head"
     needs_individual_replies = False
     supports_heterogeneous_ranks = False
+    personalized = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

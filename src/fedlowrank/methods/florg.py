@@ -54,7 +54,7 @@ class FLoRG(Method):
         a_init: ``"gaussian"`` (default) or ``"kaiming"``; init_perturbation: s·σ²·k for the Gaussian init.
         compensate_init: start from the pretrained model (``ΔW = s L(AᵀA − A¹ᵀA¹)R``).
         eig_tol: relative threshold on the eigenvalues of Q (r' = number above ``eig_tol·λ_max``).
-        correction, mu: client-side FedProx / SCAFFOLD on A and the head (as in the LoRA methods).
+        correction, mu, cv_grad: client-side FedProx / SCAFFOLD on A and the head (as in the LoRA methods).
     """
 
     name = "florg"
@@ -74,6 +74,7 @@ class FLoRG(Method):
     eig_tol: float = 1e-10
     correction: str = "none"
     mu: float = 0.01
+    cv_grad: str = "mean"
 
     def __post_init__(self) -> None:
         for option, value, allowed in (("server_decomp", self.server_decomp, GRAM_DECOMPOSITIONS),
@@ -86,7 +87,7 @@ class FLoRG(Method):
                              "allowed without Procrustes: 'eigh', 'stacked_svd'")
         if not 0 < self.eig_tol < 1:
             raise ValueError(f"method.eig_tol must be in (0, 1), got {self.eig_tol}")
-        self._corrections = make_corrections(self.correction, mu=self.mu)
+        self._corrections = make_corrections(self.correction, self.mu, self.cv_grad)
 
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:

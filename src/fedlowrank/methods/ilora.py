@@ -57,7 +57,6 @@ from .base import LoRAMethod, SetupInfo, head_tensors, load_head
 from .ranks import copy, leading, zero_pad
 
 HETERO_BASES = ("per_client", "residual")
-CV_GRADS = ("mean", "last")
 
 
 @dataclass
@@ -267,35 +266,8 @@ class RankAwareControlVariates(Scaffold):
     name = "ilora-cv"
     prefix_c, prefix_ci, prefix_dc = "ilora_cv.c/", "ilora_cv.ci/", "ilora_cv.dc/"
 
-    def __init__(self, refresh: str = "mean"):
-        super().__init__()
-        if refresh not in CV_GRADS:
-            raise ValueError(f"method.cv_grad must be one of {CV_GRADS}, got {refresh!r}")
-        self.refresh = refresh
-        self._raw: dict[str, torch.Tensor] = {}
-        self._steps = 0
-
     def start(self, msg: Message, state: State, params: dict[str, nn.Parameter]) -> None:
-        factors = {k: p for k, p in params.items() if self.prefix_c + k in msg}
-        super().start(msg, state, factors)
-        self._raw = {k: torch.zeros_like(p) for k, p in factors.items()}
-        self._steps = 0
-
-    def grad(self, params: dict[str, nn.Parameter]) -> None:
-        factors = {k: params[k] for k in self._c}
-        for k, p in factors.items():
-            g = torch.zeros_like(p) if p.grad is None else p.grad.detach()
-            self._raw[k] = self._raw[k] + g if self.refresh == "mean" else g.clone()
-        self._steps += 1
-        super().grad(factors)
-
-    def finish(self, params: dict[str, nn.Parameter], state: State, result) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for k, raw in self._raw.items():
-            new = raw / max(self._steps, 1) if self.refresh == "mean" else raw
-            out[self.prefix_dc + k] = new - self._ci[k]
-            state[self.prefix_ci + k] = new
-        return out
+        super().start(msg, state, {k: p for k, p in params.items() if self.prefix_c + k in msg})
 
     def aggregate(self, server: State, replies: list[Reply], num_clients: int) -> None:
         for key in [k for k in server if k.startswith(self.prefix_c)]:
@@ -309,8 +281,8 @@ class RankAwareControlVariates(Scaffold):
 class ILoRAS(ILoRA):
     """ILoRA-S: ILoRA plus rank-aware control variates on A and B (:class:`RankAwareControlVariates`).
 
-    Options (besides ILoRA's): ``cv_grad``: ``"mean"`` (mean raw gradient of the round's local steps) or
-    ``"last"`` (the last step's raw gradient) refreshes ``c_k``.
+    Option ``cv_grad`` (shared with SCAFFOLD): ``"mean"`` (mean raw gradient of the round's local steps, default),
+    ``"last"`` (the last step's raw gradient) or ``"option2"`` (SCAFFOLD's literal rule) refreshes ``c_k``.
     """
 
     name = "ilora-s"
@@ -318,8 +290,6 @@ class ILoRAS(ILoRA):
     uplink = "A_k [r_k,in], B_k [out,r_k], Δc_A [r_k,in], Δc_B [out,r_k] per target module, head"
     downlink = ("Q[:, :r_k] [out,r_k], R[:r_k] [r_k,in], c_A[:r_k] [r_k,in], c_B[:, :r_k] [out,r_k] per target "
                 "module, head; with hetero_base=residual also the frozen directions r_k..r_s")
-
-    cv_grad: str = "mean"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,12 +1,16 @@
 """SCAFFOLD (Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning",
-ICML 2020) on LoRA, option II, with partial participation as in the paper's Algorithm 1.
+ICML 2020) on LoRA, with partial participation as in the paper's Algorithm 1.
 
 Control variates live on every trainable tensor θ (A ``[r,in]`` and B ``[out,r]`` of each module, head),
 server ``c`` and client ``cᵢ``, all zero at the start. Client i in the sampled set S, K local steps of
-learning rate η (Alg. 1 lines 9–12; Eq. 4 option II)::
+learning rate η (Alg. 1 lines 9–12; Eq. 4)::
 
     yᵢ ← yᵢ − η·(gᵢ(yᵢ) − cᵢ + c)              (the corrected gradient is what the optimizer sees)
-    cᵢ⁺ = cᵢ − c + (x − yᵢ)/(K η),   Δcᵢ = cᵢ⁺ − cᵢ   (uploaded with yᵢ)
+    cᵢ⁺ = mean of the round's raw gradients gᵢ,   Δcᵢ = cᵢ⁺ − cᵢ   (uploaded with yᵢ)
+
+The refresh equals option II, ``cᵢ − c + (x − yᵢ)/(K η)``, under plain SGD and stays on the gradient scale under
+AdamW, where option II diverges; ``cv_grad = "option2"`` gives the literal rule (see
+:class:`~fedlowrank.training.corrections.Scaffold`).
 
 Server (Alg. 1 lines 16–17): ``x ← FedIT average of yᵢ`` (server step β = ``server.lr``) and
 ``c ← c + (|S|/N)·mean_{i∈S} Δcᵢ``, which keeps ``c = (1/N) Σᵢ cᵢ`` over all N clients. The correction
@@ -28,7 +32,7 @@ class Scaffold(FedIT):
     """Options: ``correction`` (``"scaffold"`` or ``"fedprox+scaffold"``), ``mu`` (FedProx's μ when combined)."""
 
     name = "scaffold"
-    description = "FedIT with SCAFFOLD control variates (option II) on A, B and the head"
+    description = "FedIT with SCAFFOLD control variates on A, B and the head"
     paper = "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning (ICML 2020)"
     uplink = "A [r,in], B [out,r] per target module, head; and Δcᵢ of the same shapes"
     downlink = "Ā, B̄ per target module, head; and the server control variate c of the same shapes"

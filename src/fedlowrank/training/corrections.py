@@ -8,9 +8,9 @@ A correction sees the trainable parameters as ``{key: Parameter}`` where the key
 * client: ``start`` (round start), ``loss`` (extra loss term), ``grad`` (edit gradients before the optimizer
   step), ``finish`` (extra upload entries; updates the client state in place).
 
-:class:`FedProx` is Li et al. 2020 (μ/2·‖w − w_global‖²). :class:`Scaffold` is Karimireddy et al. 2020,
-option II control variates, global variate updated by ``c ← c + (|S|/N)·mean(Δcᵢ)`` so that ``c`` stays the
-mean of all clients' ``cᵢ`` under partial participation (all start at zero).
+:class:`FedProx` is Li et al. 2020 (μ/2·‖w − w_global‖²). :class:`Scaffold` is Karimireddy et al. 2020, with
+the global variate updated by ``c ← c + (|S|/N)·mean(Δcᵢ)`` so that ``c`` stays the mean of all clients'
+``cᵢ`` under partial participation (all start at zero).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch import nn
 from ..message import Message, Reply, State
 
 CORRECTIONS = ("none", "fedprox", "scaffold", "fedprox+scaffold")
+CV_REFRESH = ("mean", "last", "option2")
 
 
 class ClientCorrection:
@@ -76,17 +77,28 @@ class Scaffold(ClientCorrection):
     """SCAFFOLD control variates on the trainable parameters.
 
     Download ``scaffold.c/<key>``; client state ``scaffold.ci/<key>``; upload ``scaffold.dc/<key>`` = Δcᵢ.
-    Local gradient: ``g + c − cᵢ``. After K local steps with learning rate η (option II):
-    ``cᵢ⁺ = cᵢ − c + (x − yᵢ)/(K η)``.
+    Local gradient: ``g + c − cᵢ`` (what the optimizer sees). After K local steps, ``cᵢ⁺`` by ``refresh``:
+
+    * ``"mean"`` (default): the mean of the K raw gradients ``g`` of the round. Under plain SGD with step η this
+      *is* option II, since ``x − yᵢ = η Σ (g + c − cᵢ)`` gives ``(x − yᵢ)/(Kη) − c + cᵢ = mean g``; under
+      momentum, Adam or AdamW it stays on the scale of a gradient, where option II's ``(x − yᵢ)/(Kη)`` measures
+      normalised steps (≈ 1 per coordinate for Adam) and the correction ``c − cᵢ`` swamps the gradients.
+    * ``"last"``: the last raw gradient.
+    * ``"option2"``: the paper's literal ``cᵢ⁺ = cᵢ − c + (x − yᵢ)/(K η)`` (use with ``optimizer = "sgd"``).
     """
 
     name = "scaffold"
     prefix_c, prefix_ci, prefix_dc = "scaffold.c/", "scaffold.ci/", "scaffold.dc/"
 
-    def __init__(self):
+    def __init__(self, refresh: str = "mean"):
+        if refresh not in CV_REFRESH:
+            raise ValueError(f"method.cv_grad must be one of {CV_REFRESH}, got {refresh!r}")
+        self.refresh = refresh
         self._c: dict[str, torch.Tensor] = {}
         self._ci: dict[str, torch.Tensor] = {}
         self._x: dict[str, torch.Tensor] = {}
+        self._raw: dict[str, torch.Tensor] = {}
+        self._steps = 0
 
     def init_server(self, server: State, shapes: dict[str, tuple[int, ...]]) -> None:
         for k, shape in shapes.items():
@@ -100,17 +112,29 @@ class Scaffold(ClientCorrection):
         self._c = {k: msg[self.prefix_c + k] for k in params}
         self._ci = {k: state.get(self.prefix_ci + k, torch.zeros_like(p)) for k, p in params.items()}
         self._x = {k: p.detach().clone() for k, p in params.items()}
+        self._raw = {k: torch.zeros_like(p) for k, p in params.items()}
+        self._steps = 0
 
     def grad(self, params: dict[str, nn.Parameter]) -> None:
-        for k, p in params.items():
+        for k in self._c:
+            p = params[k]
+            g = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+            self._raw[k] = self._raw[k] + g if self.refresh == "mean" else g.clone()
             if p.grad is not None:
                 p.grad.add_(self._c[k] - self._ci[k])
+        self._steps += 1
+
+    def refreshed(self, k: str, p: torch.Tensor, result) -> torch.Tensor:
+        """The client's new control variate ``cᵢ⁺`` of parameter ``k`` (now at ``p``) by ``refresh``."""
+        if self.refresh == "option2":
+            lr = result.head_lr if k.startswith("head/") and result.head_lr is not None else result.lr
+            return self._ci[k] - self._c[k] + (self._x[k] - p.detach()) / (max(result.steps, 1) * lr)
+        return self._raw[k] / max(self._steps, 1) if self.refresh == "mean" else self._raw[k]
 
     def finish(self, params: dict[str, nn.Parameter], state: State, result) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        for k, p in params.items():
-            lr = result.head_lr if k.startswith("head/") and result.head_lr is not None else result.lr
-            new_ci = self._ci[k] - self._c[k] + (self._x[k] - p.detach()) / (max(result.steps, 1) * lr)
+        for k in self._c:
+            new_ci = self.refreshed(k, params[k], result)
             out[self.prefix_dc + k] = new_ci - self._ci[k]
             state[self.prefix_ci + k] = new_ci
         return out
@@ -126,17 +150,16 @@ class Scaffold(ClientCorrection):
             server[key] = (server[key].to(torch.float64) + frac * torch.stack(dc).mean(0)).to(server[key].dtype)
 
 
-def make_corrections(spec: str, mu: float = 0.01) -> list[ClientCorrection]:
-    """Build the corrections named by ``spec`` (one of :data:`CORRECTIONS`)."""
+def make_corrections(spec: str, mu: float = 0.01, cv_grad: str = "mean") -> list[ClientCorrection]:
+    """Build the corrections named by ``spec`` (one of :data:`CORRECTIONS`); ``cv_grad`` is SCAFFOLD's refresh."""
     if spec not in CORRECTIONS:
         raise ValueError(f"method.correction must be one of {CORRECTIONS}, got {spec!r}")
     out: list[ClientCorrection] = []
     if "fedprox" in spec:
         out.append(FedProx(mu))
     if "scaffold" in spec:
-        out.append(Scaffold())
+        out.append(Scaffold(cv_grad))
     return out
-
 
 
 def fit_with_corrections(corrections: list[ClientCorrection], model, msg: Message, state: State,
