@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("flwr")
 
 import torch  # noqa: E402
-from flwr.app import Context, Error, RecordDict  # noqa: E402
+from flwr.app import ConfigRecord, Context, Error, RecordDict  # noqa: E402
 from flwr.app import Message as FlowerMessage  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
@@ -29,7 +29,7 @@ from fedlowrank.message import Message, Reply, State  # noqa: E402
 from fedlowrank.methods import available_methods  # noqa: E402
 from fedlowrank.runtime.engine import client_update, sample_clients  # noqa: E402
 from fedlowrank.runtime.flower import client_app  # noqa: E402
-from fedlowrank.runtime.flower.records import from_records, to_records  # noqa: E402
+from fedlowrank.runtime.flower.records import from_records, put_records, to_records  # noqa: E402
 from fedlowrank.runtime.flower.settings import load_run_config  # noqa: E402
 from fedlowrank.runtime.flower.strategy import MethodStrategy, state_arrays  # noqa: E402
 
@@ -95,7 +95,7 @@ def flower_process(monkeypatch):
 
 
 def run_flower(*sets: str, drop=(), tamper=None, broken=()):
-    """The tiny run of ``sets`` through MethodStrategy + ClientApp; returns (server-side Simulation, grid)."""
+    """The tiny run of ``sets`` through MethodStrategy + ClientApp; returns (server-side Simulation, grid, strategy)."""
     run_config = {"config": "tiny", "set": shlex.join(sets), "flower.node-timeout": 0.0}
     cfg, settings = load_run_config(run_config)
     sim = simulator.Simulation(cfg, task=tiny_task())
@@ -104,7 +104,7 @@ def run_flower(*sets: str, drop=(), tamper=None, broken=()):
     strategy.connect(grid)
     strategy.start(grid, state_arrays(sim.server), num_rounds=cfg.run.rounds, timeout=1.0,
                    evaluate_fn=strategy.evaluate)
-    return sim, grid
+    return sim, grid, strategy
 
 
 def assert_same_state(a: State, b: State, exact: bool = True) -> None:
@@ -167,7 +167,7 @@ def test_flower_run_equals_simulator(method, sets):
         ref = run_tiny(method, *sets[1:])
     except Exception as exc:  # not a Flower question: the method does not run on this config at all
         pytest.skip(f"{method} {sets[1:]} fails in the simulator too: {exc!r}")
-    sim, grid = run_flower(*sets)
+    sim, grid, strategy = run_flower(*sets)
     assert_same_state(sim.server, ref.server)
     assert sim.ledger.rows == ref.ledger.rows  # bytes counted from the same serialised messages
     compared = ("clients", "replied", "rejected", "skipped", "train_loss")
@@ -177,8 +177,18 @@ def test_flower_run_equals_simulator(method, sets):
         for key in compared:
             assert flower_row.get(key) == sim_row.get(key), key
         assert flower_row["flower_bytes_up"] > 0 and "dropped" not in flower_row
-    for k, state in ref.store.items():  # each client's state persisted in its node's context.state
-        assert_same_state(from_records(grid.contexts[1000 + k].state, State, client_app.STATE), state)
+    assert_same_node_states(grid, strategy, ref)
+
+
+def assert_same_node_states(grid, strategy, ref) -> None:
+    """Each client's state in its node's context.state, once committed by what the server aggregated, is the
+    simulator's state of that client (and a client the simulator never committed has none)."""
+    for k in range(ref.cfg.partition.num_clients):
+        state = client_app.committed_state(grid.contexts[1000 + k].state, strategy.accepted.get(k, 0))
+        if k in ref.store:
+            assert_same_state(state, ref.store[k])
+        else:
+            assert state is None, k
 
 
 # -- failures ----------------------------------------------------------------------------------------
@@ -187,7 +197,7 @@ def test_dropped_client_round_aggregates_the_remaining_replies(caplog):
     sampled = sample_clients(cfg.run.seed, 1, cfg.partition.num_clients, cfg.run.clients_per_round)
     lost, kept = sampled[1], sampled[0]
     with caplog.at_level("WARNING"):
-        sim, _ = run_flower("method.name=scaffold", "run.rounds=1", drop=[lost])
+        sim, *_ = run_flower("method.name=scaffold", "run.rounds=1", drop=[lost])
     row = sim.history[0]
     assert row["replied"] == [kept] and row["dropped"] == [lost] and "skipped" not in row
     assert f"client {lost} dropped (no reply from node {1000 + lost} within flower.round-timeout" in caplog.text
@@ -205,7 +215,7 @@ def test_below_min_replies_keeps_the_global_state(caplog):
     cfg, _ = load_run_config({"config": "tiny"})
     lost = sample_clients(cfg.run.seed, 1, cfg.partition.num_clients, cfg.run.clients_per_round)[0]
     with caplog.at_level("WARNING"):
-        sim, _ = run_flower("run.rounds=1", "run.min_replies=2", drop=[lost])
+        sim, *_ = run_flower("run.rounds=1", "run.min_replies=2", drop=[lost])
     initial = simulator.Simulation(cfg, task=tiny_task()).server
     assert_same_state(sim.server, initial)
     assert sim.history[0]["skipped"] and sim.history[0]["dropped"] == [lost]
@@ -220,11 +230,55 @@ def test_non_finite_reply_is_rejected_and_logged(caplog):
     cfg, _ = load_run_config({"config": "tiny"})
     poisoned = sample_clients(cfg.run.seed, 1, cfg.partition.num_clients, cfg.run.clients_per_round)[1]
     with caplog.at_level("WARNING"):
-        sim, _ = run_flower("run.rounds=1", tamper=poison)
+        sim, *_ = run_flower("run.rounds=1", tamper=poison)
     assert sim.history[0]["rejected"] == [{"client": poisoned, "reason": "train_loss must be a finite number, got nan"}]
     assert sim.history[0]["replied"] == [c for c in sim.history[0]["clients"] if c != poisoned]
     assert all(torch.isfinite(t).all() for t in sim.server.tensors().values())
     assert f"rejected the reply of client {poisoned}: train_loss must be a finite number" in caplog.text
+
+
+def test_a_rejected_reply_never_advances_its_clients_state():
+    """SCAFFOLD: client P's reply of its first round is poisoned and rejected. Its node must not keep the control
+    variate it computed in that round, or the server's c would stop being the mean of the clients' cᵢ. The run
+    equals the simulator's with the same reply rejected: global state and every node's state."""
+    sets = ("method.name=scaffold", "run.rounds=4")
+    cfg, _ = load_run_config({"config": "tiny", "set": shlex.join(sets)})
+    m, per_round = cfg.partition.num_clients, cfg.run.clients_per_round
+    rounds = {k: [r for r in range(1, 5) if k in sample_clients(cfg.run.seed, r, m, per_round)] for k in range(m)}
+    poisoned = next(k for k, rs in rounds.items() if len(rs) >= 2)   # rejected first, sampled again later
+    seen = []
+
+    def poison_flower(client, reply):
+        if client == poisoned and not seen:
+            seen.append(client)
+            reply.content["scalars"]["train_loss"] = float("nan")
+
+    def poison_sim(rnd, client, reply):
+        if client == poisoned and rnd == rounds[poisoned][0]:
+            reply = Message(reply)
+            reply["train_loss"] = float("nan")
+        return reply
+
+    sim, grid, strategy = run_flower(*sets, tamper=poison_flower)
+    ref = simulator.Simulation(cfg, task=tiny_task(), tamper=poison_sim)
+    ref.run()
+    assert [r.get("rejected") for r in sim.history] == [r.get("rejected") for r in ref.history]
+    assert any(r.get("rejected") for r in sim.history)
+    assert_same_state(sim.server, ref.server)
+    assert_same_node_states(grid, strategy, ref)
+
+
+def test_pending_state_is_committed_only_for_the_round_the_server_aggregated():
+    records = RecordDict()
+    assert client_app.committed_state(records, 0) is None
+    put_records(records, State({"c": torch.zeros(2)}), client_app.PENDING)
+    records[client_app.PENDING_ROUND] = ConfigRecord({"round": 3})
+    assert client_app.committed_state(records, 2) is None            # round 3's reply was not aggregated
+    assert not any(name.startswith(client_app.PENDING) for name in records)
+    put_records(records, State({"c": torch.ones(2)}), client_app.PENDING)
+    records[client_app.PENDING_ROUND] = ConfigRecord({"round": 5})
+    assert torch.equal(client_app.committed_state(records, 5)["c"], torch.ones(2))
+    assert torch.equal(client_app.committed_state(records, 5)["c"], torch.ones(2))   # idempotent
 
 
 def test_failing_client_is_a_dropout_not_a_crash(caplog):
@@ -232,6 +286,6 @@ def test_failing_client_is_a_dropout_not_a_crash(caplog):
     cfg, _ = load_run_config({"config": "tiny"})
     broken, kept = sample_clients(cfg.run.seed, 1, cfg.partition.num_clients, cfg.run.clients_per_round)
     with caplog.at_level("WARNING"):
-        sim, _ = run_flower("run.rounds=1", broken=[broken])
+        sim, *_ = run_flower("run.rounds=1", broken=[broken])
     assert sim.history[0]["replied"] == [kept] and sim.history[0]["dropped"] == [broken]
     assert f"client {broken} dropped (node {1000 + broken} answered with an error" in caplog.text and "train.lr must be > 0" in caplog.text

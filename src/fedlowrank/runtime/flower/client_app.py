@@ -6,6 +6,13 @@
   the client's state from ``context.state`` (``method.init_client(k)`` the first time) and stores the new
   state back, so that stateful methods (control variates, private factors, optimiser moments) carry over
   rounds. Start each SuperNode with ``--node-config "partition-id=<k> num-partitions=<M>"``.
+
+The new state is kept *pending* (records ``fedlowrank.pending.*`` and the round it was made in) until the
+server has aggregated the reply it came with: every train message names the last round whose reply of this
+client the server aggregated (``accepted``), and the node commits its pending state if it is that round's and
+drops it otherwise (a reply rejected, lost or timed out, a skipped round). So a client's state only ever
+advances with replies the global state took in, as in the simulator, which commits a round's client states
+only when it aggregates the round.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from flwr.clientapp import ClientApp
 
 ROUTE = "fedlowrank"  # ConfigRecord naming the client and round of a train message (and a query's answer)
 STATE = "fedlowrank.state."  # prefix of the client state's records in context.state
+PENDING = "fedlowrank.pending."  # prefix of the state made by the last reply, not yet known to be aggregated
+PENDING_ROUND = "fedlowrank.pending-round"  # ConfigRecord {"round": r}: the round that made the pending state
 
 app = ClientApp()
 _runs: dict[str, Any] = {}  # run config (JSON) -> the Simulation this process built from it
@@ -47,6 +56,22 @@ def _partition(context: Context) -> tuple[int, int]:
                          "--node-config \"partition-id=<k> num-partitions=<partition.num_clients>\"") from None
 
 
+def committed_state(records: RecordDict, accepted: int):
+    """The client's state in ``records`` (its ``context.state``) once the server has said that ``accepted`` is the
+    last round whose reply it aggregated: the pending state is committed if it was made in that round and
+    dropped otherwise. Returns the committed :class:`~fedlowrank.message.State` (``None`` if there is none yet)."""
+    from ...message import State
+    from .records import from_records, put_records
+
+    if PENDING_ROUND in records:
+        pending = from_records(records, State, PENDING)
+        if int(records[PENDING_ROUND]["round"]) == accepted and pending is not None:
+            put_records(records, pending, STATE)
+        for name in [n for n in records if n.startswith(PENDING) or n == PENDING_ROUND]:
+            del records[name]
+    return from_records(records, State, STATE)
+
+
 @app.query()
 def query(msg: FlowerMessage, context: Context) -> FlowerMessage:
     k, m = _partition(context)
@@ -66,12 +91,13 @@ def train(msg: FlowerMessage, context: Context) -> FlowerMessage:
         raise ValueError(f"message for client {route['client']} reached the SuperNode of partition {k}")
     rnd = int(route["round"])
     down = from_records(msg.content, Message)
-    state = from_records(context.state, State, STATE)
+    state = committed_state(context.state, int(route["accepted"]))
     if state is None:
         state = sim.method.init_client(k)
     reply, new_state, trainer = client_update(sim.method, sim.model, down, state, sim.task, sim.parts[k], sim.cfg,
                                               k, rnd)
-    put_records(context.state, new_state, STATE)
+    put_records(context.state, new_state, PENDING)
+    context.state[PENDING_ROUND] = ConfigRecord({"round": rnd})
     metrics = MetricRecord({"num-examples": int(reply["num_examples"]),
                             "train-loss": float(reply.get("train_loss", float("nan"))),
                             "compute-seconds": float(trainer.compute_seconds)})

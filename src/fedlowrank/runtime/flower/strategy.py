@@ -15,6 +15,8 @@ with the same config produce the same global model:
   error or does not answer within ``flower.round-timeout`` is dropped, each logged with its reason and
   listed in the round's row (``rejected``, ``dropped``); the round aggregates when at least
   ``run.min_replies`` replies remain, else it is skipped, the global state kept, and the run says so;
+* client state: each train message names the last round whose reply of that client was aggregated
+  (``accepted``), so that its node commits the state it made then and drops one whose reply was not taken;
 * evaluation: on the server, on the task's global test set (``evaluate``, passed as ``evaluate_fn``);
 * ledger: ``Message.nbytes()`` of every broadcast and reply (the simulator's count), plus the bytes of the
   Flower records themselves (``flower_bytes_up``/``flower_bytes_down`` in the round's row).
@@ -62,6 +64,7 @@ class MethodStrategy(Strategy):
         self._ignored: set[int] = set()  # node ids whose answer to the query was unusable
         self._sent: list[tuple[FlowerMessage, int, Message, int]] = []  # (sent, client, its Message, flower bytes)
         self._row: dict[str, Any] = {}
+        self.accepted: dict[int, int] = {}  # client -> last round whose reply of it was aggregated (0: none)
 
     @property
     def num_clients(self) -> int:
@@ -119,7 +122,8 @@ class MethodStrategy(Strategy):
                 log(WARNING, "fedlowrank: round %d: client %d has no SuperNode; counted as dropped", rnd, k)
                 continue
             msg = sim.method.broadcast(sim.server, k, rnd)
-            content = RecordDict({**to_records(msg), ROUTE: ConfigRecord({"client": k, "round": rnd})})
+            route = ConfigRecord({"client": k, "round": rnd, "accepted": self.accepted.get(k, 0)})
+            content = RecordDict({**to_records(msg), ROUTE: route})
             sent = FlowerMessage(content, dst_node_id=self.nodes[k], message_type=MessageType.TRAIN)
             self._sent.append((sent, k, msg, records_nbytes(content)))
         log(INFO, "fedlowrank: round %d: sampled clients %s, sent to %d nodes", rnd, clients, len(self._sent))
@@ -182,6 +186,7 @@ class MethodStrategy(Strategy):
             t_agg = time.perf_counter()
             sim.server = sim.method.aggregate(sim.server, usable, rnd)
             aggregation = time.perf_counter() - t_agg
+            self.accepted.update({r.client: rnd for r in usable})  # their nodes commit this round's state
             if len(usable) < sampled:
                 log(WARNING, "fedlowrank: round %d: %d usable replies of %d sampled clients; run.min_replies = %d "
                     "is met, aggregated them", rnd, len(usable), sampled, cfg.run.min_replies)
