@@ -29,7 +29,8 @@ from .fedit import FedIT
 @register
 @dataclass
 class Scaffold(FedIT):
-    """Options: ``correction`` (``"scaffold"`` or ``"fedprox+scaffold"``), ``mu`` (FedProx's μ when combined)."""
+    """Options: ``correction`` (``"scaffold"`` or ``"fedprox+scaffold"``), ``mu`` (FedProx's μ when combined),
+    ``cv_grad`` (the control-variate refresh: ``"mean"``, ``"last"`` or ``"option2"``)."""
 
     name = "scaffold"
     description = "FedIT with SCAFFOLD control variates on A, B and the head"
