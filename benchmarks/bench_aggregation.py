@@ -17,21 +17,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 from torch import nn
 
-from fedlowrank.adapters.model import AdaptedModel
-from fedlowrank.message import Reply
-from fedlowrank.methods import get_method
-from fedlowrank.methods.base import SetupInfo
-from fedlowrank.runtime.engine import wire
-from fedlowrank.training.local import FitResult
+sys.path.insert(0, os.path.dirname(__file__))
+from common import provenance  # noqa: E402
+
+from fedlowrank.adapters.model import AdaptedModel  # noqa: E402
+from fedlowrank.message import Reply  # noqa: E402
+from fedlowrank.methods import get_method  # noqa: E402
+from fedlowrank.methods.base import SetupInfo  # noqa: E402
+from fedlowrank.runtime.engine import wire  # noqa: E402
+from fedlowrank.training.local import FitResult  # noqa: E402
 
 METHODS = ["ffa-lora", "fedsa-lora", "fedex-lora", "flora", "flexlora", "federa", "hetlora", "lora-fair", "rolora"]
 
@@ -96,9 +97,8 @@ def main() -> None:
     torch.set_num_threads(1)
     cycle = [int(x) for x in args.hetero.split(",")] if args.hetero else [args.rank]
     ranks = [cycle[k % len(cycle)] for k in range(args.clients)]
-    print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
-    print(f"seed={args.seed} torch={torch.__version__} numpy={np.__version__} python={platform.python_version()} "
-          f"threads=1 loadavg={os.getloadavg()}")
+    print(provenance())
+    print(f"seed {args.seed}")
     print(f"shapes: {args.modules} modules {args.dim}x{args.dim}, ranks {sorted(set(ranks))}, {args.clients} clients, "
           f"median over rounds 2..{args.rounds}; budget {args.budget:.0f} s/round, target <= {0.1 * args.budget:.1f} s")
     print(f"{'method':<12} {'aggregate s':>12} {'broadcasts s':>13} {'server total s':>15} {'% of budget':>12}")

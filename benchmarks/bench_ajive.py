@@ -25,8 +25,11 @@ import time
 import numpy as np
 import torch
 
-from fedlowrank.linalg.ajive import ajive_combine
-from fedlowrank.seeding import torch_generator
+sys.path.insert(0, os.path.dirname(__file__))
+from common import provenance  # noqa: E402
+
+from fedlowrank.linalg.ajive import ajive_combine  # noqa: E402
+from fedlowrank.seeding import torch_generator  # noqa: E402
 
 
 def timeit(fn, repeats: int) -> tuple[float, object]:
@@ -55,9 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"command: {' '.join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:]))}")
-    print(f"seed {args.seed}, torch {torch.__version__}, numpy {np.__version__}, threads 1, "
-          f"loadavg {os.getloadavg()}")
+    print(provenance(argv))
+    print(f"seed {args.seed}")
     r = args.rank
     print(f"\nAJIVE latency, median of {args.repeats} (ms); paper Table 7 CPU: 5 views n=1024 ≈ 92.5 ms")
     print(f"{'views':>5} {'n':>5} {'dense-full':>11} {'dense-rsvd':>11} {'compact':>9}  max|dense-compact|")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import socket
 import subprocess
@@ -29,6 +28,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "flower_app"
@@ -131,15 +133,11 @@ def main() -> None:
         args.rounds, args.clients, args.per_round = min(args.rounds, 2), min(args.clients, 4), min(args.per_round, 2)
     torch.set_num_threads(1)
     import flwr
-    import numpy
 
     base = "tiny" if args.smoke else "main"
     sets = job_sets(args)
-    print(f"command: {' '.join(shlex.quote(a) for a in sys.argv)}")
-    print(f"job: config {base!r} + {sets}")
-    print(f"versions: python {platform.python_version()}, torch {torch.__version__}, numpy {numpy.__version__}, "
-          f"flwr {flwr.__version__}; cpus {os.cpu_count()}")
-    print(f"load average before: {os.getloadavg()}")
+    print(provenance())
+    print(f"flwr {flwr.__version__}; job: config {base!r} + {sets}")
     sim_threads = args.sim_threads or args.ray_cpus
     print(f"simulator: {sim_threads} torch threads; Flower: up to {args.ray_cpus // args.client_cpus} ClientApps "
           f"side by side, 1 torch thread each")

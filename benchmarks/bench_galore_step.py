@@ -19,8 +19,11 @@ import time
 import numpy as np
 import torch
 
-from fedlowrank.seeding import torch_generator
-from fedlowrank.training.galore import GaLore
+sys.path.insert(0, os.path.dirname(__file__))
+from common import provenance  # noqa: E402
+
+from fedlowrank.seeding import torch_generator  # noqa: E402
+from fedlowrank.training.galore import GaLore  # noqa: E402
 
 SHAPES = [(384, 384)] * 12
 
@@ -47,9 +50,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"command: {' '.join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:]))}")
-    print(f"seed {args.seed}, torch {torch.__version__}, numpy {np.__version__}, threads 1, "
-          f"loadavg {os.getloadavg()}")
+    print(provenance(argv))
+    print(f"seed {args.seed}")
     g = torch_generator(args.seed, "bench-galore")
     grads = [[torch.randn(s, generator=g) * 1e-3 for s in SHAPES] for _ in range(8)]
 

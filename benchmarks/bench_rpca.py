@@ -19,19 +19,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
-import numpy as np
 import torch
 from torch import nn
 
-from fedlowrank.adapters.model import AdaptedModel
-from fedlowrank.linalg.rpca import robust_pca, robust_pca_reference
-from fedlowrank.message import Message, Reply
-from fedlowrank.methods import get_method
-from fedlowrank.methods.base import SetupInfo
+sys.path.insert(0, os.path.dirname(__file__))
+from common import provenance  # noqa: E402
+
+from fedlowrank.adapters.model import AdaptedModel  # noqa: E402
+from fedlowrank.linalg.rpca import robust_pca, robust_pca_reference  # noqa: E402
+from fedlowrank.message import Message, Reply  # noqa: E402
+from fedlowrank.methods import get_method  # noqa: E402
+from fedlowrank.methods.base import SetupInfo  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -47,12 +48,6 @@ def parse_args(argv=None):
     p.add_argument("--reference", type=int, default=0,
                    help="run the reference on this many matrices and extrapolate (0 = all of them)")
     return p.parse_args(argv)
-
-
-def header(args) -> None:
-    print(f"# command: python {' '.join(sys.argv)}")
-    print(f"# seed={args.seed} threads={args.threads} loadavg={os.getloadavg()} torch={torch.__version__} "
-          f"numpy={np.__version__} python={platform.python_version()} cpu={platform.processor() or platform.machine()}")
 
 
 def synthetic_updates(shapes: dict[str, tuple[int, ...]], K: int, noise: float, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -119,7 +114,8 @@ def server_step(args) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    header(args)
+    print(provenance(argv))
+    print(f"seed {args.seed}")
     n = args.rank * args.width
     shapes = {f"{i}.{f}": (n,) for i in range(args.modules) for f in ("A", "B")}
     deltas = synthetic_updates(shapes, args.clients, args.noise, args.seed)

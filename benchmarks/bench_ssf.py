@@ -20,9 +20,12 @@ import time
 import numpy as np
 import torch
 
-from fedlowrank.config import from_dict
-from fedlowrank.runtime.simulator import Simulation
-from fedlowrank.runtime.vectorized import run_vectorized
+sys.path.insert(0, os.path.dirname(__file__))
+from common import provenance  # noqa: E402
+
+from fedlowrank.config import from_dict  # noqa: E402
+from fedlowrank.runtime.simulator import Simulation  # noqa: E402
+from fedlowrank.runtime.vectorized import run_vectorized  # noqa: E402
 
 METHODS = {"ssf": {"name": "ssf"}, "fedsub": {"name": "fedsub"}, "scaffold": {"name": "fedavg-full", "correction": "scaffold"},
            "fedavg": {"name": "fedavg-full"}}
@@ -38,11 +41,6 @@ def toy_config(method: dict, rounds: int, rank: int, het: float, lr: float, seed
         "train": {"optimizer": "sgd", "lr": lr, "local_steps": 5, "batch_size": 20},
         "server": {"weighting": "uniform"},
         "lora": {"rank": rank}, "method": dict(method)})
-
-
-def header(args) -> None:
-    print(f"command: {' '.join(sys.argv)}")
-    print(f"seed={args.seed} loadavg={os.getloadavg()} torch={torch.__version__} numpy={np.__version__} threads=1")
 
 
 def speed(args) -> None:
@@ -84,7 +82,8 @@ def main() -> None:
     ap.add_argument("--skip-comm", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    header(args)
+    print(provenance())
+    print(f"seed {args.seed}")
     if not args.skip_speed:
         speed(args)
     if not args.skip_comm:

@@ -40,10 +40,13 @@ import time
 import numpy as np
 import torch
 
-from fedlowrank.config import from_dict, load_config
-from fedlowrank.methods import available_methods
-from fedlowrank.runtime.simulator import Simulation
-from fedlowrank.tasks import build_task
+sys.path.insert(0, os.path.dirname(__file__))
+from common import provenance  # noqa: E402
+
+from fedlowrank.config import from_dict, load_config  # noqa: E402
+from fedlowrank.methods import available_methods  # noqa: E402
+from fedlowrank.runtime.simulator import Simulation  # noqa: E402
+from fedlowrank.tasks import build_task  # noqa: E402
 
 DEFAULT_METHODS = "fedavg-full,fedit,ffa-lora,flora,lora-fair,fr-lora,fedgalore-minus,fedgalore"
 FULL_LR_METHODS = ("fedavg-full", "fedgalore", "fedgalore-minus")
@@ -106,8 +109,7 @@ def config(args, source: str, alpha: float | None, method: str, seed: int):
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"command: {' '.join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:]))}")
-    print(f"torch {torch.__version__}, numpy {np.__version__}, threads {args.threads}, loadavg {os.getloadavg()}")
+    print(provenance(argv))
     if args.toy:
         return toy(args)
     registered = available_methods()

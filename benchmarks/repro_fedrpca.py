@@ -40,9 +40,12 @@ import time
 import numpy as np
 import torch
 
-from fedlowrank.config import load_config
-from fedlowrank.runtime.simulator import Simulation
-from fedlowrank.tasks import build_task
+sys.path.insert(0, os.path.dirname(__file__))
+from common import provenance  # noqa: E402
+
+from fedlowrank.config import load_config  # noqa: E402
+from fedlowrank.runtime.simulator import Simulation  # noqa: E402
+from fedlowrank.tasks import build_task  # noqa: E402
 
 BASELINES = ("fedavg", "fedprox", "scaffold", "ta", "ties")
 
@@ -155,8 +158,7 @@ def print_table(results: list[dict], methods: list[str]) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"command: {' '.join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:]))}")
-    print(f"torch {torch.__version__}, numpy {np.__version__}, loadavg {os.getloadavg()}")
+    print(provenance(argv))
     methods = args.methods.split(",")
     unknown = sorted(set(methods) - set(variants(args)))
     if unknown:

@@ -32,10 +32,13 @@ import time
 import numpy as np
 import torch
 
-from fedlowrank.config import load_config
-from fedlowrank.methods import available_methods
-from fedlowrank.runtime.simulator import Simulation
-from fedlowrank.tasks import build_task
+sys.path.insert(0, os.path.dirname(__file__))
+from common import provenance  # noqa: E402
+
+from fedlowrank.config import load_config  # noqa: E402
+from fedlowrank.methods import available_methods  # noqa: E402
+from fedlowrank.runtime.simulator import Simulation  # noqa: E402
+from fedlowrank.tasks import build_task  # noqa: E402
 
 # benchmark name -> (registered method, extra --set overrides)
 VARIANTS = {"florg-noproc": ("florg", ["method.procrustes=false"])}
@@ -109,8 +112,7 @@ def to_target(history: list[dict], target: float, head: int, clients: int) -> tu
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"command: {' '.join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:]))}")
-    print(f"torch {torch.__version__}, numpy {np.__version__}, loadavg {os.getloadavg()}")
+    print(provenance(argv))
     if args.server_cost:
         return server_cost(args)
     if args.kernel_study:

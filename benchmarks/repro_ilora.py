@@ -29,19 +29,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
-from fedlowrank.config import load_config
-from fedlowrank.linalg.lowrank import factored_basis, normalize_qr_signs, stack_factors
-from fedlowrank.methods import available_methods
-from fedlowrank.runtime.simulator import Simulation
-from fedlowrank.tasks import build_task
+sys.path.insert(0, os.path.dirname(__file__))
+from common import provenance  # noqa: E402
+
+from fedlowrank.config import load_config  # noqa: E402
+from fedlowrank.linalg.lowrank import factored_basis, normalize_qr_signs, stack_factors  # noqa: E402
+from fedlowrank.methods import available_methods  # noqa: E402
+from fedlowrank.runtime.simulator import Simulation  # noqa: E402
+from fedlowrank.tasks import build_task  # noqa: E402
 
 DEFAULT_METHODS = "ilora,ilora-s,fedit-qr,hetlora,flora,flexlora,ffa-lora,lora-fair"
 
@@ -130,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     methods = [parse_method(t) for t in args.methods.split(",") if t]
     missing = sorted({name for _, name, _ in methods if name not in registered})
     methods = [m for m in methods if m[1] in registered]
-    print(f"command: {' '.join([sys.executable, *sys.argv])}")
-    print(f"torch {torch.__version__}, numpy {np.__version__}, python {platform.python_version()}, "
-          f"threads {args.threads}, loadavg at start {os.getloadavg()}")
+    print(provenance())
     if args.aggregation_timing:
         aggregation_timing([[int(r) for r in rs.split("-")] for rs in args.rank_sets.split(",")])
         return 0

@@ -33,9 +33,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedlowrank.config import from_dict, load_config
-from fedlowrank.runtime.simulator import Simulation
-from fedlowrank.runtime.vectorized import run_vectorized
+sys.path.insert(0, os.path.dirname(__file__))
+from common import provenance  # noqa: E402
+
+from fedlowrank.config import from_dict, load_config  # noqa: E402
+from fedlowrank.runtime.simulator import Simulation  # noqa: E402
+from fedlowrank.runtime.vectorized import run_vectorized  # noqa: E402
 
 FULL = {"scaffold": {"name": "fedavg-full", "correction": "scaffold"}, "fedavg": {"name": "fedavg-full"}}
 SUB = {"ssf": {"name": "ssf"}, "fedsub": {"name": "fedsub", "refresh_every": 5}}
@@ -264,9 +267,8 @@ def main() -> None:
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"command: {' '.join(sys.argv)}")
-    print(f"seeds={args.seeds} data_seed={args.data_seed} loadavg={os.getloadavg()} torch={torch.__version__} "
-          f"numpy={np.__version__} threads=1")
+    print(provenance())
+    print(f"seeds={args.seeds} data_seed={args.data_seed}")
     log_path = out / f"log-{int(time.time())}.jsonl"
 
     def log(row) -> None:

@@ -25,7 +25,6 @@ from fedlowrank.runtime.engine import check_reply, sample_clients, wire
 from fedlowrank.tasks.base import Task
 from fedlowrank.training.local import LocalTrainer, TrainConfig
 
-torch.set_num_threads(1)
 
 RANK = 2
 # trained tensors of the tiny model: LoRA on "0" (6->8) and "2" (8->8), head "4" (8->3)
@@ -280,7 +279,6 @@ def test_scaffold_option_two_uses_the_heads_own_learning_rate():
     (chosen, down, _, _, states) = history[0]
     for key, g in local_gradients(method, down[0], chosen[0], 1, cfg, 1, 2).items():
         torch.testing.assert_close(states[chosen[0]][f"scaffold.ci/{key}"], g, atol=1e-5, rtol=1e-4)
-
 
 
 def test_scaffold_mean_gradient_refresh_is_option_two_under_plain_sgd():

@@ -15,14 +15,6 @@ from fedlowrank.methods.base import SetupInfo
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def setup(name="fedrpca", in_f=40, out_f=30, rank=4, K=8, weighting="uniform", **opts):
     """A 2-target model (``0``, ``2``) with a head (``4``), set up by the method; returns (method, server)."""
     torch.manual_seed(0)

@@ -15,7 +15,6 @@ from fedlowrank.runtime.simulator import DivergenceError, Simulation
 from fedlowrank.runtime.vectorized import run_vectorized
 from fedlowrank.tasks.matrix_regression import MatrixRegression, make_problem
 
-torch.set_num_threads(1)
 
 SMALL = {"num_clients": 4, "dim": 8, "outputs": 3, "samples": 6, "het": 0.5}
 

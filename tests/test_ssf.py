@@ -17,7 +17,6 @@ from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.runtime.vectorized import run_vectorized
 from helpers import run_tiny
 
-torch.set_num_threads(1)
 
 N, D, M = 4, 8, 3
 

@@ -150,6 +150,23 @@ class Method:
         trained = list(trained)
         return {key for c in self.composed_corrections() for key in c.upload_keys(trained)}
 
+    def fit_and_reply(self, model: AdaptedModel, msg: Message, state: State, trainer,
+                      params: dict[str, nn.Parameter]) -> tuple[Message, State]:
+        """Train ``params`` of ``model`` (already loaded from ``msg``) with the composed corrections; reply with
+        all of them. Returns (reply, new client state)."""
+        result, extra, state = fit_with_corrections(self.composed_corrections(), model, msg, state, params, trainer)
+        return self.reply(params, params, extra, trainer, result.loss), state
+
+    def reply(self, params: dict[str, nn.Parameter], keys: Iterable[str], extra: dict[str, Any], trainer,
+              loss: float) -> Message:
+        """The reply: ``params[k]`` for ``k`` in ``keys``, the corrections' ``extra`` entries, ``num_examples``
+        and ``train_loss``."""
+        msg = Message({k: params[k].detach().clone() for k in keys})
+        msg.update(extra)
+        msg["num_examples"] = int(trainer.num_examples)
+        msg["train_loss"] = float(loss)
+        return msg
+
     @classmethod
     def options(cls) -> dict[str, Any]:
         """The method's options (dataclass fields) with their defaults."""
@@ -279,14 +296,6 @@ class LoRAMethod(Method):
         """FedIT's client: train the factors in ``trains`` and the head, reply with all of them."""
         params, extra, state, loss = self.local_train(model, msg, state, trainer, self.trains)
         return self.reply(params, params, extra, trainer, loss), state
-
-    def reply(self, params: dict[str, nn.Parameter], keys: Iterable[str], extra: Message, trainer,
-              loss: float) -> Message:
-        msg = Message({k: params[k].detach().clone() for k in keys})
-        msg.update(extra)
-        msg["num_examples"] = int(trainer.num_examples)
-        msg["train_loss"] = float(loss)
-        return msg
 
     # -- server side -----------------------------------------------------------------------------------
     def average_into(self, server: State, replies: Sequence[Reply], keys: Iterable[str], weights: torch.Tensor) -> None:

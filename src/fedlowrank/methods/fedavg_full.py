@@ -15,7 +15,7 @@ from torch import nn
 
 from ..adapters.model import AdaptedModel
 from ..message import Message, Reply, State
-from ..training.corrections import fit_with_corrections, make_corrections
+from ..training.corrections import make_corrections
 from . import register
 from .base import Method, SetupInfo, head_tensors, load_head, weighted_sum
 
@@ -67,12 +67,7 @@ class FedAvgFull(Method):
 
     def train(self, model, msg, state, trainer):
         self.load_global(model, msg)
-        params = self.trainable(model)
-        result, extra, state = fit_with_corrections(self._corrections, model, msg, state, params, trainer)
-        reply = Message({k: p.detach().clone() for k, p in params.items()})
-        reply.update(extra)
-        reply.update(num_examples=trainer.num_examples, train_loss=result.loss)
-        return reply, state
+        return self.fit_and_reply(model, msg, state, trainer, self.trainable(model))
 
     def aggregate(self, server, replies, rnd):
         new = State(server)

@@ -37,7 +37,7 @@ from ..adapters.model import AdaptedModel
 from ..linalg.gram import GRAM_DECOMPOSITIONS, aggregate_gram, gram_distance, stack_gram_factors
 from ..message import Message, State
 from ..seeding import torch_generator
-from ..training.corrections import fit_with_corrections, make_corrections
+from ..training.corrections import make_corrections
 from . import register
 from .base import Method, SetupInfo, head_tensors, load_head, weighted_sum
 
@@ -142,12 +142,7 @@ class FLoRG(Method):
 
     def train(self, model, msg, state, trainer):
         self.load_global(model, msg)
-        params = self.trainable(model)
-        result, extra, state = fit_with_corrections(self._corrections, model, msg, state, params, trainer)
-        reply = Message({k: p.detach().clone() for k, p in params.items()})
-        reply.update(extra)
-        reply.update(num_examples=int(trainer.num_examples), train_loss=float(result.loss))
-        return reply, state
+        return self.fit_and_reply(model, msg, state, trainer, self.trainable(model))
 
     # -- server side -----------------------------------------------------------------------------------
     def aggregate(self, server, replies, rnd):

@@ -80,7 +80,7 @@ def query(msg: FlowerMessage, context: Context) -> FlowerMessage:
 
 @app.train()
 def train(msg: FlowerMessage, context: Context) -> FlowerMessage:
-    from ...message import Message, State
+    from ...message import Message
     from ..engine import client_update
     from .records import from_records, put_records, to_records
 
