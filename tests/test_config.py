@@ -68,3 +68,16 @@ def test_bundled_configs_validate_with_every_compared_method():
         cfg = load_config(name)
         for method in cfg.compare.methods:
             load_config(name, [f"method.name={method}", *cfg.compare.overrides.get(method, [])])
+
+
+def test_agnews_path_of_the_bundled_config_works_from_any_directory(tmp_path, monkeypatch):
+    from fedlowrank.tasks.data import PROJECT_ROOT, agnews_folder
+
+    relative = load_config("agnews").data.path
+    if not (PROJECT_ROOT / relative / "train.tsv").exists():
+        pytest.skip("the shared AG News files are not beside this checkout")
+    monkeypatch.chdir(tmp_path)
+    assert agnews_folder(relative).resolve() == (PROJECT_ROOT / relative).resolve()
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(FileNotFoundError, match="data.path: 'mine' holds no AG News train.tsv"):
+        agnews_folder("mine")

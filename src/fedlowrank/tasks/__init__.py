@@ -10,16 +10,15 @@ from .base import Task
 def build_task(cfg) -> Task:
     """The task of a :class:`~fedlowrank.config.RunConfig` (data loaded and tokenised once)."""
     if cfg.task.kind == "text-classification":
-        from .data import load_bbc_news, load_hf, load_text_files, subsample
+        from .data import agnews_folder, load_bbc_news, load_hf, load_text_files, subsample
         from .text import TextClassification
 
         d = cfg.data
         if d.source == "bbc-news":
             data = load_bbc_news(d.test_fraction, cfg.run.seed)
         elif d.source == "agnews":
-            from pathlib import Path
-
-            data = load_text_files(Path(d.path) / "train.tsv", Path(d.path) / "test.tsv")
+            folder = agnews_folder(d.path)
+            data = load_text_files(folder / "train.tsv", folder / "test.tsv")
         elif d.source == "files":
             if not d.train:
                 raise ValueError("data.train: a file path is required when data.source = 'files'")

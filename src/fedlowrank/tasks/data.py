@@ -105,6 +105,22 @@ def _read_rows(path: Path, text_column: str | int, label_column: str | int) -> t
     return texts, labels
 
 
+PROJECT_ROOT = Path(__file__).resolve().parents[3]  # the checkout (editable install): src/fedlowrank/tasks/…
+
+
+def agnews_folder(path: str | Path) -> Path:
+    """``data.path`` of the AG News source: as given when it exists; a relative path that does not exist from the
+    working directory is taken from the project checkout (the bundled configs say ``../shared/data/agnews``)."""
+    folder = Path(path)
+    if not folder.is_absolute() and not folder.exists() and (PROJECT_ROOT / folder).exists():
+        folder = PROJECT_ROOT / folder
+    if not (folder / "train.tsv").exists() or not (folder / "test.tsv").exists():
+        raise FileNotFoundError(f"data.path: {str(path)!r} holds no AG News train.tsv and test.tsv (looked in "
+                                f"{Path(path).resolve()} and {(PROJECT_ROOT / path).resolve()}); set data.path "
+                                "to the folder that holds them")
+    return folder
+
+
 def load_text_files(train: str | Path, test: str | Path | None, text_column: str | int = 0,
                     label_column: str | int = 1, test_fraction: float = 0.2, seed: int = 0) -> TextData:
     """Read a train (and optional test) file: ``.tsv``/``.csv`` (columns by index, or by name with a header
