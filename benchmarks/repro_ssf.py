@@ -7,11 +7,12 @@ seeds vary client sampling, minibatches and projectors. Methods: Full-SCAFFOLD (
 correction = scaffold), Full-FedAvg (``fedavg-full``), SSF (``ssf``), FedSub (``fedsub``), all through
 :func:`fedlowrank.runtime.vectorized.run_vectorized` (``fedavg-full`` needs its ``batched_round`` hook).
 
-Everything the paper's tables need, with 3 seeds (about 1–1.5 h per seed on 2 cores):
+Everything the paper's tables need, with 3 seeds (24 runs of 25,000 rounds per seed, 30–60 s each on one core:
+about 20 minutes per seed; results in docs/methods/ssf.md):
 
     .venv/bin/python benchmarks/repro_ssf.py --lr-search --seeds 0,1,2 --plots
 
-A reduced run (what is cheap now), e.g. Table 2 at het 0.1/0.5 with T = 5,000 and one seed:
+A reduced run, e.g. Table 2 at het 0.1/0.5 with T = 5,000 and one seed:
 
     .venv/bin/python benchmarks/repro_ssf.py --lr-search --het 0.1,0.5 --tables 2 --rounds 5000 --seeds 0
 
