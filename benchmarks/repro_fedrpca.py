@@ -14,6 +14,11 @@ their ratio; for FedRPCA the per-round means of E, β, ADMM iterations and the c
 of M, L and S (claims C1, C2: cos L > cos M > cos S ≈ 0, E rising over rounds). Then the table of final accuracy,
 mean ± std over seeds, FedRPCA's margin over the best baseline, and R@90.
 
+The CPU-scale grid whose results are in docs/methods/fedrpca.md (36 runs of about 110 s on one core):
+
+    python benchmarks/repro_fedrpca.py --clients 20 --alphas 0.5,0.1 --seeds 0,1,2 --rounds 5 --max-train 0 \\
+        --max-test 500 --max-length 32 --batch-size 8 --local-epochs 0 --lr 5e-3 --set train.local_steps=5
+
 The issue's full grid (many hours of MiniLM training on 2 cores; not run here):
 
     python benchmarks/repro_fedrpca.py --clients 20,50 --alphas 0.5,0.1 --seeds 0,1,2 --rounds 30 \\
