@@ -12,6 +12,13 @@ the LoRA methods; ``--method-set METHOD:section.key=value`` adds per-method over
 Registered names: fedavg-full fedit ffa-lora flora lora-fair fr-lora fedgalore-minus fedgalore (absent ones are
 skipped with a note).
 
+The CPU-scale grid whose results are in docs/methods/fedgalore.md (42 runs of 50–65 s on one core):
+
+    python benchmarks/repro_fedgalore.py --sources agnews --alphas 0.5 --seeds 0,1,2 --clients 20 --per-round 5 \\
+        --rounds 6 --max-train 0 --max-test 500 --max-length 32 --batch-size 8 --local-epochs 0 --local-steps 5 \\
+        --lr-full 1e-4 --lr-lora 5e-3 --head-lr 1e-2 \\
+        --methods fedavg-full,fedit,ffa-lora,flora,lora-fair,fedgalore-minus,fedgalore
+
 The issue's full grid (many hours on 2 cores; NOT run here):
 
     python benchmarks/repro_fedgalore.py --sources agnews,bbc-news --alphas 0.5,0.1 --seeds 0,1,2 \\
