@@ -11,6 +11,12 @@ Prints, per run, the final / best accuracy and the bytes counted by the runtime'
 whose accuracy reaches each target, in total and without the head (``- head``: the head's fp32 bytes times the
 number of messages; the safetensors header stays in), "–" where a seed never reaches it.
 
+The CPU-scale slice whose results are in docs/methods/florg.md (24 runs of about 90 s on one core):
+
+    python benchmarks/repro_florg.py --rhos 0.5,0.1 --ranks 4 --seeds 0,1 --clients 20 --rounds 4 --max-train 0 \\
+        --max-test 500 --max-length 32 --batch-size 8 --local-steps 5 --lr 5e-3 --targets 0.7,0.8 \\
+        --methods florg,florg-noproc,fedit,federa,ffa-lora,fedex-lora
+
 The issue's full grid (hours of MiniLM training on 2 cores; not run here):
 
     python benchmarks/repro_florg.py --rhos 1,0.5,0.1 --ranks 2,4,8 --seeds 0,1 --clients 20 --rounds 20 \\
