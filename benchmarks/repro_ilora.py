@@ -10,6 +10,12 @@ A method is ``name`` or ``name:opt=value,opt=value`` (e.g. ``ilora:hetero_base=r
 registered are listed and skipped. The paper predicts ILoRA ≫ FedIT+QR (+5 to +15 points), ILoRA-S ≥ ILoRA, and
 the gap growing as α falls.
 
+The CPU-scale grid whose results are in docs/methods/ilora.md (≈ 77 s per run on one core)::
+
+    .venv/bin/python benchmarks/repro_ilora.py --datasets agnews --rank-sets 2-4-8 --alphas 1.0,0.5,0.1 \\
+        --seeds 0,1,2 --clients 3 --rounds 5 --local-epochs 1 --batch-size 8 --max-train 480 --max-test 500 \\
+        --set task.max_length=32
+
 Full grid (about 288 MiniLM runs of several minutes each: days on 2 shared cores; run it on a quiet machine)::
 
     .venv/bin/python benchmarks/repro_ilora.py --out runs/repro_ilora.jsonl
