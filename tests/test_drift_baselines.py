@@ -312,6 +312,7 @@ def test_scaffold_refuses_an_unknown_refresh():
     with pytest.raises(ValueError, match="method.cv_grad must be one of"):
         get_method("scaffold", cv_grad="option1")
 
+
 # -- composition with another LoRA method ------------------------------------------------------------------
 def test_scaffold_composes_with_another_lora_method():
     _, history = run(FirstReplyLoRA(correction="scaffold"), rounds=4, num_clients=5, per_round=3)

@@ -262,7 +262,6 @@ def test_fedsa_lora_never_sends_B_and_keeps_each_clients_own():
     assert torch.equal(lora_modules(sim.model)[names[0]].lora_A.detach(), sim.server[p_A])
 
 
-
 def test_fedsa_lora_reports_the_mean_of_the_clients_personalised_models():
     sim = sim_of("fedsa-lora")
     sim.run()
@@ -275,6 +274,7 @@ def test_fedsa_lora_reports_the_mean_of_the_clients_personalised_models():
     assert reported["loss"] == pytest.approx(sum(r["loss"] for r in rows) / len(rows))
     sim.method.load_global(sim.model, sim.server)
     assert reported["loss"] != sim.task.evaluate(sim.model.net)["loss"]  # not the shared model with B = 0
+
 
 def test_rolora_alternates_factors():
     sim = sim_of("rolora")

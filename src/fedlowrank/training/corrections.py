@@ -117,11 +117,13 @@ class Scaffold(ClientCorrection):
 
     def grad(self, params: dict[str, nn.Parameter]) -> None:
         for k in self._c:
-            p = params[k]
-            g = torch.zeros_like(p) if p.grad is None else p.grad.detach()
-            self._raw[k] = self._raw[k] + g if self.refresh == "mean" else g.clone()
-            if p.grad is not None:
-                p.grad.add_(self._c[k] - self._ci[k])
+            grad = params[k].grad
+            if self.refresh == "mean" and grad is not None:       # the raw gradient, before the correction
+                self._raw[k].add_(grad)
+            elif self.refresh == "last":
+                self._raw[k] = torch.zeros_like(self._raw[k]) if grad is None else grad.detach().clone()
+            if grad is not None:
+                grad.add_(self._c[k] - self._ci[k])
         self._steps += 1
 
     def refreshed(self, k: str, p: torch.Tensor, result) -> torch.Tensor:
