@@ -68,6 +68,7 @@ class DataSection:
     max_train_examples: int = 0
     max_test_examples: int = 0
     hf_name: str = ""
+    validation_fraction: float = 0.1  # `fedlowrank tune`: share of each client's examples held out for validation
 
 
 @dataclass
@@ -92,6 +93,7 @@ class CompareSection:
     methods: list[str] = field(default_factory=lambda: ["fedit", "fedavg-full"])
     seeds: list[int] = field(default_factory=lambda: [0])
     overrides: dict[str, list[str]] = field(default_factory=dict)
+    tuned: str = ""  # a tune.json whose chosen learning rates compare applies (as train.lr per method)
 
 
 @dataclass
@@ -228,6 +230,8 @@ def validate(cfg: RunConfig) -> None:
           f"data.text_column and data.label_column must differ, both are {d.text_column!r}")
     _need(d.source != "files" or bool(d.train), "data.train: a file path is required when data.source = 'files'")
     _need(d.source != "hf" or bool(d.hf_name), "data.hf_name: a dataset name is required when data.source = 'hf'")
+    _need(0 < d.validation_fraction < 1,
+          f"data.validation_fraction must be in (0, 1), got {d.validation_fraction}")
     _choice("partition.kind", p.kind, PARTITIONS)
     _need(p.alpha > 0, f"partition.alpha must be > 0, got {p.alpha}")
     _need(p.min_partition_size >= 0, f"partition.min_partition_size must be >= 0, got {p.min_partition_size}")

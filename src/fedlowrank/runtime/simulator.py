@@ -74,17 +74,20 @@ class Simulation:
         log: where progress lines go (``None`` = silent).
         tamper: fault injection for tests and robustness studies: ``tamper(rnd, client, reply) -> reply`` is
             applied to every reply before it is sent.
+        parts: client index arrays to train on instead of the configured partition (``fedlowrank tune`` passes
+            the partition with each client's validation examples held out).
     """
 
     def __init__(self, cfg, task: Task | None = None, run_dir: str | Path | None = None,
                  log: Callable[[str], None] | None = None,
-                 tamper: Callable[[int, int, Message], Message] | None = None):
+                 tamper: Callable[[int, int, Message], Message] | None = None,
+                 parts: list[np.ndarray] | None = None):
         self.cfg = cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.task = task if task is not None else build_task(cfg)
-        self.parts = partition(self.task.num_train, self.task.train_labels, cfg.partition, cfg.run.seed,
-                               self.task.natural_partition)
+        self.parts = parts if parts is not None else partition(
+            self.task.num_train, self.task.train_labels, cfg.partition, cfg.run.seed, self.task.natural_partition)
         self.method = get_method(cfg.method_name, **cfg.method_options)
         self.model = self.task.build_model()
         self.info = setup_info(cfg, [len(p) for p in self.parts])

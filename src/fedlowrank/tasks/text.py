@@ -68,6 +68,7 @@ class TextClassification(Task):
     """
 
     name = "text-classification"
+    validation_metric = "accuracy"
 
     def __init__(self, data: TextData, model: str = "minilm", max_length: int = 64,
                  targets: list[str] | None = None, eval_batch_size: int = 64):
@@ -128,14 +129,24 @@ class TextClassification(Task):
         pooled = getattr(out, "pooler_output", None)
         return pooled if pooled is not None else out.last_hidden_state[:, 0]
 
-    @torch.no_grad()
     def evaluate(self, net: nn.Module) -> dict[str, float]:
+        return self._evaluate(net, self.test_ids, self.test_mask, self.test_labels)
+
+    def evaluate_examples(self, net: nn.Module, indices: np.ndarray) -> dict[str, float]:
+        idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)
+        ids, mask = self.train_ids[idx], self.train_mask[idx]
+        order = torch.argsort(mask.sum(1), stable=True)
+        return self._evaluate(net, ids[order], mask[order], torch.as_tensor(self.train_labels)[idx][order])
+
+    @torch.no_grad()
+    def _evaluate(self, net: nn.Module, all_ids: torch.Tensor, all_mask: torch.Tensor,
+                  labels: torch.Tensor) -> dict[str, float]:
+        """Accuracy and mean cross-entropy on ``[n, L]`` token ids/masks with ``[n]`` labels (length-sorted)."""
         net.eval()
-        correct, total_loss, n = 0, 0.0, len(self.data.test_texts)
-        labels = self.test_labels
+        correct, total_loss, n = 0, 0.0, len(labels)
         for start in range(0, n, self.eval_batch_size):
             sl = slice(start, start + self.eval_batch_size)
-            ids, mask = self._trim(self.test_ids[sl], self.test_mask[sl])
+            ids, mask = self._trim(all_ids[sl], all_mask[sl])
             logits = net(input_ids=ids, attention_mask=mask).logits
             total_loss += float(F.cross_entropy(logits, labels[sl], reduction="sum"))
             correct += int((logits.argmax(-1) == labels[sl]).sum())
