@@ -42,7 +42,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def cmd_methods(args) -> int:
-    from .methods import available_methods
+    from .methods import available_methods, lr_grid, preset_overrides
 
     for name, cls in available_methods().items():
         flags = []
@@ -51,7 +51,9 @@ def cmd_methods(args) -> int:
         if cls.supports_heterogeneous_ranks:
             flags.append("heterogeneous ranks")
         print(f"{name}\n  {cls.description}\n  paper: {cls.paper}\n  up:   {cls.uplink}\n  down: {cls.downlink}"
-              + (f"\n  ({'; '.join(flags)})" if flags else ""))
+              + (f"\n  ({'; '.join(flags)})" if flags else "")
+              + (f"\n  preset: {' '.join(preset_overrides(name))}" if cls.preset else "")
+              + f"\n  lr grid: {' '.join(f'{lr:g}' for lr in lr_grid(name))}")
     return 0
 
 

@@ -71,6 +71,8 @@ class FedRPCA(FedIT):
     uplink = "A [r,in] and B [out,r] per target module, head"
     downlink = "A, B per target module, head"
     needs_individual_replies = True
+    preset = {"server.weighting": "uniform", "train.weight_decay": 0.1}  # eqs. 4, 10, 11: 1/M; Table 5: wd 0.1
+    lr_grid = (1e-4, 3e-4, 1e-3)  # Table 5 uses 1e-4 and 1e-3
 
     beta: float | str = "adaptive"
     beta_scope: str = "per_matrix"

@@ -194,6 +194,7 @@ class ILoRA(QRInitLoRA):
     downlink = ("Q[:, :r_k] [out,r_k] and R[:r_k] [r_k,in] per target module, head; with hetero_base=residual "
                 "also the frozen directions r_k..r_s of the global adapter")
     needs_individual_replies = True
+    lr_grid = (3e-4, 1e-3, 3e-3)  # issue #16's CPU-scale grid around the paper's AdamW 1e-4
 
     decomp: str = "qr"
     hetero_base: str = "per_client"
