@@ -96,7 +96,7 @@ def partition_digest(parts: list[np.ndarray]) -> str:
     return h.hexdigest()[:16]
 
 
-def _task_key(cfg: RunConfig) -> str:
+def task_key(cfg: RunConfig) -> str:
     """What a built task depends on: the seed and the [task] and [data] sections."""
     return json.dumps([cfg.run.seed, dataclasses.asdict(cfg.task), dataclasses.asdict(cfg.data)], sort_keys=True)
 
@@ -225,7 +225,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         runs = []
         for seed in seed_list:
             cfg = configs[name][seed]
-            key = _task_key(cfg)
+            key = task_key(cfg)
             if key not in tasks:
                 tasks[key] = build_task(cfg)
             sim = Simulation(cfg, task=tasks[key], run_dir=out / f"{name}-seed{seed}" if out else None, log=log)
@@ -285,7 +285,7 @@ def results_markdown(results: dict[str, Any]) -> str:
     metric, setup, ref = results["metric"], results["setup"], results["reference"]
     n = len(results["seeds"])
     direction = "higher is better" if results["higher_is_better"] else "lower is better"
-    lines = ["# Comparison", "", "## Setup (as run)", "", *setup_lines(setup),
+    lines = [f"# Comparison: {', '.join(r['method'] for r in results['rows'])}", "", "## Setup (as run)", "", *setup_lines(setup),
              "- paired by seed: for a given seed every method has the same partition (checked), client sampling "
              "and local data order", ""]
     lines += ["| method | train.lr | head lr | optimizer | weighting | settings applied (preset, compare.overrides, "
@@ -307,7 +307,7 @@ def results_markdown(results: dict[str, Any]) -> str:
               "|---|---|---|---|---|---|"]
     for r in results["rows"]:
         lines.append(f"| {r['method']} | {_interval(r['final']).format()} | {_interval(r['best']).format()} | "
-                     f"{_fmt_bytes(r['bytes_up'])} | {_fmt_bytes(r['bytes_down'])} | {r['time']:.0f} |")
+                     f"{_fmt_bytes(r['bytes_up'])} | {_fmt_bytes(r['bytes_down'])} | {r['time']:.1f} |")
     if results["paired"]:
         lines += ["", f"## Paired differences against {ref}", "",
                   f"Per seed, method − {ref} on the same partition and data order; mean ± half-width of the paired "

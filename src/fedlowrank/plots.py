@@ -19,19 +19,44 @@ def _pyplot():
     return plt
 
 
-def plot_comparison(histories: dict[str, list[list[dict[str, Any]]]], out_dir: Path, metric: str = "accuracy") -> list[Path]:
-    """``<metric>`` vs round and vs cumulative bytes (up + down), mean over seeds, one line per method.
+def _band(y: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Mean over seeds (rows of ``y [seeds, points]``) and the half-width of its 95% t-interval per point."""
+    from .stats import mean_interval
 
-    ``histories[method]`` is a list (one per seed) of per-round rows from ``metrics.jsonl``.
-    Returns the written files (none when matplotlib is missing).
+    intervals = [mean_interval(col.tolist()) for col in y.T]
+    mean = np.array([iv.mean for iv in intervals])
+    return mean, (None if y.shape[0] < 2 else np.array([iv.half_width for iv in intervals]))
+
+
+def _bytes_axis(ax, x_max: float, x_min: float) -> None:
+    """Log-scaled bytes axis labelled ``10 kB``, ``1 MB``...; minor ticks labelled only within one decade."""
+    from matplotlib.ticker import EngFormatter, NullFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(EngFormatter(unit="B"))
+    narrow = x_min > 0 and x_max / x_min < 10
+    ax.xaxis.set_minor_formatter(EngFormatter(unit="B") if narrow else NullFormatter())
+    ax.tick_params(axis="x", which="both", labelsize=8)
+
+
+def plot_comparison(histories: dict[str, list[list[dict[str, Any]]]], out_dir: Path, metric: str = "accuracy",
+                    title: str = "") -> list[Path]:
+    """``<metric>`` vs round and vs cumulative bytes (up + down): per method the mean over seeds and, with two or
+    more seeds, a band of the 95% t-interval of that mean.
+
+    ``histories[method]`` is a list (one per seed) of per-round rows from ``metrics.jsonl``; ``title`` goes on
+    both plots. Returns the written files (none when matplotlib is missing).
     """
     plt = _pyplot()
     if plt is None:
         return []
+    from matplotlib.ticker import MaxNLocator
+
     written = []
     for xkey, xlabel, fname in (("round", "round", f"{metric}_vs_round.png"),
-                                ("bytes", "bytes sent, up + down (MB)", f"{metric}_vs_bytes.png")):
-        fig, ax = plt.subplots(figsize=(6, 4))
+                                ("bytes", "bytes sent, up + down (mean over seeds)", f"{metric}_vs_bytes.png")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        x_lo, x_hi = np.inf, 0.0
         for method, runs in histories.items():
             rows = [[r for r in run if metric in r] for run in runs]
             if not rows or not rows[0]:
@@ -39,17 +64,27 @@ def plot_comparison(histories: dict[str, list[list[dict[str, Any]]]], out_dir: P
             n = min(len(r) for r in rows)
             y = np.array([[r[i][metric] for i in range(n)] for r in rows])
             if xkey == "round":
-                x = np.array([rows[0][i]["round"] for i in range(n)])
+                x = np.array([rows[0][i]["round"] for i in range(n)], dtype=float)
             else:
-                x = np.array([(rows[0][i]["cum_bytes_up"] + rows[0][i]["cum_bytes_down"]) / 1e6 for i in range(n)])
-            ax.plot(x, y.mean(0), marker="o", markersize=3, label=method)
-            if len(rows) > 1:
-                ax.fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), alpha=0.2)
+                x = np.array([[r[i]["cum_bytes_up"] + r[i]["cum_bytes_down"] for i in range(n)] for r in rows]).mean(0)
+            x_lo, x_hi = min(x_lo, float(x.min())), max(x_hi, float(x.max()))
+            mean, half = _band(y)
+            line, = ax.plot(x, mean, marker="o", markersize=3, label=method)
+            if half is not None:
+                ax.fill_between(x, mean - half, mean + half, alpha=0.2, color=line.get_color(), linewidth=0)
         if xkey == "bytes":
-            ax.set_xscale("log")
+            _bytes_axis(ax, x_hi, x_lo)
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if metric == "accuracy":  # a wide interval (few seeds) must not stretch the axis beyond [0, 1]
+            low, high = ax.get_ylim()
+            ax.set_ylim(max(low, 0.0), min(high, 1.0))
         ax.set_xlabel(xlabel)
         ax.set_ylabel(metric)
-        ax.grid(alpha=0.3)
+        seeds = len(next(iter(histories.values()), []))
+        band = "; band: 95% t-interval of the mean over seeds" if seeds > 1 else ""
+        ax.set_title((title + "\n" if title else "") + f"{metric} vs {xkey}{band}", fontsize=9)
+        ax.grid(alpha=0.3, which="both" if xkey == "bytes" else "major")
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = out_dir / fname
