@@ -194,6 +194,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         reference: the method the others are compared with, per seed (default: the first method).
         tuned: a ``tune.json`` whose chosen learning rates are applied (default: ``compare.tuned``).
     """
+    from .partition import partition
     from .runtime.simulator import Simulation
     from .tasks import build_task
 
@@ -214,10 +215,23 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
     configs = {n: {s: load_config(config, [*settings[n], f"run.seed={s}"]) for s in seed_list} for n in names}
     metric = default_metric(base)
     out = Path(out) if out is not None else None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
 
     tasks: dict[str, Any] = {}
+    parts: dict[tuple[str, int], list[np.ndarray]] = {}
+    # data and partitions first (the reference's first): the pairing is checked before any training
+    for name in [reference, *(n for n in names if n != reference)]:
+        for seed in seed_list:
+            cfg = configs[name][seed]
+            key = task_key(cfg)
+            if key not in tasks:
+                tasks[key] = build_task(cfg)
+            task = tasks[key]
+            parts[name, seed] = partition(task.num_train, task.train_labels, cfg.partition, seed,
+                                          task.natural_partition)
+            if partition_digest(parts[name, seed]) != partition_digest(parts[reference, seed]):
+                raise ConfigError(f"compare: seed {seed}: {name!r} would train on another partition than "
+                                  f"{reference!r} (a per-method setting changes [data] or [partition]); paired "
+                                  "differences need the same partition")
     histories: dict[str, list[list[dict[str, Any]]]] = {}
     rows: list[dict[str, Any]] = []
     setup: dict[str, Any] | None = None
@@ -225,21 +239,21 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         runs = []
         for seed in seed_list:
             cfg = configs[name][seed]
-            key = task_key(cfg)
-            if key not in tasks:
-                tasks[key] = build_task(cfg)
-            sim = Simulation(cfg, task=tasks[key], run_dir=out / f"{name}-seed{seed}" if out else None, log=log)
+            task = tasks[task_key(cfg)]
+            sim = Simulation(cfg, task=task, run_dir=out / f"{name}-seed{seed}" if out else None, log=log,
+                             parts=parts[name, seed])
             summary = sim.run()
             values = _metric_values(sim.history, metric)
             if not values:
                 raise ConfigError(f"run.stop_metric: the task reports no {metric!r} "
                                   f"(it reports {', '.join(sorted(sim.last_eval)) or 'nothing'})")
             if setup is None:
-                setup = setup_of(cfg, tasks[key].describe(), seed_list)
+                setup = setup_of(cfg, task.describe(), seed_list)
             histories.setdefault(name, []).append(sim.history)
             runs.append({"seed": seed, "final": values[-1], "best": max(values) if higher_is_better(metric)
                          else min(values), "bytes_up": summary["bytes_up"], "bytes_down": summary["bytes_down"],
                          "time": summary["time"]["total"], "partition": partition_digest(sim.parts),
+                         "clients": [r["clients"] for r in sim.history],
                          **({"run_dir": str(out / f"{name}-seed{seed}")} if out else {})})
         cfg0 = configs[name][seed_list[0]]
         rows.append({
@@ -253,12 +267,6 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         })
     assert setup is not None
     ref = next(r for r in rows if r["method"] == reference)
-    for row in rows:
-        for mine, theirs in zip(row["runs"], ref["runs"]):
-            if mine["partition"] != theirs["partition"]:
-                raise ConfigError(f"compare: seed {mine['seed']}: {row['method']!r} trained on another partition "
-                                  f"than {reference!r} (a per-method setting changed [data] or [partition]); "
-                                  "paired differences need the same partition")
     paired = []
     for row in rows:
         if row["method"] == reference:
@@ -274,6 +282,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
     if out is not None:
         from .plots import plot_comparison
 
+        out.mkdir(parents=True, exist_ok=True)
         results["plots"] = [str(p) for p in plot_comparison(histories, out, metric, _title(setup))]
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "results.md").write_text(results_markdown(results))
