@@ -146,7 +146,8 @@ def setup_lines(setup: dict[str, Any]) -> list[str]:
     if setup.get("num_test") is not None:
         sizes += f", {setup['num_test']:,} test examples"
     if setup.get("num_validation") is not None:
-        sizes += f" ({setup['num_validation']:,} of the training examples held out for validation)"
+        sizes += (f" ({setup['num_validation']:,} of them held out for validation with seed {setup['seeds'][0]}; "
+                  "tune.json gives each run's count)")
     local = (f"{setup['local_epochs']:g} local epoch(s)" if setup["local_epochs"] > 0
              else f"{setup['local_steps']} local steps")
     return [

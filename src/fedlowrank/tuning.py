@@ -10,7 +10,7 @@ For each method, each learning rate of the grid (``--grid``, else the method's p
 :func:`fedlowrank.methods.lr_grid`) and each seed: one run at ``train.lr = lr`` with the method's settings as
 ``compare`` applies them; the score of a learning rate is the mean over seeds of the final model's
 validation metric (the task's ``validation_metric``: accuracy, maximised, for classification; held-out loss,
-minimised, for regression). A diverged run scores worst. ``tune.json`` holds every (method, lr, seed, metric)
+minimised, for regression); ties go to the first learning rate of the grid. A diverged run scores worst. ``tune.json`` holds every (method, lr, seed, metric)
 and the choice; ``compare --tuned tune.json`` (or ``compare.tuned``) runs each method at its chosen rate.
 Only ``train.lr`` is tuned; ``train.head_lr`` stays as configured.
 """
@@ -100,7 +100,7 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
                 train_parts, held_out = splits[split_key]
                 view = task.validation(held_out)
                 metric = view.validation_metric
-                if setup is None:
+                if setup is None:  # sizes of the first seed's split (each run records its own)
                     setup = {**setup_of(cfg, task.describe(), seed_list), "num_validation": int(len(held_out)),
                              "validation_fraction": cfg.data.validation_fraction, "metric": metric}
                     setup["num_test"] = None  # the test set is not used
@@ -113,7 +113,7 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
                     value, validation = math.nan, {"diverged": str(exc)}
                 values.append(value)
                 runs.append({"method": name, "lr": lr, "seed": seed, "metric": metric, "value": value,
-                             "validation": validation})
+                             "num_validation": int(len(held_out)), "validation": validation})
                 if log:
                     log(f"tune [{name}] lr={lr:g} seed={seed}: validation {metric} = {value:.4f}")
             scores[lr] = float(np.mean(values)) if all(math.isfinite(v) for v in values) else math.nan
