@@ -28,6 +28,6 @@ def setup_line(cfg, task) -> str:
     s = setup_of(cfg, task.describe(), [cfg.run.seed])
     local = f"{s['local_epochs']:g} local epochs" if s["local_epochs"] > 0 else f"{s['local_steps']} local steps"
     return (f"setup as run: {s['data_source']}: {s['num_train']:,} training / {s['num_test']:,} test examples used; "
-            f"{s['model']}; {describe_partition(s['partition'])}, {s['clients_per_round']} per round; "
+            f"{s['model'] or cfg.task.kind}; {describe_partition(s['partition'])}, {s['clients_per_round']} per round; "
             f"{s['rounds']} rounds of {local} of batch {s['batch_size']}; {cfg.method_name} at lr {cfg.train.lr:g}; "
             f"seed {cfg.run.seed}")

@@ -105,7 +105,7 @@ def data_source(cfg: RunConfig) -> str:
     """Where the data came from, in words."""
     d = cfg.data
     if cfg.task.kind == "matrix-regression":
-        return "synthetic (task.options)"
+        return "synthetic (" + ", ".join(f"{k} = {v}" for k, v in cfg.task.options.items()) + ")"
     if d.source == "agnews":
         return f"AG News files in {d.path}"
     if d.source == "files":
@@ -126,7 +126,7 @@ def setup_of(cfg: RunConfig, task_description: dict[str, Any], seeds: list[int])
     if p.kind in ("dirichlet", "quantity"):
         partition["min_partition_size"] = p.min_partition_size
     return {
-        "task": cfg.task.kind, "model": task_description.get("model", cfg.task.model),
+        "task": cfg.task.kind, "model": task_description.get("model"),
         "data_source": data_source(cfg), "num_train": task_description.get("num_train"),
         "num_test": task_description.get("num_test"), "partition": partition,
         "clients_per_round": cfg.run.clients_per_round, "rounds": cfg.run.rounds, "eval_every": cfg.run.eval_every,
@@ -151,7 +151,7 @@ def setup_lines(setup: dict[str, Any]) -> list[str]:
     local = (f"{setup['local_epochs']:g} local epoch(s)" if setup["local_epochs"] > 0
              else f"{setup['local_steps']} local steps")
     return [
-        f"- task: {setup['task']}, model {setup['model']}",
+        f"- task: {setup['task']}" + (f", model {setup['model']}" if setup["model"] else ""),
         f"- data: {setup['data_source']}; used: {sizes}",
         f"- partition: {describe_partition(setup['partition'])}; {setup['clients_per_round']} clients per round",
         f"- rounds: {setup['rounds']} (evaluated every {setup['eval_every']}); {local} of batch "
@@ -162,7 +162,8 @@ def setup_lines(setup: dict[str, Any]) -> list[str]:
 
 def _title(setup: dict[str, Any]) -> str:
     seeds = setup["seeds"]
-    return (f"{setup['task']} ({setup['model']}), {describe_partition(setup['partition'])}, "
+    model = f" ({setup['model']})" if setup["model"] else ""
+    return (f"{setup['task']}{model}, {describe_partition(setup['partition'])}, "
             f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''}")
 
 
@@ -311,7 +312,8 @@ def results_markdown(results: dict[str, Any]) -> str:
     pm = (f"mean ± half-width of the {conf} Student-t confidence interval of the mean over the {n} seeds "
           f"(t_{{{0.5 + results['confidence'] / 2:g}, n−1}} · sd / √n, sample sd with ddof = 1)" if n > 1
           else "a single seed (n = 1): no interval")
-    lines += ["", "## Results", "", f"Metric: {metric} on the test set ({direction}); final = after the last round, "
+    where = f"on the {setup['num_test']:,} test examples" if setup.get("num_test") else "as the task evaluates it"
+    lines += ["", "## Results", "", f"Metric: {metric} {where} ({direction}); final = after the last round, "
               f"best = the best evaluated round. Values are {pm}.", "",
               f"| method | final {metric} | best {metric} | bytes up | bytes down | time (s) |",
               "|---|---|---|---|---|---|"]
