@@ -70,8 +70,10 @@ def plot_comparison(histories: dict[str, list[list[dict[str, Any]]]], out_dir: P
             x_lo, x_hi = min(x_lo, float(x.min())), max(x_hi, float(x.max()))
             mean, half = _band(y)
             line, = ax.plot(x, mean, marker="o", markersize=3, label=method)
-            if half is not None:
+            if half is not None and len(x) > 1:
                 ax.fill_between(x, mean - half, mean + half, alpha=0.2, color=line.get_color(), linewidth=0)
+            elif half is not None:  # one evaluated round: the interval as an error bar
+                ax.errorbar(x, mean, yerr=half, color=line.get_color(), capsize=3)
         if xkey == "bytes":
             _bytes_axis(ax, x_hi, x_lo)
         else:
@@ -82,7 +84,7 @@ def plot_comparison(histories: dict[str, list[list[dict[str, Any]]]], out_dir: P
         ax.set_xlabel(xlabel)
         ax.set_ylabel(metric)
         seeds = len(next(iter(histories.values()), []))
-        band = "; band: 95% t-interval of the mean over seeds" if seeds > 1 else ""
+        band = "; shaded: 95% t-interval of the mean over seeds" if seeds > 1 else ""
         ax.set_title((title + "\n" if title else "") + f"{metric} vs {xkey}{band}", fontsize=9)
         ax.grid(alpha=0.3, which="both" if xkey == "bytes" else "major")
         ax.legend(fontsize=8)
