@@ -89,7 +89,7 @@ def test_compare_results_hold_per_seed_values_intervals_and_paired_differences(t
         assert row["final"]["mean"] == pytest.approx(iv.mean) and row["final"]["half_width"] == pytest.approx(iv.half_width)
     # paired by seed: the same partition and client sampling per seed, different ones across seeds
     for a, b in zip(rows["fedit"]["runs"], rows["fedavg-full"]["runs"]):
-        assert a["partition"] == b["partition"] and a["clients"] == b["clients"]
+        assert a["partition"] == b["partition"] and a["sampling"] == b["sampling"]
     assert len({r["partition"] for r in rows["fedit"]["runs"]}) == 3
     (pair,) = res["paired"]
     assert pair["method"] == "fedit" and pair["reference"] == "fedavg-full"

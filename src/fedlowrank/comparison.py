@@ -255,7 +255,8 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
             runs.append({"seed": seed, "final": values[-1], "best": max(values) if higher_is_better(metric)
                          else min(values), "bytes_up": summary["bytes_up"], "bytes_down": summary["bytes_down"],
                          "time": summary["time"]["total"], "partition": partition_digest(sim.parts),
-                         "clients": [r["clients"] for r in sim.history],
+                         "sampling": hashlib.sha256(json.dumps([r["clients"] for r in sim.history]).encode())
+                         .hexdigest()[:16],
                          **({"run_dir": str(out / f"{name}-seed{seed}")} if out else {})})
         cfg0 = configs[name][seed_list[0]]
         rows.append({
