@@ -226,8 +226,9 @@ class LoRAMethod(Method):
         correction: client-side drift corrections composed on top of the method: ``"none"``,
             ``"fedprox"``, ``"scaffold"`` or ``"fedprox+scaffold"``.
         mu: FedProx's proximal coefficient μ (used when ``correction`` includes fedprox).
-        cv_grad: how SCAFFOLD refreshes a client's control variate: ``"mean"`` raw gradient of the round
-            (= option II under plain SGD; default), ``"last"`` raw gradient, or the literal ``"option2"``.
+        cv_grad: how SCAFFOLD refreshes a client's control variate: ``"mean"`` raw (clipped) gradient of the
+            round (= option II exactly under plain SGD, with or without clipping; default), ``"last"`` raw
+            gradient, or the literal ``"option2"``.
     """
 
     correction: str = "none"

@@ -49,7 +49,8 @@ from .base import Method, SetupInfo, head_tensors, load_head, weighted_sum
 @dataclass
 class FLoRG(Method):
     """Options:
-        procrustes: align the new factor to the previous one (Theorem 1); false = the paper's ablation.
+        procrustes: align the new factor to the previous one (Theorem 1); false = no alignment (Table 3's
+            ablation when ``truncate`` is false too: ``florg-no-procrustes``).
         truncate: without Procrustes, keep only the top-r rows of Ã (true) or all r' of them (false, the paper's
             Table 3 ablation); ignored with Procrustes.
         server_decomp: ``"stacked_svd"`` (SVD of the stacked [Nr, k] factors, O(k(Nr)²); default),

@@ -34,7 +34,10 @@ class TrainConfig:
         lr: learning rate at round 0; ``schedule`` decays it over rounds (one of :data:`SCHEDULES`).
         head_lr: learning rate of the head (0 = same as ``lr``).
         momentum, weight_decay, betas, eps: optimizer settings.
-        max_grad_norm: clip the global gradient norm (0 = off).
+        max_grad_norm: clip the global norm of the loss gradient (0 = off), before the corrections' ``grad``
+            hooks add their terms: SCAFFOLD's ``c − cᵢ`` is an offset between clients that cancels in the
+            average (Σ(c − cᵢ) = 0); clipping it per client would break that and make option II's
+            ``(x − yᵢ)/(Kη)`` differ from the mean of the gradients it estimates.
         warmup_rounds: linear warm-up of the learning rate over the first rounds.
     """
 
@@ -165,10 +168,10 @@ class LocalTrainer:
                 if extra is not None:
                     total = total + extra
             total.backward()
+            if self.cfg.max_grad_norm > 0:      # clip the gradient of the loss, then correct it (SCAFFOLD)
+                nn.utils.clip_grad_norm_(plist, self.cfg.max_grad_norm)
             for c in corrections:
                 c.grad(params)
-            if self.cfg.max_grad_norm > 0:
-                nn.utils.clip_grad_norm_(plist, self.cfg.max_grad_norm)
             opt.step()
             losses.append(float(loss.detach()))
         self.compute_seconds += time.perf_counter() - t0
