@@ -18,6 +18,7 @@ from typing import Any
 from .partition import PARTITIONS, PartitionConfig
 from .tasks.data import SOURCES
 from .tasks.table import HEADER_MODES
+from .tracking import TRACKERS
 from .training.local import OPTIMIZERS, SCHEDULES, TrainConfig
 from .adapters.lora import SCALING_RULES
 
@@ -44,6 +45,7 @@ class RunSection:
     dropout_schedule: list[list[int]] = field(default_factory=list)
     stop_metric: str = ""
     stop_above: float = float("inf")
+    tracking: str = ""
 
 
 @dataclass
@@ -219,6 +221,8 @@ def validate(cfg: RunConfig) -> None:
     _need(all(isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) for v in x) for x in r.dropout_schedule),
           f"run.dropout_schedule must be a list of [round, client] pairs, got {r.dropout_schedule}")
     _need(r.threads >= 0, f"run.threads must be >= 0 (0 = torch default), got {r.threads}")
+    _need(r.tracking in ("", *TRACKERS),
+          f"run.tracking must be one of \"\" (off), {', '.join(TRACKERS)}; got {r.tracking!r}")
     _choice("task.kind", cfg.task.kind, TASKS)
     _choice("data.source", cfg.data.source, SOURCES)
     d = cfg.data

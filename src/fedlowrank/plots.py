@@ -1,4 +1,4 @@
-"""Plots of a comparison and of a partition (matplotlib, an optional dependency)."""
+"""Plots of a comparison, of a single run and of a partition (matplotlib, an optional dependency)."""
 
 from __future__ import annotations
 
@@ -114,3 +114,64 @@ def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] |
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _readable_log_ticks(axis) -> None:
+    """Log-scale ticks at 1, 2 and 5 × 10^k, labelled as plain numbers (0.05, 0.1, 0.2), not 10^-1."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def plot_run(history: list[dict[str, Any]], out_dir: Path, metric: str = "accuracy", title: str = "") -> list[Path]:
+    """One run's curves in ``out_dir/curves.png``: its test metric vs round, train and test loss vs round, and
+    the test metric vs cumulative bytes sent (up + down).
+
+    ``history`` is the run's per-round rows (``metrics.jsonl``); ``metric`` is drawn on a log scale when it is
+    not ``accuracy`` and spans a factor of 10 or more (e.g. ``rel_error``). Returns the written files (none
+    when matplotlib is missing).
+    """
+    plt = _pyplot()
+    if plt is None:
+        return []
+    from matplotlib.ticker import MaxNLocator
+
+    evaluated = [r for r in history if metric in r]
+    rounds = [r["round"] for r in history]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    if evaluated:
+        x = [r["round"] for r in evaluated]
+        y = np.array([r[metric] for r in evaluated], dtype=float)
+        mb = [(r["cum_bytes_up"] + r["cum_bytes_down"]) / 1e6 for r in evaluated]
+        log_y = metric != "accuracy" and bool(np.all(y > 0)) and y.max() >= 10 * y.min()
+        for ax, xs, xlabel, name in ((axes[0], x, "round", "round"),
+                                     (axes[2], mb, "bytes sent, up + down (MB)", "bytes sent")):
+            ax.plot(xs, y, marker="o", markersize=3)
+            ax.set_title(f"test {metric} vs {name}")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(metric)
+            if log_y:
+                ax.set_yscale("log")
+                _readable_log_ticks(ax.yaxis)
+    axes[1].plot(rounds, [r["train_loss"] for r in history], marker="o", markersize=3, label="train loss")
+    tested = [r for r in history if "loss" in r]
+    if tested:
+        axes[1].plot([r["round"] for r in tested], [r["loss"] for r in tested], marker="s", markersize=3,
+                     label="test loss")
+    axes[1].set_title("train and test loss vs round")
+    axes[1].set_xlabel("round")
+    axes[1].set_ylabel("loss")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    for ax in axes[:2]:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = out_dir / "curves.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -101,14 +101,17 @@ class LocalTrainer:
         indices: the client's example indices into the task's training set, shape ``[n_k]``.
         cfg: :class:`TrainConfig`.
         client, rnd, rounds, seed: identify the stream (data order, dropout) and the learning rate.
+        on_step: progress hook called after each optimizer step as ``on_step(step, total)`` (1-based).
     """
 
-    def __init__(self, task, indices: np.ndarray, cfg: TrainConfig, client: int, rnd: int, rounds: int, seed: int):
+    def __init__(self, task, indices: np.ndarray, cfg: TrainConfig, client: int, rnd: int, rounds: int, seed: int,
+                 on_step: Callable[[int, int], None] | None = None):
         self.task = task
         self.indices = np.asarray(indices)
         self.cfg = cfg
         self.client, self.rnd, self.rounds, self.seed = client, rnd, rounds, seed
         self.compute_seconds = 0.0
+        self.on_step = on_step
 
     @property
     def num_examples(self) -> int:
@@ -158,7 +161,7 @@ class LocalTrainer:
         batches = self.batches()
         plist = list(params.values())
         t0 = time.perf_counter()
-        for _ in range(steps):
+        for step in range(steps):
             batch = next(batches)
             opt.zero_grad(set_to_none=True)
             loss = self.task.loss(net, batch)
@@ -174,6 +177,8 @@ class LocalTrainer:
                 c.grad(params)
             opt.step()
             losses.append(float(loss.detach()))
+            if self.on_step is not None:
+                self.on_step(step + 1, steps)
         self.compute_seconds += time.perf_counter() - t0
         net.eval()
         return FitResult(loss=float(np.mean(losses)) if losses else float("nan"), steps=steps, lr=lr, head_lr=head_lr)
