@@ -97,6 +97,8 @@ class Simulation:
                  tamper: Callable[[int, int, Message], Message] | None = None,
                  parts: list[np.ndarray] | None = None):
         self.cfg = cfg
+        if cfg.run.tracking:
+            require_package(cfg.run.tracking)  # before any work
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.task = task if task is not None else build_task(cfg)
@@ -116,8 +118,6 @@ class Simulation:
         self.client_eval: dict[int, dict[str, float]] = {}  # personalised methods: each client's test metrics
         self.progress = Progress(log, self.method.name, cfg.run.rounds)
         self.log = self.progress.write if log is not None else None
-        if cfg.run.tracking:
-            require_package(cfg.run.tracking)
         self.tracker = None
         self.tamper = tamper
         self.run_dir = Path(run_dir) if run_dir is not None else None
