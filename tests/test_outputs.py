@@ -169,3 +169,28 @@ def test_tensorboard_event_file_round_trip(tmp_path):
         assert [e.step for e in events] == [1, 2]
         want = [r[key.split("/")[0]][key.split("/")[1]] if "/" in key else r[key] for r in rows]
         assert [e.value for e in events] == pytest.approx(want, rel=1e-6)
+
+
+# wandb and mlflow are not in the pinned environment (the `wandb` and `mlflow` extras); these two run where they are
+# installed.
+def test_mlflow_store_round_trip(tmp_path):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    from mlflow.tracking import MlflowClient
+
+    sim = _run(tmp_path, "run.tracking=mlflow", rounds=2)
+    client = MlflowClient(tracking_uri=f"sqlite:///{(sim.run_dir / 'mlflow.db').resolve()}")
+    (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "accuracy")
+    assert [(m.step, m.value) for m in history] == [(r["round"], pytest.approx(r["accuracy"])) for r in _rows(sim)]
+    assert run.data.params["lora.rank"] == "2" and run.info.status == "FINISHED"
+
+
+def test_wandb_offline_run_holds_the_rows(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    sim = _run(tmp_path, "run.tracking=wandb", rounds=2)
+    (record,) = (sim.run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    data = record.read_bytes()
+    assert all(key.encode() in data for key in ("accuracy", "train_loss", "time/total", "cum_bytes_up"))

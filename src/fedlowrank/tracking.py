@@ -3,8 +3,8 @@
 * ``tensorboard``: event files in ``<run dir>/tensorboard`` (``tensorboard --logdir <run dir>``);
 * ``wandb``: a Weights & Biases run in ``<run dir>/wandb``, offline unless ``WANDB_MODE`` says otherwise
   (upload later with ``wandb sync``);
-* ``mlflow``: an MLflow run in the file store ``<run dir>/mlruns`` unless ``MLFLOW_TRACKING_URI`` is set
-  (``mlflow ui --backend-store-uri <run dir>/mlruns``).
+* ``mlflow``: an MLflow run in the SQLite store ``<run dir>/mlflow.db`` unless ``MLFLOW_TRACKING_URI`` is set
+  (``mlflow ui --backend-store-uri sqlite:///<run dir>/mlflow.db``).
 
 Each row's scalars are logged at step = round, flattened (:func:`row_scalars`); the resolved config goes
 along as the run's parameters. Each package is imported only when chosen; a missing one is a one-line error.
@@ -13,6 +13,7 @@ along as the run's parameters. Each package is imported only when chosen; a miss
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 TRACKERS = {
     "tensorboard": ("tensorboard", "tensorboard==2.21.0"),
     "wandb": ("wandb", "wandb==0.31.0"),
-    "mlflow": ("mlflow", "mlflow-skinny==3.17.2"),
+    "mlflow": ("mlflow", "mlflow-skinny==3.17.2 sqlalchemy==2.1.9 alembic==1.20.1"),
 }
 
 
@@ -92,7 +93,8 @@ class MlflowTracker:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # not its INFO lines about creating the store
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(cfg.run.name)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.run.name)
