@@ -144,10 +144,10 @@ def plot_run(history: list[dict[str, Any]], out_dir: Path, metric: str = "accura
     if evaluated:
         x = [r["round"] for r in evaluated]
         y = np.array([r[metric] for r in evaluated], dtype=float)
-        mb = [(r["cum_bytes_up"] + r["cum_bytes_down"]) / 1e6 for r in evaluated]
+        sent = [r["cum_bytes_up"] + r["cum_bytes_down"] for r in evaluated]
         log_y = metric != "accuracy" and bool(np.all(y > 0)) and y.max() >= 10 * y.min()
         for ax, xs, xlabel, name in ((axes[0], x, "round", "round"),
-                                     (axes[2], mb, "bytes sent, up + down (MB)", "bytes sent")):
+                                     (axes[2], sent, "bytes sent, up + down", "bytes sent")):
             ax.plot(xs, y, marker="o", markersize=3)
             ax.set_title(f"test {metric} vs {name}")
             ax.set_xlabel(xlabel)
@@ -155,6 +155,7 @@ def plot_run(history: list[dict[str, Any]], out_dir: Path, metric: str = "accura
             if log_y:
                 ax.set_yscale("log")
                 _readable_log_ticks(ax.yaxis)
+        _bytes_axis(axes[2], max(sent), min(sent))
     axes[1].plot(rounds, [r["train_loss"] for r in history], marker="o", markersize=3, label="train loss")
     tested = [r for r in history if "loss" in r]
     if tested:
