@@ -34,7 +34,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -190,6 +190,7 @@ class Simulation:
         compute = 0.0
         losses: list[float] = []
         self.progress.round_start(rnd, len(clients))
+        self.client_eval = {}  # filled by this round's evaluation, if any
         for k in clients:
             msg = self.method.broadcast(self.server, k, rnd)
             down_bytes = msg.nbytes()
@@ -275,7 +276,7 @@ class Simulation:
         self.client_eval = {}
         return [rows[k] for k in sorted(rows)]
 
-    def record_round(self, row: dict[str, Any], ledger_rows: list[dict[str, int]], replies: list[Reply] = ()) -> None:
+    def record_round(self, row: dict[str, Any], ledger_rows: list[dict[str, int]], replies: Sequence[Reply] = ()) -> None:
         """Store a finished round (both runtimes): its ``per_client`` entries (from the ledger rows and the used
         ``replies``), history, metrics.jsonl, ledger.jsonl, tracker, divergence check, checkpoint."""
         row["per_client"] = self.client_rows(ledger_rows, list(replies))
