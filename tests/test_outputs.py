@@ -61,21 +61,62 @@ def test_stderr_log_is_plain_off_a_terminal(capsys):
     assert capsys.readouterr().err == "hello\n"
 
 
-def test_bars_count_rounds_clients_and_steps(tmp_path, capsys):
-    class BarLog(list):
-        bars = True
+class _BarLog(list):
+    """A log that asks for bars (as :class:`StderrLog` does on a terminal)."""
 
-        def __call__(self, line):
-            self.append(line)
+    bars = True
 
-    log = BarLog()
+    def __call__(self, line):
+        self.append(line)
+
+
+class _FakeBar:
+    """Records what the progress layer does with a tqdm bar."""
+
+    made: list["_FakeBar"] = []
+
+    def __init__(self, total, initial, desc, **kwargs):
+        self.total, self.n, self.desc, self.closed, self.postfix = total, initial, desc, False, {}
+        _FakeBar.made.append(self)
+
+    def update(self, n=1):
+        self.n += n
+
+    def set_postfix(self, post, refresh=True):
+        self.postfix = post
+
+    def close(self):
+        self.closed = True
+
+    @staticmethod
+    def write(line, file=None):
+        raise AssertionError("the simulator writes through its log")
+
+
+def test_bars_count_rounds_clients_steps_and_evaluation(tmp_path, monkeypatch):
+    import fedlowrank.progress as progress
+
+    monkeypatch.setattr(progress, "_tqdm", lambda: _FakeBar)
+    _FakeBar.made = []
+    log = _BarLog()
     _run(tmp_path, "train.local_steps=3", rounds=2, log=log)
-    err = capsys.readouterr().err
-    assert "[fedit] rounds: 100%" in err and "2/2" in err
-    assert "round 1 clients: 100%" in err and "round 2 clients: 100%" in err
-    assert "steps:   0%" in err and "0/3" in err  # each client's steps bar, cleared when it is done
-    assert "evaluate:   0%" in err
+    bars = {}
+    for bar in _FakeBar.made:
+        bars.setdefault(bar.desc.split(" ")[-1] if "client " in bar.desc else bar.desc, []).append(bar)
+    assert [(b.total, b.n) for b in bars["[fedit] rounds"]] == [(2, 2)]
+    assert bars["[fedit] rounds"][0].postfix.keys() == {"train loss", "test loss"}
+    assert [(b.desc, b.total, b.n) for b in bars["round 1 clients"] + bars["round 2 clients"]] == [
+        ("round 1 clients", 2, 2), ("round 2 clients", 2, 2)]
+    assert [(b.total, b.n) for b in bars["steps"]] == [(3, 3)] * 4  # 2 clients × 2 rounds
+    assert [(b.total, b.n) for b in bars["evaluate"]] == [(1, 1)] * 2
+    assert all(b.closed for b in _FakeBar.made)
     assert sum("] round " in line for line in log) == 2
+
+
+def test_real_tqdm_bars_leave_the_rounds_bar(tmp_path, capsys):
+    pytest.importorskip("tqdm")
+    _run(tmp_path, rounds=2, log=_BarLog())
+    assert "[fedit] rounds: 100%" in capsys.readouterr().err
 
 
 def test_quiet_cli_prints_no_round_lines(tmp_path, capsys):
