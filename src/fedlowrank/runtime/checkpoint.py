@@ -172,7 +172,8 @@ def find_checkpoint(run_dir: str | Path, round: int | None = None,
         raise CheckpointError(f"{problem}; rounds with an intact checkpoint: "
                               f"{', '.join(map(str, intact)) if intact else 'none'}")
     if not folders:
-        raise CheckpointError(f"no checkpoint in {run_dir} (no checkpoints/round-* folder)")
+        raise CheckpointError(f"no checkpoint in {run_dir} (no checkpoints/round-* folder; a run writes one every "
+                              f"run.checkpoint_every rounds and at its last round)")
     pointer = run_dir / "checkpoints" / "latest"
     named = pointer.read_text().strip() if pointer.is_file() else None
     newest = next((rnd for rnd, folder in folders.items() if folder.name == named), None)
