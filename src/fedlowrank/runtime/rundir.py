@@ -67,7 +67,7 @@ def lock_run_dir(path: str | Path) -> RunDirLock:
     except BlockingIOError:
         os.close(fd)
         raise RunDirError(f"run directory {path} is in use by another run{_holder(path / LOCK_FILE)}; "
-                          f"wait for it to end or choose another --out") from None
+                          f"wait for it to end or choose another directory") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return RunDirLock(path, fd)
@@ -79,30 +79,30 @@ def _check_not_in_use(path: Path) -> None:
         lock_run_dir(lock_file.parent).release()
 
 
-def _old_run(path: Path, overwrite: bool, is_run: bool) -> list[str]:
+def _old_run(path: Path, overwrite: bool, is_run: bool, flag: str = "--overwrite") -> list[str]:
     """The names in ``path`` (locked by the caller) that an ``overwrite`` would delete; refusals as in
-    :func:`claim_run_dir`."""
+    :func:`claim_run_dir`, naming ``flag`` as the way to overwrite."""
     old = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE)
     if old and not overwrite:
         shown = ", ".join(old[:4]) + (", ..." if len(old) > 4 else "")
-        raise RunDirError(f"run directory {path} is not empty (holds {shown}); pass --overwrite to replace "
-                          f"its run, or choose another --out")
+        raise RunDirError(f"run directory {path} is not empty (holds {shown}); pass {flag} to replace "
+                          f"its run, or choose another directory")
     if old and not is_run:
         raise RunDirError(f"run directory {path} is not empty and holds no fedlowrank run (no "
-                          f"{', '.join(RUN_MARKERS)}): not deleting it with --overwrite; choose another --out")
+                          f"{', '.join(RUN_MARKERS)}): not deleting it with {flag}; choose another directory")
     for lock_file in path.glob(f"*/{LOCK_FILE}"):  # e.g. one method of a comparison, being run right now
         lock_run_dir(lock_file.parent).release()
     return old
 
 
-def check_run_dir(path: str | Path, overwrite: bool = False) -> None:
+def check_run_dir(path: str | Path, overwrite: bool = False, flag: str = "--overwrite") -> None:
     """Raise the :class:`RunDirError` that :func:`claim_run_dir` would, changing nothing but creating ``path``
-    (to refuse a run before it builds anything)."""
+    (to refuse a run before it builds anything); ``flag`` is how the user asks to overwrite."""
     path = Path(path)
     is_run = any((path / name).exists() for name in RUN_MARKERS)
     lock = lock_run_dir(path)
     try:
-        _old_run(path, overwrite, is_run)
+        _old_run(path, overwrite, is_run, flag)
     finally:
         lock.release()
 

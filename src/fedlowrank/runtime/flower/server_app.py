@@ -26,12 +26,14 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     # torch and the run are imported here, not at module level: `flwr run` imports this module to validate
     # the app, and needs neither.
+    from ..rundir import check_run_dir
     from ..simulator import Simulation
     from .settings import load_run_config
     from .strategy import MethodStrategy, state_arrays
 
     cfg, settings = load_run_config(context.run_config)
     run_dir = Path(settings.run_dir or Path(cfg.run.out_dir) / f"{cfg.run.name}-flower-{context.run_id}")
+    check_run_dir(run_dir, settings.overwrite, flag="flower.overwrite=true")
     sim = Simulation(cfg, run_dir=run_dir, log=lambda line: log(INFO, "%s", line), overwrite=settings.overwrite)
     log(INFO, "fedlowrank: run directory %s", run_dir)
     strategy = MethodStrategy(sim, settings)
