@@ -242,8 +242,9 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         for seed in seed_list:
             cfg = configs[name][seed]
             task = tasks[task_key(cfg)]
+            # the methods share each seed's partition: its label counts are logged once, with the first method
             sim = Simulation(cfg, task=task, run_dir=out / f"{name}-seed{seed}" if out else None, log=log,
-                             parts=parts[name, seed])
+                             parts=parts[name, seed], log_partition=name == names[0])
             summary = sim.run()
             values = _metric_values(sim.history, metric)
             if not values:

@@ -98,12 +98,15 @@ class Simulation:
             applied to every reply before it is sent.
         parts: client index arrays to train on instead of the configured partition (``fedlowrank tune`` passes
             the partition with each client's validation examples held out).
+        log_partition: log the per-client label counts when the run directory is made (``compare`` logs them
+            once for all its methods, which share the partition).
     """
 
     def __init__(self, cfg, task: Task | None = None, run_dir: str | Path | None = None,
                  log: Callable[[str], None] | None = None,
                  tamper: Callable[[int, int, Message], Message] | None = None,
-                 parts: list[np.ndarray] | None = None, overwrite: bool = False):
+                 parts: list[np.ndarray] | None = None, overwrite: bool = False,
+                 log_partition: bool = True):
         self.cfg = cfg
         if cfg.run.tracking:
             require_package(cfg.run.tracking)  # before any work
@@ -136,6 +139,7 @@ class Simulation:
         self.log = self.progress.write if log is not None else None
         self.tracker = None
         self.tamper = tamper
+        self.log_partition = log_partition
         if self.run_dir is not None:
             self._start_run_dir(overwrite)
 
@@ -150,7 +154,7 @@ class Simulation:
             report["label_histograms"] = hist.tolist()
             names = getattr(getattr(self.task, "data", None), "label_names", None)
             plot_label_histograms(hist, self.run_dir / "partition.png", names)
-            if self.log:
+            if self.log and self.log_partition:
                 self.log("per-client label counts:\n" + format_histograms(hist, names))
         (self.run_dir / "partition.json").write_text(json.dumps(report, indent=1))
         for name in ("metrics.jsonl", "ledger.jsonl"):

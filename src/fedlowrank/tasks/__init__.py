@@ -7,6 +7,19 @@ import inspect
 from .base import Task
 
 
+def task_class(kind: str) -> type[Task]:
+    """The :class:`Task` class of ``task.kind``."""
+    if kind == "text-classification":
+        from .text import TextClassification
+
+        return TextClassification
+    if kind == "matrix-regression":
+        from .matrix_regression import MatrixRegression
+
+        return MatrixRegression
+    raise ValueError(f"task.kind: unknown task {kind!r}")
+
+
 def build_task(cfg) -> Task:
     """The task of a :class:`~fedlowrank.config.RunConfig` (data loaded and tokenised once)."""
     if cfg.task.kind == "text-classification":
@@ -40,4 +53,4 @@ def build_task(cfg) -> Task:
     raise ValueError(f"task.kind: unknown task {cfg.task.kind!r}")
 
 
-__all__ = ["Task", "build_task"]
+__all__ = ["Task", "build_task", "task_class"]

@@ -28,9 +28,11 @@ class Task:
             (e.g. the federated matrix regression); ``None`` otherwise.
         validation_metric: the key of :meth:`evaluate_examples` that learning-rate tuning selects on
             (``"accuracy"`` is maximised, any other key minimised).
+        metrics: the names :meth:`evaluate` returns (``run.stop_metric`` must be one of them).
     """
 
     name: str = ""
+    metrics: tuple[str, ...] = ()
     validation_metric: str = "loss"
     train_labels: np.ndarray | None = None
     natural_partition: np.ndarray | None = None

