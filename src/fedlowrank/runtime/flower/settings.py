@@ -73,7 +73,13 @@ def load_run_config(run_config: Mapping[str, bool | int | float | str]) -> tuple
             continue
         if value != "":
             overrides.append(f"{key}={_as_override(value)}")
-    overrides += shlex.split(str(run_config.get("set", "")))
+    try:
+        overrides += shlex.split(str(run_config.get("set", "")))
+    except ValueError as exc:
+        raise ConfigError(f"run config key set: {exc} in {run_config.get('set')!r}") from None
     if settings.round_timeout <= 0 or settings.node_timeout < 0:
         raise ConfigError("flower.round-timeout must be > 0 and flower.node-timeout >= 0")
-    return load_config(str(run_config.get("config", "")) or None, overrides), settings
+    try:
+        return load_config(str(run_config.get("config", "")) or None, overrides), settings
+    except ConfigError as exc:  # names the fedlowrank key, which is the run config's key (or is in its `set`)
+        raise ConfigError(f"Flower run config: {exc}") from None
