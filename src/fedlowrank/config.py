@@ -385,12 +385,12 @@ def validate(cfg: RunConfig) -> None:
 
 
 def check_model(model: str) -> None:
-    """``task.model`` is a bundled model name or an existing local folder (no model is downloaded from a hub)."""
-    from .tasks.text import MODELS
-
-    _need(model in MODELS or Path(model).is_dir(),
-          f"task.model: {model!r} is neither a bundled model ({', '.join(MODELS)}) nor an existing folder "
-          "(models are read from disk, never downloaded)")
+    """``task.model`` given as a path (starting with ``/``, ``.`` or ``~``) is an existing folder. Bundled names
+    and hub ids are resolved, with their own one-line errors, when the model is loaded."""
+    if model.startswith(("/", ".", "~")):
+        _need(Path(model).expanduser().is_dir(),
+              f"task.model: no folder {model!r} (a local model is a Hugging Face model folder, as written by "
+              "save_pretrained; or give a bundled model name)")
 
 
 def check_writable(path: str | Path, field: str) -> None:
