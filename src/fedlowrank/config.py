@@ -164,6 +164,7 @@ MEANINGS: dict[str, str] = {
     "data.test": "test file ('' = hold out data.test_fraction of the training file)",
     "data.text_column": "text column: an index, or a header name (a key for JSONL)",
     "data.label_column": "label column: an index, or a header name (a key for JSONL)",
+    "data.header": "whether line 1 of a .tsv/.csv is a header: auto, true or false (docs/data.md)",
     "data.test_fraction": "share of the training file held out, stratified, when there is no test file",
     "data.max_train_examples": "keep at most this many training examples, seeded (0 = all)",
     "data.max_test_examples": "keep at most this many test examples, seeded (0 = all)",
@@ -326,10 +327,6 @@ def validate(cfg: RunConfig) -> None:
         check_model(cfg.task.model)
     _need(cfg.task.max_length >= 2, f"task.max_length must be >= 2, got {cfg.task.max_length}")
     _need(cfg.task.eval_batch_size >= 1, f"task.eval_batch_size must be >= 1, got {cfg.task.eval_batch_size}")
-    d = cfg.data
-    _need(0 < d.test_fraction < 1, f"data.test_fraction must be in (0, 1), got {d.test_fraction}")
-    _need(d.max_train_examples >= 0, f"data.max_train_examples must be >= 0 (0 = all), got {d.max_train_examples}")
-    _need(d.max_test_examples >= 0, f"data.max_test_examples must be >= 0 (0 = all), got {d.max_test_examples}")
     _choice("data.source", cfg.data.source, SOURCES)
     d = cfg.data
     _choice("data.header", d.header, HEADER_MODES)
