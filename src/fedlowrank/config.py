@@ -153,6 +153,7 @@ MEANINGS: dict[str, str] = {
     "run.dropout_schedule": "[round, client] pairs that do not reply (fault injection)",
     "run.stop_metric": "metric the run watches for divergence and compare tabulates ('' = accuracy or rel_error)",
     "run.stop_above": "stop the run as diverged when run.stop_metric exceeds this",
+    "run.tracking": "mirror each metrics row to an experiment tracker: tensorboard, wandb or mlflow ('' = off)",
     "task.kind": "text-classification or matrix-regression",
     "task.model": "a bundled model name or a local Hugging Face model folder",
     "task.max_length": "tokens per example (longer texts are truncated)",
@@ -166,6 +167,7 @@ MEANINGS: dict[str, str] = {
     "data.label_column": "label column: an index, or a header name (a key for JSONL)",
     "data.header": "whether line 1 of a .tsv/.csv is a header: auto, true or false (docs/data.md)",
     "data.test_fraction": "share of the training file held out, stratified, when there is no test file",
+    "data.validation_fraction": "`fedlowrank tune`: share of each client's examples held out for validation",
     "data.max_train_examples": "keep at most this many training examples, seeded (0 = all)",
     "data.max_test_examples": "keep at most this many test examples, seeded (0 = all)",
     "data.hf_name": "Hugging Face dataset name (data.source = 'hf'; needs `datasets` and a network)",
@@ -202,6 +204,7 @@ MEANINGS: dict[str, str] = {
     "compare.methods": "methods that `fedlowrank compare` runs",
     "compare.seeds": "seeds that `fedlowrank compare` runs each method with",
     "compare.overrides": "per-method settings, e.g. {fedgalore = [\"train.lr=1e-4\"]}",
+    "compare.tuned": "a tune.json from `fedlowrank tune` whose learning rates compare applies ('' = none)",
 }
 
 
