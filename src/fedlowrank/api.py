@@ -16,14 +16,14 @@ def _stderr(line: str) -> None:
 
 
 def run(config: str | Path | dict[str, Any] | None, overrides: list[str] | tuple[str, ...] = (),
-        out: str | Path | None = None, quiet: bool = True) -> dict[str, Any]:
+        out: str | Path | None = None, quiet: bool = True, overwrite: bool = False) -> dict[str, Any]:
     """Run one method (``method.name``) and return its summary: ``method``, ``rounds``, the last evaluation's
     metrics (``accuracy``, ``loss``; ``rel_error``...), ``best_accuracy``, ``bytes_up``, ``bytes_down``,
     ``time`` (seconds by part) and ``peak_rss_mb``.
 
     Args:
         out: the run directory to write (``config.json``, ``metrics.jsonl``, checkpoints...); ``None`` writes
-            nothing.
+            nothing. A directory that is not empty is refused unless ``overwrite`` (docs/runs.md).
         quiet: ``False`` prints progress lines on stderr.
     """
     from .config import check_writable, load_config
@@ -32,7 +32,7 @@ def run(config: str | Path | dict[str, Any] | None, overrides: list[str] | tuple
     cfg = load_config(config, overrides)
     if out is not None:
         check_writable(out, "out")
-    return Simulation(cfg, run_dir=out, log=None if quiet else _stderr).run()
+    return Simulation(cfg, run_dir=out, log=None if quiet else _stderr, overwrite=overwrite).run()
 
 
 def compare(config: str | Path | dict[str, Any] | None, methods: list[str] | None = None,
