@@ -53,7 +53,7 @@ def one_error_line(capsys, *names: str) -> str:
     ("run.stop_metric=foo", ("run.stop_metric", "accuracy, loss", "'foo'")),
     ("lora.ranks=[]", ("lora.ranks", "empty")),
     ("lora.ranks=[1,2,3,4,5]", ("lora.ranks", "partition.num_clients = 4")),
-    ("task.model=/nonexistent", ("task.model", "no folder '/nonexistent'")),
+    ("task.model=/nonexistent", ("task.model", "no folder '/nonexistent'", "minilm")),
     ("task.model=./not/here", ("task.model", "no folder './not/here'")),
     ("data.max_train_examples=-5", ("data.max_train_examples", ">= 0")),
     ("data.test_fraction=1.5", ("data.test_fraction", "(0, 1)")),

