@@ -26,6 +26,7 @@ DEFAULT_TARGETS: dict[str, list[str]] = {
     "llama": ["q_proj", "v_proj"],
     "vit": ["q_proj", "v_proj"],
     "gpt2": ["c_attn"],
+    "clip": ["q_proj", "v_proj"],  # CLIPForImageClassification's vision tower (attention out is out_proj)
 }
 
 
