@@ -11,7 +11,8 @@
 
 Image classification (``kind = "image-classification"``, see :func:`load_image_model`) takes ``tiny-vit`` (random,
 tests), ``tiny-clip`` (a random CLIP folder, tests), ``fmnist-vit`` (a small ViT pretrained *inside the project* on
-Fashion-MNIST classes 0–4, cached on first use; **not ImageNet-pretrained**), a local ViT/CLIP folder or a hub id;
+Fashion-MNIST classes 0–4, cached on first use; **not ImageNet-pretrained**), ``resnet20`` (a CIFAR-style
+ResNet-20 in plain torch, random, for training from scratch), a local ViT/CLIP folder or a hub id;
 it needs no tokenizer but reads the folder's ``preprocessor_config.json`` (mean, std) when there is one.
 
 The tokenizer always comes from the same source as the weights. Failures are one line naming ``task.model``.
@@ -374,7 +375,7 @@ def _finish(spec: str, kind: str, net: nn.Module, tokenizer) -> LoadedModel:
 
 
 # -- image classification ---------------------------------------------------------------------------------------
-IMAGE_BUNDLED = ("tiny-vit", "tiny-clip", "fmnist-vit")
+IMAGE_BUNDLED = ("tiny-vit", "tiny-clip", "fmnist-vit", "resnet20")
 IMAGE_DEFAULT_MEAN_STD = (0.5, 0.5)
 # The project's stand-in backbone (no ImageNet ViT is obtainable offline): a small ViT pretrained here on
 # Fashion-MNIST classes 0–4 only, so that federated fine-tuning on classes 5–9 uses data it never saw.
@@ -524,6 +525,15 @@ def load_image_model(spec: str, num_labels: int | None, label_names: list[str] |
     _quiet_transformers()
     id2label = dict(enumerate(label_names)) if label_names else None
     provenance = None
+    if spec == "resnet20":
+        from .resnet import FASHION_MNIST_MEAN_STD, ResNet20, norm_modules
+
+        torch.manual_seed(0)
+        net = ResNet20(num_labels, in_channels=1).eval()
+        mean, std = FASHION_MNIST_MEAN_STD
+        return LoadedModel(net=net, tokenizer=None, source=spec, model_type="resnet20",
+                           output_modules=("classifier", *norm_modules(net)),
+                           preprocess={"image_size": 28, "num_channels": 1, "mean": [mean], "std": [std]})
     if spec == "tiny-vit":
         net = _tiny_vit(num_labels, id2label)
         where = ""
