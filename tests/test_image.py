@@ -303,3 +303,41 @@ def test_fmnist_vit_is_pretrained_once_on_the_other_classes_and_says_so(tmp_path
     assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
     a, b = task.build_model().net, again.build_model().net
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+# -- Flower -----------------------------------------------------------------------------------------------------------
+def test_flower_runs_the_image_task_like_the_simulator(tmp_path, monkeypatch):
+    pytest.importorskip("flwr")
+    from flwr.supercore.task_identity import TaskIdentity
+    from test_flower import LoopGrid, assert_same_state
+
+    import fedlowrank.runtime.simulator as simulator
+    from fedlowrank.runtime.flower import client_app
+    from fedlowrank.runtime.flower.settings import load_run_config
+    from fedlowrank.runtime.flower.strategy import MethodStrategy, state_arrays
+
+    for name in ("run_id", "node_id", "task_id"):  # this process plays SuperLink and SuperNodes (test_flower.py)
+        monkeypatch.setattr(TaskIdentity, f"_{name}", 7)
+    task = image_task(domains=("clean", "invert"))
+    monkeypatch.setattr(simulator, "build_task", lambda cfg: task)
+    client_app._runs.clear()
+    (tmp_path / "image.toml").write_text(
+        '[run]\nrounds = 2\nclients_per_round = 2\nthreads = 1\ndevice = "cpu"\n'
+        '[task]\nkind = "image-classification"\nmodel = "tiny-vit"\n'
+        'options = { domains = ["clean", "invert"] }\n[data]\nsource = "image-folder"\n'
+        '[partition]\nkind = "domains"\nnum_clients = 4\n[lora]\nrank = 2\nalpha = 4.0\n'
+        '[train]\nlocal_steps = 2\nbatch_size = 8\n[method]\nname = "fedit"\n')
+    run_config = {"config": str(tmp_path / "image.toml"), "set": "", "flower.node-timeout": 0.0}
+    cfg, settings = load_run_config(run_config)
+    sim = simulator.Simulation(cfg, task=task)
+    strategy = MethodStrategy(sim, settings)
+    grid = LoopGrid(run_config, cfg.partition.num_clients)
+    strategy.connect(grid)
+    strategy.start(grid, state_arrays(sim.server), num_rounds=cfg.run.rounds, timeout=1.0,
+                   evaluate_fn=strategy.evaluate)
+    ref = simulator.Simulation(cfg, task=task)
+    ref.run()
+    client_app._runs.clear()
+    assert_same_state(sim.server, ref.server)
+    assert [r.get("accuracy_invert") for r in sim.history] == [r.get("accuracy_invert") for r in ref.history]
+    assert isinstance(sim.history[-1]["accuracy_invert"], float)
