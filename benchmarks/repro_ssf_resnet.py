@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="", help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.rounds, args.local_steps, args.batch, args.max_train, args.max_test, args.eval_every = 2, 2, 16, 400, 200, 1
+        args.rounds, args.local_steps, args.batch, args.eval_every = 2, 2, 16, 1
+        args.max_train, args.max_test = 400, 200
     print(provenance(argv))
     print("CPU proxy of SSF's Table 5: CIFAR-100 is not obtainable offline, so Fashion-MNIST; ResNet-20 with "
           "GroupNorm from scratch; not the paper's protocol (which is unspecified, spec A18)")

@@ -88,7 +88,8 @@ def test_fashion_mnist_class_subset_is_relabelled_in_order():
     data = load_fashion_mnist(classes=[5, 6, 7, 8, 9])
     assert data.label_names == ["Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
     assert data.train_images.shape == (30000, 1, 28, 28)
-    assert np.bincount(data.train_labels).tolist() == [6000] * 5 and np.bincount(data.test_labels).tolist() == [1000] * 5
+    assert np.bincount(data.train_labels).tolist() == [6000] * 5
+    assert np.bincount(data.test_labels).tolist() == [1000] * 5
     assert data.train_labels[0] == 4  # the first training image, class 9, is now label 4
     with pytest.raises(ValueError, match="task.options.classes"):
         load_fashion_mnist(classes=[3, 3])
@@ -205,7 +206,8 @@ def test_vit_targets_are_the_attention_projections_and_the_head_is_the_classifie
 
 def test_clip_vision_tower_trains_on_grayscale_images():
     task = image_task(model="tiny-clip")
-    assert task.loaded.preprocess["num_channels"] == 3 and task.batch(np.arange(4))["pixel_values"].shape == (4, 3, 28, 28)
+    assert task.loaded.preprocess["num_channels"] == 3
+    assert task.batch(np.arange(4))["pixel_values"].shape == (4, 3, 28, 28)
     model = task.build_model()
     assert all(n.startswith("vision_model.encoder.layers.") for n in model.target_names)
     assert model.head_names == ["classifier.weight", "classifier.bias"]
@@ -303,6 +305,12 @@ def test_fmnist_vit_is_pretrained_once_on_the_other_classes_and_says_so(tmp_path
     assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
     a, b = task.build_model().net, again.build_model().net
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    from safetensors.torch import load_file
+
+    # the backbone is the pretrained one, not re-initialised (transformers renames the keys on loading)
+    saved, loaded = load_file(str(folder / "model.safetensors")), list(a.state_dict().values())
+    assert len(saved) == len(loaded) - 2  # all but the new classifier's weight and bias
+    assert all(any(v.shape == w.shape and torch.equal(v, w) for w in loaded) for v in saved.values())
 
 
 # -- Flower -----------------------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 Weight layout is ``[out, in]`` everywhere (``nn.Linear``); a target ``nn.Conv2d`` (``groups = 1``) is seen as the
 matrix ``[out, in·kh·kw]`` of its kernel (:func:`weight_matrix`), its input map being the convolution with that
 kernel and its output map a 1×1 convolution, so a factored path ``B (A x)`` is the usual LoRA-for-convolutions.
-An adapter replaces a target ``nn.Linear`` by a wrapper that keeps the frozen pretrained weight ``W0``, an explicit **base delta** (changes methods make to
-the frozen weight: FedEx-LoRA residuals, FLoRA merges, ILoRA's QR offset, SSF backfill...) and its own
+An adapter replaces a target by a wrapper that keeps the frozen pretrained weight ``W0``, an explicit **base
+delta** (changes methods make to the frozen weight: FedEx-LoRA residuals, FLoRA merges, ILoRA's QR offset, SSF backfill...) and its own
 trainable parameters. The effective weight is ``W0 + base_delta + adapter_delta``.
 """
 

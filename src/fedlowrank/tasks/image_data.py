@@ -125,9 +125,12 @@ def load_image_folder(train: str | Path, test: str | Path | None = None, test_fr
     names = sorted(set(labels))
     if len(names) < 2:
         raise ValueError(f"{train}: needs at least two class sub-folders with images, found {names}")
-    with Image.open(files[0]) as first:
-        size = first.size
-    mode = "L" if all(Image.open(f).mode in ("L", "1", "I;16") for f in files) else "RGB"
+    def opened(path: Path) -> tuple[tuple[int, int], str]:
+        with Image.open(path) as img:
+            return img.size, img.mode
+
+    size = opened(files[0])[0]
+    mode = "L" if all(opened(f)[1] in ("L", "1", "I;16") for f in files) else "RGB"
     test_files, test_labels = _read_folder(Path(test).expanduser(), names) if test else ([], [])
 
     def stack(paths: list[Path]) -> np.ndarray:
@@ -206,9 +209,9 @@ def check_domains(domains: list[str]) -> list[str]:
 def apply_domain(images: torch.Tensor, domain: str, seed: int = 0) -> torch.Tensor:
     """A domain's deterministic shift of images ``[n, C, H, W]`` in ``[0, 1]`` (float), values kept in ``[0, 1]``:
 
-    * ``clean`` — unchanged; ``rotate`` — 90° counter-clockwise; ``contrast`` — contrast scaled by 0.35 about 0.5;
-    * ``blur`` — 5×5 Gaussian (σ = 1) per channel, edge-padded; ``noise`` — additive Gaussian, σ = 0.25, one fixed
-      draw for the whole array (seeded by ``seed``: apply it once to a stored set); ``invert`` — ``1 − x``.
+    * ``clean`` — unchanged; ``rotate`` — 90° counter-clockwise; ``contrast`` — contrast × 0.35 about 0.5;
+    * ``blur`` — 5×5 Gaussian (σ = 1) per channel, edge-padded; ``noise`` — additive Gaussian, σ = 0.25, one
+      fixed draw for the whole array (seeded by ``seed``: apply it once to a stored set); ``invert`` — ``1 − x``.
     """
     if domain == "clean":
         return images
