@@ -349,3 +349,17 @@ def test_flower_runs_the_image_task_like_the_simulator(tmp_path, monkeypatch):
     assert_same_state(sim.server, ref.server)
     assert [r.get("accuracy_invert") for r in sim.history] == [r.get("accuracy_invert") for r in ref.history]
     assert isinstance(sim.history[-1]["accuracy_invert"], float)
+
+
+def test_a_convolution_target_exports_to_peft_and_merged_exactly(tmp_path):
+    """The ViT's patch-embedding convolution as a LoRA target: PEFT's LoRA-for-Conv2d factors are ours reshaped."""
+    task = ImageClassification(synthetic_images(), "tiny-vit", targets=["q_proj", "projection"])
+    assert "vit.embeddings.patch_embeddings.projection" in task.build_model().target_names
+    for method, fmt in (("fedit", "peft"), ("ssf", "merged")):
+        cfg = image_config(method, rounds=2)
+        cfg.run.checkpoint_every = 1
+        cfg.lora.targets = ["q_proj", "projection"]
+        Simulation(cfg, task=task, run_dir=tmp_path / method).run()
+        check = export_run(tmp_path / method, tmp_path / f"out-{method}", fmt, task=task)["check"]
+        assert check["run"]["accuracy"] == check["exported"]["accuracy"]
+        assert math.isclose(check["run"]["loss"], check["exported"]["loss"], rel_tol=1e-5)

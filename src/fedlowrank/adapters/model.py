@@ -53,6 +53,11 @@ class AdaptedLinear(nn.Module):
         self.register_buffer("base_delta", None, persistent=False)
 
     @property
+    def weight(self) -> torch.Tensor:
+        """The frozen pretrained weight (for models that read ``layer.weight.dtype``, as ViT's patch embedding does)."""
+        return self.base.weight
+
+    @property
     def out_features(self) -> int:
         return matrix_shape(self.base)[0]
 

@@ -111,10 +111,10 @@ class ImageClassification(Task):
     def build_model(self) -> AdaptedModel:
         net = copy.deepcopy(self.loaded.net)
         net.eval()
-        head_prefixes = tuple(f"{m}." for m in self.loaded.output_modules)
-        targets = resolve_targets(net, self.targets or default_targets(self.loaded.model_type), head_prefixes)
-        head = [n for n, _ in net.named_parameters() if n.startswith(head_prefixes)]
-        return AdaptedModel(net, targets, head)
+        head = tuple(self.loaded.output_modules)  # the classifier (and ResNet's norms): trained, never targets
+        targets = resolve_targets(net, self.targets or default_targets(self.loaded.model_type), head)
+        head_params = [n for n, _ in net.named_parameters() if n.startswith(tuple(f"{m}." for m in head))]
+        return AdaptedModel(net, targets, head_params)
 
     def inputs(self, images: torch.Tensor) -> torch.Tensor:
         return to_model_input(images, self.loaded.preprocess)
