@@ -531,8 +531,8 @@ def load_image_model(spec: str, num_labels: int | None, label_names: list[str] |
         torch.manual_seed(0)
         net = ResNet20(num_labels, in_channels=1).eval()
         mean, std = FASHION_MNIST_MEAN_STD
-        return LoadedModel(net=net, tokenizer=None, source=spec, model_type="resnet20",
-                           output_modules=("classifier", *norm_modules(net)),
+        return LoadedModel(net=net, tokenizer=None, source=spec, kind="image-classification",
+                           model_type="resnet20", output_modules=("classifier", *norm_modules(net)),
                            preprocess={"image_size": 28, "num_channels": 1, "mean": [mean], "std": [std]})
     if spec == "tiny-vit":
         net = _tiny_vit(num_labels, id2label)
