@@ -67,7 +67,7 @@ def resolve_targets(net: nn.Module, spec: list[str] | str, exclude: tuple[str, .
     for pattern in spec:
         hits = [n for n in names if n == pattern or n.endswith("." + pattern)]
         if not hits:
-            raise ValueError(f"lora.targets: {pattern!r} matches no nn.Linear or nn.Conv2d module; {allowed}")
+            raise ValueError(f"lora.targets: {pattern!r} matches no nn.Linear module; {allowed}")
         out.update(hits)
     return [n for n in names if n in out]
 
