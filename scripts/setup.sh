@@ -18,3 +18,14 @@ if [ ! -f "$stamp" ]; then
   PIP_QUIET=1 PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/fedlowrank assets install
   touch "$stamp"
 fi
+# Fashion-MNIST for the image tasks (Debian's dataset-fashion-mnist; idx.gz files in /usr/share/datasets/fashion-mnist).
+# Installed only where apt-get runs as root; elsewhere the image tests that need it skip, and the rest works.
+if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 \
+      || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1)) \
+      || echo "setup: could not install dataset-fashion-mnist (image tasks on Fashion-MNIST will be unavailable)" >&2
+  else
+    echo "setup: Fashion-MNIST absent; for the image tasks run: sudo apt-get install dataset-fashion-mnist" >&2
+  fi
+fi

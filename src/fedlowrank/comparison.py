@@ -112,6 +112,13 @@ def data_source(cfg: RunConfig) -> str:
         return f"files {d.train}" + (f" and {d.test}" if d.test else f" (test: a {d.test_fraction:g} stratified split)")
     if d.source == "hf":
         return f"Hugging Face dataset {d.hf_name}"
+    if cfg.task.kind == "image-classification":
+        opts = cfg.task.options
+        where = {"fashion-mnist": f"Fashion-MNIST (classes {opts.get('classes', 'all')})",
+                 "image-folder": f"image folder {d.train}" + (f" and {d.test}" if d.test else
+                                                              f" (test: a {d.test_fraction:g} stratified split)"),
+                 "hf-images": f"Hugging Face image set {d.hf_name}"}[d.source]
+        return where + (f", domains {', '.join(opts['domains'])}" if opts.get("domains") else "")
     return f"{d.source} (test: a {d.test_fraction:g} stratified split)"
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from .partition import PARTITIONS, PartitionConfig
 from .tasks.data import SOURCES
+from .tasks.image_data import IMAGE_SOURCES
 from .tasks.table import HEADER_MODES
 from .tracking import TRACKERS
 from .training.local import OPTIMIZERS, SCHEDULES, TrainConfig
@@ -25,7 +26,7 @@ from .adapters.lora import SCALING_RULES
 from .device import DTYPES, check_device_spec
 
 WEIGHTINGS = ("num_examples", "uniform")
-TASKS = ("text-classification", "matrix-regression")
+TASKS = ("text-classification", "matrix-regression", "image-classification")
 
 
 class ConfigError(ValueError):
@@ -332,7 +333,10 @@ def validate(cfg: RunConfig) -> None:
         check_model(cfg.task.model)
     _need(cfg.task.max_length >= 2, f"task.max_length must be >= 2, got {cfg.task.max_length}")
     _need(cfg.task.eval_batch_size >= 1, f"task.eval_batch_size must be >= 1, got {cfg.task.eval_batch_size}")
-    _choice("data.source", cfg.data.source, SOURCES)
+    if cfg.task.kind == "image-classification":
+        _choice("data.source", cfg.data.source, IMAGE_SOURCES)
+    else:
+        _choice("data.source", cfg.data.source, SOURCES)
     d = cfg.data
     _choice("data.header", d.header, HEADER_MODES)
     _need(0 < d.test_fraction < 1, f"data.test_fraction must be in (0, 1), got {d.test_fraction}")

@@ -96,8 +96,10 @@ def plot_comparison(histories: dict[str, list[list[dict[str, Any]]]], out_dir: P
     return written
 
 
-def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] | None = None) -> Path | None:
-    """Stacked bars of each client's label counts."""
+def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] | None = None,
+                          client_names: list[str] | None = None) -> Path | None:
+    """Stacked bars of each client's label counts (``client_names``, e.g. each client's image domain, label the
+    bars under their numbers)."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -108,6 +110,8 @@ def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] |
         ax.bar(np.arange(hist.shape[0]), hist[:, c], bottom=bottom, label=names[c])
         bottom += hist[:, c]
     ax.set_xlabel("client")
+    if client_names:
+        ax.set_xticks(np.arange(hist.shape[0]), [f"{k}\n{n}" for k, n in enumerate(client_names)], fontsize=7)
     ax.set_ylabel("examples")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

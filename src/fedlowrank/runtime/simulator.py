@@ -149,13 +149,14 @@ class Simulation:
         self._lock = claim_run_dir(self.run_dir, overwrite)
         (self.run_dir / "config.json").write_text(self.cfg.to_json())
         report: dict[str, Any] = {"task": self.task.describe(), "client_sizes": [len(p) for p in self.parts]}
+        report.update(self.task.describe_partition(self.parts))
         if self.task.train_labels is not None:
             hist = label_histograms(self.task.train_labels, self.parts, int(self.task.train_labels.max()) + 1)
             report["label_histograms"] = hist.tolist()
             names = getattr(getattr(self.task, "data", None), "label_names", None)
-            plot_label_histograms(hist, self.run_dir / "partition.png", names)
+            plot_label_histograms(hist, self.run_dir / "partition.png", names, report.get("client_domains"))
             if self.log and self.log_partition:
-                self.log("per-client label counts:\n" + format_histograms(hist, names))
+                self.log("per-client label counts:\n" + format_histograms(hist, names, report.get("client_domains")))
         (self.run_dir / "partition.json").write_text(json.dumps(report, indent=1))
         for name in ("metrics.jsonl", "ledger.jsonl"):
             (self.run_dir / name).write_text("")

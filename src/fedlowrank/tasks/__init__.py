@@ -17,6 +17,10 @@ def task_class(kind: str) -> type[Task]:
         from .matrix_regression import MatrixRegression
 
         return MatrixRegression
+    if kind == "image-classification":
+        from .image import ImageClassification
+
+        return ImageClassification
     raise ValueError(f"task.kind: unknown task {kind!r}")
 
 
@@ -50,6 +54,10 @@ def build_task(cfg) -> Task:
             raise ValueError(f"task.options.{unknown[0]} is not an option of matrix-regression; "
                              f"allowed: {', '.join(sorted(allowed))}")
         return MatrixRegression(**cfg.task.options)
+    if cfg.task.kind == "image-classification":
+        from .image import build_image_task
+
+        return build_image_task(cfg)
     raise ValueError(f"task.kind: unknown task {cfg.task.kind!r}")
 
 

@@ -73,6 +73,10 @@ class Task:
         """A JSON-able summary for the run directory."""
         return {"name": self.name, "num_train": self.num_train}
 
+    def describe_partition(self, parts: list[np.ndarray]) -> dict[str, Any]:
+        """Task-specific facts about the clients' data for ``partition.json`` (e.g. each client's image domain)."""
+        return {}
+
 
 class ValidationView(Task):
     """``task`` whose :meth:`evaluate` reports on held-out training examples ``indices`` (the validation split);
@@ -110,3 +114,6 @@ class ValidationView(Task):
 
     def describe(self) -> dict[str, Any]:
         return {**self.task.describe(), "num_validation": len(self.indices)}
+
+    def describe_partition(self, parts: list[np.ndarray]) -> dict[str, Any]:
+        return self.task.describe_partition(parts)
