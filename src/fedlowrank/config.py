@@ -1,7 +1,7 @@
 """Run configuration: TOML files plus ``--set section.key=value`` overrides, validated before any work.
 
 Sections: ``[run]``, ``[task]``, ``[data]``, ``[partition]``, ``[lora]``, ``[train]``, ``[server]``,
-``[method]`` (``name`` plus the method's own options) and ``[compare]``. A wrong value raises
+``[method]`` (``name`` plus the method's own options), ``[compare]`` and ``[privacy]``. A wrong value raises
 :class:`ConfigError` naming the field and what is allowed.
 """
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .partition import PARTITIONS, PartitionConfig
+from .privacy.settings import PrivacySection, check_privacy
 from .tasks.data import SOURCES
 from .tasks.image_data import IMAGE_SOURCES
 from .tasks.table import HEADER_MODES
@@ -113,6 +114,7 @@ class RunConfig:
     server: ServerSection = field(default_factory=ServerSection)
     method: dict[str, Any] = field(default_factory=lambda: {"name": "fedit"})
     compare: CompareSection = field(default_factory=CompareSection)
+    privacy: PrivacySection = field(default_factory=PrivacySection)
 
     @property
     def method_name(self) -> str:
@@ -386,6 +388,7 @@ def validate(cfg: RunConfig) -> None:
                            f"allowed: {', '.join(sorted(allowed)) or 'none'}")
         _need(not lo.ranks or cls.supports_heterogeneous_ranks or len(set(cfg.client_ranks())) == 1,
               f"lora.ranks: method {cfg.method_name!r} does not support heterogeneous ranks")
+        check_privacy(cfg, cls)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

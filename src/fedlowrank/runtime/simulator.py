@@ -47,6 +47,7 @@ from ..message import Message, Reply, State
 from ..methods import get_method
 from ..partition import format_histograms, label_histograms, partition
 from ..plots import plot_label_histograms
+from ..privacy.runtime import accounting, central_replies
 from ..progress import Progress
 from ..tracking import open_tracker, require_package
 from ..tasks import Task, build_task
@@ -205,6 +206,7 @@ class Simulation:
         dropped = self.dropped_clients(rnd, clients)
         replies: list[Reply] = []
         new_states: dict[int, State] = {}  # committed only when the round is aggregated
+        downs: dict[int, Message] = {}  # what each client was sent (central DP measures updates from it)
         rejected: list[dict[str, Any]] = []
         ledger_rows: list[dict[str, int]] = []
         compute = 0.0
@@ -215,6 +217,7 @@ class Simulation:
             msg = self.method.broadcast(self.server, k, rnd)
             down_bytes = msg.nbytes()
             down = wire(msg)
+            downs[k] = down
             state = self.store.get(k)
             if state is None:
                 state = self.method.init_client(k)
@@ -241,6 +244,7 @@ class Simulation:
         for row in ledger_rows:
             self.ledger.add(**row)
         aggregation = 0.0
+        privacy: dict[str, Any] = {}
         skipped = len(replies) < cfg.run.min_replies
         if skipped:
             if self.log:
@@ -248,6 +252,7 @@ class Simulation:
                          f"run.min_replies = {cfg.run.min_replies}: round skipped, global state unchanged")
         else:
             t_agg = time.perf_counter()
+            replies, privacy = central_replies(cfg, replies, downs, rnd, self.history)
             self.server = self.method.aggregate(self.server, replies, rnd)
             self.store.update(new_states)
             aggregation = time.perf_counter() - t_agg
@@ -276,6 +281,8 @@ class Simulation:
             row["skipped"] = True
         if diagnostics:
             row["diagnostics"] = diagnostics
+        if privacy:
+            row["privacy"] = privacy
         self.record_round(row, ledger_rows, replies)
         self.progress.round_end(row, metrics)
         return row
@@ -299,6 +306,7 @@ class Simulation:
     def record_round(self, row: dict[str, Any], ledger_rows: list[dict[str, int]], replies: Sequence[Reply] = ()) -> None:
         """Store a finished round (both runtimes): its ``per_client`` entries (from the ledger rows and the used
         ``replies``), history, metrics.jsonl, ledger.jsonl, tracker, divergence check, checkpoint."""
+        row.update(accounting(self.cfg, self.info.client_sizes, self.history, row))
         row["per_client"] = self.client_rows(ledger_rows, list(replies))
         self.round = row["round"]
         self.history.append(row)
@@ -415,6 +423,8 @@ class Simulation:
         out = {"method": self.method.name, "rounds": self.round, "bytes_up": self.ledger.total_up,
                "bytes_down": self.ledger.total_down, "time": times, "peak_rss_mb": peak_rss_mb()}
         out.update(self.last_eval)
+        if self.history and "epsilon" in self.history[-1]:
+            out["epsilon"] = self.history[-1]["epsilon"]
         accuracies = [r["accuracy"] for r in self.history if "accuracy" in r]
         if accuracies:
             out["best_accuracy"] = max(accuracies)

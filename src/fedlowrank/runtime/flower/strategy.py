@@ -38,6 +38,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from ...message import Message, Reply, State
+from ...privacy.runtime import central_replies
 from ..engine import check_reply, sample_clients
 from ..simulator import Simulation, peak_rss_mb
 from .records import from_records, records_nbytes, to_array, to_records
@@ -137,6 +138,7 @@ class MethodStrategy(Strategy):
         ledger: list[dict[str, int]] = []
         dropped: dict[int, str] = {}
         rejected: list[dict[str, Any]] = []
+        downs: dict[int, Message] = {}
         compute = flower_up = flower_down = 0.0
         # the grid gave each sent message its id; replies (and the SuperLink's error replies) name it
         pending = {sent.metadata.message_id: (sent.metadata.dst_node_id, k, down, fdown)
@@ -146,6 +148,7 @@ class MethodStrategy(Strategy):
                 log(WARNING, "fedlowrank: round %d: ignoring a reply to an unknown message", rnd)
                 continue
             node, k, down, fdown = pending.pop(reply.metadata.reply_to_message_id)
+            downs[k] = down
             flower_down += fdown
             if reply.has_error():
                 dropped[k] = f"node {node} answered with an error: {reply.error.reason}"
@@ -185,6 +188,9 @@ class MethodStrategy(Strategy):
                 cfg.run.min_replies)
         else:
             t_agg = time.perf_counter()
+            usable, privacy = central_replies(cfg, usable, downs, rnd, sim.history)
+            if privacy:
+                self._row["privacy"] = privacy
             sim.server = sim.method.aggregate(sim.server, usable, rnd)
             aggregation = time.perf_counter() - t_agg
             self.accepted.update({r.client: rnd for r in usable})  # their nodes commit this round's state
