@@ -20,9 +20,23 @@ import torch
 from ..message import Message
 
 
-def _reference(down: Message, key: str, t: torch.Tensor) -> torch.Tensor | None:
+def reference(down: Message, key: str, shape, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """What the update of reply tensor ``key`` (of ``shape`` and ``dtype``) is measured from: ``down[key]`` when it
+    is a tensor of that shape (and dtype, when given), else ``None`` (the update is the tensor itself)."""
     ref = down.get(key)
-    return ref if isinstance(ref, torch.Tensor) and ref.shape == t.shape and ref.dtype == t.dtype else None
+    ok = isinstance(ref, torch.Tensor) and tuple(ref.shape) == tuple(shape) and (dtype is None or ref.dtype == dtype)
+    return ref if ok else None
+
+
+def _reference(down: Message, key: str, t: torch.Tensor) -> torch.Tensor | None:
+    return reference(down, key, t.shape, t.dtype)
+
+
+def update_tensor(reply: Message, down: Message, key: str) -> torch.Tensor:
+    """The update of reply tensor ``key`` (float64): ``reply[key] − down[key]``, or ``reply[key]``."""
+    t = reply[key].to(torch.float64)
+    ref = _reference(down, key, reply[key])
+    return t - ref.to(torch.float64) if ref is not None else t
 
 
 def update_keys(reply: Message) -> list[str]:
@@ -32,12 +46,7 @@ def update_keys(reply: Message) -> list[str]:
 
 def update_norm(reply: Message, down: Message) -> float:
     """‖Δ‖₂ of the reply's update (see the module docstring)."""
-    total = 0.0
-    for key in update_keys(reply):
-        t = reply[key].to(torch.float64)
-        ref = _reference(down, key, reply[key])
-        total += float(((t - ref.to(torch.float64)) if ref is not None else t).pow(2).sum())
-    return math.sqrt(total)
+    return math.sqrt(sum(float(update_tensor(reply, down, key).pow(2).sum()) for key in update_keys(reply)))
 
 
 def clip_update(reply: Message, down: Message, clip: float) -> tuple[Message, float]:

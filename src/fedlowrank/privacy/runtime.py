@@ -78,11 +78,10 @@ def local_reply(cfg, reply: Message, down: Message, client: int, rnd: int) -> Me
     if p.mode != "local":
         return reply
     clipped, _ = clip_update(reply, down, p.clip)
-    std = noise_multiplier(cfg) * p.clip
-    if std == 0:
+    sigma = noise_multiplier(cfg)
+    if sigma == 0:
         return clipped
-    if not math.isfinite(std):
-        raise ValueError("privacy.clip must be finite when privacy.noise_multiplier > 0 (noise is σ·C)")
+    std = sigma * p.clip
     return add_noise(clipped, gaussian_noise(clipped, std, torch_generator(cfg.run.seed, "privacy-local", client, rnd)))
 
 
@@ -115,7 +114,8 @@ def central_replies(cfg, replies: list[Reply], downs: dict[int, Message], rnd: i
             raise ValueError(f"privacy.mode = 'central': the reply of client {r.client} differs in tensors or shapes "
                              "from the others; central noise needs equally shaped replies")
     n = len(replies)
-    std = update_noise_multiplier(cfg) * clip / n
+    sigma = update_noise_multiplier(cfg)
+    std = sigma * clip / n if sigma > 0 else 0.0
     gen = torch_generator(cfg.run.seed, "privacy-central", rnd)
     noise = gaussian_noise(clipped[0], std, gen) if std > 0 else {}
     out = [Reply(r.client, r.num_examples, add_noise(msg, noise)) for r, msg in zip(replies, clipped)]

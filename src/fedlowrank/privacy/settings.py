@@ -71,8 +71,8 @@ def check_privacy(cfg, method_cls) -> None:
                else method_cls.privacy_refusal or "its server step is not a fixed-weight sum of the replies")
         raise ValueError(f"privacy.mode = {p.mode!r} is not supported by method {method_cls.name!r}: {why}; "
                          f"it supports: {', '.join(modes) or 'none'}")
-    need(p.target_epsilon == 0 or math.isfinite(p.clip),
-         "privacy.target_epsilon needs a finite privacy.clip (noise is σ·C)")
+    need((p.target_epsilon == 0 and p.noise_multiplier == 0) or math.isfinite(p.clip),
+         "privacy.clip must be finite when privacy.noise_multiplier or privacy.target_epsilon is set (noise is σ·C)")
     need(p.clipping == "fixed" or (p.mode == "central" and math.isfinite(p.clip)),
          "privacy.clipping = 'adaptive' needs privacy.mode = 'central' and a finite initial privacy.clip")
     if p.mode == "central":

@@ -7,6 +7,7 @@ the method's final server state (the global model). The checkpoints are the simu
 history and ledger but not the clients' states (they stay on the SuperNodes), so ``fedlowrank export`` and
 ``fedlowrank resume`` (in the simulator) work on the directory. As for a simulated run, the directory must be
 empty unless ``flower.overwrite`` is true, and is locked while the ServerApp writes it.
+With ``flower.secagg = true`` the rounds run under Flower's SecAgg+ (:mod:`.secagg`).
 """
 
 from __future__ import annotations
@@ -44,8 +45,13 @@ def main(grid: Grid, context: Context) -> None:
     log(INFO, "fedlowrank: run directory %s", run_dir)
     strategy = MethodStrategy(sim, settings)
     strategy.connect(grid)
-    strategy.start(grid, state_arrays(sim.server), num_rounds=cfg.run.rounds, timeout=settings.round_timeout,
-                   evaluate_fn=strategy.evaluate)
+    if settings.secagg:
+        from .secagg import run_secagg
+
+        run_secagg(strategy, grid, context, settings.secagg_clipping_range, settings.round_timeout)
+    else:
+        strategy.start(grid, state_arrays(sim.server), num_rounds=cfg.run.rounds, timeout=settings.round_timeout,
+                       evaluate_fn=strategy.evaluate)
     (run_dir / "server_state.safetensors").write_bytes(sim.server.to_bytes())
     log(INFO, "fedlowrank: summary %s", json.dumps(sim.summary()))
     sim.close()

@@ -112,23 +112,31 @@ class MethodStrategy(Strategy):
             self.nodes[k] = node
 
     # -- training ------------------------------------------------------------------------------------
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[FlowerMessage]:
-        sim, rnd = self.sim, server_round
+    def start_round(self, rnd: int, grid: Grid) -> list[tuple[int, Message, ConfigRecord]]:
+        """Sample round ``rnd``'s clients and open its row; (client, broadcast, route) for each client with a node."""
+        sim = self.sim
         self.refresh_nodes(grid)
         clients = sample_clients(sim.cfg.run.seed, rnd, self.num_clients, sim.cfg.run.clients_per_round)
         self._row = {"round": rnd, "clients": clients, "t_start": time.perf_counter()}
-        self._sent = []
+        out = []
         for k in clients:
             if k not in self.nodes:
                 log(WARNING, "fedlowrank: round %d: client %d has no SuperNode; counted as dropped", rnd, k)
                 continue
-            msg = sim.method.broadcast(sim.server, k, rnd)
             route = ConfigRecord({"client": k, "round": rnd, "accepted": self.accepted.get(k, 0)})
+            out.append((k, sim.method.broadcast(sim.server, k, rnd), route))
+        return out
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[FlowerMessage]:
+        rnd = server_round
+        self._sent = []
+        for k, msg, route in self.start_round(rnd, grid):
             content = RecordDict({**to_records(msg), ROUTE: route})
             sent = FlowerMessage(content, dst_node_id=self.nodes[k], message_type=MessageType.TRAIN)
             self._sent.append((sent, k, msg, records_nbytes(content)))
-        log(INFO, "fedlowrank: round %d: sampled clients %s, sent to %d nodes", rnd, clients, len(self._sent))
+        log(INFO, "fedlowrank: round %d: sampled clients %s, sent to %d nodes", rnd, self._row["clients"],
+            len(self._sent))
         return [sent for sent, *_ in self._sent]
 
     def aggregate_train(self, server_round: int,
@@ -172,6 +180,14 @@ class MethodStrategy(Strategy):
             ledger.append({"round": rnd, "client": k, "down": down.nbytes(), "up": 0})
             flower_down += fdown
         self._sent = []
+        return self.aggregate_replies(rnd, usable, downs, ledger, dropped, rejected, compute, flower_up, flower_down)
+
+    def aggregate_replies(self, rnd: int, usable: list[Reply], downs: dict[int, Message], ledger: list[dict[str, int]],
+                          dropped: dict[int, str], rejected: list[dict[str, Any]], compute: float, flower_up: float,
+                          flower_down: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The server step of a round whose replies are in: ledger, central DP, ``method.aggregate`` (or a skipped
+        round), the round's row (closed by :meth:`evaluate`). Shared by plain rounds and SecAgg+ rounds."""
+        sim, cfg = self.sim, self.sim.cfg
         for k in set(self._row["clients"]) - set(dropped) - {r["client"] for r in ledger}:
             dropped[k] = "no SuperNode for this client"
         for k in sorted(dropped):
