@@ -192,3 +192,26 @@ def test_dpsgd_run_reports_record_level_epsilon():
     sim = run_tiny("fedit", "privacy.dpsgd=true", "privacy.dpsgd_clip=1.0", "privacy.dpsgd_noise=1.0")
     eps = [row["dpsgd_epsilon"] for row in sim.history]
     assert 0 < eps[0] <= eps[1] < math.inf and "epsilon" not in sim.history[0]
+
+
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_privacy_on_flower_equals_the_simulator(mode, monkeypatch):
+    """Both runtimes go through the same hooks and seeded streams: same clipped, noised global model."""
+    pytest.importorskip("flwr")
+    import test_flower as harness
+    from flwr.supercore.task_identity import TaskIdentity
+
+    import fedlowrank.runtime.simulator as simulator
+    from fedlowrank.runtime.flower import client_app
+
+    for name in ("run_id", "node_id", "task_id"):                  # as test_flower's flower_process fixture
+        monkeypatch.setattr(TaskIdentity, f"_{name}", 7)
+    monkeypatch.setattr(simulator, "build_task", lambda cfg: tiny_task())
+    client_app._runs.clear()
+    sets = (UNIFORM, f"privacy.mode={mode}", "privacy.clip=0.05", "privacy.noise_multiplier=0.5")
+    ref = run_tiny("fedit", *sets)
+    sim, _, _ = harness.run_flower("method.name=fedit", *sets)
+    client_app._runs.clear()
+    harness.assert_same_state(sim.server, ref.server)
+    assert [r["epsilon"] for r in sim.history] == [r["epsilon"] for r in ref.history]
+    assert [r.get("privacy") for r in sim.history] == [r.get("privacy") for r in ref.history]
