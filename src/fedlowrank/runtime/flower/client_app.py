@@ -13,6 +13,9 @@ client the server aggregated (``accepted``), and the node commits its pending st
 drops it otherwise (a reply rejected, lost or timed out, a skipped round). So a client's state only ever
 advances with replies the global state took in, as in the simulator, which commits a round's client states
 only when it aggregates the round.
+
+With ``flower.secagg = true`` the train messages of a round come through Flower's ``secaggplus_mod`` (the app's
+mod, applied only to SecAgg+ messages) and are answered by :func:`~.secagg.secagg_reply`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ ROUTE = "fedlowrank"  # ConfigRecord naming the client and round of a train mess
 STATE = "fedlowrank.state."  # prefix of the client state's records in context.state
 PENDING = "fedlowrank.pending."  # prefix of the state made by the last reply, not yet known to be aggregated
 PENDING_ROUND = "fedlowrank.pending-round"  # ConfigRecord {"round": r}: the round that made the pending state
+
 
 def _secagg_when_asked(msg: FlowerMessage, context: Context, call_next) -> FlowerMessage:
     """Flower's ``secaggplus_mod`` for the messages of a SecAgg+ round (``flower.secagg``); others pass through."""
