@@ -262,7 +262,8 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
             histories.setdefault(name, []).append(sim.history)
             runs.append({"seed": seed, "final": values[-1], "best": max(values) if higher_is_better(metric)
                          else min(values), "bytes_up": summary["bytes_up"], "bytes_down": summary["bytes_down"],
-                         "time": summary["time"]["total"], "partition": partition_digest(sim.parts),
+                         "time": summary["time"]["total"], "epsilon": summary.get("epsilon"),
+                         "partition": partition_digest(sim.parts),
                          "sampling": hashlib.sha256(json.dumps([r["clients"] for r in sim.history]).encode())
                          .hexdigest()[:16],
                          **({"run_dir": str(out / f"{name}-seed{seed}")} if out else {})})
@@ -275,6 +276,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
             "bytes_up": float(np.mean([r["bytes_up"] for r in runs])),
             "bytes_down": float(np.mean([r["bytes_down"] for r in runs])),
             "time": float(np.mean([r["time"] for r in runs])),
+            "epsilon": max((r["epsilon"] for r in runs if r["epsilon"] is not None), default=None),
         })
     assert setup is not None
     ref = next(r for r in rows if r["method"] == reference)
@@ -322,13 +324,15 @@ def results_markdown(results: dict[str, Any]) -> str:
           f"(t_{{{0.5 + results['confidence'] / 2:g}, n−1}} · sd / √n, sample sd with ddof = 1)" if n > 1
           else "a single seed (n = 1): no interval")
     where = f"on the {setup['num_test']:,} test examples" if setup.get("num_test") else "as the task evaluates it"
+    private = any(r.get("epsilon") is not None for r in results["rows"])
     lines += ["", "## Results", "", f"Metric: {metric} {where} ({direction}); final = after the last round, "
               f"best = the best evaluated round. Values are {pm}.", "",
-              f"| method | final {metric} | best {metric} | bytes up | bytes down | time (s) |",
-              "|---|---|---|---|---|---|"]
+              f"| method | final {metric} | best {metric} | bytes up | bytes down | time (s) |"
+              + (" ε (client-level DP) |" if private else ""), "|---|---|---|---|---|---|" + ("---|" if private else "")]
     for r in results["rows"]:
+        eps = (f" {r['epsilon']:.3g} |" if r.get("epsilon") is not None else " – |") if private else ""
         lines.append(f"| {r['method']} | {_interval(r['final']).format()} | {_interval(r['best']).format()} | "
-                     f"{_fmt_bytes(r['bytes_up'])} | {_fmt_bytes(r['bytes_down'])} | {r['time']:.1f} |")
+                     f"{_fmt_bytes(r['bytes_up'])} | {_fmt_bytes(r['bytes_down'])} | {r['time']:.1f} |{eps}")
     if results["paired"]:
         lines += ["", f"## Paired differences against {ref}", "",
                   f"Per seed, method − {ref} on the same partition and data order; mean ± half-width of the paired "
