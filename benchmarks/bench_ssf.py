@@ -2,12 +2,16 @@
 
 1. Speed: one vectorised run of each method (default SSF at r = 20, het = 2, T = 25,000 rounds, S = 10 of
    N = 20, K = 5, b = 20, η_l = 1e-3), wall and CPU seconds. Target: SSF at r = 20 in ≤ 60 s.
-2. Communication: a short run in the simulator (every message serialised and counted by the ledger); floats
+2. Against a plain NumPy loop of the same algorithm (``--loop``; issue #18 item 2): CPU seconds of
+   :func:`numpy_loop` (written here, NumPy/OpenBLAS, one generator for the whole run) and of the vectorised
+   runner evaluated every 500 rounds and every round, interleaved in one process, one thread; ratios printed.
+3. Communication: a short run in the simulator (every message serialised and counted by the ledger); floats
    per participant per round, down and up, against the paper's 4rm (SSF) and 4dm (SCAFFOLD), with and without
    the catch-up of the model copy under partial participation.
 
     .venv/bin/python benchmarks/bench_ssf.py                       # both parts
     .venv/bin/python benchmarks/bench_ssf.py --rounds 2000 --methods ssf,fedsub --skip-comm
+    .venv/bin/python benchmarks/bench_ssf.py --loop --skip-speed --skip-comm --methods ssf,scaffold
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from common import provenance  # noqa: E402
 from fedlowrank.config import from_dict  # noqa: E402
 from fedlowrank.runtime.simulator import Simulation  # noqa: E402
 from fedlowrank.runtime.vectorized import run_vectorized  # noqa: E402
+from fedlowrank.tasks.matrix_regression import make_problem  # noqa: E402
 
 METHODS = {"ssf": {"name": "ssf"}, "fedsub": {"name": "fedsub"}, "scaffold": {"name": "fedavg-full", "correction": "scaffold"},
            "fedavg": {"name": "fedavg-full"}}
@@ -54,6 +59,68 @@ def speed(args) -> None:
               f"final rel_error={run.final.get('rel_error', float('nan')):.4e} loadavg={os.getloadavg()[0]:.2f}")
 
 
+def numpy_loop(method: str, rounds: int, rank: int, het: float, lr: float, seed: int, eval_every: int,
+               N: int = 20, S: int = 10, K: int = 5, b: int = 20, ridge: float = 0.1) -> list[float]:
+    """The matrix-regression toy (``configs/matrix.toml``) as a plain NumPy loop: SSF (``"ssf"``: a new
+    Haar projector per round, scaffold control update), Full-SCAFFOLD (``"scaffold"``) or Full-FedAvg
+    (``"fedavg"``); uniform weights, η_g = 1. Returns RelErr every ``eval_every`` rounds (the reference's
+    random streams are its own, so its numbers match the runner's in distribution, not bit for bit)."""
+    A, B, x_star = make_problem(0, N, 100, 10, 50, het, ridge, 0.01)       # [N, n, d], [N, n, m], [d, m]
+    n, d, m = A.shape[1], A.shape[2], B.shape[2]
+    rng = np.random.default_rng(seed)
+    W, c, ci = np.zeros((m, d)), np.zeros((m, d)), np.zeros((N, m, d))
+    target, errors = x_star.T, []
+    rows = np.arange(S)[:, None]
+    for t in range(1, rounds + 1):
+        clients = np.sort(rng.choice(N, S, replace=False))
+        picks = rng.random((K, S, n)).argsort(-1)[..., :b]                 # [K, S, b]
+        Ac, Bc = A[clients], B[clients]
+        if method == "ssf":
+            Q, R = np.linalg.qr(rng.standard_normal((d, rank)))
+            P = (Q * np.sign(np.diag(R))).T                                # [r, d]
+            corr = (c - ci[clients]) @ P.T                                 # [S, m, r]
+            Y = np.zeros((S, m, rank))
+        else:
+            P, corr = None, (c - ci[clients] if method == "scaffold" else 0.0)
+            Y = np.zeros((S, m, d))
+        acc = np.zeros_like(Y)
+        for k in range(K):
+            Wi = W + (Y @ P if P is not None else Y)
+            Ab, Bb = Ac[rows, picks[k]], Bc[rows, picks[k]]
+            g = ((Ab @ Wi.transpose(0, 2, 1) - Bb).transpose(0, 2, 1) @ Ab) / b + ridge * Wi
+            gp = g @ P.T if P is not None else g
+            acc += gp
+            Y -= lr * (gp + corr)
+        W = W + (Y.mean(0) @ P if P is not None else Y.mean(0))
+        if method != "fedavg":
+            dc = acc / K - (ci[clients] @ P.T if P is not None else ci[clients])
+            ci[clients] += dc @ P if P is not None else dc
+            c = c + (dc.sum(0) @ P if P is not None else dc.sum(0)) / N
+        if t % eval_every == 0 or t == rounds:
+            errors.append(float(np.linalg.norm(W - target) / np.linalg.norm(target)))
+    return errors
+
+
+def loop_ratio(args) -> None:
+    """CPU seconds of the NumPy loop and of the runner (evaluated every 500 rounds and every round), one run."""
+    print(f"\n== against a plain NumPy loop: T={args.rounds}, r={args.rank}, het={args.het}, lr={args.lr}, "
+          f"S=10 of N=20, K=5, b=20, one thread ==")
+    for name in args.methods.split(","):
+        cpu = time.process_time()
+        errors = numpy_loop(name, args.rounds, args.rank, args.het, args.lr, args.seed, 500)
+        ref = time.process_time() - cpu
+        runs = {}
+        for every in (500, 1):
+            cfg = toy_config(METHODS[name], args.rounds, args.rank, args.het, args.lr, args.seed, eval_every=every)
+            cpu = time.process_time()
+            run = run_vectorized(cfg)
+            runs[every] = (time.process_time() - cpu, run.final["rel_error"])
+        print(f"{name:9s} numpy loop {ref:7.2f}s (RelErr {errors[-1]:.3e}) | runner eval/500 {runs[500][0]:7.2f}s "
+              f"= {runs[500][0] / ref:.2f}x (RelErr {runs[500][1]:.3e}) | runner eval/1 {runs[1][0]:7.2f}s "
+              f"= +{100 * (runs[1][0] / runs[500][0] - 1):.0f}% for evaluating every round | "
+              f"loadavg {os.getloadavg()[0]:.2f}")
+
+
 def communication(args) -> None:
     d, m, r = 100, 10, args.rank
     print(f"\n== communication (simulator ledger): d={d}, m={m}, r={r}, {args.comm_rounds} rounds ==")
@@ -78,6 +145,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", default="ssf", help=f"comma-separated among {', '.join(METHODS)}")
     ap.add_argument("--comm-rounds", type=int, default=20)
+    ap.add_argument("--loop", action="store_true", help="also time the plain NumPy loop against the runner")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-comm", action="store_true")
     args = ap.parse_args()
@@ -86,6 +154,8 @@ def main() -> None:
     print(f"seed {args.seed}")
     if not args.skip_speed:
         speed(args)
+    if args.loop:
+        loop_ratio(args)
     if not args.skip_comm:
         communication(args)
 

@@ -377,7 +377,8 @@ class SubspaceMethod(Method):
         for n, mod in model.adapters().items():
             mod.set_frozen_weight(server[f"w/{n}"])
             mod.reset(proj[n])
-        load_head(model, Message({k: server[f"w/{k}"] for k in self._keys if k not in self._layers}))
+        if len(self._keys) > len(self._layers):
+            load_head(model, Message({k: server[f"w/{k}"] for k in self._keys if k not in self._layers}))
 
     # -- contract: client side ---------------------------------------------------------------------------
     def train(self, model: AdaptedModel, msg: Message, state: State, trainer) -> tuple[Message, State]:
