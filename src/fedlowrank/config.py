@@ -51,6 +51,7 @@ class RunSection:
     stop_above: float = float("inf")
     tracking: str = ""
     device: str = "auto"
+    state_memory_mb: float = 0.0  # client states kept in memory (MiB); beyond it they spill to disk (0 = no limit)
 
 
 @dataclass
@@ -158,11 +159,13 @@ MEANINGS: dict[str, str] = {
     "run.stop_metric": "metric the run watches for divergence and compare tabulates ('' = accuracy or rel_error)",
     "run.stop_above": "stop the run as diverged when run.stop_metric exceeds this",
     "run.tracking": "mirror each metrics row to an experiment tracker: tensorboard, wandb or mlflow ('' = off)",
+    "run.state_memory_mb": "MiB of client states kept in memory; beyond it the least recently used spill to disk "
+                           "(RUN_DIR/client_states/) and are read back on demand (0 = keep all in memory)",
     "task.kind": "text-classification or matrix-regression",
     "task.model": "a bundled model name or a local Hugging Face model folder",
     "task.max_length": "tokens per example (longer texts are truncated)",
     "task.eval_batch_size": "examples per evaluation forward pass",
-    "task.options": "options of the task (matrix-regression: num_clients, dim, outputs, samples, het)",
+    "task.options": "options of the task (matrix-regression: num_clients, dim, outputs, samples, het, objective)",
     "data.source": "bbc-news (packaged), agnews (data.path), files (data.train, data.test) or hf (data.hf_name)",
     "data.path": "folder holding AG News train.tsv and test.tsv (data.source = 'agnews')",
     "data.train": "training file, .tsv, .csv or .jsonl (data.source = 'files')",
@@ -320,6 +323,8 @@ def validate(cfg: RunConfig) -> None:
     _need(r.tracking in ("", *TRACKERS),
           f"run.tracking must be one of \"\" (off), {', '.join(TRACKERS)}; got {r.tracking!r}")
     _need(r.checkpoint_every >= 0, f"run.checkpoint_every must be >= 0 (0 = never), got {r.checkpoint_every}")
+    _need(r.state_memory_mb >= 0, f"run.state_memory_mb must be >= 0 (0 = keep every client state in memory), "
+          f"got {r.state_memory_mb}")
     _choice("task.kind", cfg.task.kind, TASKS)
     _choice("train.dtype", t.dtype, tuple(DTYPES))
     try:

@@ -3,9 +3,10 @@
 Layout under ``<run_dir>/checkpoints/``::
 
     round-00003/server.safetensors    server State (tensors; scalars in the metadata)
-    round-00003/clients.safetensors   every client's State, keys "<client>/<key>"
+    round-00003/clients.safetensors   every client's State in memory, keys "<client>/<key>"
+    round-00003/clients/<file>        a copy of each state the client store had spilled to disk (see .store)
     round-00003/meta.json             round, method, config fingerprint, history, ledger rows, whether the
-                                      client states are in it, sha256 + size of both files
+                                      client states are in it, sha256 + size of every file
     latest                            the name of the newest complete checkpoint
 
 A checkpoint is written to a temporary folder, flushed to disk, then renamed, and ``latest`` is replaced
@@ -23,7 +24,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,10 +48,11 @@ class Checkpoint:
     ledger: list[dict[str, int]]
     config_fingerprint: str = ""  # see config_fingerprint(); "" in checkpoints written before it existed
     client_states: bool = True  # False when the clients kept their states (Flower: on the SuperNodes)
+    spilled: dict[int, Path] = field(default_factory=dict)   # client -> file of a spilled state (see .store)
 
 
 # run settings that do not change what a run computes: a checkpoint stays valid when they change
-NON_MATHS_KEYS = {"run": ("name", "out_dir", "threads", "checkpoint_every"), "compare": None}
+NON_MATHS_KEYS = {"run": ("name", "out_dir", "threads", "checkpoint_every", "state_memory_mb"), "compare": None}
 
 
 def config_fingerprint(cfg) -> str:
@@ -97,13 +99,24 @@ def save_checkpoint(run_dir: Path, ck: Checkpoint, keep: int = 2) -> Path:
     tmp = root / f".{name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    files = {"server.safetensors": ck.server.to_bytes(), "clients.safetensors": _flatten_clients(ck.clients).to_bytes()}
+    # a client store that spills (``.store.ClientStore``) gives its in-memory states and its files separately
+    resident = ck.clients.resident() if hasattr(ck.clients, "resident") else ck.clients
+    spilled = {**ck.spilled, **(ck.clients.spilled_files() if hasattr(ck.clients, "spilled_files") else {})}
+    files = {"server.safetensors": ck.server.to_bytes(), "clients.safetensors": _flatten_clients(resident).to_bytes()}
+    listed = {}
     for fname, data in files.items():
         _fsync_write(tmp / fname, data)
+        listed[fname] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    if spilled:
+        (tmp / "clients").mkdir()
+    for client, path in spilled.items():   # one file at a time: memory stays bounded
+        fname = f"clients/{path.name}"
+        data = path.read_bytes()
+        _fsync_write(tmp / fname, data)
+        listed[fname] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "client": int(client)}
     meta = {"format": FORMAT_VERSION, "round": ck.round, "method": ck.method,
             "config_fingerprint": ck.config_fingerprint, "client_states": ck.client_states,
-            "history": ck.history, "ledger": ck.ledger,
-            "files": {f: {"bytes": len(d), "sha256": hashlib.sha256(d).hexdigest()} for f, d in files.items()}}
+            "history": ck.history, "ledger": ck.ledger, "files": listed}
     _fsync_write(tmp / "meta.json", json.dumps(meta).encode())
     final = root / name
     shutil.rmtree(final, ignore_errors=True)
@@ -203,6 +216,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r}, expected {FORMAT_VERSION}")
     blobs: dict[str, bytes] = {}
+    spilled: dict[int, Path] = {}
     for fname, spec in meta["files"].items():
         try:
             data = (path / fname).read_bytes()
@@ -212,14 +226,17 @@ def load_checkpoint(path: Path) -> Checkpoint:
             raise CheckpointError(f"checkpoint {path}: {fname} is truncated ({len(data)} of {spec['bytes']} bytes)")
         if hashlib.sha256(data).hexdigest() != spec["sha256"]:
             raise CheckpointError(f"checkpoint {path}: {fname} is corrupted (sha256 mismatch)")
-        blobs[fname] = data
+        if "client" in spec:   # a spilled state: verified here, read by the client store when needed
+            spilled[int(spec["client"])] = path / fname
+        else:
+            blobs[fname] = data
     try:
         server = State.from_bytes(blobs["server.safetensors"])
         clients = _unflatten_clients(State.from_bytes(blobs["clients.safetensors"]))
     except FormatError as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from exc
     return Checkpoint(meta["round"], meta["method"], server, clients, meta["history"], meta["ledger"],
-                      meta.get("config_fingerprint", ""), meta.get("client_states", True))
+                      meta.get("config_fingerprint", ""), meta.get("client_states", True), spilled)
 
 
 def drop_checkpoints_after(run_dir: Path, round: int) -> None:

@@ -56,6 +56,7 @@ from .checkpoint import (Checkpoint, CheckpointError, config_fingerprint, drop_c
                          save_checkpoint)
 from .rundir import check_run_dir, claim_run_dir, lock_run_dir
 from .engine import check_reply, client_update, sample_clients, setup_info, wire
+from .store import ClientStore
 
 
 class DivergenceError(RuntimeError):
@@ -130,7 +131,7 @@ class Simulation:
         self.device = resolve_device(cfg.run.device)
         check_dtype(cfg.train.dtype, self.device)
         self.model.to(self.device)  # after setup: the method derives its server state on the CPU
-        self.store: dict[int, State] = {}
+        self.store = ClientStore(cfg.run.state_memory_mb, None if run_dir is None else Path(run_dir) / "client_states")
         self.ledger = Ledger()
         self.history: list[dict[str, Any]] = []
         self.round = 0
@@ -365,7 +366,8 @@ class Simulation:
             raise CheckpointError(f"checkpoint {path} is of round {ck.round}, beyond run.rounds = {cfg.run.rounds} "
                                   f"in {run_dir / 'config.json'}: they are not of the same run")
         sim = cls(cfg, task=task, run_dir=None, log=log)
-        sim.server, sim.store, sim.round, sim.client_states = ck.server, ck.clients, ck.round, ck.client_states
+        sim.server, sim.round, sim.client_states = ck.server, ck.round, ck.client_states
+        sim.store.restore(ck.clients, ck.spilled)
         sim.history, sim.ledger.rows = ck.history, ck.ledger
         evals = [r for r in ck.history if "accuracy" in r or "loss" in r]
         sim.last_eval = {k: v for k, v in evals[-1].items() if k in ("accuracy", "loss")} if evals else {}
