@@ -78,11 +78,50 @@ def test_evaluate_reads_x_through_lora_and_reports_rel_error():
     assert math.isnan(task.evaluate(model.net)["rel_error"])
 
 
+def test_objective_is_reported_only_when_asked():
+    task = MatrixRegression(**SMALL)
+    model = task.build_model()
+    assert set(task.evaluate(model.net)) == {"rel_error"}
+    asked = MatrixRegression(**SMALL, objective=True)
+    model = asked.build_model()
+    attach_lora(model, rank=2, alpha=2.0)
+    model.target("linear").set_base_delta(asked.x_star.T.clone())
+    metrics = asked.evaluate(model.net)
+    assert set(metrics) == {"rel_error", "objective"} and abs(metrics["objective"]) < 1e-12
+    model.target("linear").set_base_delta(torch.zeros(3, 8, dtype=torch.float64))
+    assert asked.evaluate(model.net)["objective"] == pytest.approx(asked.objective(torch.zeros(8, 3, dtype=torch.float64))
+                                                                   - asked.objective(asked.x_star))
+
+
+def test_weight_has_the_values_of_the_forward_pass_on_the_identity():
+    task = MatrixRegression(**SMALL)
+    g = torch.Generator().manual_seed(1)
+    eye = torch.eye(8, dtype=torch.float64)
+    plain = task.build_model()
+    plain.base_linear("linear").weight.data.normal_(generator=g)
+    with torch.no_grad():
+        assert torch.equal(task.weight(plain.net), plain.net(eye))
+    for attach in (lambda m: attach_lora(m, rank=2, alpha=2.0), lambda m: m.attach(lambda n, lin: SubspaceLinear(lin, 3))):
+        model = task.build_model()
+        attach(model)
+        mod = model.target("linear")
+        mod.set_base_delta(torch.randn(3, 8, generator=g, dtype=torch.float64))
+        for p in mod.parameters():
+            if p is not mod.base.weight:
+                p.data.normal_(generator=g)
+        if isinstance(mod, SubspaceLinear):
+            mod.proj = projector(0, 0, 0, 8, 3)
+        with torch.no_grad():
+            assert torch.equal(task.weight(model.net), model.net(eye))
+
+
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="task.options.dim"):
         MatrixRegression(dim=0)
     with pytest.raises(ValueError, match="task.options.dtype"):
         MatrixRegression(dtype="float16")
+    with pytest.raises(ValueError, match="task.options.objective"):
+        MatrixRegression(objective="yes")
 
 
 def test_every_kind_of_method_runs_and_divergence_stops_the_run():
