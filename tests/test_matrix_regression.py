@@ -35,7 +35,7 @@ def test_problem_matches_the_recipe_and_x_star_is_the_minimiser():
     # ∇F(X*) = (1/N) Σ_i full-batch gradient of client i = 0 (weights in the [out, in] layout)
     rows = torch.arange(24).view(4, 6)
     W = torch.from_numpy(x_star).T.expand(4, 3, 8).contiguous()
-    grad = task.batched_grad({"linear": W}, rows)["linear"].mean(0)
+    grad = task.batched_grad({"linear": W}, task.batched_examples(rows[None])[0])["linear"].mean(0)
     assert grad.abs().max() < 1e-12
     # natural clients: rows in client order, feature means shifted per client
     assert np.array_equal(task.natural_partition, np.repeat(np.arange(4), 6))
@@ -46,7 +46,7 @@ def test_batched_gradient_equals_autograd_of_the_loss_through_any_adapter():
     idx = torch.tensor([[0, 5, 2, 3], [7, 8, 11, 6]])
     g = torch.Generator().manual_seed(0)
     W = torch.randn(2, 3, 8, generator=g, dtype=torch.float64)
-    closed = task.batched_grad({"linear": W}, idx)["linear"]
+    closed = task.batched_grad({"linear": W}, task.batched_examples(idx[None])[0])["linear"]
     for s in range(2):
         model = task.build_model()
         model.base_linear("linear").weight.data.copy_(W[s])

@@ -7,7 +7,8 @@ evaluation (``method.load_global`` + ``task.evaluate``) — but each round is on
     server = method.batched_round(model, server, clients [S], oracle, rnd)
 
 where ``oracle.grad({key: W [S, out, in]}, step)`` returns the S clients' minibatch gradients of step ``step``
-from ``task.batched_grad(weights, batch_indices [S, b])``, and ``oracle.steps``/``oracle.lr`` are the local
+from ``task.batched_grad(weights, examples[step])`` (``examples = task.batched_examples(batch_indices [K, S, b])``,
+gathered once per round), and ``oracle.steps``/``oracle.lr`` are the local
 steps K and learning rate. The runner never looks at the method's name: a method without ``batched_round`` is
 refused. Local steps are plain SGD, so ``train.optimizer`` must be ``"sgd"`` without weight decay or clipping.
 No messages exist here, so there is no communication ledger (use the simulator for bytes).
@@ -38,12 +39,15 @@ class ClosedFormOracle:
     batches: torch.Tensor
     lr: float
 
+    def __post_init__(self) -> None:
+        self.examples = self.task.batched_examples(self.batches)  # type: ignore[attr-defined]
+
     @property
     def steps(self) -> int:
         return self.batches.shape[0]
 
     def grad(self, weights: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
-        return self.task.batched_grad(weights, self.batches[step])  # type: ignore[attr-defined]
+        return self.task.batched_grad(weights, self.examples[step])  # type: ignore[attr-defined]
 
 
 @dataclass

@@ -10,8 +10,8 @@ The model is an :class:`AdaptedModel` around one bias-free ``nn.Linear(d, m)`` (
 whose weight is ``Xᵀ: [m, d]`` (layout ``[out, in]``), initialised to 0 (so RelErr(X⁰) = 1). Every method of
 the project therefore trains X through the ordinary contract. The training set is the N·n rows in client
 order; :attr:`natural_partition` gives each row's client, so ``partition.kind = "natural"`` reproduces the
-paper's clients. For tasks like this one whose gradients are closed-form, :meth:`batched_grad` serves
-:mod:`fedlowrank.runtime.vectorized`.
+paper's clients. For tasks like this one whose gradients are closed-form, :meth:`batched_examples` and
+:meth:`batched_grad` serve :mod:`fedlowrank.runtime.vectorized`.
 """
 
 from __future__ import annotations
@@ -116,17 +116,25 @@ class MatrixRegression(Task):
         out = net(torch.cat([self.A[rows], torch.eye(d, dtype=self.dtype)]).to(device))
         return 0.5 * ((out[:b] - self.B[rows].to(device)) ** 2).sum() / b + 0.5 * self.ridge * (out[b:] ** 2).sum()
 
-    def batched_grad(self, weights: dict[str, torch.Tensor], batches: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Minibatch gradients of S clients at once: ``W [S, m, d]``, ``batches [S, b]`` → ``∇_W [S, m, d]``.
+    def batched_examples(self, batches: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The rows of a round's minibatches, gathered once: ``batches [K, S, b]`` → per step ``k`` the pair
+        ``(A_b [S, b, d], B_b [S, b, m])`` that :meth:`batched_grad` takes."""
+        rows = batches.reshape(-1)
+        A = self.A.index_select(0, rows).view(*batches.shape, -1)      # [K, S, b, d]
+        B = self.B.index_select(0, rows).view(*batches.shape, -1)      # [K, S, b, m]
+        return list(zip(A.unbind(0), B.unbind(0)))
+
+    def batched_grad(self, weights: dict[str, torch.Tensor],
+                     examples: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Minibatch gradients of S clients at once: ``W [S, m, d]`` and one step of :meth:`batched_examples`
+        ``(A_b [S, b, d], B_b [S, b, m])`` → ``∇_W [S, m, d]``.
 
         ``g = (A_b Wᵀ − B_b)ᵀ A_b / b + λ W`` (the gradient of :meth:`loss` in the ``[out, in]`` layout).
         """
         W = weights[TARGET]
-        rows = batches.reshape(-1)
-        A = self.A.index_select(0, rows).view(*batches.shape, -1)      # [S, b, d]
-        B = self.B.index_select(0, rows).view(*batches.shape, -1)      # [S, b, m]
+        A, B = examples
         R = torch.baddbmm(B, A, W.mT, beta=-1.0)                       # A Wᵀ − B: [S, b, m]
-        return {TARGET: torch.baddbmm(W, R.mT, A, beta=self.ridge, alpha=1.0 / batches.shape[1])}
+        return {TARGET: torch.baddbmm(W, R.mT, A, beta=self.ridge, alpha=1.0 / A.shape[1])}
 
     def weight(self, net: nn.Module) -> torch.Tensor:
         """The model's X ``[d, m]`` (float64), the values of ``net(I_d)`` whatever adapter is attached: the frozen
