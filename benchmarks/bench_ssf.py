@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -121,6 +122,35 @@ def loop_ratio(args) -> None:
               f"loadavg {os.getloadavg()[0]:.2f}")
 
 
+def kernels(repeat: int = 2000) -> None:
+    """The four products of one SSF local step (S = 10, b = 20, d = 100, m = 10, r = 20, float64) with torch's BLAS
+    and with NumPy's: the runner must use torch's (its results are pinned bit for bit), so their ratio bounds what
+    any runner reproducing today's numbers can reach against a NumPy loop."""
+    import timeit
+
+    S, b, d, m, r = 10, 20, 100, 10, 20
+    g = torch.Generator().manual_seed(0)
+    A, W = torch.randn(S, b, d, generator=g, dtype=torch.float64), torch.randn(S, m, d, generator=g, dtype=torch.float64)
+    R, P = torch.randn(S, b, m, generator=g, dtype=torch.float64), torch.randn(r, d, generator=g, dtype=torch.float64)
+    Y = torch.randn(S, m, r, generator=g, dtype=torch.float64)
+    An, Wn, Rn, Pn, Yn = (x.numpy() for x in (A, W, R, P, Y))
+    cases = {"A Wᵀ [S,b,d]x[S,d,m]": (lambda: torch.bmm(A, W.mT), lambda: An @ Wn.transpose(0, 2, 1)),
+             "Rᵀ A [S,m,b]x[S,b,d]": (lambda: torch.bmm(R.mT, A), lambda: Rn.transpose(0, 2, 1) @ An),
+             "G Pᵀ [S·m,d]x[d,r]": (lambda: W @ P.T, lambda: Wn @ Pn.T),
+             "Y P [S·m,r]x[r,d]": (lambda: Y @ P, lambda: Yn @ Pn)}
+    blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    print(f"\n== the products of one SSF local step, torch (BLAS {blas.group(1) if blas else '?'}) vs NumPy "
+          f"({np.show_config(mode='dicts')['Build Dependencies']['blas']['name']}), microseconds (best of 3 x {repeat}) ==")
+    total = [0.0, 0.0]
+    for name, (t, n) in cases.items():
+        tt = min(timeit.repeat(t, number=repeat, repeat=3)) / repeat * 1e6
+        tn = min(timeit.repeat(n, number=repeat, repeat=3)) / repeat * 1e6
+        total[0] += tt
+        total[1] += tn
+        print(f"  {name:22s} torch {tt:7.1f}  numpy {tn:7.1f}  ratio {tt / tn:.2f}")
+    print(f"  one local step's products: torch {total[0]:.1f} us, numpy {total[1]:.1f} us, ratio {total[0] / total[1]:.2f}")
+
+
 def communication(args) -> None:
     d, m, r = 100, 10, args.rank
     print(f"\n== communication (simulator ledger): d={d}, m={m}, r={r}, {args.comm_rounds} rounds ==")
@@ -155,6 +185,7 @@ def main() -> None:
     if not args.skip_speed:
         speed(args)
     if args.loop:
+        kernels()
         loop_ratio(args)
     if not args.skip_comm:
         communication(args)

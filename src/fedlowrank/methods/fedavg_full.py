@@ -98,7 +98,7 @@ class FedAvgFull(Method):
             else:
                 corr[n] = torch.zeros(len(clients), *w.shape, dtype=w.dtype)
         coef, gbar = local_sgd({n: server[k] for n, k in keys.items()}, dict.fromkeys(keys), corr, oracle)
-        weights = self.client_weights([Reply(int(i), self.info.client_sizes[int(i)], Message()) for i in clients])
+        weights = self.client_weights([Reply(i, self.info.client_sizes[i], Message()) for i in clients.tolist()])
         for n, k in keys.items():
             server[k], _ = server_model_step(server[k], None, coef[n], weights, self.info.server_lr)
             if self.correction == "scaffold":

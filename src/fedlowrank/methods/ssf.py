@@ -287,7 +287,7 @@ class SubspaceMethod(Method):
         raise NotImplementedError
 
     def client_weights_of(self, clients: torch.Tensor) -> torch.Tensor:
-        return self.client_weights([Reply(int(k), self.info.client_sizes[int(k)], Message()) for k in clients])
+        return self.client_weights([Reply(k, self.info.client_sizes[k], Message()) for k in clients.tolist()])
 
     # -- vectorised round (hook of runtime/vectorized.py) ------------------------------------------------
     def batched_round(self, model: AdaptedModel, server: State, clients: torch.Tensor, oracle: BatchedOracle,
