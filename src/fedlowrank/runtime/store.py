@@ -79,6 +79,7 @@ class ClientStore(MutableMapping):
 
     # -- mapping -----------------------------------------------------------------------------------------
     def __getitem__(self, client: int) -> State:
+        client = int(client)
         if client in self._memory:
             self._memory.move_to_end(client)
             return self._memory[client]
