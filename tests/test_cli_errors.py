@@ -234,8 +234,10 @@ def test_main_job_runs_fedit_and_the_five_seed_methods(no_work):
 def test_task_metrics_are_what_evaluate_returns():
     from fedlowrank.tasks.matrix_regression import MatrixRegression
 
-    task = MatrixRegression(num_clients=2, dim=4, outputs=2, samples=3)
+    task = MatrixRegression(num_clients=2, dim=4, outputs=2, samples=3, objective=True)
     assert tuple(task.evaluate(task.build_model().net)) == MatrixRegression.metrics
+    task = MatrixRegression(num_clients=2, dim=4, outputs=2, samples=3)   # F(X) only when asked (issue #18)
+    assert tuple(task.evaluate(task.build_model().net)) == MatrixRegression.metrics[:1]
 
 
 def test_import_is_light():
