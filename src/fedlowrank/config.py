@@ -213,6 +213,19 @@ MEANINGS: dict[str, str] = {
     "compare.seeds": "seeds that `fedlowrank compare` runs each method with",
     "compare.overrides": "per-method settings, e.g. {fedgalore = [\"train.lr=1e-4\"]}",
     "compare.tuned": "a tune.json from `fedlowrank tune` whose learning rates compare applies ('' = none)",
+    "privacy.mode": "client-level DP: '' (off), central (server clips each update, noise on the sum) or local "
+                    "(each client noises its own reply)",
+    "privacy.clip": "C, the L2 bound of a client's update (inf = no clipping); the initial C when adaptive",
+    "privacy.noise_multiplier": "σ: noise std σ·C (ignored when privacy.target_epsilon > 0)",
+    "privacy.target_epsilon": "> 0: σ is the smallest noise multiplier whose ε after run.rounds rounds is at most this",
+    "privacy.delta": "δ of the reported (ε, δ); 0 = 1/partition.num_clients",
+    "privacy.clipping": "fixed, or adaptive (C tracks privacy.target_quantile of the update norms; central only)",
+    "privacy.target_quantile": "adaptive clipping: the quantile of update norms C tracks",
+    "privacy.clip_lr": "adaptive clipping: learning rate of log C",
+    "privacy.clip_noise": "adaptive clipping: noise std on the count of unclipped updates (0 = clients_per_round/20)",
+    "privacy.dpsgd": "record-level DP-SGD in every client's local training (per-example clipping, noise per step)",
+    "privacy.dpsgd_clip": "DP-SGD per-example clipping norm",
+    "privacy.dpsgd_noise": "DP-SGD noise multiplier",
 }
 
 
