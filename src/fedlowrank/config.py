@@ -21,7 +21,7 @@ from .training.local import OPTIMIZERS, SCHEDULES, TrainConfig
 from .adapters.lora import SCALING_RULES
 
 WEIGHTINGS = ("num_examples", "uniform")
-TASKS = ("text-classification", "matrix-regression")
+TASKS = ("text-classification", "matrix-regression", "causal-lm")
 
 
 class ConfigError(ValueError):
@@ -57,7 +57,7 @@ class TaskSection:
 @dataclass
 class DataSection:
     source: str = "bbc-news"
-    path: str = "../shared/data/agnews"
+    path: str = ""  # folder of the agnews/gsm8k source; "" = ../shared/data/<source>
     train: str = ""
     test: str = ""
     text_column: str = "0"
@@ -66,6 +66,8 @@ class DataSection:
     max_train_examples: int = 0
     max_test_examples: int = 0
     hf_name: str = ""
+    prompt_column: str = "question"
+    response_column: str = "answer"
 
 
 @dataclass

@@ -59,8 +59,9 @@ def plot_comparison(histories: dict[str, list[list[dict[str, Any]]]], out_dir: P
     return written
 
 
-def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] | None = None) -> Path | None:
-    """Stacked bars of each client's label counts."""
+def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] | None = None,
+                          what: str = "label") -> Path | None:
+    """Stacked bars of each client's counts of each value split on (``what``: label, a column, clusters)."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -72,6 +73,7 @@ def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] |
         bottom += hist[:, c]
     ax.set_xlabel("client")
     ax.set_ylabel("examples")
+    ax.set_title(f"split on: {what}", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -30,7 +30,7 @@ import torch
 
 from ..message import Message, Reply, State
 from ..methods import get_method
-from ..partition import format_histograms, label_histograms, partition
+from ..partition import format_histograms, label_histograms, partition_task
 from ..plots import plot_label_histograms
 from ..tasks import Task, build_task
 from ..seeding import numpy_rng
@@ -83,8 +83,7 @@ class Simulation:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.task = task if task is not None else build_task(cfg)
-        self.parts = partition(self.task.num_train, self.task.train_labels, cfg.partition, cfg.run.seed,
-                               self.task.natural_partition)
+        self.parts, self.split = partition_task(self.task, cfg.partition, cfg.run.seed)
         self.method = get_method(cfg.method_name, **cfg.method_options)
         self.model = self.task.build_model()
         self.info = setup_info(cfg, [len(p) for p in self.parts])
@@ -108,13 +107,13 @@ class Simulation:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(self.cfg.to_json())
         report: dict[str, Any] = {"task": self.task.describe(), "client_sizes": [len(p) for p in self.parts]}
-        if self.task.train_labels is not None:
-            hist = label_histograms(self.task.train_labels, self.parts, int(self.task.train_labels.max()) + 1)
-            report["label_histograms"] = hist.tolist()
-            names = getattr(getattr(self.task, "data", None), "label_names", None)
-            plot_label_histograms(hist, self.run_dir / "partition.png", names)
+        if self.split is not None:  # per-client counts of what the partition split on (labels, column, clusters)
+            hist = label_histograms(self.split.values, self.parts, len(self.split.names))
+            report.update(split_on=self.split.what, split_names=self.split.names, label_histograms=hist.tolist())
+            plot_label_histograms(hist, self.run_dir / "partition.png", self.split.names, self.split.what)
             if self.log:
-                self.log("per-client label counts:\n" + format_histograms(hist, names))
+                self.log(f"per-client counts of each {self.split.what}:\n"
+                         + format_histograms(hist, self.split.names))
         (self.run_dir / "partition.json").write_text(json.dumps(report, indent=1))
         for name in ("metrics.jsonl", "ledger.jsonl"):
             (self.run_dir / name).write_text("")

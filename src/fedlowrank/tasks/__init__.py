@@ -17,7 +17,7 @@ def build_task(cfg) -> Task:
         if d.source == "bbc-news":
             data = load_bbc_news(d.test_fraction, cfg.run.seed)
         elif d.source == "agnews":
-            folder = agnews_folder(d.path)
+            folder = agnews_folder(d.path or "../shared/data/agnews")
             data = load_text_files(folder / "train.tsv", folder / "test.tsv")
         elif d.source == "files":
             if not d.train:

@@ -54,6 +54,19 @@ class Task:
         """Metrics on the global test set, e.g. ``{"accuracy": .., "loss": ..}`` (no autograd)."""
         raise NotImplementedError
 
+    def column_values(self, name: str) -> list[str]:
+        """The value of data column ``name`` for every training example (for ``partition.partition_by``)."""
+        raise ValueError(f"partition.partition_by: task {self.name!r} has no data columns to split on")
+
+    def embedding_texts(self) -> list[str]:
+        """The text of every training example (for ``partition.kind = "clusters"``)."""
+        raise ValueError(f"partition.kind = 'clusters': task {self.name!r} has no texts to embed")
+
+    def pop_generations(self) -> list[dict[str, Any]]:
+        """Examples of what the model produced in the last :meth:`evaluate` (e.g. prompt, reference, output),
+        handed over once; the runtime writes them to the run directory. Default: none."""
+        return []
+
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary for the run directory."""
         return {"name": self.name, "num_train": self.num_train}
