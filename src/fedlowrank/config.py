@@ -17,6 +17,7 @@ from typing import Any
 
 from .partition import PARTITIONS, PartitionConfig
 from .tasks.data import SOURCES
+from .tasks.table import HEADER_MODES
 from .training.local import OPTIMIZERS, SCHEDULES, TrainConfig
 from .adapters.lora import SCALING_RULES
 
@@ -62,6 +63,7 @@ class DataSection:
     test: str = ""
     text_column: str = "0"
     label_column: str = "1"
+    header: str = "auto"
     test_fraction: float = 0.2
     max_train_examples: int = 0
     max_test_examples: int = 0
@@ -131,6 +133,9 @@ class RunConfig:
 _SECTIONS = {f.name: f for f in dataclasses.fields(RunConfig)}
 
 
+_STRING_OR_BOOL = {"data.header"}  # string keys that also take a TOML true/false (stored as "true"/"false")
+
+
 def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     where = f"{section}.{key}"
     if isinstance(default, bool):
@@ -160,6 +165,8 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
             raise ConfigError(f"{where} must be a table, got {value!r}")
         return value
     if isinstance(default, str):
+        if isinstance(value, bool) and where in _STRING_OR_BOOL:
+            return str(value).lower()
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             raise ConfigError(f"{where} must be a string, got {value!r}")
         return str(value)
@@ -214,6 +221,15 @@ def validate(cfg: RunConfig) -> None:
     _need(r.threads >= 0, f"run.threads must be >= 0 (0 = torch default), got {r.threads}")
     _choice("task.kind", cfg.task.kind, TASKS)
     _choice("data.source", cfg.data.source, SOURCES)
+    d = cfg.data
+    _choice("data.header", d.header, HEADER_MODES)
+    _need(0 < d.test_fraction < 1, f"data.test_fraction must be in (0, 1), got {d.test_fraction}")
+    _need(d.max_train_examples >= 0, f"data.max_train_examples must be >= 0 (0 = all), got {d.max_train_examples}")
+    _need(d.max_test_examples >= 0, f"data.max_test_examples must be >= 0 (0 = all), got {d.max_test_examples}")
+    _need(d.text_column != d.label_column,
+          f"data.text_column and data.label_column must differ, both are {d.text_column!r}")
+    _need(d.source != "files" or bool(d.train), "data.train: a file path is required when data.source = 'files'")
+    _need(d.source != "hf" or bool(d.hf_name), "data.hf_name: a dataset name is required when data.source = 'hf'")
     _choice("partition.kind", p.kind, PARTITIONS)
     _need(p.alpha > 0, f"partition.alpha must be > 0, got {p.alpha}")
     _need(p.min_partition_size >= 0, f"partition.min_partition_size must be >= 0, got {p.min_partition_size}")

