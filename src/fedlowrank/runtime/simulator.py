@@ -239,6 +239,10 @@ class Simulation:
         self.history.append(row)
         self._append("metrics.jsonl", [row])
         self._append("ledger.jsonl", ledger_rows)
+        generations = self.task.pop_generations()  # e.g. a causal LM's answers to a few test questions
+        if generations and self.run_dir is not None:
+            (self.run_dir / f"generations-round{self.round}.jsonl").write_text(
+                "".join(json.dumps(g) + "\n" for g in generations))
         self._check_divergence(row)
         if self.run_dir is not None and self.cfg.run.checkpoint_every and (
                 self.round % self.cfg.run.checkpoint_every == 0 or self.round == self.cfg.run.rounds):

@@ -37,6 +37,19 @@ def build_task(cfg) -> Task:
             raise ValueError(f"task.options.{unknown[0]} is not an option of matrix-regression; "
                              f"allowed: {', '.join(sorted(allowed))}")
         return MatrixRegression(**cfg.task.options)
+    if cfg.task.kind == "causal-lm":
+        from .causal_lm import CausalLM
+        from .instructions import load_instructions
+
+        allowed = set(inspect.signature(CausalLM).parameters) - {"data", "model", "max_length", "targets",
+                                                                  "eval_batch_size"}
+        unknown = sorted(set(cfg.task.options) - allowed)
+        if unknown:
+            raise ValueError(f"task.options.{unknown[0]} is not an option of causal-lm; "
+                             f"allowed: {', '.join(sorted(allowed))}")
+        data = load_instructions(cfg.data, cfg.partition.partition_by, cfg.run.seed)
+        return CausalLM(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None,
+                        cfg.task.eval_batch_size, **cfg.task.options)
     raise ValueError(f"task.kind: unknown task {cfg.task.kind!r}")
 
 
