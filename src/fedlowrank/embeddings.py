@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from .models import cache_dir, minilm_path
+
 MODEL = "minilm"
-
-
-def cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/fedlowrank`` or ``~/.cache/fedlowrank``."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "fedlowrank"
 
 
 def texts_key(texts: list[str], max_length: int) -> str:
@@ -35,10 +30,9 @@ def texts_key(texts: list[str], max_length: int) -> str:
 def embed(texts: list[str], max_length: int = 128, batch_size: int = 64) -> np.ndarray:
     """``[N, 384]`` float32 MiniLM embeddings: the last hidden state averaged over each text's tokens
     (padding excluded), L2-normalised. Computed here, without the cache."""
-    from .tasks.text import _load_tokenizer, minilm_path
-    from transformers import AutoModel
+    from transformers import AutoModel, AutoTokenizer
 
-    tok = _load_tokenizer()
+    tok = AutoTokenizer.from_pretrained(minilm_path())
     net = AutoModel.from_pretrained(minilm_path()).eval()
     out = []
     for start in range(0, len(texts), batch_size):
