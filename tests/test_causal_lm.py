@@ -267,3 +267,36 @@ def test_gsm8k_source_reads_the_shared_folder_and_names_a_wrong_path():
     assert task.describe()["num_train"] == 48 and task.data.test_responses[0].split("####")[-1].strip()
     with pytest.raises(FileNotFoundError, match="data.path: 'nowhere' holds no GSM8K"):
         build_task(tiny_lm_config("data.path=nowhere"))
+
+
+# -- Flower ------------------------------------------------------------------------------------------------------
+def test_causal_lm_config_runs_unchanged_in_flower(monkeypatch):
+    """The ``tiny-lm`` config through Flower's Strategy and ClientApp (the loop-back grid of ``test_flower``) gives
+    the simulator's global model, losses and exact matches."""
+    pytest.importorskip("flwr")
+    from flwr.supercore.task_identity import TaskIdentity
+    from test_flower import LoopGrid, assert_same_state
+
+    import fedlowrank.runtime.simulator as simulator
+    from fedlowrank.runtime.flower import client_app
+    from fedlowrank.runtime.flower.settings import load_run_config
+    from fedlowrank.runtime.flower.strategy import MethodStrategy, state_arrays
+
+    for name in ("run_id", "node_id", "task_id"):
+        monkeypatch.setattr(TaskIdentity, f"_{name}", 7)
+    monkeypatch.setattr(simulator, "build_task", lambda cfg: tiny_lm_task())
+    client_app._runs.clear()
+    run_config = {"config": "tiny-lm", "set": "method.name=fedit", "flower.node-timeout": 0.0}
+    cfg, settings = load_run_config(run_config)
+    sim = simulator.Simulation(cfg, task=tiny_lm_task())
+    strategy = MethodStrategy(sim, settings)
+    grid = LoopGrid(run_config, cfg.partition.num_clients)
+    strategy.connect(grid)
+    strategy.start(grid, state_arrays(sim.server), num_rounds=cfg.run.rounds, timeout=1.0,
+                   evaluate_fn=strategy.evaluate)
+    client_app._runs.clear()
+    ref = Simulation(cfg, task=tiny_lm_task())
+    ref.run()
+    assert_same_state(sim.server, ref.server)
+    keys = ("clients", "replied", "train_loss", "loss", "perplexity", "exact_match")
+    assert [{k: r.get(k) for k in keys} for r in sim.history] == [{k: r.get(k) for k in keys} for r in ref.history]

@@ -206,8 +206,8 @@ class CausalLM(Task):
         self.max_new_tokens = max_new_tokens
         self.generation_batch_size = generation_batch_size
         self.write_generations = write_generations
-        self._loaded = load_model(model, "causal-lm")
-        self.tokenizer = self._loaded.tokenizer
+        self.loaded = load_model(model, "causal-lm")
+        self.tokenizer = self.loaded.tokenizer
         tok = self.tokenizer
         self.train = [encode_example(tok, p, r, max_length) for p, r in zip(data.train_prompts, data.train_responses)]
         n_test = len(data.test_prompts)
@@ -224,7 +224,6 @@ class CausalLM(Task):
                              "(GSM8K-style '#### N' or a last number); set eval_generate = 0")
         self.generation_prompts = [prompt_ids(tok, data.test_prompts[i])[-max_length:] for i in self.generate_idx]
         self._generations: list[dict[str, Any]] = []
-        self._pristine: nn.Module | None = None
         self.truncation = {split: {"examples": len(enc), "truncated": sum(e.truncated for e in enc),
                                    "lost_response": sum(e.lost_response for e in enc)}
                            for split, enc in (("train", self.train), ("eval", evals))}
@@ -247,12 +246,11 @@ class CausalLM(Task):
         return self.data.train_prompts
 
     def build_model(self) -> AdaptedModel:
-        if self._pristine is None:
-            self._pristine = self._loaded.net
-        net = copy.deepcopy(self._pristine)
+        """A copy of the loaded model; no head is trained (``lm_head`` and the embeddings stay frozen)."""
+        net = copy.deepcopy(self.loaded.net)
         net.eval()
-        targets = resolve_targets(net, self.targets or default_targets(self._loaded.model_type),
-                                  self._loaded.output_modules)
+        outputs = tuple(f"{m}." for m in self.loaded.output_modules)
+        targets = resolve_targets(net, self.targets or default_targets(self.loaded.model_type), outputs)
         return AdaptedModel(net, targets, [])
 
     def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
@@ -306,7 +304,7 @@ class CausalLM(Task):
         return out
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "model": self.model_name, "source": self._loaded.source,
+        return {"name": self.name, "model": self.model_name, "source": self.loaded.source,
                 "num_train": self.num_train, "num_test": len(self.data.test_prompts),
                 "template": "chat" if uses_chat_template(self.tokenizer) else "plain", "max_length": self.max_length,
                 "truncation": self.truncation, "eval_examples": len(self.eval_idx),
