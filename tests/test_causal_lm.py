@@ -300,3 +300,16 @@ def test_causal_lm_config_runs_unchanged_in_flower(monkeypatch):
     assert_same_state(sim.server, ref.server)
     keys = ("clients", "replied", "train_loss", "loss", "perplexity", "exact_match")
     assert [{k: r.get(k) for k in keys} for r in sim.history] == [{k: r.get(k) for k in keys} for r in ref.history]
+
+
+def test_wrong_source_or_partition_settings_are_named():
+    from fedlowrank.config import ConfigError
+
+    with pytest.raises(ValueError, match="data.source = 'bbc-news' is not instruction data"):
+        build_task(tiny_lm_config("data.source=bbc-news"))
+    with pytest.raises(ValueError, match="use task.kind = 'causal-lm'"):
+        build_task(load_config("tiny", ["data.source=gsm8k"]))
+    with pytest.raises(ConfigError, match="partition.num_clusters must be >= 2"):
+        tiny_lm_config("partition.num_clusters=1")
+    with pytest.raises(ValueError, match="partition.partition_by = 'topic': the data was read without"):
+        tiny_lm_task().column_values("topic")

@@ -232,6 +232,7 @@ def validate(cfg: RunConfig) -> None:
     _need(d.source != "hf" or bool(d.hf_name), "data.hf_name: a dataset name is required when data.source = 'hf'")
     _choice("partition.kind", p.kind, PARTITIONS)
     _need(p.alpha > 0, f"partition.alpha must be > 0, got {p.alpha}")
+    _need(p.kind != "clusters" or p.num_clusters >= 2, f"partition.num_clusters must be >= 2, got {p.num_clusters}")
     _need(p.min_partition_size >= 0, f"partition.min_partition_size must be >= 0, got {p.min_partition_size}")
     _need(lo.rank >= 1, f"lora.rank must be >= 1, got {lo.rank}")
     _need(lo.server_rank >= 0, f"lora.server_rank must be >= 0 (0 = max(lora.ranks)), got {lo.server_rank}")

@@ -15,6 +15,8 @@ def build_task(cfg) -> Task:
         from .text import TextClassification
 
         d = cfg.data
+        if d.source == "gsm8k":
+            raise ValueError("data.source = 'gsm8k' is instruction data (no labels); use task.kind = 'causal-lm'")
         if d.source == "bbc-news":
             data = load_bbc_news(d.test_fraction, cfg.run.seed)
         elif d.source == "agnews":
