@@ -313,3 +313,12 @@ def test_wrong_source_or_partition_settings_are_named():
         tiny_lm_config("partition.num_clusters=1")
     with pytest.raises(ValueError, match="partition.partition_by = 'topic': the data was read without"):
         tiny_lm_task().column_values("topic")
+
+
+def test_compare_reports_held_out_loss_for_causal_lm(tmp_path, capsys):
+    from fedlowrank.cli import main
+
+    assert main(["compare", "tiny-lm", "--methods", "fedit", "--out", str(tmp_path), "--quiet",
+                 "--set", "run.rounds=1"]) == 0
+    assert "| method | final loss | best loss |" in capsys.readouterr().out
+    assert json.loads((tmp_path / "results.json").read_text())["metric"] == "loss"

@@ -135,7 +135,8 @@ def cmd_compare(args) -> int:
         load_config(args.config, method_sets(name))
     out = Path(args.out) if args.out else _run_dir(cfg, "compare")
     out.mkdir(parents=True, exist_ok=True)
-    metric = cfg.run.stop_metric or ("accuracy" if cfg.task.kind == "text-classification" else "rel_error")
+    metric = cfg.run.stop_metric or {"text-classification": "accuracy", "causal-lm": "loss"}.get(cfg.task.kind,
+                                                                                                 "rel_error")
     histories: dict[str, list[list[dict[str, Any]]]] = {}
     rows = []
     tasks: dict[int, Any] = {}
