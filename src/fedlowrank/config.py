@@ -19,6 +19,7 @@ from .partition import PARTITIONS, PartitionConfig
 from .tasks.data import SOURCES
 from .training.local import OPTIMIZERS, SCHEDULES, TrainConfig
 from .adapters.lora import SCALING_RULES
+from .device import DTYPES, check_device_spec
 
 WEIGHTINGS = ("num_examples", "uniform")
 TASKS = ("text-classification", "matrix-regression")
@@ -43,6 +44,7 @@ class RunSection:
     dropout_schedule: list[list[int]] = field(default_factory=list)
     stop_metric: str = ""
     stop_above: float = float("inf")
+    device: str = "auto"
 
 
 @dataclass
@@ -211,6 +213,11 @@ def validate(cfg: RunConfig) -> None:
           f"run.dropout_schedule must be a list of [round, client] pairs, got {r.dropout_schedule}")
     _need(r.threads >= 0, f"run.threads must be >= 0 (0 = torch default), got {r.threads}")
     _choice("task.kind", cfg.task.kind, TASKS)
+    _choice("train.dtype", t.dtype, tuple(DTYPES))
+    try:
+        check_device_spec(r.device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     _choice("data.source", cfg.data.source, SOURCES)
     _choice("partition.kind", p.kind, PARTITIONS)
     _need(p.alpha > 0, f"partition.alpha must be > 0, got {p.alpha}")
