@@ -20,6 +20,7 @@ from .tasks.data import SOURCES
 from .tasks.table import HEADER_MODES
 from .training.local import OPTIMIZERS, SCHEDULES, TrainConfig
 from .adapters.lora import SCALING_RULES
+from .device import DTYPES, check_device_spec
 
 WEIGHTINGS = ("num_examples", "uniform")
 TASKS = ("text-classification", "matrix-regression", "causal-lm")
@@ -44,6 +45,7 @@ class RunSection:
     dropout_schedule: list[list[int]] = field(default_factory=list)
     stop_metric: str = ""
     stop_above: float = float("inf")
+    device: str = "auto"
 
 
 @dataclass
@@ -220,6 +222,11 @@ def validate(cfg: RunConfig) -> None:
           f"run.dropout_schedule must be a list of [round, client] pairs, got {r.dropout_schedule}")
     _need(r.threads >= 0, f"run.threads must be >= 0 (0 = torch default), got {r.threads}")
     _choice("task.kind", cfg.task.kind, TASKS)
+    _choice("train.dtype", t.dtype, tuple(DTYPES))
+    try:
+        check_device_spec(r.device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     _choice("data.source", cfg.data.source, SOURCES)
     d = cfg.data
     _choice("data.header", d.header, HEADER_MODES)

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..adapters.model import AdaptedModel
 from ..adapters.targets import default_targets, resolve_targets
+from ..device import module_device, to_device
 from ..models import load_model
 from .base import Task
 from .data import TextData
@@ -95,13 +96,14 @@ class TextClassification(Task):
     def evaluate(self, net: nn.Module) -> dict[str, float]:
         net.eval()
         correct, total_loss, n = 0, 0.0, len(self.data.test_texts)
-        labels = self.test_labels
+        device = module_device(net)
         for start in range(0, n, self.eval_batch_size):
             sl = slice(start, start + self.eval_batch_size)
-            ids, mask = self._trim(self.test_ids[sl], self.test_mask[sl])
+            ids, mask = to_device(self._trim(self.test_ids[sl], self.test_mask[sl]), device)
+            labels = self.test_labels[sl].to(device)
             logits = net(input_ids=ids, attention_mask=mask).logits
-            total_loss += float(F.cross_entropy(logits, labels[sl], reduction="sum"))
-            correct += int((logits.argmax(-1) == labels[sl]).sum())
+            total_loss += float(F.cross_entropy(logits, labels, reduction="sum"))
+            correct += int((logits.argmax(-1) == labels).sum())
         return {"accuracy": correct / n, "loss": total_loss / n}
 
     def describe(self) -> dict[str, Any]:
