@@ -29,6 +29,7 @@ from torch import nn
 
 from ..adapters.model import AdaptedModel
 from ..adapters.targets import default_targets, resolve_targets
+from ..device import module_device
 from ..seeding import numpy_rng
 from .base import Task
 from .instructions import InstructionData
@@ -139,10 +140,6 @@ def response_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
     return nll, int((target != IGNORE).sum())
 
 
-def _device(net: nn.Module) -> torch.device:
-    return next(net.parameters()).device
-
-
 @torch.no_grad()
 def generate(net: nn.Module, tokenizer, prompts: list[list[int]], max_new_tokens: int,
              batch_size: int = 8) -> list[list[int]]:
@@ -153,7 +150,7 @@ def generate(net: nn.Module, tokenizer, prompts: list[list[int]], max_new_tokens
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
         ids, mask = left_pad(prompts[start:start + batch_size], pad)
-        dev = _device(net)
+        dev = module_device(net)
         seq = net.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new_tokens,
                            do_sample=False, use_cache=True, eos_token_id=eos, pad_token_id=pad,
                            temperature=None, top_p=None, top_k=None)
@@ -257,7 +254,7 @@ class CausalLM(Task):
         return collate([self.train[int(i)] for i in indices], self.tokenizer.pad_token_id)
 
     def _forward(self, net: nn.Module, batch: dict[str, torch.Tensor], **kwargs):
-        dev = _device(net)
+        dev = module_device(net)
         return net(input_ids=batch["input_ids"].to(dev), attention_mask=batch["attention_mask"].to(dev), **kwargs)
 
     def loss(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
