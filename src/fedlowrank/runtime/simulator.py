@@ -276,7 +276,8 @@ class Simulation:
         sim.server, sim.store, sim.round = ck.server, ck.clients, ck.round
         sim.history, sim.ledger.rows = ck.history, ck.ledger
         evals = [r for r in ck.history if "accuracy" in r or "loss" in r]
-        sim.last_eval = {k: v for k, v in evals[-1].items() if k in ("accuracy", "loss")} if evals else {}
+        metric_keys = ("accuracy", "loss", "perplexity", "exact_match")
+        sim.last_eval = {k: v for k, v in evals[-1].items() if k in metric_keys} if evals else {}
         return sim
 
     @classmethod
