@@ -322,3 +322,13 @@ def test_compare_reports_held_out_loss_for_causal_lm(tmp_path, capsys):
                  "--set", "run.rounds=1"]) == 0
     assert "| method | final loss | best loss |" in capsys.readouterr().out
     assert json.loads((tmp_path / "results.json").read_text())["metric"] == "loss"
+
+
+def test_bundled_gsm8k_config_is_valid_and_its_options_are_the_task_s():
+    import inspect
+
+    cfg = load_config("gsm8k")
+    assert (cfg.task.kind, cfg.task.model, cfg.data.source, cfg.partition.kind) == \
+        ("causal-lm", "smollm2-135m", "gsm8k", "clusters")
+    assert set(cfg.task.options) <= set(inspect.signature(CausalLM).parameters)
+    assert {"ilora", "florg", "fedgalore", "fedit"} <= set(cfg.compare.methods)
