@@ -21,6 +21,7 @@ from .tasks.table import HEADER_MODES
 from .tracking import TRACKERS
 from .training.local import OPTIMIZERS, SCHEDULES, TrainConfig
 from .adapters.lora import SCALING_RULES
+from .device import DTYPES, check_device_spec
 
 WEIGHTINGS = ("num_examples", "uniform")
 TASKS = ("text-classification", "matrix-regression")
@@ -46,6 +47,7 @@ class RunSection:
     stop_metric: str = ""
     stop_above: float = float("inf")
     tracking: str = ""
+    device: str = "auto"
 
 
 @dataclass
@@ -224,6 +226,11 @@ def validate(cfg: RunConfig) -> None:
     _need(r.tracking in ("", *TRACKERS),
           f"run.tracking must be one of \"\" (off), {', '.join(TRACKERS)}; got {r.tracking!r}")
     _choice("task.kind", cfg.task.kind, TASKS)
+    _choice("train.dtype", t.dtype, tuple(DTYPES))
+    try:
+        check_device_spec(r.device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     _choice("data.source", cfg.data.source, SOURCES)
     d = cfg.data
     _choice("data.header", d.header, HEADER_MODES)

@@ -45,6 +45,7 @@ def load_global_simulation(run_dir: str | Path, task=None):
 
     sim = Simulation.from_checkpoint(run_dir, task)
     sim.method.load_global(sim.model, sim.server)
+    sim.model.cpu()  # export works on the CPU beside the pristine backbone, whatever run.device was
     return sim
 
 

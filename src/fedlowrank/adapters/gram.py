@@ -88,10 +88,11 @@ class GramLinear(AdaptedLinear):
             raise ValueError(f"lora.rank must be in [1, {k}] for a Gram adapter, got {rank}")
         self.scale = float(scale)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.register_buffer("L", L.detach().clone(), persistent=False)
-        self.register_buffer("R", R.detach().clone(), persistent=False)
-        self.register_buffer("A_ref", None if A_ref is None else A_ref.detach().clone(), persistent=False)
-        self.gram_A = nn.Parameter(torch.zeros(rank, k, dtype=base.weight.dtype))
+        device = base.weight.device
+        self.register_buffer("L", L.detach().to(device, copy=True), persistent=False)
+        self.register_buffer("R", R.detach().to(device, copy=True), persistent=False)
+        self.register_buffer("A_ref", None if A_ref is None else A_ref.detach().to(device, copy=True), persistent=False)
+        self.gram_A = nn.Parameter(torch.zeros(rank, k, dtype=base.weight.dtype, device=base.weight.device))
 
     @property
     def k(self) -> int:

@@ -48,9 +48,9 @@ class LoRALinear(AdaptedLinear):
         self.alpha = float(alpha)
         self.scaling_rule = scaling
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        dtype = base.weight.dtype
-        self.lora_A = nn.Parameter(torch.zeros(rank, base.in_features, dtype=dtype))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=dtype))
+        like = dict(dtype=base.weight.dtype, device=base.weight.device)
+        self.lora_A = nn.Parameter(torch.zeros(rank, base.in_features, **like))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, **like))
         self.scale = lora_scale(self.alpha, rank, scaling)
 
     @property
@@ -63,10 +63,10 @@ class LoRALinear(AdaptedLinear):
         if A.shape != (r, self.in_features) or B.shape != (self.out_features, r):
             raise ValueError(f"LoRA factors of shapes A{tuple(A.shape)}, B{tuple(B.shape)} do not fit a "
                              f"[{self.out_features}, {self.in_features}] layer")
-        dtype = self.base.weight.dtype
+        like = dict(dtype=self.base.weight.dtype, device=self.base.weight.device)
         if r != self.rank:
-            self.lora_A = nn.Parameter(torch.empty(r, self.in_features, dtype=dtype))
-            self.lora_B = nn.Parameter(torch.empty(self.out_features, r, dtype=dtype))
+            self.lora_A = nn.Parameter(torch.empty(r, self.in_features, **like))
+            self.lora_B = nn.Parameter(torch.empty(self.out_features, r, **like))
             self.scale = lora_scale(self.alpha, r, self.scaling_rule)
         with torch.no_grad():
             self.lora_A.copy_(A)

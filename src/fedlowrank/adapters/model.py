@@ -20,7 +20,8 @@ class AdaptedLinear(nn.Module):
 
     Attributes:
         base: the original linear, ``weight: [out, in]`` frozen.
-        base_delta: ``[out, in]`` buffer or ``None`` (= zero), part of the frozen weight the server owns.
+        base_delta: ``[out, in]`` non-persistent buffer (moves with the module) or ``None`` (= zero), part of
+            the frozen weight the server owns.
     """
 
     def __init__(self, base: nn.Linear):
@@ -29,7 +30,7 @@ class AdaptedLinear(nn.Module):
         base.weight.requires_grad_(False)
         if base.bias is not None:
             base.bias.requires_grad_(False)
-        self.base_delta: torch.Tensor | None = None
+        self.register_buffer("base_delta", None, persistent=False)
 
     @property
     def out_features(self) -> int:
@@ -47,7 +48,13 @@ class AdaptedLinear(nn.Module):
     def set_base_delta(self, delta: torch.Tensor | None) -> None:
         if delta is not None and tuple(delta.shape) != tuple(self.base.weight.shape):
             raise ValueError(f"base_delta shape {tuple(delta.shape)} != weight shape {tuple(self.base.weight.shape)}")
-        self.base_delta = None if delta is None else delta.detach().to(self.base.weight.dtype)
+        w = self.base.weight
+        self.base_delta = None if delta is None else delta.detach().to(device=w.device, dtype=w.dtype)
+
+    def set_frozen_weight(self, weight: torch.Tensor) -> None:
+        """Make the frozen weight ``weight`` ``[out, in]`` (on any device): ``base_delta = weight − W0``."""
+        w = self.base.weight
+        self.set_base_delta(weight.to(w.device) - w.detach())
 
     def adapter_delta(self) -> torch.Tensor:
         """Dense ``[out, in]`` update of the trainable path (for export and tests; not used in forward)."""

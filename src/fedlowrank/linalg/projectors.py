@@ -41,7 +41,7 @@ def randomized_range(X: torch.Tensor, k: int, niter: int, generator: torch.Gener
 
     Gaussian test matrix from ``generator``, ``niter`` power iterations with QR re-orthonormalisation.
     """
-    Z = torch.randn(X.shape[1], k, generator=generator, dtype=X.dtype)
+    Z = torch.randn(X.shape[1], k, generator=generator, dtype=X.dtype).to(X.device)  # drawn on the generator's CPU
     Y, _ = torch.linalg.qr(X @ Z)
     for _ in range(niter):
         Y, _ = torch.linalg.qr(X.T @ Y)

@@ -208,6 +208,12 @@ def head_tensors(model: AdaptedModel) -> dict[str, torch.Tensor]:
     return {f"head/{n}": p.detach().clone() for n, p in model.head_parameters().items()}
 
 
+def on_host(t: torch.Tensor) -> torch.Tensor:
+    """A detached CPU copy of a model tensor, to combine with message or state tensors (which live on the CPU
+    while the model may be on an accelerator; see :mod:`fedlowrank.device`)."""
+    return t.detach().to("cpu", copy=True)
+
+
 def load_head(model: AdaptedModel, msg: Message) -> None:
     with torch.no_grad():
         for n, p in model.head_parameters().items():
@@ -334,4 +340,4 @@ class LoRAMethod(Method):
         self.load_message(model, Message(server))
 
 
-__all__ = ["Method", "LoRAMethod", "SetupInfo", "weighted_sum", "head_tensors", "load_head"]
+__all__ = ["Method", "LoRAMethod", "SetupInfo", "weighted_sum", "head_tensors", "load_head", "on_host"]

@@ -22,7 +22,7 @@ from ..adapters.lora import attach_lora, lora_modules, lora_scale
 from ..adapters.model import AdaptedModel
 from ..message import Message, State
 from . import register
-from .base import LoRAMethod, SetupInfo, head_tensors, load_head
+from .base import LoRAMethod, SetupInfo, head_tensors, load_head, on_host
 
 
 def pissa_factors(W0: torch.Tensor, rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +72,7 @@ class FRLoRA(LoRAMethod):
         """PiSSA factors of ``W₀`` (computed once in :meth:`setup`) and base delta ``R_g − s B₀A₀``; the head."""
         for name, mod in lora_modules(model).items():
             mod.set_factors(*self._pissa[name])
-            mod.set_base_delta(msg[f"{name}.residual"] - mod.adapter_delta().detach())
+            mod.set_base_delta(msg[f"{name}.residual"] - on_host(mod.adapter_delta()))
         load_head(model, msg)
 
     def load_global(self, model: AdaptedModel, server: State) -> None:

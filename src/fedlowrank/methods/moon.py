@@ -60,7 +60,7 @@ class ModelContrastive(ClientCorrection):
 
     def start(self, msg: Message, state: State, params: dict[str, nn.Parameter]) -> None:
         self._global = {k: p.detach().clone() for k, p in params.items()}
-        self._prev = {k: state.get(self.prefix_prev + k, self._global[k]) for k in params}
+        self._prev = {k: state.get(self.prefix_prev + k, self._global[k]).to(p.device) for k, p in params.items()}
 
     def _reference(self, tensors: dict[str, torch.Tensor], params: dict[str, nn.Parameter], net: nn.Module,
                    batch, task) -> torch.Tensor:

@@ -55,7 +55,7 @@ from ..message import Message, Reply, State
 from ..seeding import torch_generator
 from ..training.corrections import ClientCorrection
 from . import register
-from .base import Method, SetupInfo, head_tensors, load_head
+from .base import Method, SetupInfo, head_tensors, load_head, on_host
 
 CONTROL_UPDATES = ("scaffold", "sample_mean")
 CONTROLS = ("full", "none")
@@ -168,13 +168,13 @@ class SubspaceLinear(AdaptedLinear):
 
     def __init__(self, base: nn.Linear, rank: int):
         super().__init__(base)
-        dtype = base.weight.dtype
-        self.register_buffer("proj", torch.zeros(rank, base.in_features, dtype=dtype))
-        self.coef = nn.Parameter(torch.zeros(base.out_features, rank, dtype=dtype))
+        like = dict(dtype=base.weight.dtype, device=base.weight.device)
+        self.register_buffer("proj", torch.zeros(rank, base.in_features, **like))
+        self.coef = nn.Parameter(torch.zeros(base.out_features, rank, **like))
 
     def reset(self, proj: torch.Tensor) -> None:
         """Start a round in the subspace of ``proj [r, in]``: ``Y = 0``."""
-        self.proj = proj.to(self.base.weight.dtype)
+        self.proj = proj.to(device=self.base.weight.device, dtype=self.base.weight.dtype)
         with torch.no_grad():
             self.coef.zero_()
 
@@ -375,7 +375,7 @@ class SubspaceMethod(Method):
     def load_global(self, model: AdaptedModel, server: State) -> None:
         proj = self.projectors(0)
         for n, mod in model.adapters().items():
-            mod.set_base_delta(server[f"w/{n}"] - mod.base.weight)
+            mod.set_frozen_weight(server[f"w/{n}"])
             mod.reset(proj[n])
         load_head(model, Message({k: server[f"w/{k}"] for k in self._keys if k not in self._layers}))
 
@@ -390,7 +390,7 @@ class SubspaceMethod(Method):
         state = self.catch_up(model, msg, state)
         params: dict[str, nn.Parameter] = {}
         for n, mod in model.adapters().items():
-            mod.set_base_delta(state[f"w/{n}"] - mod.base.weight)
+            mod.set_frozen_weight(state[f"w/{n}"])
             mod.reset(proj[n])
             params[n] = mod.coef
         load_head(model, Message({k: msg[f"w/{k}"] for k in self._keys if k not in self._layers}))
@@ -398,7 +398,8 @@ class SubspaceMethod(Method):
         start = {k: p.detach().clone() for k, p in params.items() if k not in self._layers}
         model.set_trainable(params)
         sent = {k[5:]: v for k, v in msg.items() if k.startswith("corr/")}
-        control = _CorrectedGradient(self.corrections(sent, trainer.num_steps, trainer.lr))
+        corr = self.corrections(sent, trainer.num_steps, trainer.lr)
+        control = _CorrectedGradient({k: c.to(params[k].device) for k, c in corr.items()})
         result = trainer.fit(model, params, corrections=[control])
         reply = Message({f"dy/{k}": (p.detach() - start[k] if k in start else p.detach().clone())
                          for k, p in params.items()})
@@ -420,7 +421,7 @@ class SubspaceMethod(Method):
             if synced < first:
                 raise ValueError(f"method {self.name!r}: the client's model copy is at version {synced} but the "
                                  f"increments start at version {first}")
-            w = state[f"w/{n}"] if f"w/{n}" in state else model.base_linear(n).weight.detach().clone()
+            w = state[f"w/{n}"] if f"w/{n}" in state else on_host(model.base_linear(n).weight)
             for v in range(synced, to):
                 w = w + lift(msg[f"sync/{n}/{v}"], self.projectors(msg["sync.epochs"][v - first])[n])
             new[f"w/{n}"] = w

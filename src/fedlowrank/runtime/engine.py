@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..adapters.model import AdaptedModel
+from ..device import to_host
 from ..message import Message, State
 from ..methods.base import Method, SetupInfo
 from ..seeding import numpy_rng
@@ -50,13 +51,14 @@ def client_update(method: Method, model: AdaptedModel, msg: Message, state: Stat
     """Run one client's round on ``model`` and return (reply, new client state, the trainer used);
     ``on_step(step, total)`` is the trainer's progress hook.
 
-    Every adapter's base delta is cleared first: whatever the client needs must come in ``msg``.
+    Every adapter's base delta is cleared first: whatever the client needs must come in ``msg``. The reply and
+    the new state come back on the CPU, whatever device the model is on.
     """
     for mod in model.adapters().values():
         mod.set_base_delta(None)
     trainer = LocalTrainer(task, indices, cfg.train, client, rnd, cfg.run.rounds, cfg.run.seed, on_step=on_step)
     reply, new_state = method.train(model, msg, state, trainer)
-    return reply, new_state, trainer
+    return to_host(reply), to_host(new_state), trainer
 
 
 def check_reply(method: Method, down: Message, reply: Message, rnd: int, client_size: int | None = None) -> str | None:

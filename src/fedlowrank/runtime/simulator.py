@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from ..device import check_dtype, resolve_device
 from ..message import Message, Reply, State
 from ..methods import get_method
 from ..partition import format_histograms, label_histograms, partition
@@ -110,6 +111,9 @@ class Simulation:
         if self.info.heterogeneous_ranks and not self.method.supports_heterogeneous_ranks:
             raise ValueError(f"lora.ranks: method {self.method.name!r} does not support heterogeneous ranks")
         self.server: State = self.method.setup(self.model, self.info)
+        self.device = resolve_device(cfg.run.device)
+        check_dtype(cfg.train.dtype, self.device)
+        self.model.to(self.device)  # after setup: the method derives its server state on the CPU
         self.store: dict[int, State] = {}
         self.ledger = Ledger()
         self.history: list[dict[str, Any]] = []

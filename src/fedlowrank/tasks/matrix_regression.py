@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..adapters.model import AdaptedModel
+from ..device import module_device
 from .base import Task
 
 TARGET = "linear"
@@ -103,8 +104,9 @@ class MatrixRegression(Task):
     def loss(self, net: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         """``1/(2b)·‖A_b X − B_b‖² + λ/2·‖X‖²``; X is read through the net (``net(I_d) = X``), so any adapter works."""
         d, b = self.A.shape[1], len(batch)
-        out = net(torch.cat([self.A[batch], torch.eye(d, dtype=self.dtype)]))
-        return 0.5 * ((out[:b] - self.B[batch]) ** 2).sum() / b + 0.5 * self.ridge * (out[b:] ** 2).sum()
+        rows, device = batch.to(self.A.device), module_device(net)
+        out = net(torch.cat([self.A[rows], torch.eye(d, dtype=self.dtype)]).to(device))
+        return 0.5 * ((out[:b] - self.B[rows].to(device)) ** 2).sum() / b + 0.5 * self.ridge * (out[b:] ** 2).sum()
 
     def batched_grad(self, weights: dict[str, torch.Tensor], batches: torch.Tensor) -> dict[str, torch.Tensor]:
         """Minibatch gradients of S clients at once: ``W [S, m, d]``, ``batches [S, b]`` → ``∇_W [S, m, d]``.
@@ -119,7 +121,8 @@ class MatrixRegression(Task):
     def weight(self, net: nn.Module) -> torch.Tensor:
         """The model's X ``[d, m]`` (float64), read as ``net(I_d)`` whatever adapter is attached."""
         with torch.no_grad():
-            return net(torch.eye(self.A.shape[1], dtype=self.dtype)).to(torch.float64)
+            eye = torch.eye(self.A.shape[1], dtype=self.dtype, device=module_device(net))
+            return net(eye).to(device="cpu", dtype=torch.float64)
 
     def objective(self, x: torch.Tensor) -> float:
         """F(X) for ``X [d, m]``."""

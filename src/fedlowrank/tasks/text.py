@@ -17,6 +17,7 @@ from torch import nn
 
 from ..adapters.model import AdaptedModel
 from ..adapters.targets import default_targets, resolve_targets
+from ..device import module_device, to_device
 from ..models import load_model
 from .base import Task
 from .data import TextData
@@ -107,12 +108,14 @@ class TextClassification(Task):
         """Accuracy and mean cross-entropy on ``[n, L]`` token ids/masks with ``[n]`` labels (length-sorted)."""
         net.eval()
         correct, total_loss, n = 0, 0.0, len(labels)
+        device = module_device(net)
         for start in range(0, n, self.eval_batch_size):
             sl = slice(start, start + self.eval_batch_size)
-            ids, mask = self._trim(all_ids[sl], all_mask[sl])
+            ids, mask = to_device(self._trim(all_ids[sl], all_mask[sl]), device)
+            batch_labels = labels[sl].to(device)
             logits = net(input_ids=ids, attention_mask=mask).logits
-            total_loss += float(F.cross_entropy(logits, labels[sl], reduction="sum"))
-            correct += int((logits.argmax(-1) == labels[sl]).sum())
+            total_loss += float(F.cross_entropy(logits, batch_labels, reduction="sum"))
+            correct += int((logits.argmax(-1) == batch_labels).sum())
         return {"accuracy": correct / n, "loss": total_loss / n}
 
     def describe(self) -> dict[str, Any]:

@@ -110,8 +110,8 @@ class Scaffold(ClientCorrection):
         return {k: v for k, v in server.items() if k.startswith(self.prefix_c)}
 
     def start(self, msg: Message, state: State, params: dict[str, nn.Parameter]) -> None:
-        self._c = {k: msg[self.prefix_c + k] for k in params}
-        self._ci = {k: state.get(self.prefix_ci + k, torch.zeros_like(p)) for k, p in params.items()}
+        self._c = {k: msg[self.prefix_c + k].to(p.device) for k, p in params.items()}
+        self._ci = {k: state.get(self.prefix_ci + k, torch.zeros_like(p)).to(p.device) for k, p in params.items()}
         self._x = {k: p.detach().clone() for k, p in params.items()}
         self._raw = {k: torch.zeros_like(p) for k, p in params.items()}
         self._steps = 0

@@ -110,10 +110,10 @@ class GaLore(torch.optim.Optimizer):
         Negative entries are clamped when ``clamp_v``.
         """
         group = self._group_of(p)
-        v = exp_avg_sq.to(p.dtype).clone()
+        v = exp_avg_sq.to(device=p.device, dtype=p.dtype, copy=True)
         if group["clamp_v"] and not refresh_at_start:
             v.clamp_(min=0)
-        self.state[p] = {"step": 0, "Q": Q.to(p.dtype).clone(), "basis": LOADED, "exp_avg": torch.zeros_like(v),
+        self.state[p] = {"step": 0, "Q": Q.to(device=p.device, dtype=p.dtype, copy=True), "basis": LOADED, "exp_avg": torch.zeros_like(v),
                          "exp_avg_sq": v, "warm": warm, "skip_first_refresh": not refresh_at_start,
                          "clamped": 0, "reprojected": 0}
 
@@ -140,7 +140,7 @@ class GaLore(torch.optim.Optimizer):
             if group["projector"] == "rsvd":
                 return rsvd_basis(G, rank, side, torch_generator(group["seed"], "galore-rsvd", block, j))
             return svd_basis(G, rank, side)
-        return seeded_basis(group["seed"], block, j, dim, rank, G.dtype)
+        return seeded_basis(group["seed"], block, j, dim, rank, G.dtype).to(G.device)
 
     def _refresh(self, group: dict, block: int, p: torch.Tensor, G: torch.Tensor, st: dict) -> None:
         t, tau = st["step"], int(group["tau"])
@@ -204,7 +204,7 @@ class GaLore(torch.optim.Optimizer):
         st["decay"] = st.get("decay", 1.0) * decay
         segments = st.setdefault("segments", [])
         if not segments or segments[-1]["basis"] != st["basis"] or segments[-1]["Q"] is not st["Q"]:
-            segments.append({"basis": st["basis"], "Q": st["Q"], "C": torch.zeros(d.shape, dtype=torch.float64)})
+            segments.append({"basis": st["basis"], "Q": st["Q"], "C": torch.zeros(d.shape, dtype=torch.float64, device=d.device)})
         segments[-1]["C"].add_(d.to(torch.float64), alpha=coef / st["decay"])
 
     def block_segments(self, p: torch.Tensor) -> tuple[float, list[dict[str, Any]]]:

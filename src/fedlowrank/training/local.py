@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..device import autocast, grad_scaler, module_device, to_device
 from ..seeding import derive_seed, numpy_rng
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -39,6 +40,8 @@ class TrainConfig:
             average (Σ(c − cᵢ) = 0); clipping it per client would break that and make option II's
             ``(x − yᵢ)/(Kη)`` differ from the mean of the gradients it estimates.
         warmup_rounds: linear warm-up of the learning rate over the first rounds.
+        dtype: ``fp32``, ``bf16`` or ``fp16``: autocast of the forward pass (trainable parameters and optimizer
+            state stay fp32; fp16 adds CUDA's gradient scaler). See :mod:`fedlowrank.device`.
     """
 
     local_steps: int = 5
@@ -54,6 +57,7 @@ class TrainConfig:
     max_grad_norm: float = 0.0
     schedule: str = "constant"
     warmup_rounds: int = 0
+    dtype: str = "fp32"
 
     def lr_at(self, rnd: int, rounds: int, base: float | None = None) -> float:
         """Learning rate in round ``rnd`` (1-based) of ``rounds``."""
@@ -156,26 +160,37 @@ class LocalTrainer:
             opt = make_optimizer(self.cfg, groups)
         net = model.net
         net.train()
+        device = module_device(net)
+        scaler = grad_scaler(device, self.cfg.dtype)
         losses: list[float] = []
         steps = self.num_steps
         batches = self.batches()
         plist = list(params.values())
         t0 = time.perf_counter()
         for step in range(steps):
-            batch = next(batches)
+            batch = to_device(next(batches), device)
             opt.zero_grad(set_to_none=True)
-            loss = self.task.loss(net, batch)
-            total = loss
-            for c in corrections:
-                extra = c.loss(params, net, batch, self.task)
-                if extra is not None:
-                    total = total + extra
-            total.backward()
+            with autocast(device, self.cfg.dtype):
+                loss = self.task.loss(net, batch)
+                total = loss
+                for c in corrections:
+                    extra = c.loss(params, net, batch, self.task)
+                    if extra is not None:
+                        total = total + extra
+            if scaler is None:
+                total.backward()
+            else:
+                scaler.scale(total).backward()
+                scaler.unscale_(opt)  # clipping and corrections see true gradients
             if self.cfg.max_grad_norm > 0:      # clip the gradient of the loss, then correct it (SCAFFOLD)
                 nn.utils.clip_grad_norm_(plist, self.cfg.max_grad_norm)
             for c in corrections:
                 c.grad(params)
-            opt.step()
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
             losses.append(float(loss.detach()))
             if self.on_step is not None:
                 self.on_step(step + 1, steps)

@@ -1,0 +1,106 @@
+"""Where tensors live, in one place.
+
+* The model and the batches live on the run's device (``run.device``: ``auto`` = ``cuda`` when available, else
+  ``cpu``; ``cpu``; ``cuda``; ``cuda:N``). The runtime moves the model there once its method has set it up.
+* Messages, replies, client states, the ledger and the server's linear algebra stay on the CPU (float64 where
+  a method asks for it): the engine brings every reply and new client state back with :func:`to_host`.
+* Anything loaded into the model goes through ``Parameter.copy_`` or an adapter setter, which copy across
+  devices, so a method file never names a device.
+* ``train.dtype`` (``fp32``, ``bf16``, ``fp16``) is autocast around the forward pass (:func:`autocast`); trainable
+  parameters and optimizer state stay fp32. fp16 needs CUDA (its gradient scaler is CUDA's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager
+
+import torch
+from torch import nn
+
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_device_spec(spec: str) -> None:
+    """Syntax of ``run.device`` (no hardware query): ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    index = spec[5:] if spec.startswith("cuda:") else "0"
+    if not (spec in ("auto", "cpu", "cuda") or (spec.startswith("cuda:") and index.isdigit())):
+        raise ValueError(f"run.device must be one of {', '.join(DEVICES)}; got {spec!r}")
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``run.device`` → ``torch.device``; one line naming ``run.device`` when the hardware is not there."""
+    check_device_spec(spec)
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"run.device = {spec!r} but CUDA is not available on this machine (torch "
+                         f"{torch.__version__}); use run.device = 'cpu' or 'auto'")
+    index = int(spec[5:]) if ":" in spec else 0
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"run.device = {spec!r} but this machine has {count} CUDA device(s) "
+                         f"(cuda:0..cuda:{count - 1})")
+    return torch.device("cuda", index)
+
+
+def check_dtype(dtype: str, device: torch.device) -> None:
+    """``train.dtype`` is one of :data:`DTYPES`; fp16 only on CUDA."""
+    if dtype not in DTYPES:
+        raise ValueError(f"train.dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if dtype == "fp16" and device.type != "cuda":
+        raise ValueError(f"train.dtype = 'fp16' needs a CUDA device (run.device resolved to {device}); "
+                         f"use 'bf16' or 'fp32' on the CPU")
+
+
+def autocast(device: torch.device, dtype: str) -> ContextManager:
+    """Mixed precision for a forward pass: nothing at fp32 (bit-identical to no context), else ``torch.autocast``."""
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
+
+
+def grad_scaler(device: torch.device, dtype: str) -> torch.amp.GradScaler | None:
+    """fp16's loss scaler (CUDA); ``None`` for fp32 and bf16."""
+    return torch.amp.GradScaler(device.type) if dtype == "fp16" else None
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """The device of a module's first parameter (CPU for a module without parameters)."""
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Tensors in ``obj`` (a tensor, or dicts/lists/tuples of them; other values kept) on ``device``; a dict
+    keeps its class (``Message``, ``State``)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        out = type(obj)()
+        out.update({k: to_device(v, device) for k, v in obj.items()})
+        return out
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+def to_host(obj: Any) -> Any:
+    """:func:`to_device` to the CPU, detached: where messages and states live."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu")
+    if isinstance(obj, dict):
+        out = type(obj)()
+        out.update({k: to_host(v) for k, v in obj.items()})
+        return out
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(v) for v in obj)
+    return obj
+
+
+__all__ = ["DEVICES", "DTYPES", "autocast", "check_device_spec", "check_dtype", "grad_scaler", "module_device",
+           "resolve_device", "to_device", "to_host"]
