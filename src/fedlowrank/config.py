@@ -83,7 +83,7 @@ class LoRASection:
     alpha: float = 16.0
     scaling: str = "standard"
     dropout: float = 0.0
-    targets: list[str] = field(default_factory=list)
+    targets: list[str] | str = field(default_factory=list)  # peft target_modules: names, "all-linear" or a regex
 
 
 @dataclass
@@ -161,6 +161,8 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
             raise ConfigError(f"{where} must be a list of {len(default)} numbers, got {value!r}")
         return tuple(float(v) for v in value)
     if isinstance(default, list):
+        if where == "lora.targets" and isinstance(value, str):
+            return value  # "all-linear" or a regular expression (peft semantics)
         if not isinstance(value, list):
             raise ConfigError(f"{where} must be a list, got {value!r}")
         return value

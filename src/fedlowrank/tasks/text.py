@@ -30,7 +30,8 @@ class TextClassification(Task):
         model: ``task.model``: ``"minilm"``, ``"tiny-bert"`` (random, for tests), a local Hugging Face model
             folder or a hub id (see :func:`fedlowrank.models.load_model`).
         max_length: tokens per example (truncation).
-        targets: LoRA/adapter target module suffixes; ``None`` = the architecture's default.
+        targets: ``lora.targets`` (peft ``target_modules`` semantics, see :mod:`fedlowrank.adapters.targets`);
+            ``None`` = the architecture's default.
         eval_batch_size: examples per evaluation forward pass.
     """
 
@@ -38,7 +39,7 @@ class TextClassification(Task):
     validation_metric = "accuracy"
 
     def __init__(self, data: TextData, model: str = "minilm", max_length: int = 64,
-                 targets: list[str] | None = None, eval_batch_size: int = 64):
+                 targets: list[str] | str | None = None, eval_batch_size: int = 64):
         if max_length < 2:
             raise ValueError(f"task.max_length must be >= 2, got {max_length}")
         self.data = data
@@ -70,10 +71,10 @@ class TextClassification(Task):
     def build_model(self) -> AdaptedModel:
         net = copy.deepcopy(self.loaded.net)
         net.eval()
-        head_prefixes = tuple(f"{m}." for m in self.loaded.output_modules)
-        targets = resolve_targets(net, self.targets or default_targets(self.loaded.model_type), head_prefixes)
-        head = [n for n, _ in net.named_parameters() if n.startswith(head_prefixes)]
-        return AdaptedModel(net, targets, head)
+        head = tuple(self.loaded.output_modules)  # e.g. ("classifier",): trained and shared, never a target
+        targets = resolve_targets(net, self.targets or default_targets(self.loaded.model_type), head)
+        head_params = [n for n, _ in net.named_parameters() if n.startswith(tuple(f"{m}." for m in head))]
+        return AdaptedModel(net, targets, head_params)
 
     def _trim(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         width = int(mask.sum(1).max())
