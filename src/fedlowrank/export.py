@@ -5,7 +5,10 @@ writes, in ``out_dir``:
 
 * ``format="peft"`` — ``adapter_config.json`` + ``adapter_model.safetensors`` (through PEFT's own
   ``save_pretrained``, so every key carries the ``base_model.model.`` prefix that ``PeftModel.from_pretrained``
-  maps) with the head in ``modules_to_save``. Exact when the run's update is a LoRA (every target a
+  maps) with the head in ``modules_to_save``, ``task_type`` ``CAUSAL_LM`` or ``SEQ_CLS`` and
+  ``base_model_name_or_path`` = the task's portable model id (:attr:`fedlowrank.models.LoadedModel.source`: a
+  bundled name, the user's folder or a hub id; never a path inside the virtual environment). GPT-2's fused
+  ``Conv1D`` targets are written with ``fan_in_fan_out = true``. Exact when the run's update is a LoRA (every target a
   :class:`~fedlowrank.adapters.lora.LoRALinear` without base delta); otherwise ``rank`` is required and the
   total update of each target, ``ΔW = W_eff − W0`` ``[out, in]``, is re-factorised by truncated SVD,
   ``ΔW ≈ s · B A`` with ``B = U_r √(Σ_r/s)``, ``A = √(Σ_r/s) V_rᵀ`` (s from the run's ``lora.alpha`` and
@@ -14,7 +17,9 @@ writes, in ``out_dir``:
 * ``format="merged"`` — the backbone with ``W_eff`` in place of every target weight and the trained head,
   written by transformers' ``save_pretrained`` (loadable with ``AutoModel*.from_pretrained``).
 
-Every export is checked by loading the written files back and evaluating them on the task's test set next to
+Both formats save the model's tokenizer beside the weights; a classification export lists its class names in
+``export.json`` (``id2label``; a merged model also has them in ``config.json``). Every export is checked by
+loading the written files back and evaluating them on the task's test set next to
 the run's global model (``report["check"]``). Nothing in the run directory is modified. ``peft`` and
 ``transformers`` are imported lazily: the core does not need them.
 """
