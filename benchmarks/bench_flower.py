@@ -119,7 +119,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--per-round", type=int, default=5)
-    p.add_argument("--max-train", type=int, default=2000, help="AG News training examples (0 = all 120k)")
+    p.add_argument("--max-train", type=int, default=2000, help="AG News training examples (0 = all 10,001 of train.tsv)")
     p.add_argument("--max-test", type=int, default=1000)
     p.add_argument("--data-path", default="../shared/data/agnews")
     p.add_argument("--client-cpus", type=int, default=1, help="Ray CPUs per ClientApp")

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance  # noqa: E402
+from common import provenance, setup_line  # noqa: E402
 
 from fedlowrank.config import from_dict, load_config  # noqa: E402
 from fedlowrank.methods import available_methods  # noqa: E402
@@ -71,7 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--model", default="minilm", help="task.model (minilm or tiny-bert)")
     p.add_argument("--max-train", type=int, default=4000, help="training examples used (0 = all)")
-    p.add_argument("--max-test", type=int, default=1000)
+    p.add_argument("--max-test", type=int, default=2000, help="test examples evaluated (>= 2,000 for a reproduction)")
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--local-epochs", type=float, default=2.0, help="local epochs (0 = use --local-steps)")
     p.add_argument("--local-steps", type=int, default=20)
@@ -135,6 +135,7 @@ def main(argv=None) -> int:
                     cfg = config(args, source, alpha, method, seed)
                     if seed not in tasks:
                         tasks[seed] = build_task(cfg)
+                        print(setup_line(cfg, tasks[seed]), flush=True)
                     t0 = time.perf_counter()
                     sim = Simulation(cfg, task=tasks[seed])
                     summary = sim.run()

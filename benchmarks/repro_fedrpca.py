@@ -26,7 +26,7 @@ The issue's full grid (many hours of MiniLM training on 2 cores; not run here):
 
 At α = 0.1 a Dirichlet draw over 20 or 50 clients leaves some client with fewer than ``--batch-size`` examples
 unless the data are large: with 2,000 or 4,000 AG News examples no draw in 100 succeeds (seeds 0–2), with
-8,000 only some seeds do at 20 clients and none at 50. Use ``--max-train 0`` (all 120,000) for α = 0.1, as
+8,000 only some seeds do at 20 clients and none at 50. Use ``--max-train 0`` (all 10,001 examples of ``../shared/data/agnews/train.tsv``) for α = 0.1, as
 ``fedlowrank compare agnews`` does; one local epoch then means hundreds of steps per client.
 
 A smoke run (seconds, tiny random BERT, 4 clients, 2 rounds):
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance  # noqa: E402
+from common import provenance, setup_line  # noqa: E402
 
 from fedlowrank.config import load_config  # noqa: E402
 from fedlowrank.runtime.simulator import Simulation  # noqa: E402
@@ -79,7 +79,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--model", default="minilm", help="task.model (minilm or tiny-bert)")
     p.add_argument("--max-train", type=int, default=2000, help="AG News training examples (0 = all)")
-    p.add_argument("--max-test", type=int, default=1000)
+    p.add_argument("--max-test", type=int, default=2000, help="test examples evaluated (>= 2,000 for a reproduction)")
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--local-epochs", type=float, default=1.0)
     p.add_argument("--batch-size", type=int, default=16)
@@ -177,6 +177,7 @@ def main(argv=None) -> int:
                     cfg = config(args, method, clients, alpha, seed)
                     if seed not in tasks:
                         tasks[seed] = build_task(cfg)
+                        print(setup_line(cfg, tasks[seed]), flush=True)
                     t0 = time.perf_counter()
                     sim = Simulation(cfg, task=tasks[seed])
                     summary = sim.run()

@@ -42,7 +42,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance  # noqa: E402
+from common import provenance, setup_line  # noqa: E402
 
 from fedlowrank.config import load_config  # noqa: E402
 from fedlowrank.linalg.lowrank import factored_basis, normalize_qr_signs, stack_factors  # noqa: E402
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-alpha", type=float, default=16.0)
     ap.add_argument("--lora-dropout", type=float, default=0.1)
     ap.add_argument("--max-train", type=int, default=3000, help="training examples kept (0 = all)")
-    ap.add_argument("--max-test", type=int, default=1000)
+    ap.add_argument("--max-test", type=int, default=2000, help="test examples evaluated (>= 2,000 for a reproduction)")
     ap.add_argument("--model", default="minilm")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--set", action="append", default=[], help="extra config overrides section.key=value")
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                         key = (dataset, seed)
                         if key not in tasks:
                             tasks[key] = build_task(cfg)
+                            print(setup_line(cfg, tasks[key]), flush=True)
                         t0 = time.perf_counter()
                         sim = Simulation(cfg, task=tasks[key])
                         sim.run()

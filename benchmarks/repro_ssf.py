@@ -18,7 +18,7 @@ A reduced run, e.g. Table 2 at het 0.1/0.5 with T = 5,000 and one seed:
 
 Network part (many MiniLM rounds; not CPU-cheap):
 
-    .venv/bin/python benchmarks/repro_ssf.py --network --network-config main --network-rounds 50
+    .venv/bin/python benchmarks/repro_ssf.py --network --network-rounds 50
 """
 
 from __future__ import annotations
@@ -258,7 +258,8 @@ def main() -> None:
     ap.add_argument("--plots", action="store_true")
     ap.add_argument("--out", default="bench_out/ssf")
     ap.add_argument("--network", action="store_true", help="run the network comparison instead of the toy")
-    ap.add_argument("--network-config", default="main")
+    ap.add_argument("--network-config", default="agnews",
+                    help="AG News, 2,000 test examples (the bundled agnews config)")
     ap.add_argument("--network-rounds", type=int, default=50)
     ap.add_argument("--network-lr", type=float, default=0.05)
     ap.add_argument("--network-alpha", type=float, default=0.1)

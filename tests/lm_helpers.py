@@ -44,8 +44,8 @@ class RandomTokensLM(Task):
         import copy
 
         net = copy.deepcopy(self.loaded.net).eval()
-        exclude = tuple(f"{m}." for m in self.loaded.output_modules)
-        names = resolve_targets(net, self.targets or default_targets(self.loaded.model_type), exclude)
+        names = resolve_targets(net, self.targets or default_targets(self.loaded.model_type),
+                                self.loaded.output_modules)
         return AdaptedModel(net, names, [])
 
     def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:

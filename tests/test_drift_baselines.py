@@ -295,6 +295,32 @@ def test_scaffold_mean_gradient_refresh_is_option_two_under_plain_sgd():
                 torch.testing.assert_close(states_m[k][key], states_l[k][key], atol=1e-5, rtol=1e-4)
 
 
+def test_scaffold_with_clipping_clips_the_raw_gradient_and_mean_stays_option_two():
+    """With ``max_grad_norm`` on, the step is ``clip(g) + c − cᵢ`` (the correction is not clipped), so the mean of
+    the clipped gradients is still exactly option II under plain SGD (before the fix the corrected gradient was
+    clipped and the two refreshes diverged)."""
+    cfg = TrainConfig(local_steps=3, batch_size=8, optimizer="sgd", lr=0.2, momentum=0.0, max_grad_norm=0.2)
+    _, mean = run(get_method("scaffold", cv_grad="mean"), rounds=3, num_clients=3, per_round=2, cfg=cfg)
+    _, literal = run(get_method("scaffold", cv_grad="option2"), rounds=3, num_clients=3, per_round=2, cfg=cfg)
+    assert max(float(v.abs().max()) for k, v in mean[-1][3].items() if k.startswith("scaffold.c/")) > 1e-2
+    for (_, _, _, server_m, states_m), (_, _, _, server_l, states_l) in zip(mean, literal):
+        for key in server_m:                   # before the fix the controls differed by up to 0.27 here
+            torch.testing.assert_close(server_m[key], server_l[key], atol=1e-6, rtol=1e-4)
+        for k in states_m:
+            for key in states_m[k]:
+                torch.testing.assert_close(states_m[k][key], states_l[k][key], atol=1e-6, rtol=1e-4)
+    # one step: yᵢ = x − η·clip(gᵢ) in round 1 (c = cᵢ = 0), and the clipping is active
+    one_step = TrainConfig(local_steps=1, batch_size=8, optimizer="sgd", lr=0.2, max_grad_norm=0.05)
+    _, history = run(get_method("scaffold"), rounds=1, num_clients=3, per_round=2, cfg=one_step)
+    chosen, down, replies, _, _ = history[0]
+    grads = local_gradients(get_method("scaffold"), down[0], chosen[0], 1, one_step, 1, 3)
+    norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+    assert norm > 2 * one_step.max_grad_norm
+    for key, g in grads.items():
+        expected = down[0][key] - one_step.lr * g * one_step.max_grad_norm / norm
+        torch.testing.assert_close(replies[0].message[key], expected, atol=1e-6, rtol=1e-5)
+
+
 def test_scaffold_under_adam_keeps_control_variates_on_the_gradient_scale():
     """One Adam step moves every coordinate by ≈ η·sign(g): option II's (x − y)/η is ≈ sign(g), not g."""
     cfg = TrainConfig(local_steps=1, batch_size=8, optimizer="adam", lr=0.01)

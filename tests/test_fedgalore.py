@@ -200,3 +200,26 @@ def test_state_sync_estimators():
     U, S, Vh = torch.linalg.svd(avg)
     assert kept == 1 and int(torch.linalg.matrix_rank(est)) == 1
     torch.testing.assert_close(est, S[0] * torch.outer(U[:, 0], Vh[0]))
+
+
+def test_uploaded_second_moment_is_bias_corrected_after_a_cold_round_and_raw_is_the_buffer():
+    """Spec A6 erratum: after a cold round of T steps the client uploads ṽ/(1 − β₂ᵀ) (default) and ``raw`` uploads
+    the optimiser's buffer bit for bit (the behaviour before the fix); a warm round's buffer already has the
+    scale of E[g̃²], so both upload it unchanged."""
+    sets = ("train.local_steps=5", RECTANGULAR)
+    for v_sync in ("bias_corrected", "raw"):
+        cfg, task, model, method, server = setup("fedgalore", *sets, tau=2, v_sync=v_sync)
+        reply, spy = client_round(cfg, task, model, method, server, 0, 1, np.arange(40))
+        for name in model.target_names:
+            buffer = spy.opt.block_state(model.base_linear(name).weight)["exp_avg_sq"]
+            if v_sync == "raw":
+                assert torch.equal(reply[f"{name}.galore_v"], buffer)
+            else:
+                torch.testing.assert_close(reply[f"{name}.galore_v"], buffer / (1 - 0.999**5), rtol=1e-6, atol=0)
+        new = method.aggregate(server, [Reply(0, 40, reply)], 1)
+        warm_reply, spy = client_round(cfg, task, model, method, new, 0, 2, np.arange(40))
+        for name in model.target_names:
+            assert torch.equal(warm_reply[f"{name}.galore_v"],
+                               spy.opt.block_state(model.base_linear(name).weight)["exp_avg_sq"])
+    with pytest.raises(ValueError, match="method.v_sync"):
+        get_method("fedgalore", v_sync="scaled")

@@ -72,7 +72,7 @@ def test_beta_one_is_fedavg_up_to_the_admm_tolerance():
 
 
 def test_adaptive_update_is_mean_L_plus_beta_mean_S_of_the_reference_rpca():
-    method, server = setup()
+    method, server = setup(beta_scope="per_matrix")
     deltas = common_plus_noise(server, 8, seed=3)
     reps = replies(server, deltas)
     new = method.aggregate(server, reps, 1)
@@ -130,7 +130,8 @@ def test_structure_diagnostics_on_common_plus_noise_updates():
     assert 0 < diag["rpca/E_mean"] < 1 and diag["rpca/beta_A_mean"] > 1
     assert diag["rpca/not_converged"] == 0 and diag["rpca/residual_max"] <= 1e-7
     key = "0.lora_A"
-    assert diag[f"rpca/{key}/beta"] == pytest.approx(1 / diag[f"rpca/{key}/E"])
+    E_A = [diag[f"rpca/{k}/E"] for k in ("0.lora_A", "2.lora_A")]
+    assert diag[f"rpca/{key}/beta"] == pytest.approx(len(E_A) / sum(E_A))      # β_A = 1/E_A (per factor type)
     assert 1 <= diag[f"rpca/{key}/rank_L"] <= 10 and 0 < diag[f"rpca/{key}/nnz_S"] <= 1
 
 
@@ -205,3 +206,28 @@ def test_end_to_end_with_scaffold_on_the_tiny_task():
     control = [v for k, v in sim.server.items() if k.startswith("scaffold.c/")]
     assert control and any(float(c.abs().max()) > 0 for c in control)        # aggregate_corrections ran
     assert all(torch.isfinite(v).all() for k, v in sim.server.items() if isinstance(v, torch.Tensor))
+
+
+def test_default_beta_is_per_factor_type():
+    """App. B.3: β_A = 1/E_A and β_B = 1/E_B, E of a factor type averaged across the layers (Fig. 7); the update
+    of each matrix is then FedAvg + (β_type − 1)·S·p of its own RPCA."""
+    method, server = setup()
+    assert method.beta_scope == "per_factor"
+    reps = replies(server, common_plus_noise(server, 8, seed=12))
+    new = method.aggregate(server, reps, 1)
+    diag = method.pop_metrics()
+    per_matrix, _ = setup(beta_scope="per_matrix")
+    per_matrix.aggregate(server, reps, 1)
+    own = per_matrix.pop_metrics()
+    for factor in ("A", "B"):
+        keys = [k for k in method.lora_keys(server) if k.endswith(f".lora_{factor}")]
+        E = [diag[f"rpca/{k}/E"] for k in keys]
+        assert len(set(E)) == len(E) == 2                                 # the layers' E differ ...
+        for k in keys:                                                    # ... and share one β
+            assert diag[f"rpca/{k}/beta"] == pytest.approx(len(E) / sum(E), rel=1e-12)
+            assert own[f"rpca/{k}/beta"] == pytest.approx(1 / diag[f"rpca/{k}/E"], rel=1e-12)
+    for k in method.lora_keys(server):
+        X = torch.stack([(r.message[k] - server[k]).to(F64).flatten() for r in reps], dim=1)
+        ref = robust_pca_reference(X)
+        expected = (X.mean(1) + (diag[f"rpca/{k}/beta"] - 1) * ref.S.mean(1)).view(server[k].shape)
+        assert float((update(server, new, k) - expected).norm()) <= 2e-6 * float(expected.norm()), k

@@ -241,10 +241,62 @@ def test_tiny_run_end_to_end_and_ledger():
         assert len(f) == len(i) and all(a <= b - saving for a, b in zip(f, i))
 
 
-@pytest.mark.parametrize("sets", [("method.procrustes=false",), ("method.server_decomp=closed_form",),
+@pytest.mark.parametrize("sets", [("method.procrustes=false",), ("method.procrustes=false", "method.truncate=false"),
+                                  ("method.server_decomp=closed_form",),
                                   ("method.bases_init=svd", "method.correction=scaffold")])
 def test_tiny_run_options(sets):
     from helpers import run_tiny
 
     sim = run_tiny("florg", *sets, rounds=2)
     assert all(torch.isfinite(v).all() for v in sim.server.values() if isinstance(v, torch.Tensor))
+
+
+# -- without Procrustes: the paper's ablation (Table 3) and the truncated reading ----------------------------------
+
+def test_no_procrustes_keeps_all_rprime_rows_and_the_exact_gram_matrix():
+    """Table 3's "w/o Procrustes" sets Aᵗ⁺¹ := Ãᵗ⁺¹: r' = rank(Q) rows (here N·r = 4 > r = 2) with
+    Aᵗ⁺¹ᵀAᵗ⁺¹ = Q exactly, and the clients then train that [r', k] factor; ``florg-top-rows`` keeps r rows."""
+    X, Y = data()
+    shapes, grams = {}, {}
+    for name in ("florg-no-procrustes", "florg-top-rows"):
+        model = tiny_model()
+        method = get_method(name)
+        server = method.setup(model, info(num_clients=2, rank=2))
+        trainers = [FakeTrainer(X[:5], Y[:5]), FakeTrainer(X[5:], Y[5:])]
+        new, replies = one_round(method, model, server, trainers, 1)
+        Q = sum(0.5 * r.message["0.gram_A"].T @ r.message["0.gram_A"] for r in replies)
+        shapes[name], grams[name] = tuple(new["0.gram_A"].shape), (new["0.gram_A"].T @ new["0.gram_A"], Q)
+        newer, replies = one_round(method, model, new, trainers, 2)   # clients train the grown factor
+        assert all(r.message["0.gram_A"].shape == new["0.gram_A"].shape for r in replies)
+        assert torch.isfinite(newer["0.gram_A"]).all()
+    assert shapes["florg-no-procrustes"] == (4, 6) and shapes["florg-top-rows"] == (2, 6)
+    torch.testing.assert_close(*grams["florg-no-procrustes"], atol=1e-12, rtol=0)
+    assert float((grams["florg-top-rows"][0] - grams["florg-top-rows"][1]).norm()) > 1e-6
+
+
+def test_no_procrustes_model_equals_the_aggregated_gram_model():
+    """With r' rows the global model is exactly W0 + s·L Q R (no truncation error), unlike the top-r reading."""
+    X, Y = data()
+    model = tiny_model()
+    method = get_method("florg-no-procrustes")
+    server = method.setup(model, info(num_clients=2, rank=2))
+    new, replies = one_round(method, model, server, [FakeTrainer(X[:5], Y[:5]), FakeTrainer(X[5:], Y[5:])], 1)
+    method.load_global(model, new)
+    mod = gram_modules(model)["0"]
+    Q = sum(0.5 * r.message["0.gram_A"].T @ r.message["0.gram_A"] for r in replies)
+    torch.testing.assert_close(mod.adapter_delta(), mod.scale * mod.L @ Q @ mod.R, atol=1e-12, rtol=0)
+
+
+def test_truncated_variant_is_todays_procrustes_false():
+    model_a, model_b = tiny_model(), tiny_model()
+    a, b = get_method("florg-top-rows"), get_method("florg", procrustes=False)
+    sa, sb = a.setup(model_a, info()), b.setup(model_b, info())
+    X, Y = data()
+    na, _ = one_round(a, model_a, sa, [FakeTrainer(X, Y)], 1)
+    nb, _ = one_round(b, model_b, sb, [FakeTrainer(X, Y)], 1)
+    torch.testing.assert_close(na["0.gram_A"], nb["0.gram_A"], atol=0, rtol=0)
+
+
+def test_no_procrustes_refuses_control_variates():
+    with pytest.raises(ValueError, match="method.correction"):
+        get_method("florg-no-procrustes", correction="scaffold")

@@ -172,7 +172,7 @@ def test_flower_run_equals_simulator(method, sets):
     assert sim.ledger.rows == ref.ledger.rows  # bytes counted from the same serialised messages
     compared = ("clients", "replied", "rejected", "skipped", "train_loss")
     if not ref.method.personalized:  # a personalised method's metric on Flower is its shared model's (docs)
-        compared += ("accuracy",)
+        compared += ("accuracy", "per_client")
     for flower_row, sim_row in zip(sim.history, ref.history, strict=True):
         for key in compared:
             assert flower_row.get(key) == sim_row.get(key), key

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -192,3 +194,67 @@ def test_linear_reprojection_blows_up_the_adam_ratio_and_squared_does_not():
             ratios.append(float((st["exp_avg"].abs() / (st["exp_avg_sq"].sqrt() + 1e-8)).max()))
         worst[mode] = max(ratios)
     assert worst["linear"] > 1000 and worst["squared"] < 20
+
+
+def _first_step_after_sync(v_sync: str, T: int = 5, beta2: float = 0.999) -> tuple[float, float]:
+    """Constant gradient G: a cold client runs T steps and syncs ṽ (raw or bias-corrected); the next round loads it
+    warm with m̃ = 0. Returns (‖first step of the cold round‖, ‖first step after the sync‖) in units of lr."""
+    G = torch.randn(4, 4, generator=torch_generator(3, "g"))
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    opt = GaLore([p], lr=1.0, operator="adamw", rank=4, tau=100, eps=0.0, betas=(0.9, beta2))
+    steps = []
+    for _ in range(T):
+        before = p.detach().clone()
+        p.grad = G.clone()
+        opt.step()
+        steps.append(float((p.detach() - before).norm()))
+    st = opt.block_state(p)
+    v = opt.second_moment(p) if v_sync == "bias_corrected" else st["exp_avg_sq"]
+    q = torch.nn.Parameter(torch.zeros(4, 4))
+    warm = GaLore([q], lr=1.0, operator="adamw", rank=4, tau=100, eps=0.0, betas=(0.9, beta2))
+    warm.load_block(q, st["Q"], v, refresh_at_start=False)
+    q.grad = G.clone()
+    warm.step()
+    return steps[0], float(q.detach().norm())
+
+
+def test_synced_second_moment_gives_warm_adamw_sized_first_steps():
+    """Spec A6 erratum: the bias-corrected ṽ/(1 − β₂ᵀ) makes the first step after a sync the size of a warm AdamW
+    step (|ũ| = 1 per coordinate under a constant gradient, as the cold round's); the raw EMA makes it
+    1/√(β₂(1 − β₂ᵀ) + 1 − β₂) ≈ 1/√((T + 1)(1 − β₂)) ≈ 12.9× larger at T = 5."""
+    cold, fixed = _first_step_after_sync("bias_corrected")
+    _, raw = _first_step_after_sync("raw")
+    assert cold == pytest.approx(4.0, rel=1e-5)          # 16 coordinates of size 1
+    assert fixed == pytest.approx(cold, rel=1e-5)
+    assert raw / cold == pytest.approx(1 / math.sqrt(0.999 * (1 - 0.999**5) + 0.001), rel=1e-4)
+
+
+def test_second_moment_of_a_warm_block_is_its_buffer():
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    opt = GaLore([p], lr=0.1, operator="adam", rank=4, tau=100)
+    opt.load_block(p, torch.eye(4), torch.full((4, 4), 0.5), refresh_at_start=False)
+    _run(opt, p, _grads((4, 4), 3))
+    assert torch.equal(opt.second_moment(p), opt.block_state(p)["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("mode", ["reproject", "keep"])
+def test_moments_at_refresh(mode):
+    """At a refresh to a new basis, ``reproject`` (default, spec §2.4) maps m̃ ← m̃C and ṽ ← ṽ(C⊙C); ``keep``
+    (galore-torch) leaves both buffers as they are in the new basis."""
+    p = torch.nn.Parameter(torch.zeros(6, 6))
+    opt = GaLore([p], lr=0.1, operator="adam", rank=2, tau=2, svd_refreshes=0, moments_at_refresh=mode)
+    grads = _grads((6, 6), 3)
+    _run(opt, p, grads[:2])
+    before = {k: opt.block_state(p)[k].clone() for k in ("Q", "exp_avg", "exp_avg_sq")}
+    p.grad = grads[2].clone()
+    opt._refresh(opt.param_groups[0], 0, p, p.grad, opt.state[p])   # the refresh the next step starts with
+    after = opt.block_state(p)
+    C = before["Q"].T @ after["Q"]
+    assert not torch.allclose(after["Q"], before["Q"])
+    if mode == "keep":
+        assert torch.equal(after["exp_avg"], before["exp_avg"]) and torch.equal(after["exp_avg_sq"], before["exp_avg_sq"])
+    else:
+        torch.testing.assert_close(after["exp_avg"], before["exp_avg"] @ C)
+        torch.testing.assert_close(after["exp_avg_sq"], before["exp_avg_sq"] @ (C * C))
+    with pytest.raises(ValueError, match="galore.moments_at_refresh"):
+        GaLore([p], lr=0.1, moments_at_refresh="zero")

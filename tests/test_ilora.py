@@ -78,10 +78,10 @@ def logits(net):
         return net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
 
-# -- aggregation ---------------------------------------------------------------------------------------
+# -- aggregation (Alg. 2 on the clients' factors alone: the per_client base) --------------------------
 @pytest.mark.parametrize("ranks", [[1, 2, 3], [2, 2, 2], [1, 5], [4]])
 def test_concatenation_reproduces_weighted_sum_for_any_ranks(ranks):
-    method, _, server = make("ilora", ranks, r_s=sum(ranks))
+    method, _, server = make("ilora", ranks, r_s=sum(ranks), hetero_base="per_client")
     replies = random_replies(method, server, range(len(ranks)))
     new = method.aggregate(server, replies, 1)
     assert method.pop_metrics()["trunc_err"] < 1e-5
@@ -94,7 +94,7 @@ def test_concatenation_reproduces_weighted_sum_for_any_ranks(ranks):
 
 @pytest.mark.parametrize("decomp", ["qr", "svd"])
 def test_truncation_error_equals_trailing_block_of_R(decomp):
-    method, _, server = make("ilora", [2, 3, 4], r_s=4, decomp=decomp)
+    method, _, server = make("ilora", [2, 3, 4], r_s=4, decomp=decomp, hetero_base="per_client")
     replies = random_replies(method, server, [0, 1, 2], seed=1)
     new = method.aggregate(server, replies, 1)
     err2 = total2 = 0.0
@@ -118,14 +118,14 @@ def test_truncation_error_equals_trailing_block_of_R(decomp):
 def test_svd_truncation_error_is_at_most_qr():
     errs = {}
     for decomp in ("qr", "svd"):
-        method, _, server = make("ilora", [2, 3, 4], r_s=4, decomp=decomp)
+        method, _, server = make("ilora", [2, 3, 4], r_s=4, decomp=decomp, hetero_base="per_client")
         method.aggregate(server, random_replies(method, server, [0, 1, 2], seed=2), 1)
         errs[decomp] = method.pop_metrics()["trunc_err"]
     assert errs["svd"] < errs["qr"]
 
 
 def test_personalised_slices_are_nested_and_sized_by_client_rank():
-    method, _, server = make("ilora", [1, 2, 6], r_s=4)
+    method, _, server = make("ilora", [1, 2, 6], r_s=4, hetero_base="per_client")
     assert server[next(k for k in server if k.endswith("lora_A"))].shape[0] == 6      # r_max = max(r_s, r_k)
     new = method.aggregate(server, random_replies(method, server, [0, 1, 2]), 1)
     msgs = [method.broadcast(new, k, 2) for k in range(3)]
@@ -136,12 +136,12 @@ def test_personalised_slices_are_nested_and_sized_by_client_rank():
         B1, B6 = msgs[1][f"{name}.lora_B"], msgs[2][f"{name}.lora_B"]
         assert torch.equal(B6[:, :2], B1)
     # downlink bytes depend on the client's rank only, not on how many clients there are
-    big, _, big_server = make("ilora", [1, 2, 6] * 3, r_s=4)
+    big, _, big_server = make("ilora", [1, 2, 6] * 3, r_s=4, hetero_base="per_client")
     assert method.broadcast(server, 1, 1).nbytes() == big.broadcast(big_server, 4, 1).nbytes()
 
 
 def test_server_lr_mixes_with_previous_global_adapter():
-    method, _, server = make("ilora", [2, 3], r_s=3, server_lr=0.5)
+    method, _, server = make("ilora", [2, 3], r_s=3, server_lr=0.5, hetero_base="per_client")
     replies = random_replies(method, server, [0, 1], seed=3)
     new = method.aggregate(server, replies, 1)
     for name in method._qr0:
@@ -319,3 +319,33 @@ def test_tiny_run_with_fedprox_trains_and_replies_pass_the_runtime_checks(name, 
     sim.run()
     assert all(np.isfinite(row["train_loss"]) and "accuracy" in row and not row.get("rejected") for row in sim.history)
     assert sim.history[0]["train_loss"] != sim.history[1]["train_loss"]
+
+
+# -- the heterogeneous base (issue #16 item 2) -----------------------------------------------------------
+def client_start_weights(method, model, server, k):
+    method.load_message(model, wire(method.broadcast(server, k, 2)))
+    return effective_weights(model)
+
+
+def test_default_base_starts_every_client_from_the_pretrained_model_after_a_round_without_training():
+    """Eq. 7 keeps each client's local model at θ0 + (its adapter); with the default ``residual`` base a round
+    without training leaves every client's next start at W0 exactly, at any mix of ranks."""
+    assert get_method("ilora").hetero_base == "residual" and get_method("ilora-s").hetero_base == "residual"
+    method, model, server = make("ilora", [2, 4, 6], r_s=6)
+    new = method.aggregate(server, noop_replies(method, model, server, [0, 1, 2]), 1)
+    for k in range(3):
+        assert rel_err(client_start_weights(method, model, new, k), pretrained_weights(model)) < 1e-5
+
+
+def test_per_client_base_scales_w0_directions_by_one_minus_s_times_missing_share():
+    """Alg. 1 read literally: after a round without training, client k's j-th QR direction of W0 is scaled by
+    1 − s(1 − w_j), w_j = Σ_{k: r_k > j} π_k (the measured sign flips on MiniLM when s(1 − w_j) > 1)."""
+    method, model, server = make("ilora", [2, 4, 6], r_s=6, hetero_base="per_client")
+    new = method.aggregate(server, noop_replies(method, model, server, [0, 1, 2]), 1)
+    s, w = method.scale, method.direction_share
+    weights = client_start_weights(method, model, new, 2)                     # the rank-6 client
+    for name, (Q0, R0) in method._qr0.items():
+        W0 = lora_modules(model)[name].base.weight.double()
+        expected = W0 - s * (Q0 * (1 - w)) @ R0
+        torch.testing.assert_close(weights[name].double(), expected, atol=1e-5, rtol=0)
+    assert float((1 - s * (1 - w)).min()) < 1 - 1e-3   # the directions beyond rank 2 are scaled

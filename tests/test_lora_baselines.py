@@ -183,7 +183,7 @@ def test_fedex_base_delta_is_the_scaled_residual_of_the_paper():
 
 
 def test_flexlora_equal_ranks_equals_federa_and_lora_fair_without_steps_equals_fedit():
-    flex, fed = sim_of("flexlora", "lora.ranks=[2,2]"), sim_of("federa")
+    flex, fed = sim_of("flexlora", "lora.ranks=[2,2]", "method.split=even"), sim_of("federa")
     replies = hand_replies(fed, [0, 1, 3])
     a, b = flex.method.aggregate(flex.server, replies, 1), fed.method.aggregate(fed.server, replies, 1)
     assert all(torch.equal(a[k], b[k]) for k in b)
@@ -223,6 +223,33 @@ def test_flexlora_redistributes_the_truncated_svd_of_the_average():
             got = product(sim, sim.method.broadcast(server, k, 2), name)
             assert torch.allclose(got, (U[:, :r] * S[:r]) @ Vh[:r], atol=1e-5)
     assert math.isclose(err, sum(errs) / len(errs), rel_tol=1e-6)
+
+
+def test_flexlora_official_split_puts_the_singular_values_in_B_and_equal_ranks_fedavg_is_fedit():
+    """The public code's split B = U_r S_r / s, A = V_rᵀ (default) has the even split's product and orthonormal
+    rows of A; ``equal_ranks = "fedavg"`` is the public code's factor-wise FedAvg when all ranks are equal, and
+    leaves heterogeneous ranks to the SVD."""
+    official, even = sim_of("flexlora", "lora.ranks=[2,2]"), sim_of("flexlora", "lora.ranks=[2,2]", "method.split=even")
+    assert official.method.split == "official" and sim_of("federa").method.split == "even"
+    replies = hand_replies(even, [0, 1, 3])
+    a = official.method.aggregate(official.server, replies, 1)
+    b = even.method.aggregate(even.server, replies, 1)
+    for name in lora_modules(official.model):
+        A = a[f"{name}.lora_A"].double()
+        torch.testing.assert_close(A @ A.T, torch.eye(A.shape[0], dtype=torch.float64), atol=1e-6, rtol=0)
+        torch.testing.assert_close(product(official, a, name), product(even, b, name), atol=1e-6, rtol=0)
+        assert not torch.allclose(a[f"{name}.lora_A"], b[f"{name}.lora_A"], atol=1e-3)
+    fedavg, fedit = sim_of("flexlora", "lora.ranks=[2,2]", "method.equal_ranks=fedavg"), sim_of("fedit")
+    a, b = fedavg.method.aggregate(fedavg.server, replies, 1), fedit.method.aggregate(fedit.server, replies, 1)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    hetero = sim_of("flexlora", "lora.ranks=[4,2]", "method.equal_ranks=fedavg")
+    svd = sim_of("flexlora", "lora.ranks=[4,2]")
+    replies = hand_replies(svd, [0, 1, 3])
+    a, b = hetero.method.aggregate(hetero.server, replies, 1), svd.method.aggregate(svd.server, replies, 1)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    for option in ("split", "equal_ranks"):
+        with pytest.raises(ValueError, match=f"method.{option}"):
+            get_method("flexlora", **{option: "half"})
 
 
 # -- FFA-LoRA and FedSA-LoRA invariants -------------------------------------------------------------------------

@@ -1,9 +1,13 @@
-"""Command line: ``fedlowrank run | compare | methods``.
+"""Command line: ``fedlowrank run | compare | tune | resume | export | methods``.
 
 * ``fedlowrank run [CONFIG] [--set section.key=value ...]`` — one method, one run directory.
-* ``fedlowrank compare [CONFIG] [--methods a,b] [--seeds 0,1]`` — several methods on the same partition,
-  seeds and budget; prints a table, writes ``results.json``, ``results.md`` and accuracy-vs-round /
-  accuracy-vs-bytes plots.
+* ``fedlowrank compare [CONFIG] [--methods a,b] [--seeds 0,1] [--reference a] [--tuned TUNE_JSON]`` — several
+  methods on the same partitions, seeds and budget (:mod:`fedlowrank.comparison`); prints the setup and the
+  table (means with 95% t-intervals over seeds, paired differences against the reference), writes
+  ``results.json``, ``results.md`` and accuracy-vs-round / accuracy-vs-bytes plots.
+* ``fedlowrank tune [CONFIG] [--methods a,b] [--grid 1e-3,3e-3] [--seeds 0]`` — each method's learning rate
+  chosen on a validation split held out of the clients' training data; writes ``tune.json`` for
+  ``compare --tuned``.
 * ``fedlowrank resume RUN_DIR`` — continue an interrupted run from its newest checkpoint, bit for bit.
 * ``fedlowrank export RUN_DIR [--format peft|merged] [--rank R]`` — the global model as a PEFT adapter
   (or its rank-R SVD re-factorisation) or a merged Hugging Face model.
@@ -19,13 +23,10 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-import numpy as np
+from .progress import StderrLog
 
-
-def _log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+_log = StderrLog()  # lines on stderr; tqdm bars as well on a terminal
 
 
 def _run_dir(cfg, suffix: str) -> Path:
@@ -33,16 +34,8 @@ def _run_dir(cfg, suffix: str) -> Path:
     return Path(cfg.run.out_dir) / f"{cfg.run.name}-{suffix}-{stamp}"
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return str(n)
-
-
 def cmd_methods(args) -> int:
-    from .methods import available_methods
+    from .methods import available_methods, lr_grid, preset_overrides
 
     for name, cls in available_methods().items():
         flags = []
@@ -51,7 +44,9 @@ def cmd_methods(args) -> int:
         if cls.supports_heterogeneous_ranks:
             flags.append("heterogeneous ranks")
         print(f"{name}\n  {cls.description}\n  paper: {cls.paper}\n  up:   {cls.uplink}\n  down: {cls.downlink}"
-              + (f"\n  ({'; '.join(flags)})" if flags else ""))
+              + (f"\n  ({'; '.join(flags)})" if flags else "")
+              + (f"\n  preset: {' '.join(preset_overrides(name))}" if cls.preset else "")
+              + f"\n  lr grid: {' '.join(f'{lr:g}' for lr in lr_grid(name))}")
     return 0
 
 
@@ -79,6 +74,13 @@ def _finish(sim, run_dir: Path) -> int:
         _log(f"interrupted in round {sim.round + 1}; continue with: fedlowrank resume {run_dir}"
              + ("" if sim.cfg.run.checkpoint_every else " (needs run.checkpoint_every > 0)"))
         return 130
+    from .plots import plot_run
+
+    cfg = sim.cfg
+    metric = cfg.run.stop_metric or ("accuracy" if cfg.task.kind == "text-classification" else "rel_error")
+    plots = plot_run(sim.history, run_dir, metric, f"{sim.method.name}: {run_dir.name}")
+    if sim.log:
+        sim.log(f"plot: {plots[0]}" if plots else "no plots: matplotlib is not installed (pip install matplotlib==3.11.2)")
     _log(f"run directory: {run_dir}")
     print(json.dumps(summary, indent=1))
     return 0
@@ -104,66 +106,28 @@ def cmd_export(args) -> int:
     return 0
 
 
-def _table(rows: list[dict[str, Any]], metric: str) -> str:
-    head = f"| method | final {metric} | best {metric} | bytes up | bytes down | time (s) |"
-    lines = [head, "|---|---|---|---|---|---|"]
-    for r in rows:
-        def cell(key: str) -> str:
-            vals = r[key]
-            if not vals:
-                return "–"
-            return f"{np.mean(vals):.4f}" + (f" ± {np.std(vals):.4f}" if len(vals) > 1 else "")
-        lines.append(f"| {r['method']} | {cell('final')} | {cell('best')} | {_fmt_bytes(r['bytes_up'])} | "
-                     f"{_fmt_bytes(r['bytes_down'])} | {r['time']:.0f} |")
-    return "\n".join(lines)
-
-
 def cmd_compare(args) -> int:
+    from .comparison import results_markdown, run_comparison
     from .config import load_config
-    from .plots import plot_comparison
-    from .runtime.simulator import Simulation
-    from .tasks import build_task
 
     cfg = load_config(args.config, args.set)
-    methods = args.methods.split(",") if args.methods else list(cfg.compare.methods)
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else list(cfg.compare.seeds)
-    def method_sets(name: str) -> list[str]:
-        """Per-method settings (``compare.overrides``, e.g. a learning rate tuned per method), then --set."""
-        return [f"method.name={name}", *cfg.compare.overrides.get(name, []), *args.set]
-
-    for name in methods:  # validate every method before any work
-        load_config(args.config, method_sets(name))
     out = Path(args.out) if args.out else _run_dir(cfg, "compare")
-    out.mkdir(parents=True, exist_ok=True)
-    metric = cfg.run.stop_metric or {"text-classification": "accuracy", "causal-lm": "loss"}.get(cfg.task.kind,
-                                                                                                 "rel_error")
-    histories: dict[str, list[list[dict[str, Any]]]] = {}
-    rows = []
-    tasks: dict[int, Any] = {}
-    for name in methods:
-        finals, bests, up, down, secs = [], [], 0, 0, 0.0
-        for seed in seeds:
-            mcfg = load_config(args.config, [*method_sets(name), f"run.seed={seed}"])
-            if seed not in tasks:
-                tasks[seed] = build_task(mcfg)
-            sim = Simulation(mcfg, task=tasks[seed], run_dir=out / f"{name}-seed{seed}",
-                             log=None if args.quiet else _log)
-            summary = sim.run()
-            histories.setdefault(name, []).append(sim.history)
-            if metric in summary:
-                finals.append(summary[metric])
-                vals = [r[metric] for r in sim.history if metric in r]
-                bests.append(max(vals) if metric == "accuracy" else min(vals))
-            up, down, secs = up + summary["bytes_up"], down + summary["bytes_down"], secs + summary["time"]["total"]
-        n = len(seeds)
-        rows.append({"method": name, "final": finals, "best": bests, "bytes_up": up / n, "bytes_down": down / n,
-                     "time": secs / n})
-    table = _table(rows, metric)
-    plots = plot_comparison(histories, out, metric)
-    (out / "results.json").write_text(json.dumps({"metric": metric, "seeds": seeds, "rows": rows}, indent=1))
-    (out / "results.md").write_text(table + "\n")
-    print(table)
-    _log(f"results: {out / 'results.md'}" + "".join(f"\nplot: {p}" for p in plots))
+    results = run_comparison(args.config, args.methods, args.seeds, args.set, out, None if args.quiet else _log,
+                             reference=args.reference, tuned=args.tuned)
+    print(results_markdown(results))
+    _log(f"results: {out / 'results.md'}" + "".join(f"\nplot: {p}" for p in results.get("plots", [])))
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from .config import load_config
+    from .tuning import run_tuning, tune_markdown
+
+    cfg = load_config(args.config, args.set)
+    out = Path(args.out) if args.out else _run_dir(cfg, "tune")
+    result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out, None if args.quiet else _log)
+    print(tune_markdown(result))
+    _log(f"tuning: {out / 'tune.json'}; use it with: fedlowrank compare ... --tuned {out / 'tune.json'}")
     return 0
 
 
@@ -186,7 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--methods", default=None, help="comma-separated method names (default: compare.methods)")
     sp.add_argument("--seeds", default=None, help="comma-separated seeds (default: compare.seeds)")
+    sp.add_argument("--reference", default=None, help="method the others are compared with per seed (default: the first)")
+    sp.add_argument("--tuned", default=None, metavar="TUNE_JSON",
+                    help="run each method at the learning rate chosen by `fedlowrank tune` (default: compare.tuned)")
     sp.set_defaults(func=cmd_compare)
+    sp = sub.add_parser("tune", help="choose each method's learning rate on a validation split of the training data")
+    common(sp)
+    sp.add_argument("--methods", default=None, help="comma-separated method names (default: compare.methods)")
+    sp.add_argument("--grid", default=None, help="comma-separated learning rates (default: each method's paper grid)")
+    sp.add_argument("--seeds", default=None, help="comma-separated seeds (default: run.seed)")
+    sp.set_defaults(func=cmd_tune)
     sp = sub.add_parser("resume", help="continue an interrupted run from its newest checkpoint")
     sp.add_argument("run_dir", help="the run directory")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -18,6 +18,7 @@ from typing import Any
 from .partition import PARTITIONS, PartitionConfig
 from .tasks.data import SOURCES
 from .tasks.table import HEADER_MODES
+from .tracking import TRACKERS
 from .training.local import OPTIMIZERS, SCHEDULES, TrainConfig
 from .adapters.lora import SCALING_RULES
 from .device import DTYPES, check_device_spec
@@ -45,6 +46,7 @@ class RunSection:
     dropout_schedule: list[list[int]] = field(default_factory=list)
     stop_metric: str = ""
     stop_above: float = float("inf")
+    tracking: str = ""
     device: str = "auto"
 
 
@@ -72,6 +74,7 @@ class DataSection:
     hf_name: str = ""
     prompt_column: str = "question"
     response_column: str = "answer"
+    validation_fraction: float = 0.1  # `fedlowrank tune`: share of each client's examples held out for validation
 
 
 @dataclass
@@ -82,7 +85,7 @@ class LoRASection:
     alpha: float = 16.0
     scaling: str = "standard"
     dropout: float = 0.0
-    targets: list[str] = field(default_factory=list)
+    targets: list[str] | str = field(default_factory=list)  # peft target_modules: names, "all-linear" or a regex
 
 
 @dataclass
@@ -96,6 +99,7 @@ class CompareSection:
     methods: list[str] = field(default_factory=lambda: ["fedit", "fedavg-full"])
     seeds: list[int] = field(default_factory=lambda: [0])
     overrides: dict[str, list[str]] = field(default_factory=dict)
+    tuned: str = ""  # a tune.json whose chosen learning rates compare applies (as train.lr per method)
 
 
 @dataclass
@@ -159,6 +163,8 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
             raise ConfigError(f"{where} must be a list of {len(default)} numbers, got {value!r}")
         return tuple(float(v) for v in value)
     if isinstance(default, list):
+        if where == "lora.targets" and isinstance(value, str):
+            return value  # "all-linear" or a regular expression (peft semantics)
         if not isinstance(value, list):
             raise ConfigError(f"{where} must be a list, got {value!r}")
         return value
@@ -221,6 +227,8 @@ def validate(cfg: RunConfig) -> None:
     _need(all(isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) for v in x) for x in r.dropout_schedule),
           f"run.dropout_schedule must be a list of [round, client] pairs, got {r.dropout_schedule}")
     _need(r.threads >= 0, f"run.threads must be >= 0 (0 = torch default), got {r.threads}")
+    _need(r.tracking in ("", *TRACKERS),
+          f"run.tracking must be one of \"\" (off), {', '.join(TRACKERS)}; got {r.tracking!r}")
     _choice("task.kind", cfg.task.kind, TASKS)
     _choice("train.dtype", t.dtype, tuple(DTYPES))
     try:
@@ -237,6 +245,8 @@ def validate(cfg: RunConfig) -> None:
           f"data.text_column and data.label_column must differ, both are {d.text_column!r}")
     _need(d.source != "files" or bool(d.train), "data.train: a file path is required when data.source = 'files'")
     _need(d.source != "hf" or bool(d.hf_name), "data.hf_name: a dataset name is required when data.source = 'hf'")
+    _need(0 < d.validation_fraction < 1,
+          f"data.validation_fraction must be in (0, 1), got {d.validation_fraction}")
     _choice("partition.kind", p.kind, PARTITIONS)
     _need(p.alpha > 0, f"partition.alpha must be > 0, got {p.alpha}")
     _need(p.kind != "clusters" or p.num_clusters >= 2, f"partition.num_clusters must be >= 2, got {p.num_clusters}")

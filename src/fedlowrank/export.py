@@ -5,7 +5,10 @@ writes, in ``out_dir``:
 
 * ``format="peft"`` — ``adapter_config.json`` + ``adapter_model.safetensors`` (through PEFT's own
   ``save_pretrained``, so every key carries the ``base_model.model.`` prefix that ``PeftModel.from_pretrained``
-  maps) with the head in ``modules_to_save``. Exact when the run's update is a LoRA (every target a
+  maps) with the head in ``modules_to_save``, ``task_type`` ``CAUSAL_LM`` or ``SEQ_CLS`` and
+  ``base_model_name_or_path`` = the task's portable model id (:attr:`fedlowrank.models.LoadedModel.source`: a
+  bundled name, the user's folder or a hub id; never a path inside the virtual environment). GPT-2's fused
+  ``Conv1D`` targets are written with ``fan_in_fan_out = true``. Exact when the run's update is a LoRA (every target a
   :class:`~fedlowrank.adapters.lora.LoRALinear` without base delta); otherwise ``rank`` is required and the
   total update of each target, ``ΔW = W_eff − W0`` ``[out, in]``, is re-factorised by truncated SVD,
   ``ΔW ≈ s · B A`` with ``B = U_r √(Σ_r/s)``, ``A = √(Σ_r/s) V_rᵀ`` (s from the run's ``lora.alpha`` and
@@ -14,7 +17,9 @@ writes, in ``out_dir``:
 * ``format="merged"`` — the backbone with ``W_eff`` in place of every target weight and the trained head,
   written by transformers' ``save_pretrained`` (loadable with ``AutoModel*.from_pretrained``).
 
-Every export is checked by loading the written files back and evaluating them on the task's test set next to
+Both formats save the model's tokenizer beside the weights; a classification export lists its class names in
+``export.json`` (``id2label``; a merged model also has them in ``config.json``). Every export is checked by
+loading the written files back and evaluating them on the task's test set next to
 the run's global model (``report["check"]``). Nothing in the run directory is modified. ``peft`` and
 ``transformers`` are imported lazily: the core does not need them.
 """
@@ -36,6 +41,7 @@ from .adapters.model import AdaptedLinear, AdaptedModel
 
 FORMATS = ("peft", "merged")
 REPORT_FILE = "export.json"
+PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}
 
 
 def load_global_simulation(run_dir: str | Path, task=None):
@@ -146,9 +152,24 @@ def _lora_by_svd(model: AdaptedModel, pristine: nn.Module, rank: int, alpha: flo
     return factors, errors, (math.sqrt(discarded / total) if total > 0 else 0.0)
 
 
+def hf_backbone(net: nn.Module) -> nn.Module:
+    """A copy of ``net`` as transformers defines its architecture (GPT-2's ``Conv1D`` layers restored, see
+    :func:`fedlowrank.models.conv1d_to_linear`): what export writes and what a user's base model is."""
+    from .models import restore_conv1d
+
+    out = copy.deepcopy(net)
+    restore_conv1d(out)
+    return out
+
+
 def _save_peft(model: AdaptedModel, pristine: nn.Module, factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
-               alpha: float, rule: str, out_dir: Path) -> dict[str, Any]:
-    """Wrap a copy of the pristine backbone (with the global head) in PEFT, load ``factors``, ``save_pretrained``."""
+               alpha: float, rule: str, out_dir: Path, loaded=None) -> dict[str, Any]:
+    """Wrap a copy of the pristine backbone (with the global head) in PEFT, load ``factors``, ``save_pretrained``.
+
+    ``loaded`` (the task's :class:`~fedlowrank.models.LoadedModel`, when it has one) gives the ``task_type``
+    (``CAUSAL_LM`` or ``SEQ_CLS``) and the portable ``base_model_name_or_path``. GPT-2's ``Conv1D`` targets are
+    written for peft's ``fan_in_fan_out = true`` (the factors are the same: ``A [r, in]``, ``B [out, r]``).
+    """
     from peft import LoraConfig, get_peft_model
 
     net = copy.deepcopy(pristine)
@@ -156,27 +177,35 @@ def _save_peft(model: AdaptedModel, pristine: nn.Module, factors: dict[str, tupl
     with torch.no_grad():
         for n, p in model.head_parameters().items():
             head[n].copy_(p)
+    net = hf_backbone(net)
+    fan_in_fan_out = any(type(net.get_submodule(n)).__name__ == "Conv1D" for n in model.target_names)
     ranks = {n: A.shape[0] for n, (A, _) in factors.items()}
     r = Counter(ranks.values()).most_common(1)[0][0]  # the rest go to rank_pattern
     config = LoraConfig(r=r, lora_alpha=alpha, use_rslora=rule == "rslora", lora_dropout=0.0, bias="none",
                         target_modules=list(model.target_names), modules_to_save=head_modules(model),
-                        rank_pattern={n: k for n, k in ranks.items() if k != r})
+                        rank_pattern={n: k for n, k in ranks.items() if k != r}, fan_in_fan_out=fan_in_fan_out)
     peft_model = get_peft_model(net, config)
     with torch.no_grad():
         for n, (A, B) in factors.items():
             layer = peft_model.base_model.model.get_submodule(n)
             layer.lora_A["default"].weight.copy_(A)
             layer.lora_B["default"].weight.copy_(B)
-    peft_model.save_pretrained(str(out_dir))
+    if loaded is not None:  # set after wrapping: PeftModelForSequenceClassification would rewrite modules_to_save
+        config.task_type = PEFT_TASK_TYPES[loaded.kind]
+        config.base_model_name_or_path = loaded.source
+    peft_model.save_pretrained(str(out_dir), save_embedding_layers=False)  # embeddings are never trained here
     return {"r": r, "lora_alpha": alpha, "use_rslora": rule == "rslora", "rank_pattern": config.rank_pattern,
-            "target_modules": list(model.target_names), "modules_to_save": head_modules(model)}
+            "target_modules": list(model.target_names), "modules_to_save": head_modules(model),
+            "fan_in_fan_out": fan_in_fan_out, "task_type": config.task_type,
+            "base_model_name_or_path": config.base_model_name_or_path}
 
 
 def load_peft(pristine: nn.Module, out_dir: str | Path) -> nn.Module:
-    """``PeftModel.from_pretrained`` on a copy of the pristine backbone (as a user would load the export)."""
+    """``PeftModel.from_pretrained`` on a copy of the pristine backbone as transformers defines it (as a user
+    would load the export)."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(copy.deepcopy(pristine), str(out_dir)).eval()
+    return PeftModel.from_pretrained(hf_backbone(pristine), str(out_dir)).eval()
 
 
 # -- entry point ------------------------------------------------------------------------------------------------
@@ -200,8 +229,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
     out_dir = Path(out_dir)
     report: dict[str, Any] = {"run_dir": str(run_dir), "method": sim.method.name, "round": sim.round,
                               "format": format, "out_dir": str(out_dir)}
+    loaded = getattr(sim.task, "loaded", None)  # the task's LoadedModel (transformers tasks)
     if format == "merged":
-        net = merged_net(model, pristine)
+        net = hf_backbone(merged_net(model, pristine))
         if not hasattr(net, "save_pretrained"):
             raise ValueError(f"--format merged needs a transformers model; this task's model is a {type(net).__name__}")
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -225,8 +255,14 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
             factors, errors, overall = _lora_by_svd(model, pristine, rank, alpha, rule)
             report.update(svd=True, rel_error=errors, rel_error_overall=overall)
         out_dir.mkdir(parents=True, exist_ok=True)
-        report["peft"] = _save_peft(model, pristine, factors, alpha, rule, out_dir)
+        report["peft"] = _save_peft(model, pristine, factors, alpha, rule, out_dir, loaded)
         exported = load_peft(pristine, out_dir)
+    if loaded is not None:
+        loaded.tokenizer.save_pretrained(str(out_dir))
+        report["base_model"] = loaded.source
+        id2label = getattr(loaded.net.config, "id2label", None)
+        if loaded.kind == "sequence-classification" and id2label:
+            report["id2label"] = {str(k): v for k, v in id2label.items()}
     report["check"] = {"run": sim.task.evaluate(model.net), "exported": sim.task.evaluate(exported)}
     report["files"] = sorted(p.name for p in out_dir.iterdir()) + [REPORT_FILE]
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1))

@@ -41,6 +41,7 @@ class LoadedModel:
         tokenizer: its tokenizer (``pad_token`` always set; causal LMs pad with EOS when they have no pad).
         source: a portable identifier of the base weights, written as ``base_model_name_or_path`` by export:
             the bundled name, the user's folder (absolute) or the hub id.
+        kind: ``"sequence-classification"`` or ``"causal-lm"`` (export's PEFT ``task_type``).
         model_type: ``net.config.model_type`` (``"bert"``, ``"llama"``, ``"gpt2"``...).
         output_modules: names of the top-level modules outside the backbone (``classifier``/``score`` for
             classification, ``lm_head`` for causal LMs): never LoRA targets; a classification head is trained.
@@ -49,6 +50,7 @@ class LoadedModel:
     net: nn.Module
     tokenizer: Any
     source: str
+    kind: str
     model_type: str
     output_modules: tuple[str, ...]
 
@@ -298,8 +300,56 @@ def load_model(spec: str, kind: str, num_labels: int | None = None,
     return _finish(spec, kind, net, tokenizer)
 
 
+class Conv1DLinear(nn.Linear):
+    """An ``nn.Linear`` standing for a transformers ``Conv1D`` (GPT-2's fused ``c_attn``, ``c_proj``, ``c_fc``,
+    whose weight is stored transposed, ``[in, out]``): the same function in the ``[out, in]`` layout of every
+    other target. :func:`restore_conv1d` turns it back wherever a transformers GPT-2 reads our weights."""
+
+
+def conv1d_to_linear(net: nn.Module) -> int:
+    """Replace every transformers ``Conv1D`` of ``net`` by an equal :class:`Conv1DLinear` (weight transposed,
+    bias kept); returns how many."""
+    from transformers.pytorch_utils import Conv1D
+
+    return _swap(net, Conv1D, _linear_of)
+
+
+def restore_conv1d(net: nn.Module) -> int:
+    """Inverse of :func:`conv1d_to_linear`: every :class:`Conv1DLinear` back to a transformers ``Conv1D``."""
+    return _swap(net, Conv1DLinear, _conv1d_of)
+
+
+def _linear_of(conv: nn.Module) -> Conv1DLinear:
+    in_features, out_features = conv.weight.shape
+    lin = Conv1DLinear(in_features, out_features, bias=True, device=conv.weight.device, dtype=conv.weight.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(conv.weight.T)
+        lin.bias.copy_(conv.bias)
+    lin.weight.requires_grad_(conv.weight.requires_grad)
+    lin.bias.requires_grad_(conv.bias.requires_grad)
+    return lin
+
+
+def _conv1d_of(lin: Conv1DLinear) -> nn.Module:
+    from transformers.pytorch_utils import Conv1D
+
+    conv = Conv1D(lin.out_features, lin.in_features).to(device=lin.weight.device, dtype=lin.weight.dtype)
+    with torch.no_grad():
+        conv.weight.copy_(lin.weight.T)
+        conv.bias.copy_(lin.bias)
+    return conv
+
+
+def _swap(net: nn.Module, kind: type, convert: Callable[[nn.Module], nn.Module]) -> int:
+    found = [(n, m) for n, m in net.named_modules() if type(m) is kind]
+    for name, mod in found:
+        parent, _, attr = name.rpartition(".")
+        setattr(net.get_submodule(parent) if parent else net, attr, convert(mod))
+    return len(found)
+
+
 def _finish(spec: str, kind: str, net: nn.Module, tokenizer) -> LoadedModel:
-    """Pad token, vocabulary check, eval mode."""
+    """Pad token, vocabulary check, GPT-2's ``Conv1D`` as ``nn.Linear``, eval mode."""
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"task.model = {spec!r}: the tokenizer has neither a pad nor an eos token")
@@ -310,10 +360,11 @@ def _finish(spec: str, kind: str, net: nn.Module, tokenizer) -> LoadedModel:
     if len(tokenizer) > embeddings:
         raise ValueError(f"task.model = {spec!r}: the tokenizer has {len(tokenizer)} tokens but the model's "
                          f"embedding table only {embeddings}; use the tokenizer saved with these weights")
+    conv1d_to_linear(net)
     net.eval()
-    return LoadedModel(net=net, tokenizer=tokenizer, source=spec,
+    return LoadedModel(net=net, tokenizer=tokenizer, source=spec, kind=kind,
                        model_type=str(getattr(net.config, "model_type", "")), output_modules=_output_modules(net))
 
 
-__all__ = ["BUNDLED", "KINDS", "LoadedModel", "cache_dir", "cached_folder", "load_model", "minilm_path",
-           "tiny_tokenizer"]
+__all__ = ["BUNDLED", "KINDS", "Conv1DLinear", "LoadedModel", "cache_dir", "cached_folder", "conv1d_to_linear",
+           "dequantised_smollm2", "load_model", "minilm_path", "restore_conv1d", "tiny_tokenizer"]

@@ -1,4 +1,4 @@
-"""Plots of a comparison and of a partition (matplotlib, an optional dependency)."""
+"""Plots of a comparison, of a single run and of a partition (matplotlib, an optional dependency)."""
 
 from __future__ import annotations
 
@@ -19,19 +19,44 @@ def _pyplot():
     return plt
 
 
-def plot_comparison(histories: dict[str, list[list[dict[str, Any]]]], out_dir: Path, metric: str = "accuracy") -> list[Path]:
-    """``<metric>`` vs round and vs cumulative bytes (up + down), mean over seeds, one line per method.
+def _band(y: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Mean over seeds (rows of ``y [seeds, points]``) and the half-width of its 95% t-interval per point."""
+    from .stats import mean_interval
 
-    ``histories[method]`` is a list (one per seed) of per-round rows from ``metrics.jsonl``.
-    Returns the written files (none when matplotlib is missing).
+    intervals = [mean_interval(col.tolist()) for col in y.T]
+    mean = np.array([iv.mean for iv in intervals])
+    return mean, (None if y.shape[0] < 2 else np.array([iv.half_width for iv in intervals]))
+
+
+def _bytes_axis(ax, x_max: float, x_min: float) -> None:
+    """Log-scaled bytes axis labelled ``10 kB``, ``1 MB``...; minor ticks labelled only within one decade."""
+    from matplotlib.ticker import EngFormatter, NullFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(EngFormatter(unit="B"))
+    narrow = x_min > 0 and x_max / x_min < 10
+    ax.xaxis.set_minor_formatter(EngFormatter(unit="B") if narrow else NullFormatter())
+    ax.tick_params(axis="x", which="both", labelsize=8)
+
+
+def plot_comparison(histories: dict[str, list[list[dict[str, Any]]]], out_dir: Path, metric: str = "accuracy",
+                    title: str = "") -> list[Path]:
+    """``<metric>`` vs round and vs cumulative bytes (up + down): per method the mean over seeds and, with two or
+    more seeds, a band of the 95% t-interval of that mean.
+
+    ``histories[method]`` is a list (one per seed) of per-round rows from ``metrics.jsonl``; ``title`` goes on
+    both plots. Returns the written files (none when matplotlib is missing).
     """
     plt = _pyplot()
     if plt is None:
         return []
+    from matplotlib.ticker import MaxNLocator
+
     written = []
     for xkey, xlabel, fname in (("round", "round", f"{metric}_vs_round.png"),
-                                ("bytes", "bytes sent, up + down (MB)", f"{metric}_vs_bytes.png")):
-        fig, ax = plt.subplots(figsize=(6, 4))
+                                ("bytes", "bytes sent, up + down (mean over seeds)", f"{metric}_vs_bytes.png")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        x_lo, x_hi = np.inf, 0.0
         for method, runs in histories.items():
             rows = [[r for r in run if metric in r] for run in runs]
             if not rows or not rows[0]:
@@ -39,17 +64,29 @@ def plot_comparison(histories: dict[str, list[list[dict[str, Any]]]], out_dir: P
             n = min(len(r) for r in rows)
             y = np.array([[r[i][metric] for i in range(n)] for r in rows])
             if xkey == "round":
-                x = np.array([rows[0][i]["round"] for i in range(n)])
+                x = np.array([rows[0][i]["round"] for i in range(n)], dtype=float)
             else:
-                x = np.array([(rows[0][i]["cum_bytes_up"] + rows[0][i]["cum_bytes_down"]) / 1e6 for i in range(n)])
-            ax.plot(x, y.mean(0), marker="o", markersize=3, label=method)
-            if len(rows) > 1:
-                ax.fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), alpha=0.2)
+                x = np.array([[r[i]["cum_bytes_up"] + r[i]["cum_bytes_down"] for i in range(n)] for r in rows]).mean(0)
+            x_lo, x_hi = min(x_lo, float(x.min())), max(x_hi, float(x.max()))
+            mean, half = _band(y)
+            line, = ax.plot(x, mean, marker="o", markersize=3, label=method)
+            if half is not None and len(x) > 1:
+                ax.fill_between(x, mean - half, mean + half, alpha=0.2, color=line.get_color(), linewidth=0)
+            elif half is not None:  # one evaluated round: the interval as an error bar
+                ax.errorbar(x, mean, yerr=half, color=line.get_color(), capsize=3)
         if xkey == "bytes":
-            ax.set_xscale("log")
+            _bytes_axis(ax, x_hi, x_lo)
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if metric == "accuracy":  # a wide interval (few seeds) must not stretch the axis beyond [0, 1]
+            low, high = ax.get_ylim()
+            ax.set_ylim(max(low, 0.0), min(high, 1.0))
         ax.set_xlabel(xlabel)
         ax.set_ylabel(metric)
-        ax.grid(alpha=0.3)
+        seeds = len(next(iter(histories.values()), []))
+        band = "; shaded: 95% t-interval of the mean over seeds" if seeds > 1 else ""
+        ax.set_title((title + "\n" if title else "") + f"{metric} vs {xkey}{band}", fontsize=9)
+        ax.grid(alpha=0.3, which="both" if xkey == "bytes" else "major")
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = out_dir / fname
@@ -79,3 +116,65 @@ def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] |
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _readable_log_ticks(axis) -> None:
+    """Log-scale ticks at 1, 2 and 5 × 10^k, labelled as plain numbers (0.05, 0.1, 0.2), not 10^-1."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def plot_run(history: list[dict[str, Any]], out_dir: Path, metric: str = "accuracy", title: str = "") -> list[Path]:
+    """One run's curves in ``out_dir/curves.png``: its test metric vs round, train and test loss vs round, and
+    the test metric vs cumulative bytes sent (up + down).
+
+    ``history`` is the run's per-round rows (``metrics.jsonl``); ``metric`` is drawn on a log scale when it is
+    not ``accuracy`` and spans a factor of 10 or more (e.g. ``rel_error``). Returns the written files (none
+    when matplotlib is missing).
+    """
+    plt = _pyplot()
+    if plt is None:
+        return []
+    from matplotlib.ticker import MaxNLocator
+
+    evaluated = [r for r in history if metric in r]
+    rounds = [r["round"] for r in history]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    if evaluated:
+        x = [r["round"] for r in evaluated]
+        y = np.array([r[metric] for r in evaluated], dtype=float)
+        sent = [r["cum_bytes_up"] + r["cum_bytes_down"] for r in evaluated]
+        log_y = metric != "accuracy" and bool(np.all(y > 0)) and y.max() >= 10 * y.min()
+        for ax, xs, xlabel, name in ((axes[0], x, "round", "round"),
+                                     (axes[2], sent, "bytes sent, up + down", "bytes sent")):
+            ax.plot(xs, y, marker="o", markersize=3)
+            ax.set_title(f"test {metric} vs {name}")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(metric)
+            if log_y:
+                ax.set_yscale("log")
+                _readable_log_ticks(ax.yaxis)
+        _bytes_axis(axes[2], max(sent), min(sent))
+    axes[1].plot(rounds, [r["train_loss"] for r in history], marker="o", markersize=3, label="train loss")
+    tested = [r for r in history if "loss" in r]
+    if tested:
+        axes[1].plot([r["round"] for r in tested], [r["loss"] for r in tested], marker="s", markersize=3,
+                     label="test loss")
+    axes[1].set_title("train and test loss vs round")
+    axes[1].set_xlabel("round")
+    axes[1].set_ylabel("loss")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    for ax in axes[:2]:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = out_dir / "curves.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -98,9 +98,12 @@ class GramLinear(AdaptedLinear):
     def k(self) -> int:
         return self.gram_A.shape[1]
 
-    def set_A(self, A: torch.Tensor) -> None:
+    def set_A(self, A: torch.Tensor, any_rows: bool = False) -> None:
+        """Load ``A: [r, k]``; ``any_rows`` lets the row count change (FLoRG without truncation: ``[r', k]``)."""
         if A.shape != self.gram_A.shape:
-            raise ValueError(f"Gram factor of shape {tuple(A.shape)} does not fit {tuple(self.gram_A.shape)}")
+            if not (any_rows and A.dim() == 2 and A.shape[1] == self.k):
+                raise ValueError(f"Gram factor of shape {tuple(A.shape)} does not fit {tuple(self.gram_A.shape)}")
+            self.gram_A = nn.Parameter(torch.zeros_like(A, dtype=self.gram_A.dtype))
         with torch.no_grad():
             self.gram_A.copy_(A)
 

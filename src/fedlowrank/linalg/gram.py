@@ -115,14 +115,15 @@ def gram_distance(F1: torch.Tensor, F2: torch.Tensor) -> float:
 
 
 def aggregate_gram(A_prev: torch.Tensor, As: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor | None,
-                   decomposition: str = "stacked_svd", align: bool = True, tol: float = 1e-10
-                   ) -> tuple[torch.Tensor, int | None]:
-    """One FLoRG server step for one layer (eqs. 4–11): the new global factor ``A⁺: [r, k]`` and r'.
+                   decomposition: str = "stacked_svd", align: bool = True, tol: float = 1e-10,
+                   truncate: bool = True) -> tuple[torch.Tensor, int | None]:
+    """One FLoRG server step for one layer (eqs. 4–11): the new global factor ``A⁺`` and r'.
 
-    ``align=True``: ``A⁺ = S* Ã`` (Procrustes to ``A_prev``). ``align=False`` (the paper's ablation):
-    ``A⁺`` = the top-r rows of the canonical factor (:func:`canonical_rows`; needs ``eigh`` or ``stacked_svd``).
-    r' = rank(Q) as kept by the threshold; ``None`` for ``closed_form``, which never computes it (that would
-    cost the O(k·(Nr)²) it avoids).
+    ``align=True``: ``A⁺ = S* Ã: [r, k]`` (Procrustes to ``A_prev``, r = its rows). ``align=False``, the
+    paper's ablation (Table 3, ``A⁺ := Ã``; needs ``eigh`` or ``stacked_svd``): ``truncate=False`` keeps the
+    whole canonical factor ``Ã: [r', k]`` (``A⁺ᵀA⁺ = Q``); ``truncate=True`` its top-r rows
+    (:func:`canonical_rows`, spec A8). r' = rank(Q) as kept by the threshold; ``None`` for ``closed_form``,
+    which never computes it (that would cost the O(k·(Nr)²) it avoids).
     """
     if decomposition not in GRAM_DECOMPOSITIONS:
         raise ValueError(f"method.server_decomp must be one of {GRAM_DECOMPOSITIONS}, got {decomposition!r}")
@@ -134,7 +135,8 @@ def aggregate_gram(A_prev: torch.Tensor, As: Sequence[torch.Tensor], weights: Se
         return procrustes_closed_form(A_prev, M, tol), None
     A_tilde = gram_factor(M.T @ M, tol) if decomposition == "eigh" else stacked_gram_factor(M, tol)
     if not align:
-        return canonical_rows(A_tilde, A_prev.shape[0]), A_tilde.shape[0]
+        keep_all = not truncate and A_tilde.shape[0] > 0   # Q = 0 keeps a zero [r, k] factor
+        return (A_tilde if keep_all else canonical_rows(A_tilde, A_prev.shape[0])), A_tilde.shape[0]
     return procrustes(A_prev, A_tilde) @ A_tilde, A_tilde.shape[0]
 
 

@@ -1,17 +1,25 @@
 """Method registry. Every module in this package registers its methods with :func:`register`.
 
 ``get_method(name, **options)`` builds a method by its registered name; ``available_methods()`` lists them.
+``preset_overrides(name)`` and ``lr_grid(name)`` give a method's paper defaults (``Method.preset``,
+``Method.lr_grid``) for ``compare`` and ``tune``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import pkgutil
 
 from .base import LoRAMethod, Method, SetupInfo
 
 _REGISTRY: dict[str, type[Method]] = {}
+
+DEFAULT_LR_GRID: tuple[float, ...] = (3e-4, 1e-3, 3e-3)
+"""Learning rates tuned over for a method whose paper names no grid (AdamW scale)."""
+SGD_LR_GRID: tuple[float, ...] = (3e-3, 1e-2, 3e-2, 1e-1)
+"""Learning rates for the methods whose preset trains with plain SGD and whose paper names no grid."""
 
 
 def register(cls: type[Method]) -> type[Method]:
@@ -54,4 +62,29 @@ def get_method(name: str, **options) -> Method:
     return cls()
 
 
-__all__ = ["Method", "LoRAMethod", "SetupInfo", "register", "get_method", "method_class", "available_methods"]
+def _toml_value(value) -> str:
+    """A preset value as ``--set`` reads it back (TOML): strings quoted, booleans lower case, lists in brackets."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def preset_overrides(name: str) -> list[str]:
+    """The paper's own settings of method ``name`` as ``--set`` strings, e.g. ``['server.weighting="uniform"']``.
+
+    ``compare`` and ``tune`` apply them before the user's ``compare.overrides`` and ``--set`` (the user wins).
+    """
+    return [f"{key}={_toml_value(value)}" for key, value in method_class(name).preset.items()]
+
+
+def lr_grid(name: str) -> list[float]:
+    """The learning rates to tune method ``name`` over: its paper's grid, else :data:`DEFAULT_LR_GRID`."""
+    return list(method_class(name).lr_grid or DEFAULT_LR_GRID)
+
+
+__all__ = ["Method", "LoRAMethod", "SetupInfo", "register", "get_method", "method_class", "available_methods",
+           "preset_overrides", "lr_grid", "DEFAULT_LR_GRID", "SGD_LR_GRID"]

@@ -73,6 +73,9 @@ class Method:
         supports_heterogeneous_ranks: whether clients may have different LoRA ranks.
         personalized: True if each client's model differs from the global one (part of it stays private);
             the runtime then reports the mean over clients of their own models' test metrics.
+        preset: the paper's own run settings as ``{"section.key": value}`` config overrides (client weighting,
+            local optimizer, ...); ``compare``/``tune`` apply them before the user's overrides, which win.
+        lr_grid: the learning rates to tune over (the paper's grid; empty = :data:`DEFAULT_LR_GRID`).
     """
 
     name: ClassVar[str] = ""
@@ -83,6 +86,8 @@ class Method:
     needs_individual_replies: ClassVar[bool] = False
     supports_heterogeneous_ranks: ClassVar[bool] = False
     personalized: ClassVar[bool] = False
+    preset: ClassVar[dict[str, Any]] = {}
+    lr_grid: ClassVar[tuple[float, ...]] = ()
 
     info: SetupInfo
 
@@ -227,8 +232,9 @@ class LoRAMethod(Method):
         correction: client-side drift corrections composed on top of the method: ``"none"``,
             ``"fedprox"``, ``"scaffold"`` or ``"fedprox+scaffold"``.
         mu: FedProx's proximal coefficient μ (used when ``correction`` includes fedprox).
-        cv_grad: how SCAFFOLD refreshes a client's control variate: ``"mean"`` raw gradient of the round
-            (= option II under plain SGD; default), ``"last"`` raw gradient, or the literal ``"option2"``.
+        cv_grad: how SCAFFOLD refreshes a client's control variate: ``"mean"`` raw (clipped) gradient of the
+            round (= option II exactly under plain SGD, with or without clipping; default), ``"last"`` raw
+            gradient, or the literal ``"option2"``.
     """
 
     correction: str = "none"

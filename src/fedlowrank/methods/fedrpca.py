@@ -10,8 +10,10 @@ updates (Eqs. 10–11)::
 
 With ``M = L + S + R`` (R the ADMM residual) this is ``FedAvg + (β − 1)·S·p − R·p``, which is how it is
 computed, so that β = 1 with ``fold_residual`` (``L ← M − S``) is FedAvg bit for bit. β is adaptive by
-default (§4, App. B.3): ``E = ‖S·p‖/‖M·p‖``, ``β = 1/E`` per matrix (``beta_scope = "global"``: one β from
-the mean E), β = 1 when ``‖S·p‖ ≤ 1e-12·‖M·p‖`` (S = 0) or ``M·p = 0``. One client, identical client
+default (§4, App. B.3): ``E = ‖S·p‖/‖M·p‖`` per matrix and ``β = 1/Ē`` with Ē the mean E over a scope:
+``beta_scope = "per_factor"`` (default; App. B.3's ``β_A = 1/E_A``, ``β_B = 1/E_B``, E averaged across all layers
+as in Fig. 7), ``"per_matrix"`` (each matrix its own β; our reading before issue #16) or ``"global"`` (one β);
+β = 1 when ``‖S·p‖ ≤ 1e-12·‖M·p‖`` (S = 0) or ``M·p = 0``. One client, identical client
 updates and an all-zero matrix are all common knowledge (``L = M``, ``S = 0``): the FedAvg update. The head is averaged (``head_agg = "fedavg"``) or decomposed as
 its own matrices (``"rpca"``). Control variates of SCAFFOLD are averaged plainly.
 
@@ -36,7 +38,7 @@ from .base import weighted_sum
 from .fedit import FedIT
 
 GRANULARITIES = ("per_matrix", "per_module_concat", "global")
-BETA_SCOPES = ("per_matrix", "global")
+BETA_SCOPES = ("per_factor", "per_matrix", "global")
 HEAD_AGGS = ("fedavg", "rpca")
 EPS = 1e-12          # ‖S·p‖ ≤ EPS·‖M·p‖ counts as S = 0 for the adaptive β (spec §2.5)
 
@@ -54,7 +56,8 @@ def mean_pairwise_cosine(rows: torch.Tensor) -> torch.Tensor:
 class FedRPCA(FedIT):
     """Options:
         beta: ``"adaptive"`` (β = 1/E each round) or a fixed β > 0 (paper grid 2, 3, 4; 1 = FedAvg).
-        beta_scope: ``"per_matrix"`` (one β per RPCA call) or ``"global"`` (β = 1/mean E over the matrices).
+        beta_scope: ``"per_factor"`` (β_A = 1/mean E over the A matrices, β_B likewise; App. B.3), ``"per_matrix"``
+            (one β per RPCA call) or ``"global"`` (β = 1/mean E over all matrices).
         beta_min, beta_max: clip the adaptive β to ``[beta_min, beta_max]`` (0 = no bound; off by default).
         granularity: one RPCA call per LoRA matrix (``"per_matrix"``), per module with vec(ΔA) stacked over
             vec(ΔB) (``"per_module_concat"``), or on all LoRA parameters at once (``"global"``).
@@ -71,9 +74,11 @@ class FedRPCA(FedIT):
     uplink = "A [r,in] and B [out,r] per target module, head"
     downlink = "A, B per target module, head"
     needs_individual_replies = True
+    preset = {"server.weighting": "uniform", "train.weight_decay": 0.1}  # eqs. 4, 10, 11: 1/M; Table 5: wd 0.1
+    lr_grid = (1e-4, 3e-4, 1e-3)  # Table 5 uses 1e-4 and 1e-3
 
     beta: float | str = "adaptive"
-    beta_scope: str = "per_matrix"
+    beta_scope: str = "per_factor"
     beta_min: float = 0.0
     beta_max: float = 0.0
     granularity: str = "per_matrix"
@@ -197,19 +202,33 @@ class FedRPCA(FedIT):
                 getattr(out, name)[idx] = getattr(res, name)
         return out
 
-    def betas(self, E: dict[str, float]) -> dict[str, float]:
-        """β of every matrix from its ``E = ‖S·p‖/‖M·p‖`` (0 when ``M·p = 0``): fixed, or adaptive ``1/E``.
+    def beta_group(self, matrix: str) -> str:
+        """The matrices sharing one adaptive β: the matrix itself, its factor type (``A``, ``B``; a stacked
+        module or ``global`` is ``AB``; a head tensor stays its own) or all of them (``beta_scope``)."""
+        if self.beta_scope == "per_matrix" or (self.beta_scope == "per_factor" and matrix.startswith("head/")):
+            return matrix
+        if self.beta_scope == "global":
+            return "all"
+        return matrix[-1] if matrix.endswith((".lora_A", ".lora_B")) else "AB"
 
-        Adaptive: β = 1 where ``E ≤ 1e-12`` (S = 0 or M·p = 0; spec §2.5), then the optional clip. With
-        ``beta_scope = "global"`` one β = 1/mean E over the matrices with ``E > 0``.
+    def betas(self, E: dict[str, float]) -> dict[str, float]:
+        """β of every matrix from the ``E = ‖S·p‖/‖M·p‖`` of the matrices (0 when ``M·p = 0``): fixed, or
+        adaptive ``1/Ē`` with Ē the mean of the ``E > 0`` in its :meth:`beta_group`.
+
+        Adaptive: β = 1 where ``Ē ≤ 1e-12`` (S = 0 or M·p = 0; spec §2.5), then the optional clip.
         """
         if not isinstance(self.beta, str):
             return {g: float(self.beta) for g in E}
-        if self.beta_scope == "global":
-            nonzero = [e for e in E.values() if e > 0]
-            mean = sum(nonzero) / len(nonzero) if nonzero else 0.0
-            E = {g: mean for g in E}
-        return {g: self.clip(1.0 / e) if e > EPS else 1.0 for g, e in E.items()}
+        groups: dict[str, list[float]] = defaultdict(list)
+        for g, e in E.items():
+            if e > 0:
+                groups[self.beta_group(g)].append(e)
+        mean = {k: sum(v) / len(v) for k, v in groups.items()}
+        out = {}
+        for g in E:
+            e = mean.get(self.beta_group(g), 0.0)
+            out[g] = self.clip(1.0 / e) if e > EPS else 1.0
+        return out
 
     def clip(self, beta: float) -> float:
         if self.beta_max > 0:

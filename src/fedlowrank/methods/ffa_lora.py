@@ -20,7 +20,7 @@ from ..adapters.lora import init_lora_factors, lora_modules
 from ..adapters.model import AdaptedModel
 from ..message import Message, State
 from ..seeding import torch_generator
-from . import register
+from . import SGD_LR_GRID, register
 from .base import SetupInfo
 from .ranks import HeteroRankLoRA, download_factors, module_names, padded_average, rank_weights
 
@@ -43,6 +43,8 @@ class FFALoRA(HeteroRankLoRA):
     needs_individual_replies = False
 
     trains = ("B",)
+    preset = {"train.optimizer": "sgd"}  # as run in FedGaLore's study (Table 1)
+    lr_grid = SGD_LR_GRID
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         server = super().setup(model, info)

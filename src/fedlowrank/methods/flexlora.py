@@ -4,13 +4,18 @@ Resources", NeurIPS 2024): average the full-size updates, SVD-truncate back to e
 Clients train A and B at their own rank from the factors they received. The server forms
 ``ΔW = Σ pₖ sₖ Bₖ Aₖ`` in factored form (stacked factors, QR of both, SVD of the small core —
 :func:`~fedlowrank.linalg.lowrank.factored_svd`; ``ΔW`` is never formed) and keeps its best rank-``r`` approximation
-``U_r S_r V_rᵀ`` (``r`` = server rank = max client rank) as the global adapter, split evenly between the factors:
+``U_r S_r V_rᵀ`` (``r`` = server rank = max client rank) as the global adapter, split between the factors by
+``split``:
 
-    B̄ = U_r S_r^{1/2} / √s,   Ā = S_r^{1/2} V_rᵀ / √s,   so  s B̄ Ā = U_r S_r V_rᵀ  exactly.
+    official (default, the public code):  B̄ = U_r S_r / s,            Ā = V_rᵀ
+    even (FeDeRA's default):               B̄ = U_r S_r^{1/2} / √s,     Ā = S_r^{1/2} V_rᵀ / √s
 
-Client k receives the leading ``r_k`` directions rescaled to its own scale (:mod:`~fedlowrank.methods.hetlora`),
-i.e. exactly the rank-``r_k`` truncated SVD of ``ΔW`` (FedGaLore spec §5.4, ILoRA spec §5). The public
-code's ``B = U_r S_r / s``, ``A = V_rᵀ`` is the same product; the FedLLM-Factory variant (``√S`` on one side only) is not. Server step β:
+Both give ``s B̄ Ā = U_r S_r V_rᵀ`` exactly; they differ in what the clients' optimiser starts from (the official
+A has orthonormal rows). Client k receives the leading ``r_k`` directions rescaled to its own scale
+(:mod:`~fedlowrank.methods.hetlora`), i.e. exactly the rank-``r_k`` truncated SVD of ``ΔW`` (FedGaLore spec §5.4,
+ILoRA spec §5); the FedLLM-Factory variant (``√S`` on one side only) is not offered. Equal-rank rule: the public
+code averages A and B factor-wise (FedAvg, as FedIT) when every client has the same rank; ``equal_ranks =
+"fedavg"`` does that, the default ``"svd"`` keeps the paper's SVD redistribution at every rank mix. Server step β:
 ``ΔW = (1 − β) s B̄_old Ā_old + β Σ pₖ sₖ Bₖ Aₖ`` (the old adapter is one more stacked block).
 Reports ``truncation_err``: ``‖ΔW − U_r S_r V_rᵀ‖_F / ‖ΔW‖_F``, averaged over modules (0 at full rank).
 """
@@ -20,18 +25,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-
 from ..adapters.lora import lora_scale
 from ..linalg.lowrank import factored_svd, stack_factors
 from ..message import Reply, State
 from . import register
 from .ranks import HeteroRankLoRA, module_names, zero_pad
 
+SPLITS = ("official", "even")
+EQUAL_RANKS = ("svd", "fedavg")
 
 
 @register
 @dataclass
 class FlexLoRA(HeteroRankLoRA):
+    """Options: ``split`` of the truncated SVD between B and A (``"official"``: B = U S/s, A = Vᵀ;
+    ``"even"``: √S on each side); ``equal_ranks``: ``"svd"`` (the paper's SVD at any rank mix) or ``"fedavg"``
+    (the public code: factor-wise FedAvg when all client ranks are equal)."""
+
     name = "flexlora"
     description = "average Σpₖ sₖBₖAₖ (factored), truncated SVD back to each client's rank"
     paper = ("Bai et al., Federated Fine-tuning of Large Language Models under Heterogeneous Tasks and Client "
@@ -40,9 +50,22 @@ class FlexLoRA(HeteroRankLoRA):
     downlink = "rank-r_k truncated SVD factors A [r_k,in], B [out,r_k] per target module, head"
     needs_individual_replies = True
 
+    split: str = "official"
+    equal_ranks: str = "svd"
+
+    def __post_init__(self) -> None:
+        for option, value, allowed in (("split", self.split, SPLITS), ("equal_ranks", self.equal_ranks, EQUAL_RANKS)):
+            if value not in allowed:
+                raise ValueError(f"method.{option} must be one of {allowed}, got {value!r}")
+        super().__post_init__()
+
     def aggregate(self, server: State, replies: list[Reply], rnd: int) -> State:
         server = State(server)
         p = self.client_weights(replies)
+        if self.equal_ranks == "fedavg" and not self.info.heterogeneous_ranks:
+            self.average_into(server, replies, self.lora_keys(server) + self.head_keys(server), p)
+            self.aggregate_corrections(server, replies)
+            return server
         beta, r = self.info.server_lr, self.info.rank
         s = lora_scale(self.info.alpha, r, self.info.scaling)
         errors = []
@@ -55,10 +78,14 @@ class FlexLoRA(HeteroRankLoRA):
                 Bs, As, w = Bs + [server[kb]], As + [server[ka]], w + [(1.0 - beta) * s]
             U, S, Vh = factored_svd(*stack_factors(Bs, As, w))
             k = min(r, S.shape[0])
-            root = (S[:k] / s).sqrt()
+            if self.split == "official":
+                B, A = U[:, :k] * (S[:k] / s), Vh[:k]
+            else:
+                root = (S[:k] / s).sqrt()
+                B, A = U[:, :k] * root, root[:, None] * Vh[:k]
             dtype = server[kb].dtype
-            server[kb] = zero_pad((U[:, :k] * root).to(dtype), server[kb].shape)
-            server[ka] = zero_pad((root[:, None] * Vh[:k]).to(dtype), server[ka].shape)
+            server[kb] = zero_pad(B.to(dtype), server[kb].shape)
+            server[ka] = zero_pad(A.to(dtype), server[ka].shape)
             total = float(S.pow(2).sum())
             errors.append(math.sqrt(float(S[k:].pow(2).sum()) / total) if total > 0 else 0.0)
         self.average_into(server, replies, self.head_keys(server), p)

@@ -20,7 +20,10 @@ Choices where the paper is silent or inconsistent (spec §9):
   ``compensate_init`` subtracts ``s L A¹ᵀA¹ R`` so that the initial model is the pretrained one.
 * A6: the optimizer is the run's ``train.optimizer`` (AdamW in the paper), fresh every round.
 * A7/A13: the head is shared and averaged; weights pₙ follow ``server.weighting`` (the paper uses uniform).
-* A8: ``procrustes = false`` keeps the top-r rows of the canonical factor (eigenvalues descending).
+* A8: ``procrustes = false`` with ``truncate = false`` is the paper's ablation (Table 3, ``Aᵗ⁺¹ := Ãᵗ⁺¹``): the
+  factor keeps all r' rows, so the rank and the communication grow each round (up to min(k, N·r)); registered as
+  ``florg-no-procrustes``. With ``truncate = true`` it keeps the top-r rows of the canonical factor (eigenvalues
+  descending; our earlier reading, registered as ``florg-top-rows``).
 * ``server.lr`` β < 1 blends the Gram matrices, ``Q = (1−β) AᵗᵀAᵗ + β Σ pₙ AₙᵀAₙ`` (still PSD); β > 1 is refused.
 """
 
@@ -34,7 +37,7 @@ from torch import nn
 from ..adapters.gram import A_INITS, BASES_INITS, GramLinear, gram_bases, gram_modules, init_gram_A
 from ..adapters.lora import lora_scale
 from ..adapters.model import AdaptedModel
-from ..linalg.gram import GRAM_DECOMPOSITIONS, aggregate_gram, gram_distance, stack_gram_factors
+from ..linalg.gram import GRAM_DECOMPOSITIONS, aggregate_gram, canonical_rows, gram_distance, stack_gram_factors
 from ..message import Message, State
 from ..seeding import torch_generator
 from ..training.corrections import make_corrections
@@ -46,7 +49,10 @@ from .base import Method, SetupInfo, head_tensors, load_head, weighted_sum
 @dataclass
 class FLoRG(Method):
     """Options:
-        procrustes: align the new factor to the previous one (Theorem 1); false = the paper's ablation.
+        procrustes: align the new factor to the previous one (Theorem 1); false = no alignment (Table 3's
+            ablation when ``truncate`` is false too: ``florg-no-procrustes``).
+        truncate: without Procrustes, keep only the top-r rows of Ã (true) or all r' of them (false, the paper's
+            Table 3 ablation); ignored with Procrustes.
         server_decomp: ``"stacked_svd"`` (SVD of the stacked [Nr, k] factors, O(k(Nr)²); default),
             ``"eigh"`` (the paper's k×k eigendecomposition, O(k³)) or ``"closed_form"``
             (``(AQAᵀ)^{-1/2}AQ``, O(Nr²k); needs ``procrustes``). All three give the same factor.
@@ -64,8 +70,11 @@ class FLoRG(Method):
     downlink = "A [r,k] per target module, head (L, R come from the shared seed)"
     needs_individual_replies = True
     supports_heterogeneous_ranks = False
+    preset = {"server.weighting": "uniform"}  # eq. 4: 1/N
+    lr_grid = (1e-3, 3e-3, 1e-2)  # issue #16's CPU-scale grid (paper: {5e-4, 1e-4, 5e-5, 1e-5} at LLM scale)
 
     procrustes: bool = True
+    truncate: bool = True
     server_decomp: str = "stacked_svd"
     bases_init: str = "semi_orthogonal"
     a_init: str = "gaussian"
@@ -85,6 +94,9 @@ class FLoRG(Method):
         if self.server_decomp == "closed_form" and not self.procrustes:
             raise ValueError("method.server_decomp = 'closed_form' needs method.procrustes = true; "
                              "allowed without Procrustes: 'eigh', 'stacked_svd'")
+        if self.growing_rank and self.correction != "none":
+            raise ValueError("method.correction: the factor's rank changes every round without Procrustes and "
+                             "truncation, so the control variates cannot follow; allowed: 'none'")
         if not 0 < self.eig_tol < 1:
             raise ValueError(f"method.eig_tol must be in (0, 1), got {self.eig_tol}")
         self._corrections = make_corrections(self.correction, self.mu, self.cv_grad)
@@ -118,6 +130,11 @@ class FLoRG(Method):
             c.init_server(server, shapes)
         return server
 
+    @property
+    def growing_rank(self) -> bool:
+        """True for the paper's "w/o Procrustes" ablation: the global factor has r' = rank(Q) rows."""
+        return not self.procrustes and not self.truncate
+
     def model_keys(self, server: State) -> list[str]:
         """Keys of the global model in the server state: ``"<module>.gram_A"`` and ``"head/<param>"``."""
         return [k for k in server if (k.endswith(".gram_A") and "/" not in k) or k.startswith("head/")]
@@ -125,7 +142,7 @@ class FLoRG(Method):
     # -- client side -----------------------------------------------------------------------------------
     def load_global(self, model: AdaptedModel, server) -> None:
         for name, mod in gram_modules(model).items():
-            mod.set_A(server[f"{name}.gram_A"])
+            mod.set_A(server[f"{name}.gram_A"], any_rows=self.growing_rank)
         load_head(model, server)
 
     def trainable(self, model: AdaptedModel) -> dict[str, nn.Parameter]:
@@ -161,9 +178,11 @@ class FLoRG(Method):
             w = [beta * x for x in weights]
             if beta < 1:
                 As, w = As + [A_prev], w + [1.0 - beta]
-            A_next, r_prime = aggregate_gram(A_prev, As, w, self.server_decomp, self.procrustes, self.eig_tol)
+            A_next, r_prime = aggregate_gram(A_prev, As, w, self.server_decomp, self.procrustes, self.eig_tol,
+                                             self.truncate)
             new[key] = A_next.to(A_prev.dtype)
-            drift2 += float((A_next - A_prev.to(torch.float64)).square().sum())
+            rows = max(A_next.shape[0], A_prev.shape[0])          # zero-padded when the rank grew (r' ≠ r)
+            drift2 += float((canonical_rows(A_next, rows) - canonical_rows(A_prev, rows)).square().sum())
             M = stack_gram_factors(As, w)                      # MᵀM = Q, for the diagnostics
             trunc.append(gram_distance(A_next, M) / max(gram_distance(M, A_prev), 1e-300))
             if r_prime is not None:
@@ -177,4 +196,31 @@ class FLoRG(Method):
         return new
 
 
-__all__ = ["FLoRG"]
+
+@register
+@dataclass
+class FLoRGNoProcrustes(FLoRG):
+    """The paper's ablation (Table 3): ``Aᵗ⁺¹ := Ãᵗ⁺¹`` with all its r' rows (no alignment, no truncation)."""
+
+    name = "florg-no-procrustes"
+    description = "FLoRG without Procrustes (paper's Table 3): the canonical factor with all r' = rank(Q) rows"
+    uplink = "A [r',k] per target module (r' = rank of the last aggregated Gram matrix, up to min(k, N·r)), head"
+    downlink = "A [r',k] per target module, head"
+
+    procrustes: bool = False
+    truncate: bool = False
+
+
+@register
+@dataclass
+class FLoRGTopRows(FLoRG):
+    """Without Procrustes, truncated: the top-r rows of the canonical factor (spec A8's default reading)."""
+
+    name = "florg-top-rows"
+    description = "FLoRG without Procrustes, truncated to the top-r rows of the canonical factor (rank stays r)"
+
+    procrustes: bool = False
+    truncate: bool = True
+
+
+__all__ = ["FLoRG", "FLoRGNoProcrustes", "FLoRGTopRows"]

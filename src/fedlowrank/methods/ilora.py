@@ -21,10 +21,15 @@ Choices for what the paper leaves open (spec §9):
   recomputes ``−s·Q0[:, :n] R0[:n]`` (``n`` = the directions it received) each time it loads a message.
 * ``A2``: the received factors replace the client's; ``A9``: the optimizer is fresh every round (the trainer's);
   ``A8``: the head is trained and FedAvg-ed (``Σ p_k head_k``), with no control variates.
-* ``A1`` (``hetero_base``): ``"per_client"`` is Alg. 1 literally; ``"residual"`` is the spec's fix (one base at
-  rank r_s, clients receive the global ``(B_s, A_s)``: its leading r_k directions to train, the others as
-  ``<m>.frozen_A/B`` kept frozen in their base; the server appends the frozen parts as extra blocks of the
-  concatenation).
+* ``A1`` (``hetero_base``): ``"residual"`` (default) is one base at rank r_s, ``W0 − s·Q0[:, :r_s]R0[:r_s]``
+  (Lemma 6, Alg. 4 l.2): clients receive the global ``(B_s, A_s)``, its leading r_k directions to train and the
+  others as ``<m>.frozen_A/B`` kept frozen in their base; the server appends the frozen parts as extra blocks of
+  the concatenation. Every client then starts every round from the global model, which is what eq. 7
+  (``θ_k = θ_0 − B_k A_k``: the local model is the pretrained one plus the adapter) is for; with equal ranks it is
+  Alg. 1 exactly. ``"per_client"`` is Alg. 1 read literally at unequal ranks: client k's base keeps
+  ``W0 − s·Q0[:, :r_k]R0[:r_k]`` while the server averages whole factors, so after a round W0's j-th QR
+  direction in client k's model is scaled by ``1 − s(1 − w_j)`` (negative, i.e. sign-flipped, when
+  ``s(1 − w_j) > 1``); it needs no r_k ≤ r_s.
 * Global model (step 6): ``W0 − s·Q0 diag(w) R0 + s·B_s A_s`` with ``w_j = Σ_{k: r_k > j} π_k``,
   ``π_k`` = data share over all clients (``per_client``), or ``w = 1`` on the first r_s directions
   (``residual``); before the first aggregation it is the pretrained model.
@@ -183,7 +188,8 @@ class ILoRA(QRInitLoRA):
 
     Options:
         decomp: ``"qr"`` (unpivoted, the paper) or ``"svd"`` (Eckart–Young optimal truncation, A5).
-        hetero_base: ``"per_client"`` (Alg. 1) or ``"residual"`` (spec A1 fix; needs every r_k ≤ r_s).
+        hetero_base: ``"residual"`` (default: one base at r_s, Lemma 6 / Alg. 4, every client starts from the
+            global model as eq. 7 intends; needs every r_k ≤ r_s) or ``"per_client"`` (Alg. 1 literally).
     """
 
     name = "ilora"
@@ -194,9 +200,10 @@ class ILoRA(QRInitLoRA):
     downlink = ("Q[:, :r_k] [out,r_k] and R[:r_k] [r_k,in] per target module, head; with hetero_base=residual "
                 "also the frozen directions r_k..r_s of the global adapter")
     needs_individual_replies = True
+    lr_grid = (3e-4, 1e-3, 3e-3)  # issue #16's CPU-scale grid around the paper's AdamW 1e-4
 
     decomp: str = "qr"
-    hetero_base: str = "per_client"
+    hetero_base: str = "residual"
 
     def __post_init__(self) -> None:
         if self.decomp not in DECOMPOSITIONS:

@@ -27,7 +27,7 @@ import torch
 from ..adapters.lora import lora_scale
 from ..linalg.lowrank import stack_factors
 from ..message import Reply, State
-from . import register
+from . import SGD_LR_GRID, register
 from .ranks import (HeteroRankLoRA, module_names, padded_average, rank_weights)
 
 
@@ -88,6 +88,8 @@ class LoRAFAIR(HeteroRankLoRA):
     uplink = "A_k [r_k,in] and B_k [out,r_k] per target module, head"
     downlink = "Ā[:r_k], (B̄+ΔB)[:, :r_k] per target module, head"
     needs_individual_replies = True
+    preset = {"train.optimizer": "sgd"}  # as run in FedGaLore's study (Table 1)
+    lr_grid = SGD_LR_GRID
 
     lam: float = 0.01
     steps: int = 200

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import register
+from . import SGD_LR_GRID, register
 from .fedit import FedIT
 
 
@@ -37,6 +37,8 @@ class Scaffold(FedIT):
     paper = "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning (ICML 2020)"
     uplink = "A [r,in], B [out,r] per target module, head; and Δcᵢ of the same shapes"
     downlink = "Ā, B̄ per target module, head; and the server control variate c of the same shapes"
+    preset = {"server.weighting": "uniform", "train.optimizer": "sgd"}  # Alg. 1: x ← x + η_g·mean Δy, local SGD
+    lr_grid = SGD_LR_GRID
 
     correction: str = "scaffold"
 

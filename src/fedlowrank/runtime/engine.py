@@ -47,15 +47,16 @@ def wire(msg: Message) -> Message:
 
 
 def client_update(method: Method, model: AdaptedModel, msg: Message, state: State, task, indices: np.ndarray,
-                  cfg, client: int, rnd: int) -> tuple[Message, State, LocalTrainer]:
-    """Run one client's round on ``model`` and return (reply, new client state, the trainer used).
+                  cfg, client: int, rnd: int, on_step=None) -> tuple[Message, State, LocalTrainer]:
+    """Run one client's round on ``model`` and return (reply, new client state, the trainer used);
+    ``on_step(step, total)`` is the trainer's progress hook.
 
     Every adapter's base delta is cleared first: whatever the client needs must come in ``msg``. The reply and
     the new state come back on the CPU, whatever device the model is on.
     """
     for mod in model.adapters().values():
         mod.set_base_delta(None)
-    trainer = LocalTrainer(task, indices, cfg.train, client, rnd, cfg.run.rounds, cfg.run.seed)
+    trainer = LocalTrainer(task, indices, cfg.train, client, rnd, cfg.run.rounds, cfg.run.seed, on_step=on_step)
     reply, new_state = method.train(model, msg, state, trainer)
     return to_host(reply), to_host(new_state), trainer
 

@@ -6,8 +6,19 @@ ledger), run :func:`~fedlowrank.runtime.engine.client_update` on the shared mode
 clients' small states, never with model copies.
 
 A run directory holds ``config.json`` (resolved), ``partition.json`` (per-client label histograms),
-``metrics.jsonl`` (a row per round: metrics, bytes, time breakdown), ``ledger.jsonl`` (a row per client
-per round: bytes up and down) and ``checkpoints/`` (every ``run.checkpoint_every`` rounds and at the end).
+``metrics.jsonl`` (a row per round: metrics, bytes, time breakdown, ``per_client``), ``ledger.jsonl`` (a row per client
+per round: bytes up and down) and ``checkpoints/`` (every ``run.checkpoint_every`` rounds and at the end);
+``run.tracking`` mirrors each metrics row to TensorBoard, W&B or MLflow (:mod:`fedlowrank.tracking`).
+
+A metrics row: ``round``, ``clients`` (sampled), ``replied`` (used), ``train_loss`` (mean over the used
+replies), the test metrics when the round was evaluated (``accuracy``, ``loss``; for personalised methods the
+mean over the clients' own models), ``bytes_up``/``bytes_down`` (this round), ``cum_bytes_up``/
+``cum_bytes_down``, ``time`` (``client_compute``, ``aggregation``, ``evaluation``, ``other``, ``total``, in
+seconds), ``peak_rss_mb``, optional ``dropped``, ``rejected``, ``skipped``, ``diagnostics``, and ``per_client``:
+one entry per sampled client, ``{"client", "train_loss", "num_examples", "bytes_up", "bytes_down"}``
+(``train_loss`` and ``num_examples`` are ``null`` for a client whose reply was dropped or rejected); in an
+evaluated round of a personalised method each evaluated client's entry also has ``"test": {"accuracy",
+"loss"}`` of its own model (clients evaluated but not sampled get an entry with zero bytes).
 
 Robustness: sampled clients may drop out (``run.dropout``, ``run.dropout_schedule``); every reply is
 checked (:func:`~fedlowrank.runtime.engine.check_reply`) and a bad one is rejected with a logged reason,
@@ -23,7 +34,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,8 +42,10 @@ import torch
 from ..device import check_dtype, resolve_device
 from ..message import Message, Reply, State
 from ..methods import get_method
-from ..partition import format_histograms, label_histograms, partition_task
+from ..partition import format_histograms, label_histograms, partition_task, split_on
 from ..plots import plot_label_histograms
+from ..progress import Progress
+from ..tracking import open_tracker, require_package
 from ..tasks import Task, build_task
 from ..seeding import numpy_rng
 from .checkpoint import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -72,19 +85,28 @@ class Simulation:
         cfg: a validated :class:`~fedlowrank.config.RunConfig`.
         task: a task to reuse (its data and tokenisation); built from ``cfg`` when ``None``.
         run_dir: where to write the run's files; ``None`` writes nothing.
-        log: where progress lines go (``None`` = silent).
+        log: where progress lines go (``None`` = silent); a log with a true ``bars`` attribute
+            (:class:`~fedlowrank.progress.StderrLog` on a terminal) also gets tqdm bars.
         tamper: fault injection for tests and robustness studies: ``tamper(rnd, client, reply) -> reply`` is
             applied to every reply before it is sent.
+        parts: client index arrays to train on instead of the configured partition (``fedlowrank tune`` passes
+            the partition with each client's validation examples held out).
     """
 
     def __init__(self, cfg, task: Task | None = None, run_dir: str | Path | None = None,
                  log: Callable[[str], None] | None = None,
-                 tamper: Callable[[int, int, Message], Message] | None = None):
+                 tamper: Callable[[int, int, Message], Message] | None = None,
+                 parts: list[np.ndarray] | None = None):
         self.cfg = cfg
+        if cfg.run.tracking:
+            require_package(cfg.run.tracking)  # before any work
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.task = task if task is not None else build_task(cfg)
-        self.parts, self.split = partition_task(self.task, cfg.partition, cfg.run.seed)
+        if parts is None:
+            self.parts, self.split = partition_task(self.task, cfg.partition, cfg.run.seed)
+        else:  # what the configured partition splits on, for the report
+            self.parts, self.split = parts, split_on(self.task, cfg.partition, cfg.run.seed)
         self.method = get_method(cfg.method_name, **cfg.method_options)
         self.model = self.task.build_model()
         self.info = setup_info(cfg, [len(p) for p in self.parts])
@@ -99,7 +121,10 @@ class Simulation:
         self.history: list[dict[str, Any]] = []
         self.round = 0
         self.last_eval: dict[str, float] = {}
-        self.log = log
+        self.client_eval: dict[int, dict[str, float]] = {}  # personalised methods: each client's test metrics
+        self.progress = Progress(log, self.method.name, cfg.run.rounds)
+        self.log = self.progress.write if log is not None else None
+        self.tracker = None
         self.tamper = tamper
         self.run_dir = Path(run_dir) if run_dir is not None else None
         if self.run_dir is not None:
@@ -134,13 +159,19 @@ class Simulation:
         """Global model on the test set; for personalised methods, the mean over the clients that have a state
         of their own model's metrics."""
         if self.method.personalized and self.store:
-            rows = []
+            self.progress.eval_start(len(self.store))
+            self.client_eval = {}
             for k in sorted(self.store):
                 self.method.load_personal(self.model, self.server, self.store[k])
-                rows.append(self.task.evaluate(self.model.net))
+                self.client_eval[k] = self.task.evaluate(self.model.net)
+                self.progress.eval_step()
+            rows = list(self.client_eval.values())
             return {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
+        self.progress.eval_start(1)
         self.method.load_global(self.model, self.server)
-        return self.task.evaluate(self.model.net)
+        metrics = self.task.evaluate(self.model.net)
+        self.progress.eval_step()
+        return metrics
 
     def dropped_clients(self, rnd: int, clients: list[int]) -> set[int]:
         """Sampled clients that do not reply this round: ``run.dropout_schedule`` pairs ``[round, client]`` and,
@@ -164,6 +195,8 @@ class Simulation:
         ledger_rows: list[dict[str, int]] = []
         compute = 0.0
         losses: list[float] = []
+        self.progress.round_start(rnd, len(clients))
+        self.client_eval = {}  # filled by this round's evaluation, if any
         for k in clients:
             msg = self.method.broadcast(self.server, k, rnd)
             down_bytes = msg.nbytes()
@@ -172,8 +205,9 @@ class Simulation:
             if state is None:
                 state = self.method.init_client(k)
             reply, new_state, trainer = client_update(self.method, self.model, down, state, self.task,
-                                                      self.parts[k], cfg, k, rnd)
+                                                      self.parts[k], cfg, k, rnd, self.progress.client_start(k))
             compute += trainer.compute_seconds
+            self.progress.client_done()
             if k in dropped:
                 ledger_rows.append({"round": rnd, "client": k, "down": down_bytes, "up": 0})
                 continue
@@ -228,17 +262,30 @@ class Simulation:
             row["skipped"] = True
         if diagnostics:
             row["diagnostics"] = diagnostics
-        self.record_round(row, ledger_rows)
-        if self.log:
-            acc = f" acc={metrics['accuracy']:.4f}" if "accuracy" in metrics else ""
-            extra = "".join(f" {k}={v:.4g}" for k, v in metrics.items() if k not in ("accuracy", "loss"))
-            self.log(f"[{self.method.name}] round {rnd}/{cfg.run.rounds}{acc}{extra} loss={row['train_loss']:.4f} "
-                     f"up={row['bytes_up'] / 1e6:.2f}MB down={row['bytes_down'] / 1e6:.2f}MB {total:.1f}s")
+        self.record_round(row, ledger_rows, replies)
+        self.progress.round_end(row, metrics)
         return row
 
-    def record_round(self, row: dict[str, Any], ledger_rows: list[dict[str, int]]) -> None:
-        """Store a finished round (both runtimes): history, metrics.jsonl, ledger.jsonl, divergence check,
-        checkpoint."""
+    def client_rows(self, ledger_rows: list[dict[str, int]], replies: list[Reply]) -> list[dict[str, Any]]:
+        """The round's ``per_client`` entries (see the module's docstring), sorted by client; consumes
+        :attr:`client_eval`."""
+        used = {r.client: r for r in replies}
+        rows: dict[int, dict[str, Any]] = {}
+        for lr in ledger_rows:
+            reply = used.get(lr["client"])
+            rows[lr["client"]] = {
+                "client": lr["client"], "train_loss": float(reply.message["train_loss"]) if reply else None,
+                "num_examples": reply.num_examples if reply else None, "bytes_up": lr["up"], "bytes_down": lr["down"]}
+        for k, test in self.client_eval.items():
+            rows.setdefault(k, {"client": k, "train_loss": None, "num_examples": None, "bytes_up": 0,
+                                "bytes_down": 0})["test"] = test
+        self.client_eval = {}
+        return [rows[k] for k in sorted(rows)]
+
+    def record_round(self, row: dict[str, Any], ledger_rows: list[dict[str, int]], replies: Sequence[Reply] = ()) -> None:
+        """Store a finished round (both runtimes): its ``per_client`` entries (from the ledger rows and the used
+        ``replies``), history, metrics.jsonl, ledger.jsonl, tracker, divergence check, checkpoint."""
+        row["per_client"] = self.client_rows(ledger_rows, list(replies))
         self.round = row["round"]
         self.history.append(row)
         self._append("metrics.jsonl", [row])
@@ -247,6 +294,10 @@ class Simulation:
         if generations and self.run_dir is not None:
             (self.run_dir / f"generations-round{self.round}.jsonl").write_text(
                 "".join(json.dumps(g) + "\n" for g in generations))
+        if self.run_dir is not None and self.cfg.run.tracking:
+            if self.tracker is None:
+                self.tracker = open_tracker(self.cfg, self.run_dir)
+            self.tracker.log(row)
         self._check_divergence(row)
         if self.run_dir is not None and self.cfg.run.checkpoint_every and (
                 self.round % self.cfg.run.checkpoint_every == 0 or self.round == self.cfg.run.rounds):
@@ -308,9 +359,19 @@ class Simulation:
 
     def run(self) -> dict[str, Any]:
         """Run the remaining rounds and return a summary."""
-        while self.round < self.cfg.run.rounds:
-            self.run_round()
+        try:
+            while self.round < self.cfg.run.rounds:
+                self.run_round()
+        finally:
+            self.close()
         return self.summary()
+
+    def close(self) -> None:
+        """Close the progress bars and the tracker (a later round reopens the tracker)."""
+        self.progress.close()
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
 
     def summary(self) -> dict[str, Any]:
         times = {k: sum(r["time"][k] for r in self.history) for k in ("client_compute", "aggregation", "evaluation", "other", "total")}

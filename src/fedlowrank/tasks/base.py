@@ -1,7 +1,9 @@
 """The task contract: data, model, loss and metrics bundled (DESIGN §6).
 
 A task exposes its training labels (for partitioners), builds the :class:`AdaptedModel`, turns example indices
-into a batch, computes the training loss, and evaluates a model on its global test set.
+into a batch, computes the training loss, and evaluates a model on its global test set, or on training examples
+held out as a validation split (:meth:`Task.evaluate_examples`, :meth:`Task.validation`; used by
+``fedlowrank tune``, which never looks at the test set).
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ class Task:
         num_train: N_train.
         natural_partition: optional ``[N_train]`` client ids for tasks whose data come already split
             (e.g. the federated matrix regression); ``None`` otherwise.
+        validation_metric: the key of :meth:`evaluate_examples` that learning-rate tuning selects on
+            (``"accuracy"`` is maximised, any other key minimised).
     """
 
     name: str = ""
+    validation_metric: str = "loss"
     train_labels: np.ndarray | None = None
     natural_partition: np.ndarray | None = None
 
@@ -67,6 +72,58 @@ class Task:
         handed over once; the runtime writes them to the run directory. Default: none."""
         return []
 
+    def evaluate_examples(self, net: nn.Module, indices: np.ndarray) -> dict[str, float]:
+        """Metrics on the training examples at ``indices`` (a validation split held out of training)."""
+        raise NotImplementedError(f"task {self.name!r} cannot evaluate on held-out training examples")
+
+    def validation(self, indices: np.ndarray) -> "Task":
+        """This task with :meth:`evaluate` on the training examples ``indices`` instead of the test set."""
+        return ValidationView(self, indices)
+
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary for the run directory."""
         return {"name": self.name, "num_train": self.num_train}
+
+
+class ValidationView(Task):
+    """``task`` whose :meth:`evaluate` reports on held-out training examples ``indices`` (the validation split);
+    data, model, batches and loss are the task's own. The caller keeps ``indices`` out of every client's data."""
+
+    def __init__(self, task: Task, indices: np.ndarray):
+        self.task = task
+        self.indices = np.sort(np.asarray(indices, dtype=np.int64))
+        self.name = task.name
+        self.train_labels = task.train_labels
+        self.natural_partition = task.natural_partition
+        self.validation_metric = task.validation_metric
+
+    def __getattr__(self, key: str) -> Any:  # task-specific extras (e.g. ``batched_grad``, ``data``)
+        return getattr(self.__dict__["task"], key)
+
+    @property
+    def num_train(self) -> int:
+        return self.task.num_train
+
+    def build_model(self) -> AdaptedModel:
+        return self.task.build_model()
+
+    def batch(self, indices: np.ndarray) -> Any:
+        return self.task.batch(indices)
+
+    def loss(self, net: nn.Module, batch: Any) -> Tensor:
+        return self.task.loss(net, batch)
+
+    def features(self, net: nn.Module, batch: Any) -> Tensor:
+        return self.task.features(net, batch)
+
+    def column_values(self, name: str) -> list[str]:
+        return self.task.column_values(name)
+
+    def embedding_texts(self) -> list[str]:
+        return self.task.embedding_texts()
+
+    def evaluate(self, net: nn.Module) -> dict[str, float]:
+        return self.task.evaluate_examples(net, self.indices)
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.task.describe(), "num_validation": len(self.indices)}

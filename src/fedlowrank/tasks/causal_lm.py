@@ -271,16 +271,25 @@ class CausalLM(Task):
         return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
 
     @torch.no_grad()
-    def evaluate(self, net: nn.Module) -> dict[str, float]:
+    def _token_loss(self, net: nn.Module, examples: list[Encoded]) -> dict[str, float]:
+        """Mean cross-entropy over the response tokens of ``examples`` (length-sorted) and its perplexity."""
         net.eval()
         total, count = 0.0, 0
-        for start in range(0, len(self.eval_encoded), self.eval_batch_size):
-            batch = collate(self.eval_encoded[start:start + self.eval_batch_size], self.tokenizer.pad_token_id)
+        for start in range(0, len(examples), self.eval_batch_size):
+            batch = collate(examples[start:start + self.eval_batch_size], self.tokenizer.pad_token_id)
             logits = self._forward(net, batch).logits
             nll, n = response_nll(logits, batch["labels"].to(logits.device))
             total, count = total + float(nll), count + n
         loss = total / max(count, 1)
-        metrics = {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+
+    def evaluate_examples(self, net: nn.Module, indices: np.ndarray) -> dict[str, float]:
+        """Loss and perplexity on the training examples at ``indices`` (a validation split for tuning)."""
+        return self._token_loss(net, sorted((self.train[int(i)] for i in indices), key=lambda e: len(e.ids)))
+
+    @torch.no_grad()
+    def evaluate(self, net: nn.Module) -> dict[str, float]:
+        metrics = self._token_loss(net, self.eval_encoded)
         if len(self.generate_idx):
             outputs = generate(net, self.tokenizer, self.generation_prompts, self.max_new_tokens,
                                self.generation_batch_size)

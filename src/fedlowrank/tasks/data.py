@@ -106,7 +106,7 @@ def _read_labelled(path: Path, text_column: str | int, label_column: str | int,
     return table.column(0), [x.strip() for x in table.column(1)], [f"{path}:{n}" for n in table.lines]
 
 
-def check_labels(train_labels: list[str], test_labels: list[str], train_where: str, test_where: list[str]) -> None:
+def _check_labels(train_labels: list[str], test_labels: list[str], train_where: str, test_where: list[str]) -> None:
     """Refuse a training set of one class and a test label that never occurs in training (``test_where[i]``
     says where test example ``i`` comes from)."""
     known = set(train_labels)
@@ -145,14 +145,14 @@ def load_text_files(train: str | Path, test: str | Path | None, text_column: str
         raise FileNotFoundError(f"data.train: no file {train}")
     xtr, ltr, wtr = _read_labelled(train, text_column, label_column, header)
     if test is None:
-        check_labels(ltr, [], str(train), [])
+        _check_labels(ltr, [], str(train), [])
         _check_split(ltr, wtr, test_fraction, train)
         return _stratified_split(xtr, ltr, test_fraction, seed)
     test = Path(test)
     if not test.is_file():
         raise FileNotFoundError(f"data.test: no file {test}")
     xte, lte, wte = _read_labelled(test, text_column, label_column, header)
-    check_labels(ltr, lte, str(train), wte)
+    _check_labels(ltr, lte, str(train), wte)
     ytr, yte, names = _encode_labels(ltr, lte)
     return TextData(xtr, ytr, xte, yte, names)
 
@@ -179,7 +179,7 @@ def load_hf(name: str, text_column: str, label_column: str, train_split: str = "
             raise ValueError(f"{field} = {column!r} is not a column of {name!r}; columns: {', '.join(tr.column_names)}")
     xtr, ltr = [str(x) for x in tr[text_column]], [str(y) for y in tr[label_column]]
     xte, lte = [str(x) for x in te[text_column]], [str(y) for y in te[label_column]]
-    check_labels(ltr, lte, f"{name!r} split {train_split!r}", [f"{name!r} split {test_split!r} row {i}"
+    _check_labels(ltr, lte, f"{name!r} split {train_split!r}", [f"{name!r} split {test_split!r} row {i}"
                                                                 for i in range(len(lte))])
     ytr, yte, names = _encode_labels(ltr, lte)
     return TextData(xtr, ytr, xte, yte, names)

@@ -63,7 +63,8 @@ class MatrixRegression(Task):
         across the methods of a comparison so that X* is shared); dtype: ``"float64"`` (default, needed for
         the 1e-10 exactness checks) or ``"float32"``.
 
-    Metrics (:meth:`evaluate`): ``rel_error`` (NaN once X is non-finite) and ``objective`` F(X) − F(X*).
+    Metrics (:meth:`evaluate`): ``rel_error`` (NaN once X is non-finite) and ``objective`` F(X) − F(X*);
+    on held-out rows (:meth:`evaluate_examples`): ``loss`` = mean of ``½‖a_j X − b_j‖²``.
     Divergence: stop a run with ``run.stop_metric = "rel_error"``, ``run.stop_above = 1e6`` (spec §6.1).
     """
 
@@ -135,6 +136,14 @@ class MatrixRegression(Task):
             return {"rel_error": math.nan, "objective": math.nan}
         return {"rel_error": float((x - self.x_star).norm()) / self._x_star_norm,
                 "objective": self.objective(x) - self._f_star}
+
+    def evaluate_examples(self, net: nn.Module, indices: np.ndarray) -> dict[str, float]:
+        x = self.weight(net)
+        rows = torch.as_tensor(np.asarray(indices), dtype=torch.long)
+        if not bool(torch.isfinite(x).all()):
+            return {"loss": math.nan}
+        A, B = self.A[rows].to(torch.float64), self.B[rows].to(torch.float64)
+        return {"loss": float(0.5 * ((A @ x - B) ** 2).sum(1).mean())}
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "num_train": self.num_train, **self.options, "x_star_norm": self._x_star_norm}

@@ -189,11 +189,10 @@ def _read_delimited(path: Path, text: str, columns: list[str | int], names: list
 
 
 def _refuse_duplicates(path: Path, selected: list, names: list[str]) -> None:
-    for a in range(len(selected)):
-        for b in range(a + 1, len(selected)):
-            if selected[a] == selected[b]:
-                raise ValueError(f"{names[a]} and {names[b]} both select column {selected[a]!r} of {path}; "
-                                 "they must differ")
+    for b, column in enumerate(selected):
+        a = selected.index(column)
+        if a != b:
+            raise ValueError(f"{names[a]} and {names[b]} both select column {column!r} of {path}; they must differ")
 
 
 def _header_reason(records: list[tuple[int, list[str]]], columns: list[int], label_position: int | None) -> str | None:

@@ -30,14 +30,16 @@ class TextClassification(Task):
         model: ``task.model``: ``"minilm"``, ``"tiny-bert"`` (random, for tests), a local Hugging Face model
             folder or a hub id (see :func:`fedlowrank.models.load_model`).
         max_length: tokens per example (truncation).
-        targets: LoRA/adapter target module suffixes; ``None`` = the architecture's default.
+        targets: ``lora.targets`` (peft ``target_modules`` semantics, see :mod:`fedlowrank.adapters.targets`);
+            ``None`` = the architecture's default.
         eval_batch_size: examples per evaluation forward pass.
     """
 
     name = "text-classification"
+    validation_metric = "accuracy"
 
     def __init__(self, data: TextData, model: str = "minilm", max_length: int = 64,
-                 targets: list[str] | None = None, eval_batch_size: int = 64):
+                 targets: list[str] | str | None = None, eval_batch_size: int = 64):
         if max_length < 2:
             raise ValueError(f"task.max_length must be >= 2, got {max_length}")
         self.data = data
@@ -69,10 +71,10 @@ class TextClassification(Task):
     def build_model(self) -> AdaptedModel:
         net = copy.deepcopy(self.loaded.net)
         net.eval()
-        head_prefixes = tuple(f"{m}." for m in self.loaded.output_modules)
-        targets = resolve_targets(net, self.targets or default_targets(self.loaded.model_type), head_prefixes)
-        head = [n for n, _ in net.named_parameters() if n.startswith(head_prefixes)]
-        return AdaptedModel(net, targets, head)
+        head = tuple(self.loaded.output_modules)  # e.g. ("classifier",): trained and shared, never a target
+        targets = resolve_targets(net, self.targets or default_targets(self.loaded.model_type), head)
+        head_params = [n for n, _ in net.named_parameters() if n.startswith(tuple(f"{m}." for m in head))]
+        return AdaptedModel(net, targets, head_params)
 
     def _trim(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         width = int(mask.sum(1).max())
@@ -92,18 +94,29 @@ class TextClassification(Task):
         pooled = getattr(out, "pooler_output", None)
         return pooled if pooled is not None else out.last_hidden_state[:, 0]
 
-    @torch.no_grad()
     def evaluate(self, net: nn.Module) -> dict[str, float]:
+        return self._evaluate(net, self.test_ids, self.test_mask, self.test_labels)
+
+    def evaluate_examples(self, net: nn.Module, indices: np.ndarray) -> dict[str, float]:
+        idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)
+        ids, mask = self.train_ids[idx], self.train_mask[idx]
+        order = torch.argsort(mask.sum(1), stable=True)
+        return self._evaluate(net, ids[order], mask[order], torch.as_tensor(self.train_labels)[idx][order])
+
+    @torch.no_grad()
+    def _evaluate(self, net: nn.Module, all_ids: torch.Tensor, all_mask: torch.Tensor,
+                  labels: torch.Tensor) -> dict[str, float]:
+        """Accuracy and mean cross-entropy on ``[n, L]`` token ids/masks with ``[n]`` labels (length-sorted)."""
         net.eval()
-        correct, total_loss, n = 0, 0.0, len(self.data.test_texts)
+        correct, total_loss, n = 0, 0.0, len(labels)
         device = module_device(net)
         for start in range(0, n, self.eval_batch_size):
             sl = slice(start, start + self.eval_batch_size)
-            ids, mask = to_device(self._trim(self.test_ids[sl], self.test_mask[sl]), device)
-            labels = self.test_labels[sl].to(device)
+            ids, mask = to_device(self._trim(all_ids[sl], all_mask[sl]), device)
+            batch_labels = labels[sl].to(device)
             logits = net(input_ids=ids, attention_mask=mask).logits
-            total_loss += float(F.cross_entropy(logits, labels, reduction="sum"))
-            correct += int((logits.argmax(-1) == labels).sum())
+            total_loss += float(F.cross_entropy(logits, batch_labels, reduction="sum"))
+            correct += int((logits.argmax(-1) == batch_labels).sum())
         return {"accuracy": correct / n, "loss": total_loss / n}
 
     def describe(self) -> dict[str, Any]:

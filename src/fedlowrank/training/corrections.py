@@ -79,7 +79,8 @@ class Scaffold(ClientCorrection):
     Download ``scaffold.c/<key>``; client state ``scaffold.ci/<key>``; upload ``scaffold.dc/<key>`` = Δcᵢ.
     Local gradient: ``g + c − cᵢ`` (what the optimizer sees). After K local steps, ``cᵢ⁺`` by ``refresh``:
 
-    * ``"mean"`` (default): the mean of the K raw gradients ``g`` of the round. Under plain SGD with step η this
+    * ``"mean"`` (default): the mean of the K raw gradients ``g`` of the round (after ``train.max_grad_norm``
+      clipping, which the trainer applies before this hook). Under plain SGD with step η, clipped or not, this
       *is* option II, since ``x − yᵢ = η Σ (g + c − cᵢ)`` gives ``(x − yᵢ)/(Kη) − c + cᵢ = mean g``; under
       momentum, Adam or AdamW it stays on the scale of a gradient, where option II's ``(x − yᵢ)/(Kη)`` measures
       normalised steps (≈ 1 per coordinate for Adam) and the correction ``c − cᵢ`` swamps the gradients.

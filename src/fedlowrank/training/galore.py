@@ -8,7 +8,8 @@ For a block ``W: [m, n]`` (side by :func:`~fedlowrank.linalg.projectors.projecti
    (:func:`seeded_basis`); buffers are re-projected with ``C = Q_oldᵀ Q_new`` (§2.4): ``m̃ ← m̃ C`` and
    ``ṽ ← ṽ (C⊙C)`` (``squared``, the default) or the paper's ``ṽ ← max(ṽ C, 0)`` (``linear``, clamp optional).
    The linear rule clamps many entries of ṽ to 0 while m̃ C stays finite, so ``|m̃|/√ṽ`` explodes (10⁴ in
-   the tests) and training diverges; by Cauchy–Schwarz the squared rule keeps the ratio within √r of before;
+   the tests) and training diverges; by Cauchy–Schwarz the squared rule keeps the ratio within √r of before.
+   ``moments_at_refresh = "keep"`` leaves m̃ and ṽ as they are in the new basis (galore-torch's behaviour);
 2. ``g̃ = G_c Q: [d_u, r]``; the operator (Appendix A) turns it into a direction ``ũ: [d_u, r]``:
    ``sgd`` (Alg. 2) ``ũ = g̃``; ``momentum`` (Alg. 3, heavy ball) ``b ← μ b + g̃, ũ = b``; ``adam``/``adamw``
    (Alg. 4 in its standard form, A22) ``m̃ ← β₁m̃ + (1−β₁)g̃``, ``ṽ ← β₂ṽ + (1−β₂)g̃²``,
@@ -22,7 +23,9 @@ A parameter group with ``rank=None`` is updated densely by the same operator (th
 and full rank every operator equals its ``torch.optim`` counterpart (SGD, SGD+momentum, Adam, AdamW).
 
 The basis, its refresh index, the buffers and the warm flag are first-class state: :meth:`GaLore.load_block`
-puts a synchronised ``(Q, ṽ)`` in before training, :meth:`GaLore.block_state` reads it back after.
+puts a synchronised ``(Q, ṽ)`` in before training, :meth:`GaLore.block_state` reads it back after and
+:meth:`GaLore.second_moment` gives ṽ on the scale of E[g̃²] (``ṽ/(1 − β₂ᵗ)`` for a block that started at 0: the
+raw EMA of t steps is only ``(1 − β₂ᵗ)·E[g̃²]``, spec A6 erratum).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from ..seeding import torch_generator
 OPERATORS = ("sgd", "momentum", "adam", "adamw")
 PROJECTORS = ("svd", "rsvd")
 V_REPROJECT = ("linear", "squared")
+MOMENTS_AT_REFRESH = ("reproject", "keep")
 LOADED = -1  # refresh index of a basis put in by :meth:`GaLore.load_block` (no refresh since)
 
 
@@ -60,7 +64,8 @@ class GaLore(torch.optim.Optimizer):
     rank r [None = dense group, no projection]; tau τ [200]; svd_refreshes S [2] (data-driven bases for
     refresh indices ``j < S``, then seeded random; a negative S means always data-driven); scale α_g [1];
     projector [``svd``] or ``rsvd``; seed [0] (the round seed s_k); block_ids [0, 1, ...] (one per parameter,
-    for the seeds); v_reproject [``squared``]; clamp_v [True]; correct_bias [True]; warm_bias_correction [False];
+    for the seeds); v_reproject [``squared``]; moments_at_refresh [``reproject``, or ``keep`` as galore-torch];
+    clamp_v [True]; correct_bias [True]; warm_bias_correction [False];
     track_segments [False] (keep the per-basis sums of the steps for the structured upload,
     :meth:`block_segments`).
     """
@@ -68,7 +73,7 @@ class GaLore(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float, **defaults: Any):
         base = dict(lr=lr, operator="adamw", betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, momentum=0.9,
                     rank=None, tau=200, svd_refreshes=2, scale=1.0, projector="svd", seed=0, block_ids=None,
-                    v_reproject="squared", clamp_v=True, correct_bias=True, warm_bias_correction=False,
+                    v_reproject="squared", moments_at_refresh="reproject", clamp_v=True, correct_bias=True, warm_bias_correction=False,
                     track_segments=False)
         unknown = sorted(set(defaults) - set(base))
         if unknown:
@@ -79,6 +84,7 @@ class GaLore(torch.optim.Optimizer):
             _check("operator", group["operator"], OPERATORS)
             _check("projector", group["projector"], PROJECTORS)
             _check("v_reproject", group["v_reproject"], V_REPROJECT)
+            _check("moments_at_refresh", group["moments_at_refresh"], MOMENTS_AT_REFRESH)
             if group["rank"] is not None and (int(group["rank"]) < 1 or int(group["tau"]) < 1):
                 raise ValueError(f"galore.rank and galore.tau must be >= 1, got {group['rank']}, {group['tau']}")
             if group["rank"] is not None:
@@ -116,6 +122,16 @@ class GaLore(torch.optim.Optimizer):
         "clamped", "reprojected"}`` of block ``p`` (empty before its first step)."""
         return dict(self.state.get(p, {}))
 
+    def second_moment(self, p: torch.Tensor) -> torch.Tensor:
+        """ṽ of block ``p`` on the scale of E[g̃²]: ``ṽ / (1 − β₂ᵗ)`` after t steps from ṽ = 0 (the EMA's weights
+        sum to 1 − β₂ᵗ), ṽ itself for a warm-started block (its loaded ṽ already carries weight 1). ``[d_u, r]``"""
+        st = self.state[p]
+        v = st["exp_avg_sq"]
+        if st.get("warm", False) or st["step"] == 0:
+            return v.clone()
+        beta2 = self._group_of(p)["betas"][1]
+        return v / (1 - beta2 ** st["step"])
+
     # -- the step ------------------------------------------------------------------------------------------
     def _new_basis(self, group: dict, block: int, G: torch.Tensor, j: int, rank: int, side: str) -> torch.Tensor:
         S = int(group["svd_refreshes"])
@@ -135,7 +151,7 @@ class GaLore(torch.optim.Optimizer):
         j = t // tau
         Q_new = self._new_basis(group, block, G, j, rank, side)
         Q_old = st.get("Q")
-        if Q_old is not None:
+        if Q_old is not None and group["moments_at_refresh"] == "reproject":
             C = Q_old.T @ Q_new
             for key in ("exp_avg", "momentum_buffer"):
                 if key in st:
@@ -223,4 +239,4 @@ class GaLore(torch.optim.Optimizer):
         return (m / c1) / denom
 
 
-__all__ = ["GaLore", "seeded_basis", "LOADED", "OPERATORS", "PROJECTORS", "V_REPROJECT"]
+__all__ = ["GaLore", "seeded_basis", "LOADED", "OPERATORS", "PROJECTORS", "V_REPROJECT", "MOMENTS_AT_REFRESH"]

@@ -35,7 +35,10 @@ class TrainConfig:
         lr: learning rate at round 0; ``schedule`` decays it over rounds (one of :data:`SCHEDULES`).
         head_lr: learning rate of the head (0 = same as ``lr``).
         momentum, weight_decay, betas, eps: optimizer settings.
-        max_grad_norm: clip the global gradient norm (0 = off).
+        max_grad_norm: clip the global norm of the loss gradient (0 = off), before the corrections' ``grad``
+            hooks add their terms: SCAFFOLD's ``c − cᵢ`` is an offset between clients that cancels in the
+            average (Σ(c − cᵢ) = 0); clipping it per client would break that and make option II's
+            ``(x − yᵢ)/(Kη)`` differ from the mean of the gradients it estimates.
         warmup_rounds: linear warm-up of the learning rate over the first rounds.
         dtype: ``fp32``, ``bf16`` or ``fp16``: autocast of the forward pass (trainable parameters and optimizer
             state stay fp32; fp16 adds CUDA's gradient scaler). See :mod:`fedlowrank.device`.
@@ -102,14 +105,17 @@ class LocalTrainer:
         indices: the client's example indices into the task's training set, shape ``[n_k]``.
         cfg: :class:`TrainConfig`.
         client, rnd, rounds, seed: identify the stream (data order, dropout) and the learning rate.
+        on_step: progress hook called after each optimizer step as ``on_step(step, total)`` (1-based).
     """
 
-    def __init__(self, task, indices: np.ndarray, cfg: TrainConfig, client: int, rnd: int, rounds: int, seed: int):
+    def __init__(self, task, indices: np.ndarray, cfg: TrainConfig, client: int, rnd: int, rounds: int, seed: int,
+                 on_step: Callable[[int, int], None] | None = None):
         self.task = task
         self.indices = np.asarray(indices)
         self.cfg = cfg
         self.client, self.rnd, self.rounds, self.seed = client, rnd, rounds, seed
         self.compute_seconds = 0.0
+        self.on_step = on_step
 
     @property
     def num_examples(self) -> int:
@@ -161,7 +167,7 @@ class LocalTrainer:
         batches = self.batches()
         plist = list(params.values())
         t0 = time.perf_counter()
-        for _ in range(steps):
+        for step in range(steps):
             batch = to_device(next(batches), device)
             opt.zero_grad(set_to_none=True)
             with autocast(device, self.cfg.dtype):
@@ -175,17 +181,19 @@ class LocalTrainer:
                 total.backward()
             else:
                 scaler.scale(total).backward()
-                scaler.unscale_(opt)  # corrections and clipping see true gradients
+                scaler.unscale_(opt)  # clipping and corrections see true gradients
+            if self.cfg.max_grad_norm > 0:      # clip the gradient of the loss, then correct it (SCAFFOLD)
+                nn.utils.clip_grad_norm_(plist, self.cfg.max_grad_norm)
             for c in corrections:
                 c.grad(params)
-            if self.cfg.max_grad_norm > 0:
-                nn.utils.clip_grad_norm_(plist, self.cfg.max_grad_norm)
             if scaler is None:
                 opt.step()
             else:
                 scaler.step(opt)
                 scaler.update()
             losses.append(float(loss.detach()))
+            if self.on_step is not None:
+                self.on_step(step + 1, steps)
         self.compute_seconds += time.perf_counter() - t0
         net.eval()
         return FitResult(loss=float(np.mean(losses)) if losses else float("nan"), steps=steps, lr=lr, head_lr=head_lr)

@@ -197,7 +197,7 @@ class MethodStrategy(Strategy):
             "bytes_up": sum(r["up"] for r in ledger), "bytes_down": sum(r["down"] for r in ledger),
             "cum_bytes_up": sim.ledger.total_up, "cum_bytes_down": sim.ledger.total_down,
             "flower_bytes_up": int(flower_up), "flower_bytes_down": int(flower_down),
-            "time": {"client_compute": compute, "aggregation": aggregation}, "ledger": ledger,
+            "time": {"client_compute": compute, "aggregation": aggregation}, "ledger": ledger, "replies": usable,
         })
         if dropped:
             self._row["dropped"] = sorted(dropped)
@@ -227,19 +227,15 @@ class MethodStrategy(Strategy):
             sim.last_eval = metrics
             evaluation = time.perf_counter() - t_eval
         row = self._row
-        ledger = row.pop("ledger")
+        ledger, usable = row.pop("ledger"), row.pop("replies")
         total = time.perf_counter() - row.pop("t_start")
         t = row["time"]
         row.update(metrics)
         t.update({"evaluation": evaluation, "other": total - t["client_compute"] - t["aggregation"] - evaluation,
                   "total": total})
         row["peak_rss_mb"] = peak_rss_mb()
-        if sim.log:
-            acc = f" acc={metrics['accuracy']:.4f}" if "accuracy" in metrics else ""
-            sim.log(f"[{sim.method.name}] round {rnd}/{sim.cfg.run.rounds}{acc} loss={row['train_loss']:.4f} "
-                    f"replied={len(row['replied'])}/{len(row['clients'])} up={row['bytes_up'] / 1e6:.2f}MB "
-                    f"down={row['bytes_down'] / 1e6:.2f}MB {total:.1f}s")
-        sim.record_round(row, ledger)
+        sim.record_round(row, ledger, usable)
+        sim.progress.round_end(row, metrics)
         return MetricRecord(metrics) if metrics else None
 
     # -- no client-side evaluation: the global test set is evaluated on the server ----------------------

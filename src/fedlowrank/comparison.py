@@ -1,0 +1,340 @@
+"""``fedlowrank compare``: several methods on the same partition, seeds and budget, with confidence intervals.
+
+For each seed every method sees the same data, the same partition (a function of ``run.seed``, the labels and
+``[partition]``), the same client sampling (``run.seed``, round) and the same local data order
+(``run.seed``, client, round): the runs are *paired* by seed, and the partition's digest is checked to be the
+same for every method. Per method: the final and best metric over rounds, as the mean over seeds and its 95%
+Student-t interval (:mod:`fedlowrank.stats`); against the reference method, the per-seed differences, their
+mean and paired t-interval, and a verdict ("better"/"worse" only where the interval excludes 0).
+
+Settings per method, later ones winning: the method's preset (:func:`fedlowrank.methods.preset_overrides`),
+``compare.overrides[method]``, the learning rate chosen by ``fedlowrank tune`` (``--tuned`` or
+``compare.tuned``), then the user's ``--set``.
+
+Files (when ``out`` is given): one run directory per (method, seed), ``results.json`` (setup, per-seed values,
+means, intervals, paired differences), ``results.md`` (opens with the setup as run) and the plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .config import ConfigError, RunConfig, load_config
+from .stats import CONFIDENCE, Interval, mean_interval, paired_interval, verdict
+
+Log = Callable[[str], None] | None
+
+
+def default_metric(cfg: RunConfig) -> str:
+    """``run.stop_metric`` if set, else ``accuracy`` for classification, the held-out ``loss`` for a causal LM and
+    ``rel_error`` otherwise."""
+    return cfg.run.stop_metric or {"text-classification": "accuracy", "causal-lm": "loss"}.get(cfg.task.kind,
+                                                                                               "rel_error")
+
+
+def higher_is_better(metric: str) -> bool:
+    """``accuracy`` is maximised; every other metric of the tasks (loss, rel_error, objective) minimised."""
+    return metric == "accuracy"
+
+
+def method_settings(cfg: RunConfig, name: str, user_sets: list[str] | tuple[str, ...] = (),
+                    lr: float | None = None) -> list[str]:
+    """The ``--set`` list that configures ``name`` in a comparison: the method's preset, then
+    ``compare.overrides[name]``, then ``train.lr = lr`` (a tuned learning rate), then ``user_sets``."""
+    from .methods import preset_overrides
+
+    tuned = [f"train.lr={lr!r}"] if lr is not None else []
+    return [f"method.name={name}", *preset_overrides(name), *cfg.compare.overrides.get(name, []), *tuned,
+            *user_sets]
+
+
+def parse_methods(text: str | list[str] | None, cfg: RunConfig) -> list[str]:
+    """Method names from ``--methods a,b`` (or a list), default ``compare.methods``; non-empty, no repeats."""
+    names = cfg.compare.methods if text is None else (text.split(",") if isinstance(text, str) else list(text))
+    names = [n.strip() for n in names]
+    if not names or not all(names):
+        raise ConfigError(f"--methods: expected comma-separated method names, got {text!r}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--methods: a method is named twice in {','.join(names)}")
+    return names
+
+
+def parse_seeds(text: str | list[int] | None, cfg: RunConfig) -> list[int]:
+    """Seeds from ``--seeds 0,1`` (or a list), default ``compare.seeds``; non-empty integers, no repeats."""
+    if text is None:
+        seeds = list(cfg.compare.seeds)
+    elif isinstance(text, str):
+        try:
+            seeds = [int(s) for s in text.split(",")]
+        except ValueError:
+            raise ConfigError(f"--seeds: expected comma-separated integers, got {text!r}") from None
+    else:
+        seeds = [int(s) for s in text]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds: expected distinct integers, got {text!r}")
+    return seeds
+
+
+def read_tuned(path: str | Path) -> dict[str, float]:
+    """The learning rate chosen per method in a ``tune.json`` written by ``fedlowrank tune``."""
+    try:
+        chosen = json.loads(Path(path).read_text())["chosen"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ConfigError(f"compare.tuned: {path} is not a tune.json written by fedlowrank tune ({exc})") from None
+    return {name: float(entry["lr"]) for name, entry in chosen.items()}
+
+
+def partition_digest(parts: list[np.ndarray]) -> str:
+    """A short hash of the client index arrays (equal digests = the same partition)."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(np.int64(len(p)).tobytes() + np.asarray(p, dtype=np.int64).tobytes())
+    return h.hexdigest()[:16]
+
+
+def task_key(cfg: RunConfig) -> str:
+    """What a built task depends on: the seed and the [task] and [data] sections."""
+    return json.dumps([cfg.run.seed, dataclasses.asdict(cfg.task), dataclasses.asdict(cfg.data)], sort_keys=True)
+
+
+def data_source(cfg: RunConfig) -> str:
+    """Where the data came from, in words."""
+    d = cfg.data
+    if cfg.task.kind == "matrix-regression":
+        return "synthetic (" + ", ".join(f"{k} = {v}" for k, v in cfg.task.options.items()) + ")"
+    if d.source == "agnews":
+        return f"AG News files in {d.path}"
+    if d.source == "files":
+        return f"files {d.train}" + (f" and {d.test}" if d.test else f" (test: a {d.test_fraction:g} stratified split)")
+    if d.source == "hf":
+        return f"Hugging Face dataset {d.hf_name}"
+    return f"{d.source} (test: a {d.test_fraction:g} stratified split)"
+
+
+def setup_of(cfg: RunConfig, task_description: dict[str, Any], seeds: list[int]) -> dict[str, Any]:
+    """The settings shared by every run of a comparison (or a tuning), as run."""
+    p, t = cfg.partition, cfg.train
+    partition = {"kind": p.kind, "num_clients": p.num_clients}
+    if p.kind in ("dirichlet", "quantity", "clusters"):
+        partition["alpha"] = p.alpha
+    if p.kind == "clusters":
+        partition["num_clusters"] = p.num_clusters
+    if p.partition_by:
+        partition["partition_by"] = p.partition_by
+    if p.kind == "shards":
+        partition["classes_per_client"] = p.classes_per_client
+    if p.kind in ("dirichlet", "quantity", "clusters"):
+        partition["min_partition_size"] = p.min_partition_size
+    return {
+        "task": cfg.task.kind, "model": task_description.get("model"),
+        "data_source": data_source(cfg), "num_train": task_description.get("num_train"),
+        "num_test": task_description.get("num_test"), "partition": partition,
+        "clients_per_round": cfg.run.clients_per_round, "rounds": cfg.run.rounds, "eval_every": cfg.run.eval_every,
+        "local_steps": t.local_steps, "local_epochs": t.local_epochs, "batch_size": t.batch_size, "seeds": seeds,
+    }
+
+
+def describe_partition(partition: dict[str, Any]) -> str:
+    extra = ", ".join(f"{k} = {v:g}" if isinstance(v, float) else f"{k} = {v}"
+                      for k, v in partition.items() if k not in ("kind", "num_clients"))
+    return f"{partition['kind']}" + (f" ({extra})" if extra else "") + f", {partition['num_clients']} clients"
+
+
+def setup_lines(setup: dict[str, Any]) -> list[str]:
+    """The setup block as Markdown bullet lines."""
+    sizes = f"{setup['num_train']:,} training examples" if setup["num_train"] is not None else ""
+    if setup.get("num_test") is not None:
+        sizes += f", {setup['num_test']:,} test examples"
+    if setup.get("num_validation") is not None:
+        sizes += (f" ({setup['num_validation']:,} of them held out for validation with seed {setup['seeds'][0]}; "
+                  "tune.json gives each run's count)")
+    local = (f"{setup['local_epochs']:g} local epoch(s)" if setup["local_epochs"] > 0
+             else f"{setup['local_steps']} local steps")
+    return [
+        f"- task: {setup['task']}" + (f", model {setup['model']}" if setup["model"] else ""),
+        f"- data: {setup['data_source']}; used: {sizes}",
+        f"- partition: {describe_partition(setup['partition'])}; {setup['clients_per_round']} clients per round",
+        f"- rounds: {setup['rounds']} (evaluated every {setup['eval_every']}); {local} of batch "
+        f"{setup['batch_size']} per round",
+        f"- seeds: {', '.join(map(str, setup['seeds']))}",
+    ]
+
+
+def _title(setup: dict[str, Any]) -> str:
+    seeds = setup["seeds"]
+    model = f" ({setup['model']})" if setup["model"] else ""
+    return (f"{setup['task']}{model}, {describe_partition(setup['partition'])}, "
+            f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''}")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def _interval(d: dict[str, Any]) -> Interval:
+    return Interval(d["mean"], d["half_width"], d["n"], d["sd"], d["confidence"])
+
+
+def _metric_values(history: list[dict[str, Any]], metric: str) -> list[float]:
+    return [r[metric] for r in history if metric in r]
+
+
+def run_comparison(config: str | Path | None, methods: str | list[str] | None = None,
+                   seeds: str | list[int] | None = None, overrides: list[str] | tuple[str, ...] = (),
+                   out: str | Path | None = None, log: Log = None, *, reference: str | None = None,
+                   tuned: str | Path | None = None) -> dict[str, Any]:
+    """Run every method on every seed and return the results (see the module docstring); with ``out`` also
+    write the run directories, ``results.json``, ``results.md`` and the plots there.
+
+    Args:
+        config: a TOML file or bundled config name; ``overrides``: ``"section.key=value"`` strings for all.
+        methods, seeds: default ``compare.methods`` and ``compare.seeds``.
+        reference: the method the others are compared with, per seed (default: the first method).
+        tuned: a ``tune.json`` whose chosen learning rates are applied (default: ``compare.tuned``).
+    """
+    from .partition import partition_task
+    from .runtime.simulator import Simulation
+    from .tasks import build_task
+
+    overrides = list(overrides)
+    base = load_config(config, overrides)
+    names = parse_methods(methods, base)
+    seed_list = parse_seeds(seeds, base)
+    reference = reference or names[0]
+    if reference not in names:
+        raise ConfigError(f"--reference: {reference!r} is not one of the compared methods ({', '.join(names)})")
+    tuned = tuned or base.compare.tuned or None
+    chosen = read_tuned(tuned) if tuned else {}
+    missing = [n for n in names if tuned and n not in chosen]
+    if missing:
+        raise ConfigError(f"compare.tuned: {tuned} chose no learning rate for {', '.join(missing)} "
+                          f"(tuned: {', '.join(chosen) or 'none'})")
+    settings = {n: method_settings(base, n, overrides, chosen.get(n)) for n in names}
+    configs = {n: {s: load_config(config, [*settings[n], f"run.seed={s}"]) for s in seed_list} for n in names}
+    metric = default_metric(base)
+    out = Path(out) if out is not None else None
+
+    tasks: dict[str, Any] = {}
+    parts: dict[tuple[str, int], list[np.ndarray]] = {}
+    # data and partitions first (the reference's first): the pairing is checked before any training
+    for name in [reference, *(n for n in names if n != reference)]:
+        for seed in seed_list:
+            cfg = configs[name][seed]
+            key = task_key(cfg)
+            if key not in tasks:
+                tasks[key] = build_task(cfg)
+            task = tasks[key]
+            parts[name, seed] = partition_task(task, cfg.partition, seed)[0]
+            if partition_digest(parts[name, seed]) != partition_digest(parts[reference, seed]):
+                raise ConfigError(f"compare: seed {seed}: {name!r} would train on another partition than "
+                                  f"{reference!r} (a per-method setting changes [data] or [partition]); paired "
+                                  "differences need the same partition")
+    histories: dict[str, list[list[dict[str, Any]]]] = {}
+    rows: list[dict[str, Any]] = []
+    setup: dict[str, Any] | None = None
+    for name in names:
+        runs = []
+        for seed in seed_list:
+            cfg = configs[name][seed]
+            task = tasks[task_key(cfg)]
+            sim = Simulation(cfg, task=task, run_dir=out / f"{name}-seed{seed}" if out else None, log=log,
+                             parts=parts[name, seed])
+            summary = sim.run()
+            values = _metric_values(sim.history, metric)
+            if not values:
+                raise ConfigError(f"run.stop_metric: the task reports no {metric!r} "
+                                  f"(it reports {', '.join(sorted(sim.last_eval)) or 'nothing'})")
+            if setup is None:
+                setup = setup_of(cfg, task.describe(), seed_list)
+            histories.setdefault(name, []).append(sim.history)
+            runs.append({"seed": seed, "final": values[-1], "best": max(values) if higher_is_better(metric)
+                         else min(values), "bytes_up": summary["bytes_up"], "bytes_down": summary["bytes_down"],
+                         "time": summary["time"]["total"], "partition": partition_digest(sim.parts),
+                         "sampling": hashlib.sha256(json.dumps([r["clients"] for r in sim.history]).encode())
+                         .hexdigest()[:16],
+                         **({"run_dir": str(out / f"{name}-seed{seed}")} if out else {})})
+        cfg0 = configs[name][seed_list[0]]
+        rows.append({
+            "method": name, "lr": cfg0.train.lr, "head_lr": cfg0.train.head_lr, "optimizer": cfg0.train.optimizer,
+            "weighting": cfg0.server.weighting, "settings": settings[name][1:], "runs": runs,
+            "final": mean_interval([r["final"] for r in runs]).to_dict(),
+            "best": mean_interval([r["best"] for r in runs]).to_dict(),
+            "bytes_up": float(np.mean([r["bytes_up"] for r in runs])),
+            "bytes_down": float(np.mean([r["bytes_down"] for r in runs])),
+            "time": float(np.mean([r["time"] for r in runs])),
+        })
+    assert setup is not None
+    ref = next(r for r in rows if r["method"] == reference)
+    paired = []
+    for row in rows:
+        if row["method"] == reference:
+            continue
+        entry: dict[str, Any] = {"method": row["method"], "reference": reference}
+        for key in ("final", "best"):
+            diffs, iv = paired_interval([r[key] for r in row["runs"]], [r[key] for r in ref["runs"]])
+            entry[key] = {"differences": diffs, **iv.to_dict(), "verdict": verdict(iv, higher_is_better(metric))}
+        paired.append(entry)
+    results = {"metric": metric, "higher_is_better": higher_is_better(metric), "confidence": CONFIDENCE,
+               "setup": setup, "seeds": seed_list, "reference": reference, "tuned": str(tuned) if tuned else None,
+               "rows": rows, "paired": paired}
+    if out is not None:
+        from .plots import plot_comparison
+
+        out.mkdir(parents=True, exist_ok=True)
+        results["plots"] = [str(p) for p in plot_comparison(histories, out, metric, _title(setup))]
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "results.md").write_text(results_markdown(results))
+    return results
+
+
+def results_markdown(results: dict[str, Any]) -> str:
+    """``results.md``: the setup as run, what ± means, the table per method and the paired differences."""
+    metric, setup, ref = results["metric"], results["setup"], results["reference"]
+    n = len(results["seeds"])
+    direction = "higher is better" if results["higher_is_better"] else "lower is better"
+    lines = [f"# Comparison: {', '.join(r['method'] for r in results['rows'])}", "", "## Setup (as run)", "", *setup_lines(setup),
+             "- paired by seed: for a given seed every method has the same partition (checked), client sampling "
+             "and local data order", ""]
+    lines += ["| method | train.lr | head lr | optimizer | weighting | settings applied (preset, compare.overrides, "
+              "tuned lr, --set) |", "|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        head = f"{r['head_lr']:g}" if r["head_lr"] else "= lr"
+        lines.append(f"| {r['method']} | {r['lr']:g} | {head} | {r['optimizer']} | {r['weighting']} | "
+                     f"{', '.join(f'`{s}`' for s in r['settings']) or '–'} |")
+    if results.get("tuned"):
+        lines += ["", f"Learning rates chosen on a validation split of the training data by `fedlowrank tune`: "
+                      f"{results['tuned']}."]
+    conf = f"{results['confidence']:.0%}"
+    pm = (f"mean ± half-width of the {conf} Student-t confidence interval of the mean over the {n} seeds "
+          f"(t_{{{0.5 + results['confidence'] / 2:g}, n−1}} · sd / √n, sample sd with ddof = 1)" if n > 1
+          else "a single seed (n = 1): no interval")
+    where = f"on the {setup['num_test']:,} test examples" if setup.get("num_test") else "as the task evaluates it"
+    lines += ["", "## Results", "", f"Metric: {metric} {where} ({direction}); final = after the last round, "
+              f"best = the best evaluated round. Values are {pm}.", "",
+              f"| method | final {metric} | best {metric} | bytes up | bytes down | time (s) |",
+              "|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        lines.append(f"| {r['method']} | {_interval(r['final']).format()} | {_interval(r['best']).format()} | "
+                     f"{_fmt_bytes(r['bytes_up'])} | {_fmt_bytes(r['bytes_down'])} | {r['time']:.1f} |")
+    if results["paired"]:
+        lines += ["", f"## Paired differences against {ref}", "",
+                  f"Per seed, method − {ref} on the same partition and data order; mean ± half-width of the paired "
+                  f"{conf} t-interval. Verdict: \"better\"/\"worse\" only where the interval excludes 0, else "
+                  "\"undecided\" (always with one seed).", "",
+                  f"| method | Δ final {metric} | verdict | Δ best {metric} | verdict | Δ final per seed |",
+                  "|---|---|---|---|---|---|"]
+        for p in results["paired"]:
+            per_seed = ", ".join(f"{s}: {d:+.4f}" for s, d in zip(results["seeds"], p["final"]["differences"]))
+            lines.append(f"| {p['method']} | {_interval(p['final']).format()} | {p['final']['verdict']} | "
+                         f"{_interval(p['best']).format()} | {p['best']['verdict']} | {per_seed} |")
+    return "\n".join(lines) + "\n"

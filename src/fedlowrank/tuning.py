@@ -1,0 +1,147 @@
+"""``fedlowrank tune``: per-method learning-rate selection on a validation split of the clients' training data.
+
+The validation split: after the usual partition (the same one ``compare`` uses for that seed), each client
+holds out a seeded ``data.validation_fraction`` of its examples (``floor(fraction · n_k)``, keeping at least one
+to train on). Clients train only on the rest; the global model is evaluated on the union of the held-out
+examples (:meth:`fedlowrank.tasks.Task.validation`) and never on the test set. So the choice is made on data
+drawn like the training data, and it cannot depend on the test set.
+
+For each method, each learning rate of the grid (``--grid``, else the method's paper grid,
+:func:`fedlowrank.methods.lr_grid`) and each seed: one run at ``train.lr = lr`` with the method's settings as
+``compare`` applies them; the score of a learning rate is the mean over seeds of the final model's
+validation metric (the task's ``validation_metric``: accuracy, maximised, for classification; held-out loss,
+minimised, for regression); ties go to the first learning rate of the grid. A diverged run scores worst. ``tune.json`` holds every (method, lr, seed, metric)
+and the choice; ``compare --tuned tune.json`` (or ``compare.tuned``) runs each method at its chosen rate.
+Only ``train.lr`` is tuned; ``train.head_lr`` stays as configured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .comparison import Log, method_settings, parse_methods, parse_seeds, setup_lines, setup_of, task_key
+from .config import ConfigError, load_config
+from .seeding import numpy_rng
+
+
+def split_validation(parts: list[np.ndarray], fraction: float, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Hold out ``floor(fraction · n_k)`` of client k's examples (at most ``n_k − 1``), chosen by the seeded
+    stream ``("validation", k)``. Returns the clients' training indices and the sorted validation indices."""
+    train_parts, held = [], []
+    for k, p in enumerate(parts):
+        n_hold = min(int(math.floor(fraction * len(p))), len(p) - 1)
+        order = numpy_rng(seed, "validation", k).permutation(len(p))
+        held.append(p[order[:n_hold]])
+        train_parts.append(np.sort(p[order[n_hold:]]))
+    return train_parts, np.sort(np.concatenate(held)) if held else np.array([], dtype=np.int64)
+
+
+def parse_grid(text: str | list[float] | None) -> list[float] | None:
+    """``--grid 1e-3,3e-3`` → positive, distinct learning rates (``None`` = each method's own grid)."""
+    if text is None:
+        return None
+    try:
+        grid = [float(x) for x in text.split(",")] if isinstance(text, str) else [float(x) for x in text]
+    except ValueError:
+        raise ConfigError(f"--grid: expected comma-separated learning rates, got {text!r}") from None
+    if not grid or any(not math.isfinite(x) or x <= 0 for x in grid) or len(set(grid)) != len(grid):
+        raise ConfigError(f"--grid: expected distinct positive learning rates, got {text!r}")
+    return grid
+
+
+def run_tuning(config: str | Path | None, methods: str | list[str] | None = None,
+               grid: str | list[float] | None = None, seeds: str | list[int] | None = None,
+               overrides: list[str] | tuple[str, ...] = (), out: str | Path | None = None,
+               log: Log = None) -> dict[str, Any]:
+    """Tune ``train.lr`` per method on the validation split; returns what ``tune.json`` holds (written to
+    ``out`` with one run directory per (method, lr, seed) when ``out`` is given)."""
+    from .methods import lr_grid
+    from .partition import partition_task
+    from .runtime.simulator import DivergenceError, Simulation
+    from .tasks import build_task
+
+    overrides = list(overrides)
+    base = load_config(config, overrides)
+    names = parse_methods(methods, base)
+    seed_list = parse_seeds(seeds if seeds is not None else [base.run.seed], base)
+    fixed_grid = parse_grid(grid)
+    grids = {n: fixed_grid or lr_grid(n) for n in names}
+    configs = {(n, lr, s): load_config(config, [*method_settings(base, n, overrides, lr), f"run.seed={s}"])
+               for n in names for lr in grids[n] for s in seed_list}
+    out = Path(out) if out is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+
+    tasks: dict[str, Any] = {}
+    splits: dict[str, tuple[list[np.ndarray], np.ndarray]] = {}
+    runs: list[dict[str, Any]] = []
+    setup: dict[str, Any] | None = None
+    chosen: dict[str, dict[str, Any]] = {}
+    for name in names:
+        scores = {}
+        for lr in grids[name]:
+            values = []
+            for seed in seed_list:
+                cfg = configs[(name, lr, seed)]
+                key = task_key(cfg)
+                if key not in tasks:
+                    tasks[key] = build_task(cfg)
+                task = tasks[key]
+                split_key = key + json.dumps([dataclasses.asdict(cfg.partition), cfg.data.validation_fraction])
+                if split_key not in splits:
+                    parts = partition_task(task, cfg.partition, seed)[0]
+                    splits[split_key] = split_validation(parts, cfg.data.validation_fraction, seed)
+                train_parts, held_out = splits[split_key]
+                view = task.validation(held_out)
+                metric = view.validation_metric
+                if setup is None:  # sizes of the first seed's split (each run records its own)
+                    setup = {**setup_of(cfg, task.describe(), seed_list), "num_validation": int(len(held_out)),
+                             "validation_fraction": cfg.data.validation_fraction, "metric": metric}
+                    setup["num_test"] = None  # the test set is not used
+                run_dir = out / f"{name}-lr{lr:g}-seed{seed}" if out else None
+                try:
+                    sim = Simulation(cfg, task=view, run_dir=run_dir, log=log, parts=train_parts)
+                    value = sim.run().get(metric, math.nan)
+                    validation = dict(sim.last_eval)
+                except DivergenceError as exc:
+                    value, validation = math.nan, {"diverged": str(exc)}
+                values.append(value)
+                runs.append({"method": name, "lr": lr, "seed": seed, "metric": metric, "value": value,
+                             "num_validation": int(len(held_out)), "validation": validation})
+                if log:
+                    log(f"tune [{name}] lr={lr:g} seed={seed}: validation {metric} = {value:.4f}")
+            scores[lr] = float(np.mean(values)) if all(math.isfinite(v) for v in values) else math.nan
+        finite = {lr: v for lr, v in scores.items() if math.isfinite(v)}
+        if not finite:
+            raise ValueError(f"tune: every learning rate of {name!r} diverged ({', '.join(map(str, grids[name]))})")
+        pick = (max if metric == "accuracy" else min)(finite, key=finite.get)
+        chosen[name] = {"lr": pick, "score": finite[pick], "scores": {f"{lr:g}": v for lr, v in scores.items()}}
+    assert setup is not None
+    result = {"setup": setup, "seeds": seed_list, "grid": {n: grids[n] for n in names},
+              "settings": {n: method_settings(base, n, overrides)[1:] for n in names}, "runs": runs,
+              "chosen": chosen}
+    if out is not None:
+        (out / "tune.json").write_text(json.dumps(result, indent=1))
+        (out / "tune.md").write_text(tune_markdown(result))
+    return result
+
+
+def tune_markdown(result: dict[str, Any]) -> str:
+    """``tune.md``: the setup as run and, per method, each learning rate's mean validation score."""
+    setup = result["setup"]
+    direction = "higher" if setup["metric"] == "accuracy" else "lower"
+    lines = ["# Learning-rate tuning", "", "## Setup (as run)", "", *setup_lines(setup),
+             f"- validation: {setup['validation_fraction']:g} of each client's examples held out (not trained on); "
+             "the test set is not used", "",
+             f"Score: the final model's validation {setup['metric']}, mean over the seeds ({direction} is better; "
+             "nan = diverged).", "", "| method | learning rate | score | chosen |", "|---|---|---|---|"]
+    for name, c in result["chosen"].items():
+        for lr, score in c["scores"].items():
+            lines.append(f"| {name} | {lr} | {score:.4f} | {'✓' if float(lr) == c['lr'] else ''} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,115 @@
+"""``fedlowrank tune``: the validation split is held out of training, the choice never looks at the test set,
+and ``compare --tuned`` runs each method at its chosen learning rate."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fedlowrank.cli import main
+from fedlowrank.config import ConfigError
+from fedlowrank.partition import partition
+from fedlowrank.tasks.matrix_regression import MatrixRegression
+from fedlowrank.tasks.text import TextClassification
+from fedlowrank.tuning import parse_grid, run_tuning, split_validation
+
+from helpers import tiny_config, tiny_task
+
+GRID = "1e-4,3e-2"
+
+
+def test_split_validation_holds_out_a_seeded_fraction_of_each_client():
+    cfg = tiny_config()
+    parts = partition(200, tiny_task().train_labels, cfg.partition, 0)
+    train, held = split_validation(parts, 0.25, seed=0)
+    for p, t in zip(parts, train):
+        assert len(t) == len(p) - int(0.25 * len(p)) and np.isin(t, p).all()
+    assert len(np.intersect1d(np.concatenate(train), held)) == 0
+    assert np.array_equal(np.sort(np.concatenate([*train, held])), np.arange(200))
+    again, held_again = split_validation(parts, 0.25, seed=0)
+    assert np.array_equal(held, held_again) and not np.array_equal(held, split_validation(parts, 0.25, seed=1)[1])
+    tiny = [np.array([3]), np.array([4, 5])]  # a client keeps at least one example to train on
+    assert [len(t) for t in split_validation(tiny, 0.9, 0)[0]] == [1, 1]
+
+
+def test_validation_view_evaluates_the_held_out_training_examples():
+    task = tiny_task()
+    model = task.build_model()
+    idx = np.array([5, 17, 40, 41, 99])
+    view = task.validation(idx)
+    got = view.evaluate(model.net)
+    with torch.no_grad():
+        b = task.batch(idx)
+        logits = model.net(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    assert got["accuracy"] == pytest.approx(float((logits.argmax(-1) == b["labels"]).float().mean()))
+    assert got["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, b["labels"])), rel=1e-5)
+    assert view.num_train == task.num_train and view.describe()["num_validation"] == 5
+
+
+def test_matrix_regression_validation_loss_at_zero_is_half_the_mean_label_energy():
+    task = MatrixRegression(num_clients=2, dim=6, outputs=3, samples=5)
+    rows = np.array([0, 3, 7])
+    loss = task.validation(rows).evaluate(task.build_model().net)["loss"]
+    assert loss == pytest.approx(0.5 * float((task.B[rows].double() ** 2).sum(1).mean()))
+
+
+def test_tune_trains_only_on_the_clients_remaining_examples(monkeypatch):
+    seen: list[int] = []
+    batch = TextClassification.batch
+
+    def recording_batch(self, indices):
+        seen.extend(np.asarray(indices).tolist())
+        return batch(self, indices)
+
+    monkeypatch.setattr(TextClassification, "batch", recording_batch)
+    res = run_tuning("tiny", "fedit", "1e-3", "0", ["run.rounds=1", "data.validation_fraction=0.3"])
+    cfg = tiny_config("data.validation_fraction=0.3")
+    _, held = split_validation(partition(200, tiny_task().train_labels, cfg.partition, 0), 0.3, 0)
+    assert seen and not set(seen) & set(held.tolist())
+    assert res["setup"]["num_validation"] == len(held) and res["setup"]["num_test"] is None
+
+
+def test_the_choice_comes_from_the_validation_split_only(tmp_path, monkeypatch, capsys):
+    """Another test set (a different subsample, and evaluating it would fail) gives the same choice and scores."""
+    out = tmp_path / "tune"
+    assert main(["tune", "tiny", "--methods", "fedit,ffa-lora", "--grid", GRID, "--seeds", "0", "--out", str(out),
+                 "--quiet"]) == 0
+    assert "| fedit | 0.0001 |" in capsys.readouterr().out
+    first = json.loads((out / "tune.json").read_text())
+    assert {(r["method"], r["lr"], r["seed"]) for r in first["runs"]} == {
+        (m, lr, 0) for m in ("fedit", "ffa-lora") for lr in (1e-4, 3e-2)}
+    assert all(r["metric"] == "accuracy" and 0 <= r["value"] <= 1 for r in first["runs"])
+
+    def no_test_set(self, net):
+        raise AssertionError("tuning evaluated the test set")
+
+    monkeypatch.setattr(TextClassification, "evaluate", no_test_set)
+    second = run_tuning("tiny", "fedit,ffa-lora", GRID, "0", ["data.max_test_examples=16"])
+    assert second["chosen"] == first["chosen"]
+    assert [r["value"] for r in second["runs"]] == [r["value"] for r in first["runs"]]
+
+
+def test_compare_reuses_the_tuned_learning_rates(tmp_path):
+    tuned = run_tuning("tiny", "fedit,ffa-lora", GRID, "0", ["run.rounds=1"], tmp_path / "tune")
+    out = tmp_path / "cmp"
+    assert main(["compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0", "--tuned",
+                 str(tmp_path / "tune" / "tune.json"), "--out", str(out), "--quiet", "--set", "run.rounds=1"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    for row in res["rows"]:
+        assert row["lr"] == tuned["chosen"][row["method"]]["lr"]
+        assert f"train.lr={row['lr']!r}" in row["settings"]
+        run_cfg = json.loads((out / f"{row['method']}-seed0" / "config.json").read_text())
+        assert run_cfg["train"]["lr"] == row["lr"]
+    assert str(tmp_path / "tune" / "tune.json") in (out / "results.md").read_text()
+    with pytest.raises(ConfigError, match="chose no learning rate for fedavg-full"):
+        from fedlowrank.comparison import run_comparison
+
+        run_comparison("tiny", "fedit,fedavg-full", "0", [f"compare.tuned={tmp_path / 'tune' / 'tune.json'}"])
+
+
+def test_bad_grids_are_refused():
+    assert parse_grid("1e-3, 3e-3") == [1e-3, 3e-3] and parse_grid(None) is None
+    for bad in ("", "1e-3,x", "0", "-1e-3", "1e-3,1e-3"):
+        with pytest.raises(ConfigError, match="--grid"):
+            parse_grid(bad)
