@@ -332,3 +332,34 @@ def test_bundled_gsm8k_config_is_valid_and_its_options_are_the_task_s():
         ("causal-lm", "smollm2-135m", "gsm8k", "clusters")
     assert set(cfg.task.options) <= set(inspect.signature(CausalLM).parameters)
     assert {"ilora", "florg", "fedgalore", "fedit"} <= set(cfg.compare.methods)
+
+
+# -- export --------------------------------------------------------------------------------------------------------
+def test_exported_adapter_generates_the_same_tokens_as_the_run(tmp_path, capsys):
+    """``fedlowrank run`` + ``fedlowrank export`` of a tiny-LLaMA run: peft's AutoPeftModelForCausalLM loads the
+    adapter (its base from ``base_model_name_or_path``, the user's folder) and greedy generation gives the run's
+    global model's tokens."""
+    from peft import AutoPeftModelForCausalLM
+
+    from fedlowrank.cli import main
+    from fedlowrank.export import load_global_simulation
+
+    loaded = load_model("tiny-llama", "causal-lm")
+    folder = tmp_path / "my-llama"
+    loaded.net.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    run_dir = tmp_path / "run"
+    assert main(["run", "tiny-lm", "--out", str(run_dir), "--quiet", "--set", f"task.model={folder}",
+                 "--set", "run.checkpoint_every=1", "--set", "train.lr=0.05", "--set", "run.rounds=1"]) == 0
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "adapter")]) == 0
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["task_type"] == "CAUSAL_LM" and config["base_model_name_or_path"] == str(folder)
+    exported = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter")).eval()
+    sim = load_global_simulation(run_dir)
+    tok = sim.task.tokenizer
+    prompts = [prompt_ids(tok, q) for q in sim.task.data.test_prompts[:3]]
+    ours = generate(sim.model.net, tok, prompts, max_new_tokens=16, batch_size=3)
+    theirs = generate(exported, tok, prompts, max_new_tokens=16, batch_size=3)
+    assert ours == theirs and any(ours)
+    with exported.disable_adapter():  # the adapter carries the update: the base model alone answers otherwise
+        assert generate(exported, tok, prompts, max_new_tokens=16, batch_size=3) != ours
