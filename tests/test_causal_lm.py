@@ -7,7 +7,6 @@ import json
 import math
 import shutil
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import pytest
