@@ -94,11 +94,12 @@ def flower_process(monkeypatch):
     client_app._runs.clear()
 
 
-def run_flower(*sets: str, drop=(), tamper=None, broken=()):
-    """The tiny run of ``sets`` through MethodStrategy + ClientApp; returns (server-side Simulation, grid, strategy)."""
+def run_flower(*sets: str, drop=(), tamper=None, broken=(), run_dir=None):
+    """The tiny run of ``sets`` through MethodStrategy + ClientApp; returns (server-side Simulation, grid, strategy).
+    The server writes ``run_dir`` when given, as the ServerApp does."""
     run_config = {"config": "tiny", "set": shlex.join(sets), "flower.node-timeout": 0.0}
     cfg, settings = load_run_config(run_config)
-    sim = simulator.Simulation(cfg, task=tiny_task())
+    sim = simulator.Simulation(cfg, task=tiny_task(), run_dir=run_dir)
     strategy = MethodStrategy(sim, settings)
     grid = LoopGrid(run_config, cfg.partition.num_clients, drop, tamper, broken)
     strategy.connect(grid)
@@ -289,3 +290,24 @@ def test_failing_client_is_a_dropout_not_a_crash(caplog):
         sim, *_ = run_flower("run.rounds=1", broken=[broken])
     assert sim.history[0]["replied"] == [kept] and sim.history[0]["dropped"] == [broken]
     assert f"client {broken} dropped (node {1000 + broken} answered with an error" in caplog.text and "train.lr must be > 0" in caplog.text
+
+
+# -- the server's run directory ------------------------------------------------------------------------
+def test_flower_run_directory_exports_and_resumes_in_the_simulator(tmp_path):
+    """The server writes the simulator's checkpoints (server state, history, ledger; not the clients' states,
+    which stay on the nodes): `fedlowrank export` and `resume` work on a Flower run directory."""
+    from fedlowrank.export import export_run
+    from fedlowrank.runtime.checkpoint import checkpoint_folders
+
+    run_dir = tmp_path / "flower"
+    sim, *_ = run_flower("method.name=fedit", "run.rounds=3", "run.checkpoint_every=2", run_dir=run_dir)
+    sim.close()  # what the ServerApp does at the end
+    assert sorted(checkpoint_folders(run_dir)) == [2, 3]
+    report = export_run(run_dir, tmp_path / "export", "peft", task=tiny_task())
+    assert report["round"] == 3 and (tmp_path / "export" / "adapter_model.safetensors").is_file()
+    notes = []
+    resumed = simulator.Simulation.resume(run_dir, task=tiny_task(), round=2, warn=notes.append)
+    assert len(notes) == 1 and "SuperNodes" in notes[0]
+    resumed.run()  # FedIT's clients carry no state: the simulator continues the Flower run exactly
+    assert_same_state(resumed.server, run_tiny("fedit", rounds=3).server)
+    assert [r["round"] for r in resumed.history] == [1, 2, 3]

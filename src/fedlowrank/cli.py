@@ -8,12 +8,15 @@
 * ``fedlowrank tune [CONFIG] [--methods a,b] [--grid 1e-3,3e-3] [--seeds 0]`` — each method's learning rate
   chosen on a validation split held out of the clients' training data; writes ``tune.json`` for
   ``compare --tuned``.
-* ``fedlowrank resume RUN_DIR`` — continue an interrupted run from its newest checkpoint, bit for bit.
+* ``fedlowrank resume RUN_DIR [--round N]`` — continue an interrupted run from its newest intact checkpoint
+  (or that of round N), bit for bit.
 * ``fedlowrank export RUN_DIR [--format peft|merged] [--rank R]`` — the global model as a PEFT adapter
   (or its rank-R SVD re-factorisation) or a merged Hugging Face model.
 * ``fedlowrank methods`` — every registered method with its paper and payloads.
 
 CONFIG is a TOML file or the name of a bundled config (``main``, ``tiny``, ``agnews``, ``matrix``).
+``run``, ``compare`` and ``tune`` refuse an ``--out`` directory that is not empty unless ``--overwrite``
+(docs/runs.md).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ _log = StderrLog()  # lines on stderr; tqdm bars as well on a terminal
 
 
 def _run_dir(cfg, suffix: str) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path(cfg.run.out_dir) / f"{cfg.run.name}-{suffix}-{stamp}"
+    """A new directory ``run.out_dir/<run.name>-<suffix>-<time>`` (``-2``, ``-3``... if a run started the same second)."""
+    from .runtime.rundir import new_run_dir
+
+    return new_run_dir(cfg.run.out_dir, f"{cfg.run.name}-{suffix}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def cmd_methods(args) -> int:
@@ -63,7 +68,7 @@ def cmd_run(args) -> int:
                           "diverged_at": result.diverged_at, **result.final}, indent=1))
         return 0
     run_dir = Path(args.out) if args.out else _run_dir(cfg, cfg.method_name)
-    sim = Simulation(cfg, run_dir=run_dir, log=None if args.quiet else _log)
+    sim = Simulation(cfg, run_dir=run_dir, log=None if args.quiet else _log, overwrite=args.overwrite)
     return _finish(sim, run_dir)
 
 
@@ -90,7 +95,7 @@ def cmd_resume(args) -> int:
     from .runtime.simulator import Simulation
 
     run_dir = Path(args.run_dir)
-    sim = Simulation.resume(run_dir, log=None if args.quiet else _log)
+    sim = Simulation.resume(run_dir, log=None if args.quiet else _log, round=args.round, warn=_log)
     _log(f"resuming {run_dir} after round {sim.round} of {sim.cfg.run.rounds}")
     return _finish(sim, run_dir)
 
@@ -100,7 +105,7 @@ def cmd_export(args) -> int:
 
     suffix = args.format + (f"-r{args.rank}" if args.rank is not None else "")
     out = Path(args.out) if args.out else Path(args.run_dir) / f"export-{suffix}"
-    report = export_run(args.run_dir, out, args.format, args.rank)
+    report = export_run(args.run_dir, out, args.format, args.rank, warn=_log)
     _log(f"exported to {out}")
     print(json.dumps(report, indent=1))
     return 0
@@ -109,25 +114,31 @@ def cmd_export(args) -> int:
 def cmd_compare(args) -> int:
     from .comparison import results_markdown, run_comparison
     from .config import load_config
+    from .runtime.rundir import claim_run_dir
 
     cfg = load_config(args.config, args.set)
     out = Path(args.out) if args.out else _run_dir(cfg, "compare")
+    lock = claim_run_dir(out, args.overwrite)  # held until the comparison ends; each run locks its own directory
     results = run_comparison(args.config, args.methods, args.seeds, args.set, out, None if args.quiet else _log,
                              reference=args.reference, tuned=args.tuned)
     print(results_markdown(results))
     _log(f"results: {out / 'results.md'}" + "".join(f"\nplot: {p}" for p in results.get("plots", [])))
+    lock.release()
     return 0
 
 
 def cmd_tune(args) -> int:
     from .config import load_config
+    from .runtime.rundir import claim_run_dir
     from .tuning import run_tuning, tune_markdown
 
     cfg = load_config(args.config, args.set)
     out = Path(args.out) if args.out else _run_dir(cfg, "tune")
+    lock = claim_run_dir(out, args.overwrite)  # held until the tuning ends; each run locks its own directory
     result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out, None if args.quiet else _log)
     print(tune_markdown(result))
     _log(f"tuning: {out / 'tune.json'}; use it with: fedlowrank compare ... --tuned {out / 'tune.json'}")
+    lock.release()
     return 0
 
 
@@ -140,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. lora.rank=4")
         sp.add_argument("--out", default=None, help="output directory (default: runs/<name>-...)")
         sp.add_argument("--quiet", action="store_true", help="no progress lines")
+        sp.add_argument("--overwrite", action="store_true",
+                        help="replace the run in a non-empty --out directory (its old files are deleted)")
 
     sp = sub.add_parser("run", help="run one method")
     common(sp)
@@ -162,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_tune)
     sp = sub.add_parser("resume", help="continue an interrupted run from its newest checkpoint")
     sp.add_argument("run_dir", help="the run directory")
+    sp.add_argument("--round", type=int, default=None, metavar="N",
+                    help="continue from the checkpoint of round N (default: the newest intact one)")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
     sp.set_defaults(func=cmd_resume)
     sp = sub.add_parser("methods", help="list the methods")

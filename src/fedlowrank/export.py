@@ -44,12 +44,13 @@ REPORT_FILE = "export.json"
 PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}
 
 
-def load_global_simulation(run_dir: str | Path, task=None):
-    """The run's :class:`~fedlowrank.runtime.simulator.Simulation` at its newest checkpoint, with the global model
-    loaded into ``sim.model``. Read-only: unlike ``Simulation.resume``, nothing in ``run_dir`` is rewritten."""
+def load_global_simulation(run_dir: str | Path, task=None, warn=None):
+    """The run's :class:`~fedlowrank.runtime.simulator.Simulation` at its newest intact checkpoint (``warn`` gets a
+    line when a damaged one is skipped), with the global model loaded into ``sim.model``. Read-only: unlike
+    ``Simulation.resume``, nothing in ``run_dir`` is rewritten."""
     from .runtime.simulator import Simulation
 
-    sim = Simulation.from_checkpoint(run_dir, task)
+    sim = Simulation.from_checkpoint(run_dir, task, warn=warn)
     sim.method.load_global(sim.model, sim.server)
     sim.model.cpu()  # export works on the CPU beside the pristine backbone, whatever run.device was
     return sim
@@ -210,7 +211,7 @@ def load_peft(pristine: nn.Module, out_dir: str | Path) -> nn.Module:
 
 # -- entry point ------------------------------------------------------------------------------------------------
 def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", rank: int | None = None,
-               task=None) -> dict[str, Any]:
+               task=None, warn=None) -> dict[str, Any]:
     """Export the global model of the run in ``run_dir`` to ``out_dir``; returns the report (also written to
     ``out_dir/export.json``).
 
@@ -219,12 +220,13 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
         rank: for ``"peft"``: re-factorise each target's total update to this rank by truncated SVD (required
             when the run's update is not a LoRA; allowed for any run, e.g. to compress a LoRA).
         task: the run's task, to reuse (tests); built from the run's config when ``None``.
+        warn: gets a line when the newest checkpoint is damaged and an older one is exported.
     """
     if format not in FORMATS:
         raise ValueError(f"--format must be one of {FORMATS}, got {format!r}")
     if rank is not None and format != "peft":
         raise ValueError("--rank applies to --format peft only (a merged model has no rank)")
-    sim = load_global_simulation(run_dir, task)
+    sim = load_global_simulation(run_dir, task, warn)
     model, pristine = sim.model, sim.task.build_model().net.eval()
     out_dir = Path(out_dir)
     report: dict[str, Any] = {"run_dir": str(run_dir), "method": sim.method.name, "round": sim.round,

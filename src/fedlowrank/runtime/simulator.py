@@ -7,8 +7,11 @@ clients' small states, never with model copies.
 
 A run directory holds ``config.json`` (resolved), ``partition.json`` (per-client label histograms),
 ``metrics.jsonl`` (a row per round: metrics, bytes, time breakdown, ``per_client``), ``ledger.jsonl`` (a row per client
-per round: bytes up and down) and ``checkpoints/`` (every ``run.checkpoint_every`` rounds and at the end);
-``run.tracking`` mirrors each metrics row to TensorBoard, W&B or MLflow (:mod:`fedlowrank.tracking`).
+per round: bytes up and down) and ``checkpoints/`` (every ``run.checkpoint_every`` rounds, and always at the
+last round so that every finished run can be exported); ``run.tracking`` mirrors each metrics row to TensorBoard,
+W&B or MLflow (:mod:`fedlowrank.tracking`). A run directory must be empty unless ``overwrite``, and is locked
+while a run writes it (:mod:`.rundir`); ``resume`` checks that the checkpoint is of the directory's config
+(:func:`~.checkpoint.config_fingerprint`).
 
 A metrics row: ``round``, ``clients`` (sampled), ``replied`` (used), ``train_loss`` (mean over the used
 replies), the test metrics when the round was evaluated (``accuracy``, ``loss``; for personalised methods the
@@ -48,7 +51,9 @@ from ..progress import Progress
 from ..tracking import open_tracker, require_package
 from ..tasks import Task, build_task
 from ..seeding import numpy_rng
-from .checkpoint import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (Checkpoint, CheckpointError, config_fingerprint, drop_checkpoints_after, find_checkpoint,
+                         save_checkpoint)
+from .rundir import check_run_dir, claim_run_dir, lock_run_dir
 from .engine import check_reply, client_update, sample_clients, setup_info, wire
 
 
@@ -84,7 +89,9 @@ class Simulation:
     Args:
         cfg: a validated :class:`~fedlowrank.config.RunConfig`.
         task: a task to reuse (its data and tokenisation); built from ``cfg`` when ``None``.
-        run_dir: where to write the run's files; ``None`` writes nothing.
+        run_dir: where to write the run's files; ``None`` writes nothing. It must be empty or absent unless
+            ``overwrite`` (which deletes the old run's files), and is locked until :meth:`close` (which
+            :meth:`run` calls when it ends) or the end of the process.
         log: where progress lines go (``None`` = silent); a log with a true ``bars`` attribute
             (:class:`~fedlowrank.progress.StderrLog` on a terminal) also gets tqdm bars.
         tamper: fault injection for tests and robustness studies: ``tamper(rnd, client, reply) -> reply`` is
@@ -96,10 +103,15 @@ class Simulation:
     def __init__(self, cfg, task: Task | None = None, run_dir: str | Path | None = None,
                  log: Callable[[str], None] | None = None,
                  tamper: Callable[[int, int, Message], Message] | None = None,
-                 parts: list[np.ndarray] | None = None):
+                 parts: list[np.ndarray] | None = None, overwrite: bool = False):
         self.cfg = cfg
         if cfg.run.tracking:
             require_package(cfg.run.tracking)  # before any work
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self._lock = None
+        if self.run_dir is not None:
+            check_run_dir(self.run_dir, overwrite)  # refuse before building anything; claimed in _start_run_dir
+        self.client_states = True  # False when the clients keep their own states (the Flower server's run)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.task = task if task is not None else build_task(cfg)
@@ -126,14 +138,13 @@ class Simulation:
         self.log = self.progress.write if log is not None else None
         self.tracker = None
         self.tamper = tamper
-        self.run_dir = Path(run_dir) if run_dir is not None else None
         if self.run_dir is not None:
-            self._start_run_dir()
+            self._start_run_dir(overwrite)
 
     # -- files ---------------------------------------------------------------------------------------
-    def _start_run_dir(self) -> None:
+    def _start_run_dir(self, overwrite: bool) -> None:
         assert self.run_dir is not None
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = claim_run_dir(self.run_dir, overwrite)
         (self.run_dir / "config.json").write_text(self.cfg.to_json())
         report: dict[str, Any] = {"task": self.task.describe(), "client_sizes": [len(p) for p in self.parts]}
         if self.split is not None:  # per-client counts of what the partition split on (labels, column, clusters)
@@ -299,32 +310,55 @@ class Simulation:
                 self.tracker = open_tracker(self.cfg, self.run_dir)
             self.tracker.log(row)
         self._check_divergence(row)
-        if self.run_dir is not None and self.cfg.run.checkpoint_every and (
-                self.round % self.cfg.run.checkpoint_every == 0 or self.round == self.cfg.run.rounds):
+        every = self.cfg.run.checkpoint_every
+        if self.run_dir is not None and (self.round == self.cfg.run.rounds or (every and self.round % every == 0)):
             self.save_checkpoint()
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         assert self.run_dir is not None
-        ck = Checkpoint(self.round, self.method.name, self.server, self.store, self.history, self.ledger.rows)
+        ck = Checkpoint(self.round, self.method.name, self.server, self.store, self.history, self.ledger.rows,
+                        config_fingerprint(self.cfg), self.client_states)
         return save_checkpoint(self.run_dir, ck)
+
+    def close(self) -> None:
+        """Close the progress bars and the tracker (a later round reopens the tracker) and release the run
+        directory's lock (nothing is written to it after this)."""
+        self.progress.close()
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
+        if self._lock is not None:
+            self._lock.release()
 
     @classmethod
     def from_checkpoint(cls, run_dir: str | Path, task: Task | None = None,
-                        log: Callable[[str], None] | None = None) -> "Simulation":
-        """The run in ``run_dir`` at its newest checkpoint. Reads only: nothing in ``run_dir`` is written."""
-        from ..config import from_dict
+                        log: Callable[[str], None] | None = None, round: int | None = None,
+                        warn: Callable[[str], None] | None = None) -> "Simulation":
+        """The run in ``run_dir`` at its newest intact checkpoint (or that of ``round``), after checking that the
+        checkpoint is of the directory's ``config.json``. Reads only: nothing in ``run_dir`` is written.
+        ``warn`` (default ``log``) gets a line when a damaged checkpoint is skipped (:func:`find_checkpoint`)."""
+        from ..config import ConfigError, from_dict
 
         run_dir = Path(run_dir)
-        ck = load_checkpoint(latest_checkpoint(run_dir))
+        warn = warn or log
+        path, ck = find_checkpoint(run_dir, round, warn)
         try:
-            raw = json.loads((run_dir / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
+        except (OSError, json.JSONDecodeError, ConfigError) as exc:
             raise CheckpointError(f"{run_dir}: config.json unreadable ({exc})") from exc
-        sim = cls(from_dict(raw), task=task, run_dir=None, log=log)
-        if ck.method != sim.method.name:
-            raise CheckpointError(f"checkpoint is of method {ck.method!r}, config says {sim.method.name!r}")
-        sim.server, sim.store, sim.round = ck.server, ck.clients, ck.round
+        if ck.method != cfg.method_name:
+            raise CheckpointError(f"checkpoint {path} is of method {ck.method!r}, {run_dir / 'config.json'} says "
+                                  f"{cfg.method_name!r}: they are not of the same run")
+        if ck.config_fingerprint and ck.config_fingerprint != config_fingerprint(cfg):
+            raise CheckpointError(f"checkpoint {path} was written with another config (fingerprint "
+                                  f"{ck.config_fingerprint[:12]}) than {run_dir / 'config.json'} (fingerprint "
+                                  f"{config_fingerprint(cfg)[:12]}): they are not of the same run")
+        if ck.round > cfg.run.rounds:
+            raise CheckpointError(f"checkpoint {path} is of round {ck.round}, beyond run.rounds = {cfg.run.rounds} "
+                                  f"in {run_dir / 'config.json'}: they are not of the same run")
+        sim = cls(cfg, task=task, run_dir=None, log=log)
+        sim.server, sim.store, sim.round, sim.client_states = ck.server, ck.clients, ck.round, ck.client_states
         sim.history, sim.ledger.rows = ck.history, ck.ledger
         evals = [r for r in ck.history if "accuracy" in r or "loss" in r]
         metric_keys = ("accuracy", "loss", "perplexity", "exact_match")
@@ -332,12 +366,24 @@ class Simulation:
         return sim
 
     @classmethod
-    def resume(cls, run_dir: str | Path, task: Task | None = None,
-               log: Callable[[str], None] | None = None) -> "Simulation":
-        """Rebuild the run in ``run_dir`` from its resolved config and newest checkpoint, ready to continue;
-        ``metrics.jsonl`` and ``ledger.jsonl`` are cut back to the checkpoint's round."""
-        sim = cls.from_checkpoint(run_dir, task, log)
-        sim.run_dir = Path(run_dir)
+    def resume(cls, run_dir: str | Path, task: Task | None = None, log: Callable[[str], None] | None = None,
+               round: int | None = None, warn: Callable[[str], None] | None = None) -> "Simulation":
+        """Rebuild the run in ``run_dir`` from its resolved config and newest intact checkpoint (or that of
+        ``round``), ready to continue, holding the directory's lock; ``metrics.jsonl`` and ``ledger.jsonl`` are
+        cut back to the checkpoint's round and later checkpoints deleted."""
+        lock = lock_run_dir(run_dir) if Path(run_dir).is_dir() else None
+        try:
+            sim = cls.from_checkpoint(run_dir, task, log, round, warn)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        sim.run_dir, sim._lock = Path(run_dir), lock
+        drop_checkpoints_after(sim.run_dir, sim.round)
+        if not sim.client_states and (warn or log):
+            (warn or log)(f"note: the checkpoint of round {sim.round} is the Flower server's; the clients' states "
+                          f"stayed on the SuperNodes, so clients start here from their initial states")
+        sim.client_states = True  # from here on the simulator holds them
         for name, rows in (("metrics.jsonl", sim.history), ("ledger.jsonl", sim.ledger.rows)):
             (sim.run_dir / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         return sim
@@ -362,16 +408,9 @@ class Simulation:
         try:
             while self.round < self.cfg.run.rounds:
                 self.run_round()
+            return self.summary()
         finally:
             self.close()
-        return self.summary()
-
-    def close(self) -> None:
-        """Close the progress bars and the tracker (a later round reopens the tracker)."""
-        self.progress.close()
-        if self.tracker is not None:
-            self.tracker.close()
-            self.tracker = None
 
     def summary(self) -> dict[str, Any]:
         times = {k: sum(r["time"][k] for r in self.history) for k in ("client_compute", "aggregation", "evaluation", "other", "total")}

@@ -2,8 +2,11 @@
 
 The run directory (``flower.run-dir``, else ``run.out_dir/<run.name>-flower-<run id>``) gets what a simulated
 run writes (``config.json``, ``partition.json``, ``metrics.jsonl``, ``ledger.jsonl``, ``summary.json``,
-``checkpoints/`` every ``run.checkpoint_every`` rounds) plus ``server_state.safetensors``, the method's final
-server state (the global model).
+``checkpoints/`` every ``run.checkpoint_every`` rounds and at the last round) plus ``server_state.safetensors``,
+the method's final server state (the global model). The checkpoints are the simulator's, with the server state,
+history and ledger but not the clients' states (they stay on the SuperNodes), so ``fedlowrank export`` and
+``fedlowrank resume`` (in the simulator) work on the directory. As for a simulated run, the directory must be
+empty unless ``flower.overwrite`` is true, and is locked while the ServerApp writes it.
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     # torch and the run are imported here, not at module level: `flwr run` imports this module to validate
     # the app, and needs neither.
+    from ..rundir import check_run_dir
     from ..simulator import Simulation
     from .settings import load_run_config
     from .strategy import MethodStrategy, state_arrays
 
     cfg, settings = load_run_config(context.run_config)
     run_dir = Path(settings.run_dir or Path(cfg.run.out_dir) / f"{cfg.run.name}-flower-{context.run_id}")
-    sim = Simulation(cfg, run_dir=run_dir, log=lambda line: log(INFO, "%s", line))
+    check_run_dir(run_dir, settings.overwrite, flag="flower.overwrite=true")
+    sim = Simulation(cfg, run_dir=run_dir, log=lambda line: log(INFO, "%s", line), overwrite=settings.overwrite)
     log(INFO, "fedlowrank: run directory %s", run_dir)
     strategy = MethodStrategy(sim, settings)
     strategy.connect(grid)
@@ -37,3 +42,4 @@ def main(grid: Grid, context: Context) -> None:
                    evaluate_fn=strategy.evaluate)
     (run_dir / "server_state.safetensors").write_bytes(sim.server.to_bytes())
     log(INFO, "fedlowrank: summary %s", json.dumps(sim.summary()))
+    sim.close()

@@ -31,11 +31,13 @@ class FlowerSettings:
         node_timeout: seconds the server waits at the start for a SuperNode per client
             (``partition.num_clients``); the run starts with the nodes present after that.
         run_dir: where the ServerApp writes the run directory; ``""`` = ``run.out_dir/<run.name>-flower-<run id>``.
+        overwrite: replace the run in a non-empty run directory (``fedlowrank run --overwrite``).
     """
 
     round_timeout: float = 600.0
     node_timeout: float = 120.0
     run_dir: str = ""
+    overwrite: bool = False
 
 
 def _key(name: str) -> str:
@@ -60,6 +62,10 @@ def load_run_config(run_config: Mapping[str, bool | int | float | str]) -> tuple
             if key not in known:
                 raise ConfigError(f"{key} is not a Flower runtime option; allowed: {', '.join(sorted(known))}")
             f = known[key]
+            if isinstance(f.default, bool):
+                if str(value).lower() not in ("true", "false"):
+                    raise ConfigError(f"{key} must be true or false, got {value!r}")
+                value = str(value).lower() == "true"
             try:
                 setattr(settings, f.name, type(f.default)(value))
             except ValueError:

@@ -59,6 +59,7 @@ class MethodStrategy(Strategy):
 
     def __init__(self, sim: Simulation, settings: FlowerSettings):
         self.sim = sim
+        sim.client_states = False  # they live on the SuperNodes; the run's checkpoints say so
         self.settings = settings
         self.nodes: dict[int, int] = {}  # client id (SuperNode partition-id) -> node id
         self._ignored: set[int] = set()  # node ids whose answer to the query was unusable
