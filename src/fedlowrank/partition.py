@@ -10,6 +10,9 @@
 * ``natural`` — one client per natural id: the task's own ids, or each value of the column ``partition_by``.
 * ``clusters`` — for data without labels: k-means (:func:`kmeans`) of sentence embeddings of the training
   examples into ``num_clusters`` clusters, then ``dirichlet`` over the cluster ids.
+* ``domains`` — feature shift, as DomainNet's natural domains: the task's examples carry domain ids (the image
+  task's ``task.options.domains``); client k holds domain ``k mod D`` only, each domain split IID among its
+  ``⌈(M − d)/D⌉`` clients (needs M ≥ D).
 
 What is split on (:func:`split_on`): the task's labels, or the values of the data column ``partition_by`` (for
 ``dirichlet``/``shards``, like flwr-datasets' ``partition_by``), or the cluster ids. The per-client histogram
@@ -24,7 +27,7 @@ import numpy as np
 
 from .seeding import numpy_rng
 
-PARTITIONS = ("iid", "dirichlet", "shards", "quantity", "natural", "clusters")
+PARTITIONS = ("iid", "dirichlet", "shards", "quantity", "natural", "domains", "clusters")
 
 
 @dataclass
@@ -60,6 +63,8 @@ def partition(num_examples: int, labels: np.ndarray | None, cfg: PartitionConfig
         if len(ids) != m:
             raise ValueError(f"partition.num_clients = {m} but the task has {len(ids)} natural clients")
         return [np.flatnonzero(natural == i) for i in ids]
+    if cfg.kind == "domains":
+        return _domains(natural, m, rng)
     if cfg.kind == "iid":
         return [np.sort(p) for p in np.array_split(rng.permutation(num_examples), m)]
     if cfg.kind == "quantity":
@@ -224,6 +229,23 @@ def _shards(labels: np.ndarray, cfg: PartitionConfig, rng: np.random.Generator) 
     return [np.sort(np.array(p, dtype=np.int64)) for p in parts]
 
 
+def _domains(domain_ids: np.ndarray | None, m: int, rng: np.random.Generator) -> list[np.ndarray]:
+    if domain_ids is None:
+        raise ValueError("partition.kind = 'domains' needs a task whose examples carry domains "
+                         "(image-classification with task.options.domains)")
+    domains = np.unique(domain_ids)
+    if m < len(domains):
+        raise ValueError(f"partition.num_clients = {m} is fewer than the task's {len(domains)} domains; "
+                         f"each domain needs at least one client")
+    parts: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * m
+    for j, d in enumerate(domains):
+        owners = list(range(j, m, len(domains)))
+        idx = rng.permutation(np.flatnonzero(domain_ids == d))
+        for owner, chunk in zip(owners, np.array_split(idx, len(owners))):
+            parts[owner] = np.sort(chunk).astype(np.int64)
+    return parts
+
+
 def _quantity(n: int, cfg: PartitionConfig, rng: np.random.Generator) -> list[np.ndarray]:
     m = cfg.num_clients
     if cfg.alpha <= 0:
@@ -241,12 +263,14 @@ def label_histograms(labels: np.ndarray, parts: list[np.ndarray], num_classes: i
     return np.stack([np.bincount(labels[p], minlength=num_classes) for p in parts])
 
 
-def format_histograms(hist: np.ndarray, label_names: list[str] | None = None) -> str:
-    """A plain-text table of per-client label counts."""
+def format_histograms(hist: np.ndarray, label_names: list[str] | None = None,
+                      client_names: list[str] | None = None) -> str:
+    """A plain-text table of per-client label counts (and each client's ``client_names`` entry, e.g. its domain)."""
     names = label_names or [str(i) for i in range(hist.shape[1])]
     short = [n[:8] for n in names]
     width = max(6, *(len(s) for s in short))
-    lines = ["client " + " ".join(s.rjust(width) for s in short) + "   total"]
+    lines = ["client " + " ".join(s.rjust(width) for s in short) + "   total" + ("  domain" if client_names else "")]
     for k, row in enumerate(hist):
-        lines.append(f"{k:6d} " + " ".join(str(int(v)).rjust(width) for v in row) + f"  {int(row.sum()):6d}")
+        lines.append(f"{k:6d} " + " ".join(str(int(v)).rjust(width) for v in row) + f"  {int(row.sum()):6d}"
+                     + (f"  {client_names[k]}" if client_names else ""))
     return "\n".join(lines)

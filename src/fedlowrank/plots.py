@@ -97,8 +97,9 @@ def plot_comparison(histories: dict[str, list[list[dict[str, Any]]]], out_dir: P
 
 
 def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] | None = None,
-                          what: str = "label") -> Path | None:
-    """Stacked bars of each client's counts of each value split on (``what``: label, a column, clusters)."""
+                          client_names: list[str] | None = None, what: str = "label") -> Path | None:
+    """Stacked bars of each client's counts of each value split on (``what``: label, a column, clusters;
+    ``client_names``, e.g. each client's image domain, label the bars under their numbers)."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -109,6 +110,8 @@ def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] |
         ax.bar(np.arange(hist.shape[0]), hist[:, c], bottom=bottom, label=names[c])
         bottom += hist[:, c]
     ax.set_xlabel("client")
+    if client_names:
+        ax.set_xticks(np.arange(hist.shape[0]), [f"{k}\n{n}" for k, n in enumerate(client_names)], fontsize=7)
     ax.set_ylabel("examples")
     ax.set_title(f"split on: {what}", fontsize=9)
     ax.legend(fontsize=7, ncol=2)

@@ -43,14 +43,14 @@ class LoRALinear(AdaptedLinear):
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, scaling: str = "standard", dropout: float = 0.0):
         super().__init__(base)
-        if rank < 1 or rank > min(base.in_features, base.out_features):
-            raise ValueError(f"lora.rank must be in [1, {min(base.in_features, base.out_features)}], got {rank}")
+        if rank < 1 or rank > min(self.in_features, self.out_features):
+            raise ValueError(f"lora.rank must be in [1, {min(self.in_features, self.out_features)}], got {rank}")
         self.alpha = float(alpha)
         self.scaling_rule = scaling
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         like = dict(dtype=base.weight.dtype, device=base.weight.device)
-        self.lora_A = nn.Parameter(torch.zeros(rank, base.in_features, **like))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, **like))
+        self.lora_A = nn.Parameter(torch.zeros(rank, self.in_features, **like))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **like))
         self.scale = lora_scale(self.alpha, rank, scaling)
 
     @property
@@ -76,7 +76,7 @@ class LoRALinear(AdaptedLinear):
         return self.scale * (self.lora_B @ self.lora_A)
 
     def adapter_output(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)
+        return self.scale * self.output_map(self.input_map(self.dropout(x), self.lora_A), self.lora_B)
 
 
 def attach_lora(model: AdaptedModel, rank: int, alpha: float, scaling: str = "standard", dropout: float = 0.0) -> None:

@@ -1,8 +1,10 @@
 """The model every method works on: a backbone with named target linears and an explicit head.
 
-Weight layout is ``[out, in]`` everywhere (``nn.Linear``). An adapter replaces a target ``nn.Linear`` by a
-wrapper that keeps the frozen pretrained weight ``W0``, an explicit **base delta** (changes methods make to
-the frozen weight: FedEx-LoRA residuals, FLoRA merges, ILoRA's QR offset, SSF backfill...) and its own
+Weight layout is ``[out, in]`` everywhere (``nn.Linear``); a target ``nn.Conv2d`` (``groups = 1``) is seen as the
+matrix ``[out, in·kh·kw]`` of its kernel (:func:`weight_matrix`), its input map being the convolution with that
+kernel and its output map a 1×1 convolution, so a factored path ``B (A x)`` is the usual LoRA-for-convolutions.
+An adapter replaces a target by a wrapper that keeps the frozen pretrained weight ``W0``, an explicit **base
+delta** (changes methods make to the frozen weight: FedEx-LoRA residuals, FLoRA merges, ILoRA's QR offset, SSF backfill...) and its own
 trainable parameters. The effective weight is ``W0 + base_delta + adapter_delta``.
 """
 
@@ -15,17 +17,35 @@ import torch.nn.functional as F
 from torch import nn
 
 
+TARGET_TYPES = (nn.Linear, nn.Conv2d)
+
+
+def matrix_shape(layer: nn.Module) -> tuple[int, int]:
+    """``(out, in)`` of a target's weight seen as a matrix: ``nn.Linear`` ``[out, in]``, ``nn.Conv2d``
+    ``[out, in·kh·kw]``."""
+    w = layer.weight
+    return int(w.shape[0]), int(w[0].numel())
+
+
+def weight_matrix(layer: nn.Module) -> torch.Tensor:
+    """The target's weight as ``[out, in]`` (a view; a convolution kernel ``[out, in, kh, kw]`` flattened)."""
+    return layer.weight.reshape(layer.weight.shape[0], -1)
+
+
 class AdaptedLinear(nn.Module):
-    """A frozen ``nn.Linear`` plus an explicit base delta; subclasses add a trainable low-rank path.
+    """A frozen ``nn.Linear`` (or ``nn.Conv2d``, as its ``[out, in·kh·kw]`` matrix) plus an explicit base delta;
+    subclasses add a trainable low-rank path written with :meth:`input_map` and :meth:`output_map`.
 
     Attributes:
-        base: the original linear, ``weight: [out, in]`` frozen.
+        base: the original layer, ``weight: [out, in]`` (a convolution: ``[out, in, kh, kw]``) frozen.
         base_delta: ``[out, in]`` non-persistent buffer (moves with the module) or ``None`` (= zero), part of
             the frozen weight the server owns.
     """
 
-    def __init__(self, base: nn.Linear):
+    def __init__(self, base: nn.Linear | nn.Conv2d):
         super().__init__()
+        if isinstance(base, nn.Conv2d) and base.groups != 1:
+            raise ValueError(f"an adapter needs a convolution with groups = 1, got groups = {base.groups}")
         self.base = base
         base.weight.requires_grad_(False)
         if base.bias is not None:
@@ -33,39 +53,62 @@ class AdaptedLinear(nn.Module):
         self.register_buffer("base_delta", None, persistent=False)
 
     @property
+    def weight(self) -> torch.Tensor:
+        """The frozen pretrained weight (for models that read ``layer.weight.dtype``, as ViT's patch embedding does)."""
+        return self.base.weight
+
+    @property
     def out_features(self) -> int:
-        return self.base.out_features
+        return matrix_shape(self.base)[0]
 
     @property
     def in_features(self) -> int:
-        return self.base.in_features
+        return matrix_shape(self.base)[1]
 
     def frozen_weight(self) -> torch.Tensor:
         """``W0 + base_delta``: ``[out, in]``."""
-        w = self.base.weight
+        w = weight_matrix(self.base)
         return w if self.base_delta is None else w + self.base_delta
 
+    def input_map(self, x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+        """``A [r, in]`` applied to the layer input: ``x Aᵀ``, or the convolution with kernel ``A`` reshaped to
+        ``[r, in, kh, kw]`` (the layer's stride, padding, dilation)."""
+        if isinstance(self.base, nn.Conv2d):
+            b = self.base
+            return F.conv2d(x, A.reshape(A.shape[0], *b.weight.shape[1:]), None, b.stride, b.padding, b.dilation)
+        return F.linear(x, A)
+
+    def output_map(self, h: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+        """``B [out, r]`` applied to :meth:`input_map`'s output: ``h Bᵀ``, or a 1×1 convolution."""
+        if isinstance(self.base, nn.Conv2d):
+            return F.conv2d(h, B[:, :, None, None])
+        return F.linear(h, B)
+
     def set_base_delta(self, delta: torch.Tensor | None) -> None:
-        if delta is not None and tuple(delta.shape) != tuple(self.base.weight.shape):
-            raise ValueError(f"base_delta shape {tuple(delta.shape)} != weight shape {tuple(self.base.weight.shape)}")
+        if delta is not None and tuple(delta.shape) != matrix_shape(self.base):
+            raise ValueError(f"base_delta shape {tuple(delta.shape)} != weight shape {matrix_shape(self.base)}")
         w = self.base.weight
         self.base_delta = None if delta is None else delta.detach().to(device=w.device, dtype=w.dtype)
 
     def set_frozen_weight(self, weight: torch.Tensor) -> None:
         """Make the frozen weight ``weight`` ``[out, in]`` (on any device): ``base_delta = weight − W0``."""
-        w = self.base.weight
+        w = weight_matrix(self.base)
         self.set_base_delta(weight.to(w.device) - w.detach())
 
     def adapter_delta(self) -> torch.Tensor:
         """Dense ``[out, in]`` update of the trainable path (for export and tests; not used in forward)."""
-        return torch.zeros_like(self.base.weight)
+        return torch.zeros_like(weight_matrix(self.base))
 
     def adapter_output(self, x: torch.Tensor) -> torch.Tensor | None:
         """The trainable path's contribution to the output, computed in factored form; ``None`` for none."""
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.frozen_weight(), self.base.bias)
+        if isinstance(self.base, nn.Conv2d):
+            b = self.base
+            y = F.conv2d(x, self.frozen_weight().reshape(b.weight.shape), b.bias, b.stride, b.padding, b.dilation)
+        else:
+            y = F.linear(x, self.frozen_weight(), self.base.bias)
         extra = self.adapter_output(x)
         return y if extra is None else y + extra
 
@@ -83,7 +126,7 @@ class AdaptedModel(nn.Module):
 
     Args:
         net: the full model (e.g. ``BertForSequenceClassification``); its forward is the task's business.
-        target_names: full module names of the target ``nn.Linear`` layers, e.g.
+        target_names: full module names of the target ``nn.Linear`` (or ``nn.Conv2d``) layers, e.g.
             ``bert.encoder.layer.0.attention.self.query``.
         head_names: full parameter names of the head (trained and shared unless a method says otherwise).
     """
@@ -95,8 +138,8 @@ class AdaptedModel(nn.Module):
         self.head_names = list(head_names)
         for name in self.target_names:
             mod = net.get_submodule(name)
-            if not isinstance(mod, (nn.Linear, AdaptedLinear)):
-                raise ValueError(f"target module {name!r} is a {type(mod).__name__}, not nn.Linear")
+            if not isinstance(mod, (*TARGET_TYPES, AdaptedLinear)):
+                raise ValueError(f"target module {name!r} is a {type(mod).__name__}, not nn.Linear or nn.Conv2d")
         params = dict(net.named_parameters())
         missing = [n for n in self.head_names if n not in params]
         if missing:
@@ -116,6 +159,10 @@ class AdaptedModel(nn.Module):
     def base_linear(self, name: str) -> nn.Linear:
         mod = self.target(name)
         return mod.base if isinstance(mod, AdaptedLinear) else mod
+
+    def base_matrix(self, name: str) -> torch.Tensor:
+        """The target's pretrained weight as ``[out, in]`` (a convolution's kernel flattened; a view)."""
+        return weight_matrix(self.base_linear(name))
 
     def attach(self, make: Callable[[str, nn.Linear], AdaptedLinear]) -> None:
         """Replace every target linear by ``make(name, linear)`` (idempotent per kind: re-wraps the base)."""

@@ -26,26 +26,33 @@ DEFAULT_TARGETS: dict[str, list[str]] = {
     "llama": ["q_proj", "v_proj"],
     "vit": ["q_proj", "v_proj"],
     "gpt2": ["c_attn"],
+    "clip": ["q_proj", "v_proj"],  # CLIPForImageClassification's vision tower (attention out is out_proj)
+    "resnet20": ["stem", "conv1", "conv2"],  # fedlowrank.resnet: every convolution (trained from scratch)
 }
 
 
+TARGETABLE = (nn.Linear, nn.Conv2d)  # a convolution is adapted as its [out, in·kh·kw] matrix
+
+
 def linear_suffixes(net: nn.Module) -> list[str]:
-    """The distinct last name components of the model's ``nn.Linear`` modules (what a target may name)."""
-    return sorted({n.rsplit(".", 1)[-1] for n, m in net.named_modules() if isinstance(m, nn.Linear)})
+    """The distinct last name components of the model's ``nn.Linear``/``nn.Conv2d`` modules (what a target may
+    name)."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in net.named_modules() if isinstance(m, TARGETABLE)})
 
 
 def resolve_targets(net: nn.Module, spec: list[str] | str, exclude: tuple[str, ...] = ()) -> list[str]:
-    """Full names of the ``nn.Linear`` modules that ``spec`` (peft semantics, see the module docstring) selects,
-    in model order. The modules named in ``exclude`` and everything under them (the head / output layer) are
+    """Full names of the ``nn.Linear`` (or, named explicitly, ``nn.Conv2d``) modules that ``spec`` (peft
+    semantics, see the module docstring) selects, in model order. The modules named in ``exclude`` and everything under them (the head / output layer) are
     never targets. A list entry or a regular expression that matches nothing is an error naming
     ``lora.targets`` and the allowed suffixes."""
     under = tuple(f"{m}." for m in exclude)
     names = [n for n, m in net.named_modules()
-             if isinstance(m, nn.Linear) and n not in exclude and not n.startswith(under)]
+             if isinstance(m, TARGETABLE) and n not in exclude and not n.startswith(under)]
+    linear = [n for n in names if isinstance(net.get_submodule(n), nn.Linear)]  # what all-linear selects
     allowed = f"allowed suffixes: {', '.join(linear_suffixes(net))}, or {ALL_LINEAR!r}, or a regular expression"
     if isinstance(spec, str):
         if spec == ALL_LINEAR:
-            return names
+            return linear
         try:
             hits = [n for n in names if re.fullmatch(spec, n)]
         except re.error as exc:
@@ -55,7 +62,7 @@ def resolve_targets(net: nn.Module, spec: list[str] | str, exclude: tuple[str, .
                              f"name (e.g. {names[0] if names else 'none'}); {allowed}")
         return hits
     if ALL_LINEAR in spec:
-        return names
+        return linear
     out: set[str] = set()
     for pattern in spec:
         hits = [n for n in names if n == pattern or n.endswith("." + pattern)]

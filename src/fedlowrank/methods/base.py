@@ -70,6 +70,10 @@ class Method:
         uplink / downlink: what a client sends / receives each round, in words with shapes.
         needs_individual_replies: True if the server step needs each reply (stacking, RPCA, QR of the
             concatenation); False if weighted sums suffice (secure-aggregation friendly).
+        privacy_modes: the client-level DP modes the method supports (``"central"``: noise on the sum of the
+            replies, needs a server step that is a fixed-weight sum of them; ``"local"``: noise on each reply,
+            works with any server step); ``None`` = derived from ``needs_individual_replies``
+            (:meth:`supported_privacy_modes`). A class that narrows it says why in ``privacy_refusal``.
         supports_heterogeneous_ranks: whether clients may have different LoRA ranks.
         personalized: True if each client's model differs from the global one (part of it stays private);
             the runtime then reports the mean over clients of their own models' test metrics.
@@ -88,8 +92,18 @@ class Method:
     personalized: ClassVar[bool] = False
     preset: ClassVar[dict[str, Any]] = {}
     lr_grid: ClassVar[tuple[float, ...]] = ()
+    privacy_modes: ClassVar[tuple[str, ...] | None] = None
+    privacy_refusal: ClassVar[str] = ""
 
     info: SetupInfo
+
+    @classmethod
+    def supported_privacy_modes(cls) -> tuple[str, ...]:
+        """``privacy_modes``, or ``("local",)`` for methods needing individual replies and ``("central", "local")``
+        for those whose server step takes weighted sums only."""
+        if cls.privacy_modes is not None:
+            return cls.privacy_modes
+        return ("local",) if cls.needs_individual_replies else ("central", "local")
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         """Attach adapters to ``model`` and return the initial server state. Deterministic given ``info``."""

@@ -44,6 +44,8 @@ class FRLoRA(LoRAMethod):
     uplink = "A [r,in] and B [out,r] per target module, head"
     downlink = "dense global residual R_g [out,in] per target module, head"
     needs_individual_replies = False
+    privacy_modes = ("local",)
+    privacy_refusal = "its server step averages the products B_k A_k, which is not a weighted sum of the replies"
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         self.info = info

@@ -55,6 +55,9 @@ class HetLoRA(HeteroRankLoRA):
     uplink = "A_k [r_k,in] and B_k [out,r_k] per target module, head"
     downlink = "Ā[:r_k] [r_k,in], B̄[:, :r_k] [out,r_k] per target module, head"
     needs_individual_replies = False
+    privacy_modes = ("local",)
+    privacy_refusal = ("its server step weighs each reply by its rank and, with method.aggregation = 'sparsity', "
+                       "by its norm, so one client's weight is not bounded by 1/K")
 
     aggregation: str = "weighted"
 

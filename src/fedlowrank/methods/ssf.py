@@ -169,8 +169,8 @@ class SubspaceLinear(AdaptedLinear):
     def __init__(self, base: nn.Linear, rank: int):
         super().__init__(base)
         like = dict(dtype=base.weight.dtype, device=base.weight.device)
-        self.register_buffer("proj", torch.zeros(rank, base.in_features, **like))
-        self.coef = nn.Parameter(torch.zeros(base.out_features, rank, **like))
+        self.register_buffer("proj", torch.zeros(rank, self.in_features, **like))
+        self.coef = nn.Parameter(torch.zeros(self.out_features, rank, **like))
 
     def reset(self, proj: torch.Tensor) -> None:
         """Start a round in the subspace of ``proj [r, in]``: ``Y = 0``."""
@@ -182,7 +182,7 @@ class SubspaceLinear(AdaptedLinear):
         return self.coef @ self.proj
 
     def adapter_output(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(x, self.proj), self.coef)
+        return self.output_map(self.input_map(x, self.proj), self.coef)
 
 
 class _CorrectedGradient(ClientCorrection):
@@ -242,13 +242,13 @@ class SubspaceMethod(Method):
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         self.info = info
-        self._ranks = {n: self.layer_rank(model.base_linear(n).in_features) for n in model.target_names}
+        self._dims = {n: model.base_matrix(n).shape[1] for n in model.target_names}  # in (conv: in·kh·kw)
+        self._ranks = {n: self.layer_rank(d) for n, d in self._dims.items()}
         model.attach(lambda name, lin: SubspaceLinear(lin, self._ranks[name]))
         self._layers = list(model.target_names)
         self._index = {n: i for i, n in enumerate(self._layers)}
-        self._dims = {n: model.base_linear(n).in_features for n in self._layers}
-        self._dtype = model.base_linear(self._layers[0]).weight.dtype
-        server = State({f"w/{n}": model.base_linear(n).weight.detach().clone() for n in self._layers})
+        self._dtype = model.base_matrix(self._layers[0]).dtype
+        server = State({f"w/{n}": model.base_matrix(n).detach().clone() for n in self._layers})
         server.update({f"w/{k}": v for k, v in head_tensors(model).items()})
         self._keys = [k[2:] for k in server]
         # catch-up bookkeeping: model version, the version each client holds, retained increments
@@ -421,7 +421,7 @@ class SubspaceMethod(Method):
             if synced < first:
                 raise ValueError(f"method {self.name!r}: the client's model copy is at version {synced} but the "
                                  f"increments start at version {first}")
-            w = state[f"w/{n}"] if f"w/{n}" in state else on_host(model.base_linear(n).weight)
+            w = state[f"w/{n}"] if f"w/{n}" in state else on_host(model.base_matrix(n))
             for v in range(synced, to):
                 w = w + lift(msg[f"sync/{n}/{v}"], self.projectors(msg["sync.epochs"][v - first])[n])
             new[f"w/{n}"] = w

@@ -21,7 +21,9 @@ from ..adapters.model import AdaptedModel
 from ..device import to_host
 from ..message import Message, State
 from ..methods.base import Method, SetupInfo
-from ..seeding import numpy_rng
+from ..privacy.dpsgd import DPSGD
+from ..privacy.runtime import local_reply
+from ..seeding import numpy_rng, torch_generator
 from ..training.local import LocalTrainer
 
 
@@ -52,13 +54,18 @@ def client_update(method: Method, model: AdaptedModel, msg: Message, state: Stat
     ``on_step(step, total)`` is the trainer's progress hook.
 
     Every adapter's base delta is cleared first: whatever the client needs must come in ``msg``. The reply and
-    the new state come back on the CPU, whatever device the model is on.
+    the new state come back on the CPU, whatever device the model is on. With ``privacy.dpsgd`` local training is
+    DP-SGD; with ``privacy.mode = "local"`` the reply is clipped and noised here, before it leaves the client
+    (:func:`fedlowrank.privacy.runtime.local_reply`).
     """
     for mod in model.adapters().values():
         mod.set_base_delta(None)
-    trainer = LocalTrainer(task, indices, cfg.train, client, rnd, cfg.run.rounds, cfg.run.seed, on_step=on_step)
+    dp = cfg.privacy
+    dpsgd = DPSGD(dp.dpsgd_clip, dp.dpsgd_noise, torch_generator(cfg.run.seed, "dpsgd", client, rnd)) if dp.dpsgd else None
+    trainer = LocalTrainer(task, indices, cfg.train, client, rnd, cfg.run.rounds, cfg.run.seed, on_step=on_step,
+                           dpsgd=dpsgd)
     reply, new_state = method.train(model, msg, state, trainer)
-    return to_host(reply), to_host(new_state), trainer
+    return local_reply(cfg, to_host(reply), msg, client, rnd), to_host(new_state), trainer
 
 
 def check_reply(method: Method, down: Message, reply: Message, rnd: int, client_size: int | None = None) -> str | None:

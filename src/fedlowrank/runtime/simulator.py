@@ -47,6 +47,7 @@ from ..message import Message, Reply, State
 from ..methods import get_method
 from ..partition import format_histograms, label_histograms, partition_task, split_on
 from ..plots import plot_label_histograms
+from ..privacy.runtime import accounting, central_replies
 from ..progress import Progress
 from ..tracking import open_tracker, require_package
 from ..tasks import Task, build_task
@@ -98,12 +99,15 @@ class Simulation:
             applied to every reply before it is sent.
         parts: client index arrays to train on instead of the configured partition (``fedlowrank tune`` passes
             the partition with each client's validation examples held out).
+        log_partition: log the per-client label counts when the run directory is made (``compare`` logs them
+            once for all its methods, which share the partition).
     """
 
     def __init__(self, cfg, task: Task | None = None, run_dir: str | Path | None = None,
                  log: Callable[[str], None] | None = None,
                  tamper: Callable[[int, int, Message], Message] | None = None,
-                 parts: list[np.ndarray] | None = None, overwrite: bool = False):
+                 parts: list[np.ndarray] | None = None, overwrite: bool = False,
+                 log_partition: bool = True):
         self.cfg = cfg
         if cfg.run.tracking:
             require_package(cfg.run.tracking)  # before any work
@@ -138,6 +142,7 @@ class Simulation:
         self.log = self.progress.write if log is not None else None
         self.tracker = None
         self.tamper = tamper
+        self.log_partition = log_partition
         if self.run_dir is not None:
             self._start_run_dir(overwrite)
 
@@ -147,13 +152,15 @@ class Simulation:
         self._lock = claim_run_dir(self.run_dir, overwrite)
         (self.run_dir / "config.json").write_text(self.cfg.to_json())
         report: dict[str, Any] = {"task": self.task.describe(), "client_sizes": [len(p) for p in self.parts]}
+        report.update(self.task.describe_partition(self.parts))
         if self.split is not None:  # per-client counts of what the partition split on (labels, column, clusters)
             hist = label_histograms(self.split.values, self.parts, len(self.split.names))
             report.update(split_on=self.split.what, split_names=self.split.names, label_histograms=hist.tolist())
-            plot_label_histograms(hist, self.run_dir / "partition.png", self.split.names, self.split.what)
-            if self.log:
+            domains = report.get("client_domains")
+            plot_label_histograms(hist, self.run_dir / "partition.png", self.split.names, domains, self.split.what)
+            if self.log and self.log_partition:
                 self.log(f"per-client counts of each {self.split.what}:\n"
-                         + format_histograms(hist, self.split.names))
+                         + format_histograms(hist, self.split.names, domains))
         (self.run_dir / "partition.json").write_text(json.dumps(report, indent=1))
         for name in ("metrics.jsonl", "ledger.jsonl"):
             (self.run_dir / name).write_text("")
@@ -202,6 +209,7 @@ class Simulation:
         dropped = self.dropped_clients(rnd, clients)
         replies: list[Reply] = []
         new_states: dict[int, State] = {}  # committed only when the round is aggregated
+        downs: dict[int, Message] = {}  # what each client was sent (central DP measures updates from it)
         rejected: list[dict[str, Any]] = []
         ledger_rows: list[dict[str, int]] = []
         compute = 0.0
@@ -212,6 +220,7 @@ class Simulation:
             msg = self.method.broadcast(self.server, k, rnd)
             down_bytes = msg.nbytes()
             down = wire(msg)
+            downs[k] = down
             state = self.store.get(k)
             if state is None:
                 state = self.method.init_client(k)
@@ -238,6 +247,7 @@ class Simulation:
         for row in ledger_rows:
             self.ledger.add(**row)
         aggregation = 0.0
+        privacy: dict[str, Any] = {}
         skipped = len(replies) < cfg.run.min_replies
         if skipped:
             if self.log:
@@ -245,6 +255,7 @@ class Simulation:
                          f"run.min_replies = {cfg.run.min_replies}: round skipped, global state unchanged")
         else:
             t_agg = time.perf_counter()
+            replies, privacy = central_replies(cfg, replies, downs, rnd, self.history)
             self.server = self.method.aggregate(self.server, replies, rnd)
             self.store.update(new_states)
             aggregation = time.perf_counter() - t_agg
@@ -273,6 +284,8 @@ class Simulation:
             row["skipped"] = True
         if diagnostics:
             row["diagnostics"] = diagnostics
+        if privacy:
+            row["privacy"] = privacy
         self.record_round(row, ledger_rows, replies)
         self.progress.round_end(row, metrics)
         return row
@@ -296,6 +309,7 @@ class Simulation:
     def record_round(self, row: dict[str, Any], ledger_rows: list[dict[str, int]], replies: Sequence[Reply] = ()) -> None:
         """Store a finished round (both runtimes): its ``per_client`` entries (from the ledger rows and the used
         ``replies``), history, metrics.jsonl, ledger.jsonl, tracker, divergence check, checkpoint."""
+        row.update(accounting(self.cfg, self.info.client_sizes, self.history, row))
         row["per_client"] = self.client_rows(ledger_rows, list(replies))
         self.round = row["round"]
         self.history.append(row)
@@ -417,6 +431,8 @@ class Simulation:
         out = {"method": self.method.name, "rounds": self.round, "bytes_up": self.ledger.total_up,
                "bytes_down": self.ledger.total_down, "time": times, "peak_rss_mb": peak_rss_mb()}
         out.update(self.last_eval)
+        if self.history and "epsilon" in self.history[-1]:
+            out["epsilon"] = self.history[-1]["epsilon"]
         accuracies = [r["accuracy"] for r in self.history if "accuracy" in r]
         if accuracies:
             out["best_accuracy"] = max(accuracies)

@@ -110,6 +110,8 @@ def run_vectorized(cfg, task: Task | None = None, log: Callable[[str], None] | N
     Stops early when ``run.stop_metric`` (if set) is non-finite or above ``run.stop_above`` at an evaluation.
     """
     check_train_config(cfg.train)
+    if cfg.privacy.mode or cfg.privacy.dpsgd:
+        raise ValueError("privacy: the vectorised runner has no privacy hooks; run without --vectorized")
     if batches not in BATCHES:
         raise ValueError(f"batches must be one of {tuple(BATCHES)}, got {batches!r}")
     draw = BATCHES[batches]

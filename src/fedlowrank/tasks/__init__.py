@@ -7,6 +7,27 @@ import inspect
 from .base import Task
 
 
+def task_class(kind: str) -> type[Task]:
+    """The :class:`Task` class of ``task.kind``."""
+    if kind == "text-classification":
+        from .text import TextClassification
+
+        return TextClassification
+    if kind == "matrix-regression":
+        from .matrix_regression import MatrixRegression
+
+        return MatrixRegression
+    if kind == "image-classification":
+        from .image import ImageClassification
+
+        return ImageClassification
+    if kind == "causal-lm":
+        from .causal_lm import CausalLM
+
+        return CausalLM
+    raise ValueError(f"task.kind: unknown task {kind!r}")
+
+
 def build_task(cfg) -> Task:
     """The task of a :class:`~fedlowrank.config.RunConfig` (data loaded and tokenised once)."""
     if cfg.task.kind == "text-classification":
@@ -52,7 +73,11 @@ def build_task(cfg) -> Task:
         data = load_instructions(cfg.data, cfg.partition.partition_by, cfg.run.seed)
         return CausalLM(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None,
                         cfg.task.eval_batch_size, **cfg.task.options)
+    if cfg.task.kind == "image-classification":
+        from .image import build_image_task
+
+        return build_image_task(cfg)
     raise ValueError(f"task.kind: unknown task {cfg.task.kind!r}")
 
 
-__all__ = ["Task", "build_task"]
+__all__ = ["Task", "build_task", "task_class"]

@@ -28,9 +28,11 @@ class Task:
             (e.g. the federated matrix regression); ``None`` otherwise.
         validation_metric: the key of :meth:`evaluate_examples` that learning-rate tuning selects on
             (``"accuracy"`` is maximised, any other key minimised).
+        metrics: the names :meth:`evaluate` returns (``run.stop_metric`` must be one of them).
     """
 
     name: str = ""
+    metrics: tuple[str, ...] = ()
     validation_metric: str = "loss"
     train_labels: np.ndarray | None = None
     natural_partition: np.ndarray | None = None
@@ -84,6 +86,10 @@ class Task:
         """A JSON-able summary for the run directory."""
         return {"name": self.name, "num_train": self.num_train}
 
+    def describe_partition(self, parts: list[np.ndarray]) -> dict[str, Any]:
+        """Task-specific facts about the clients' data for ``partition.json`` (e.g. each client's image domain)."""
+        return {}
+
 
 class ValidationView(Task):
     """``task`` whose :meth:`evaluate` reports on held-out training examples ``indices`` (the validation split);
@@ -127,3 +133,6 @@ class ValidationView(Task):
 
     def describe(self) -> dict[str, Any]:
         return {**self.task.describe(), "num_validation": len(self.indices)}
+
+    def describe_partition(self, parts: list[np.ndarray]) -> dict[str, Any]:
+        return self.task.describe_partition(parts)

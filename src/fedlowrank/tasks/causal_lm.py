@@ -178,6 +178,7 @@ class CausalLM(Task):
     """
 
     name = "causal-lm"
+    metrics = ("loss", "perplexity", "exact_match")
 
     def __init__(self, data: InstructionData, model: str = "tiny-llama", max_length: int = 256,
                  targets: list[str] | None = None, eval_batch_size: int = 8, eval_examples: int = 200,

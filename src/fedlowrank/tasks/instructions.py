@@ -68,7 +68,8 @@ def load_instruction_files(train: str | Path, test: str | Path | None, prompt: s
 def load_gsm8k(path: str | Path = "", extra: list[str] | None = None) -> InstructionData:
     """GSM8K's ``train.jsonl`` and ``test.jsonl`` (``question``/``answer``) in ``path`` (default: the shared
     copy, ``../shared/data/gsm8k`` from the working directory or the project checkout)."""
-    folder = checkout_folder(path or GSM8K_FOLDER, ("train.jsonl", "test.jsonl"), "GSM8K")
+    folder = checkout_folder(path or GSM8K_FOLDER, ("train.jsonl", "test.jsonl"), "GSM8K",
+                             "set data.path to a folder holding GSM8K's train.jsonl and test.jsonl")
     return load_instruction_files(folder / "train.jsonl", folder / "test.jsonl", "question", "answer", extra)
 
 

@@ -69,6 +69,7 @@ class MatrixRegression(Task):
     """
 
     name = "matrix-regression"
+    metrics = ("rel_error", "objective")
 
     def __init__(self, num_clients: int = 20, dim: int = 100, outputs: int = 10, samples: int = 50, het: float = 2.0,
                  ridge: float = 0.1, noise: float = 0.01, data_seed: int = 0, dtype: str = "float64"):

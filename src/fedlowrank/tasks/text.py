@@ -37,6 +37,7 @@ class TextClassification(Task):
 
     name = "text-classification"
     validation_metric = "accuracy"
+    metrics = ("accuracy", "loss")
 
     def __init__(self, data: TextData, model: str = "minilm", max_length: int = 64,
                  targets: list[str] | str | None = None, eval_batch_size: int = 64):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..device import autocast, grad_scaler, module_device, to_device
+from ..privacy.dpsgd import private_step_gradients
 from ..seeding import derive_seed, numpy_rng
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -94,6 +95,13 @@ def make_optimizer(cfg: TrainConfig, groups: list[dict]) -> torch.optim.Optimize
     raise ValueError(f"train.optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
 
 
+def steps_per_round(cfg: TrainConfig, num_examples: int) -> int:
+    """Optimizer steps of a client with ``num_examples`` examples in one round."""
+    if cfg.local_epochs > 0:
+        return max(1, math.ceil(cfg.local_epochs * num_examples / cfg.batch_size))
+    return cfg.local_steps
+
+
 OptimizerFactory = Callable[[dict[str, nn.Parameter], float], torch.optim.Optimizer]
 
 
@@ -106,11 +114,14 @@ class LocalTrainer:
         cfg: :class:`TrainConfig`.
         client, rnd, rounds, seed: identify the stream (data order, dropout) and the learning rate.
         on_step: progress hook called after each optimizer step as ``on_step(step, total)`` (1-based).
+        dpsgd: record-level DP-SGD (:class:`fedlowrank.privacy.dpsgd.DPSGD`): each step's gradient of the task loss
+            is the noisy mean of per-example clipped gradients; ``None`` = plain training.
     """
 
     def __init__(self, task, indices: np.ndarray, cfg: TrainConfig, client: int, rnd: int, rounds: int, seed: int,
-                 on_step: Callable[[int, int], None] | None = None):
+                 on_step: Callable[[int, int], None] | None = None, dpsgd=None):
         self.task = task
+        self.dpsgd = dpsgd
         self.indices = np.asarray(indices)
         self.cfg = cfg
         self.client, self.rnd, self.rounds, self.seed = client, rnd, rounds, seed
@@ -127,9 +138,7 @@ class LocalTrainer:
 
     @property
     def num_steps(self) -> int:
-        if self.cfg.local_epochs > 0:
-            return max(1, math.ceil(self.cfg.local_epochs * self.num_examples / self.cfg.batch_size))
-        return self.cfg.local_steps
+        return steps_per_round(self.cfg, self.num_examples)
 
     def batches(self) -> Iterator:
         """Minibatches of the client's data, reshuffled each epoch, wrapping around."""
@@ -170,18 +179,28 @@ class LocalTrainer:
         for step in range(steps):
             batch = to_device(next(batches), device)
             opt.zero_grad(set_to_none=True)
-            with autocast(device, self.cfg.dtype):
-                loss = self.task.loss(net, batch)
-                total = loss
-                for c in corrections:
-                    extra = c.loss(params, net, batch, self.task)
-                    if extra is not None:
-                        total = total + extra
-            if scaler is None:
-                total.backward()
+            if self.dpsgd is not None:
+                if scaler is not None:
+                    raise ValueError("privacy.dpsgd: train.dtype = 'fp16' is not supported (its loss scaler would "
+                                     "rescale the noisy gradient); use bf16 or fp32")
+                with autocast(device, self.cfg.dtype):
+                    loss = private_step_gradients(net, self.task, params, batch, self.dpsgd)
+                if any(c.loss(params, net, batch, self.task) is not None for c in corrections):
+                    raise ValueError("privacy.dpsgd: corrections that add a loss term (fedprox, moon) are not "
+                                     "supported (their gradient would not be clipped per example)")
             else:
-                scaler.scale(total).backward()
-                scaler.unscale_(opt)  # clipping and corrections see true gradients
+                with autocast(device, self.cfg.dtype):
+                    loss = self.task.loss(net, batch)
+                    total = loss
+                    for c in corrections:
+                        extra = c.loss(params, net, batch, self.task)
+                        if extra is not None:
+                            total = total + extra
+                if scaler is None:
+                    total.backward()
+                else:
+                    scaler.scale(total).backward()
+                    scaler.unscale_(opt)  # clipping and corrections see true gradients
             if self.cfg.max_grad_norm > 0:      # clip the gradient of the loss, then correct it (SCAFFOLD)
                 nn.utils.clip_grad_norm_(plist, self.cfg.max_grad_norm)
             for c in corrections:

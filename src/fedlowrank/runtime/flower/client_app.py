@@ -13,6 +13,9 @@ client the server aggregated (``accepted``), and the node commits its pending st
 drops it otherwise (a reply rejected, lost or timed out, a skipped round). So a client's state only ever
 advances with replies the global state took in, as in the simulator, which commits a round's client states
 only when it aggregates the round.
+
+With ``flower.secagg = true`` the train messages of a round come through Flower's ``secaggplus_mod`` (the app's
+mod, applied only to SecAgg+ messages) and are answered by :func:`~.secagg.secagg_reply`.
 """
 
 from __future__ import annotations
@@ -32,7 +35,19 @@ STATE = "fedlowrank.state."  # prefix of the client state's records in context.s
 PENDING = "fedlowrank.pending."  # prefix of the state made by the last reply, not yet known to be aggregated
 PENDING_ROUND = "fedlowrank.pending-round"  # ConfigRecord {"round": r}: the round that made the pending state
 
-app = ClientApp()
+
+def _secagg_when_asked(msg: FlowerMessage, context: Context, call_next) -> FlowerMessage:
+    """Flower's ``secaggplus_mod`` for the messages of a SecAgg+ round (``flower.secagg``); others pass through."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        from flwr.client.mod import secaggplus_mod
+
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+app = ClientApp(mods=[_secagg_when_asked])
 _runs: dict[str, Any] = {}  # run config (JSON) -> the Simulation this process built from it
 
 
@@ -78,19 +93,17 @@ def query(msg: FlowerMessage, context: Context) -> FlowerMessage:
     return FlowerMessage(RecordDict({ROUTE: ConfigRecord({"partition-id": k, "num-partitions": m})}), reply_to=msg)
 
 
-@app.train()
-def train(msg: FlowerMessage, context: Context) -> FlowerMessage:
-    from ...message import Message
+def client_round(context: Context, route, down):
+    """This node's client round on ``down`` (the broadcast) for ``route`` (client, round, accepted): the new state
+    is kept pending in ``context.state``. Returns (reply, trainer)."""
     from ..engine import client_update
-    from .records import from_records, put_records, to_records
+    from .records import put_records
 
     sim = _run(context)
     k, _ = _partition(context)
-    route = msg.content[ROUTE]
     if int(route["client"]) != k:
         raise ValueError(f"message for client {route['client']} reached the SuperNode of partition {k}")
     rnd = int(route["round"])
-    down = from_records(msg.content, Message)
     state = committed_state(context.state, int(route["accepted"]))
     if state is None:
         state = sim.method.init_client(k)
@@ -98,6 +111,18 @@ def train(msg: FlowerMessage, context: Context) -> FlowerMessage:
                                               k, rnd)
     put_records(context.state, new_state, PENDING)
     context.state[PENDING_ROUND] = ConfigRecord({"round": rnd})
+    return reply, trainer
+
+
+@app.train()
+def train(msg: FlowerMessage, context: Context) -> FlowerMessage:
+    from ...message import Message
+    from .records import from_records, to_records
+    from .secagg import SECAGG_ROUND, secagg_reply
+
+    if SECAGG_ROUND in msg.content:
+        return secagg_reply(msg, context)
+    reply, trainer = client_round(context, msg.content[ROUTE], from_records(msg.content, Message))
     metrics = MetricRecord({"num-examples": int(reply["num_examples"]),
                             "train-loss": float(reply.get("train_loss", float("nan"))),
                             "compute-seconds": float(trainer.compute_seconds)})

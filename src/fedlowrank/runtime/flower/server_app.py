@@ -7,12 +7,13 @@ the method's final server state (the global model). The checkpoints are the simu
 history and ledger but not the clients' states (they stay on the SuperNodes), so ``fedlowrank export`` and
 ``fedlowrank resume`` (in the simulator) work on the directory. As for a simulated run, the directory must be
 empty unless ``flower.overwrite`` is true, and is locked while the ServerApp writes it.
+With ``flower.secagg = true`` the rounds run under Flower's SecAgg+ (:mod:`.secagg`).
 """
 
 from __future__ import annotations
 
 import json
-from logging import INFO
+from logging import ERROR, INFO
 from pathlib import Path
 
 from flwr.app import Context
@@ -31,15 +32,26 @@ def main(grid: Grid, context: Context) -> None:
     from .settings import load_run_config
     from .strategy import MethodStrategy, state_arrays
 
-    cfg, settings = load_run_config(context.run_config)
+    from ...config import ConfigError
+
+    try:
+        cfg, settings = load_run_config(context.run_config)
+    except ConfigError as exc:  # Flower adds its own traceback after this line; ours says what to fix
+        log(ERROR, "fedlowrank: error: %s", exc)
+        raise
     run_dir = Path(settings.run_dir or Path(cfg.run.out_dir) / f"{cfg.run.name}-flower-{context.run_id}")
     check_run_dir(run_dir, settings.overwrite, flag="flower.overwrite=true")
     sim = Simulation(cfg, run_dir=run_dir, log=lambda line: log(INFO, "%s", line), overwrite=settings.overwrite)
     log(INFO, "fedlowrank: run directory %s", run_dir)
     strategy = MethodStrategy(sim, settings)
     strategy.connect(grid)
-    strategy.start(grid, state_arrays(sim.server), num_rounds=cfg.run.rounds, timeout=settings.round_timeout,
-                   evaluate_fn=strategy.evaluate)
+    if settings.secagg:
+        from .secagg import run_secagg
+
+        run_secagg(strategy, grid, context, settings.secagg_clipping_range, settings.round_timeout)
+    else:
+        strategy.start(grid, state_arrays(sim.server), num_rounds=cfg.run.rounds, timeout=settings.round_timeout,
+                       evaluate_fn=strategy.evaluate)
     (run_dir / "server_state.safetensors").write_bytes(sim.server.to_bytes())
     log(INFO, "fedlowrank: summary %s", json.dumps(sim.summary()))
     sim.close()

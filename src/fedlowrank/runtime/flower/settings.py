@@ -32,12 +32,17 @@ class FlowerSettings:
             (``partition.num_clients``); the run starts with the nodes present after that.
         run_dir: where the ServerApp writes the run directory; ``""`` = ``run.out_dir/<run.name>-flower-<run id>``.
         overwrite: replace the run in a non-empty run directory (``fedlowrank run --overwrite``).
+        secagg: aggregate with Flower's SecAgg+ (:mod:`.secagg`): the server learns only the mean update.
+        secagg_clipping_range: SecAgg+'s quantisation range: each update coordinate is clipped to
+            ``[-range, range]`` and quantised in steps of ``2·range/2²²``.
     """
 
     round_timeout: float = 600.0
     node_timeout: float = 120.0
     run_dir: str = ""
     overwrite: bool = False
+    secagg: bool = False
+    secagg_clipping_range: float = 8.0
 
 
 def _key(name: str) -> str:
@@ -73,7 +78,36 @@ def load_run_config(run_config: Mapping[str, bool | int | float | str]) -> tuple
             continue
         if value != "":
             overrides.append(f"{key}={_as_override(value)}")
-    overrides += shlex.split(str(run_config.get("set", "")))
+    try:
+        overrides += shlex.split(str(run_config.get("set", "")))
+    except ValueError as exc:
+        raise ConfigError(f"run config key set: {exc} in {run_config.get('set')!r}") from None
     if settings.round_timeout <= 0 or settings.node_timeout < 0:
         raise ConfigError("flower.round-timeout must be > 0 and flower.node-timeout >= 0")
-    return load_config(str(run_config.get("config", "")) or None, overrides), settings
+    try:
+        cfg = load_config(str(run_config.get("config", "")) or None, overrides)
+    except ConfigError as exc:  # names the fedlowrank key, which is the run config's key (or is in its `set`)
+        raise ConfigError(f"Flower run config: {exc}") from None
+    if settings.secagg:
+        check_secagg(cfg, settings)
+    return cfg, settings
+
+
+def check_secagg(cfg: RunConfig, settings: FlowerSettings) -> None:
+    """Refuse (one line) a run that SecAgg+ cannot carry."""
+    from ...methods import method_class
+
+    cls = method_class(cfg.method_name)
+    if "central" not in cls.supported_privacy_modes():
+        why = ("its server step needs individual replies (needs_individual_replies)" if cls.needs_individual_replies
+               else cls.privacy_refusal)
+        raise ConfigError(f"flower.secagg: method {cls.name!r} cannot run under secure aggregation: {why}")
+    if cfg.server.weighting != "uniform":
+        raise ConfigError("flower.secagg needs server.weighting = 'uniform' (SecAgg+ gives the server the plain mean)")
+    if cfg.privacy.mode == "central":
+        raise ConfigError("flower.secagg with privacy.mode = 'central': the server cannot clip replies it cannot see; "
+                          "use privacy.mode = 'local'")
+    if cfg.run.clients_per_round < 2:
+        raise ConfigError("flower.secagg needs run.clients_per_round >= 2")
+    if settings.secagg_clipping_range <= 0:
+        raise ConfigError(f"flower.secagg-clipping-range must be > 0, got {settings.secagg_clipping_range}")

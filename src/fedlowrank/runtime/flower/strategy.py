@@ -38,6 +38,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from ...message import Message, Reply, State
+from ...privacy.runtime import central_replies
 from ..engine import check_reply, sample_clients
 from ..simulator import Simulation, peak_rss_mb
 from .records import from_records, records_nbytes, to_array, to_records
@@ -111,23 +112,31 @@ class MethodStrategy(Strategy):
             self.nodes[k] = node
 
     # -- training ------------------------------------------------------------------------------------
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[FlowerMessage]:
-        sim, rnd = self.sim, server_round
+    def start_round(self, rnd: int, grid: Grid) -> list[tuple[int, Message, ConfigRecord]]:
+        """Sample round ``rnd``'s clients and open its row; (client, broadcast, route) for each client with a node."""
+        sim = self.sim
         self.refresh_nodes(grid)
         clients = sample_clients(sim.cfg.run.seed, rnd, self.num_clients, sim.cfg.run.clients_per_round)
         self._row = {"round": rnd, "clients": clients, "t_start": time.perf_counter()}
-        self._sent = []
+        out = []
         for k in clients:
             if k not in self.nodes:
                 log(WARNING, "fedlowrank: round %d: client %d has no SuperNode; counted as dropped", rnd, k)
                 continue
-            msg = sim.method.broadcast(sim.server, k, rnd)
             route = ConfigRecord({"client": k, "round": rnd, "accepted": self.accepted.get(k, 0)})
+            out.append((k, sim.method.broadcast(sim.server, k, rnd), route))
+        return out
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[FlowerMessage]:
+        rnd = server_round
+        self._sent = []
+        for k, msg, route in self.start_round(rnd, grid):
             content = RecordDict({**to_records(msg), ROUTE: route})
             sent = FlowerMessage(content, dst_node_id=self.nodes[k], message_type=MessageType.TRAIN)
             self._sent.append((sent, k, msg, records_nbytes(content)))
-        log(INFO, "fedlowrank: round %d: sampled clients %s, sent to %d nodes", rnd, clients, len(self._sent))
+        log(INFO, "fedlowrank: round %d: sampled clients %s, sent to %d nodes", rnd, self._row["clients"],
+            len(self._sent))
         return [sent for sent, *_ in self._sent]
 
     def aggregate_train(self, server_round: int,
@@ -137,6 +146,7 @@ class MethodStrategy(Strategy):
         ledger: list[dict[str, int]] = []
         dropped: dict[int, str] = {}
         rejected: list[dict[str, Any]] = []
+        downs: dict[int, Message] = {}
         compute = flower_up = flower_down = 0.0
         # the grid gave each sent message its id; replies (and the SuperLink's error replies) name it
         pending = {sent.metadata.message_id: (sent.metadata.dst_node_id, k, down, fdown)
@@ -146,6 +156,7 @@ class MethodStrategy(Strategy):
                 log(WARNING, "fedlowrank: round %d: ignoring a reply to an unknown message", rnd)
                 continue
             node, k, down, fdown = pending.pop(reply.metadata.reply_to_message_id)
+            downs[k] = down
             flower_down += fdown
             if reply.has_error():
                 dropped[k] = f"node {node} answered with an error: {reply.error.reason}"
@@ -169,6 +180,14 @@ class MethodStrategy(Strategy):
             ledger.append({"round": rnd, "client": k, "down": down.nbytes(), "up": 0})
             flower_down += fdown
         self._sent = []
+        return self.aggregate_replies(rnd, usable, downs, ledger, dropped, rejected, compute, flower_up, flower_down)
+
+    def aggregate_replies(self, rnd: int, usable: list[Reply], downs: dict[int, Message], ledger: list[dict[str, int]],
+                          dropped: dict[int, str], rejected: list[dict[str, Any]], compute: float, flower_up: float,
+                          flower_down: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The server step of a round whose replies are in: ledger, central DP, ``method.aggregate`` (or a skipped
+        round), the round's row (closed by :meth:`evaluate`). Shared by plain rounds and SecAgg+ rounds."""
+        sim, cfg = self.sim, self.sim.cfg
         for k in set(self._row["clients"]) - set(dropped) - {r["client"] for r in ledger}:
             dropped[k] = "no SuperNode for this client"
         for k in sorted(dropped):
@@ -185,6 +204,9 @@ class MethodStrategy(Strategy):
                 cfg.run.min_replies)
         else:
             t_agg = time.perf_counter()
+            usable, privacy = central_replies(cfg, usable, downs, rnd, sim.history)
+            if privacy:
+                self._row["privacy"] = privacy
             sim.server = sim.method.aggregate(sim.server, usable, rnd)
             aggregation = time.perf_counter() - t_agg
             self.accepted.update({r.client: rnd for r in usable})  # their nodes commit this round's state

@@ -1,0 +1,151 @@
+"""Secure aggregation on Flower: Flower's own SecAgg+ (``SecAggPlusWorkflow`` on the server, ``secaggplus_mod``
+on the clients) carrying fedlowrank rounds (run config ``flower.secagg = true``; ``docs/privacy.md``).
+
+Flower 1.41 ships SecAgg+ for its legacy ``FitIns``/``FitRes`` records only, driven by a legacy ``Strategy`` in a
+``LegacyContext``. :class:`SecAggRounds` is that legacy strategy, a thin adapter over :class:`MethodStrategy`:
+
+* ``configure_fit``: the round's sampled clients and broadcasts (:meth:`MethodStrategy.start_round`); each
+  broadcast travels in ``FitIns.config`` as fedlowrank's byte format (plaintext, as in a plain round);
+* client (:func:`secagg_reply`): the client round of a plain run (local DP included), then the *update* of each
+  floating-point reply tensor (:mod:`fedlowrank.privacy.mechanisms`: ``reply − broadcast``, or the tensor itself)
+  goes into ``FitRes.parameters`` with ``num_examples = 1``, which ``secaggplus_mod`` quantises, masks and sends;
+  the reply's scalars and tensor names go in ``FitRes.metrics`` (plaintext);
+* ``aggregate_fit``: the workflow has unmasked only the *mean* update Δ̄ over the clients that finished; client k's
+  reply is rebuilt as ``broadcast_k + Δ̄`` (per tensor), so that the method's uniform average equals the average of
+  the true replies up to SecAgg+'s quantisation; then :meth:`MethodStrategy.aggregate_replies` as in a plain round.
+
+Only methods whose server step is a uniform sum of the replies (``"central"`` among their
+``supported_privacy_modes()``) can run this way, with ``server.weighting = "uniform"``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from logging import INFO
+
+import numpy as np
+from flwr.app import ConfigRecord, Context
+from flwr.app import Message as FlowerMessage
+from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import log
+from flwr.compat.common import recorddict_compat as compat
+from flwr.server.compat.grid_client_proxy import GridClientProxy
+from flwr.server.compat.legacy_context import LegacyContext
+from flwr.server.server_config import ServerConfig
+from flwr.server.strategy import Strategy as LegacyStrategy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
+from flwr.serverapp import Grid
+
+SECAGG_ROUND = "fitins.config"  # the record a SecAgg+ round's train message carries our broadcast in
+
+
+def secagg_reply(msg: FlowerMessage, context: Context) -> FlowerMessage:
+    """Client side of a SecAgg+ round: train as in a plain round, answer with the update as ``FitRes``."""
+    from ...message import Message
+    from ...privacy.mechanisms import update_keys, update_tensor
+    from .client_app import client_round
+
+    config = msg.content[SECAGG_ROUND]
+    down = Message.from_bytes(bytes(config["fedlowrank.message"]))
+    route = json.loads(str(config["fedlowrank.route"]))
+    reply, trainer = client_round(context, route, down)
+    keys = update_keys(reply)
+    updates = [update_tensor(reply, down, key).to("cpu").numpy() for key in keys]
+    names = [[key, str(reply[key].dtype).removeprefix("torch.")] for key in keys]
+    metrics = {"fedlowrank.client": int(route["client"]), "fedlowrank.keys": json.dumps(names),
+               "fedlowrank.scalars": json.dumps(reply.scalars()), "compute-seconds": float(trainer.compute_seconds)}
+    fitres = FitRes(status=Status(code=Code.OK, message=""), parameters=ndarrays_to_parameters(updates),
+                    num_examples=1, metrics=metrics)
+    return FlowerMessage(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
+
+
+class SecAggRounds(LegacyStrategy):
+    """The legacy strategy ``SecAggPlusWorkflow`` drives, one round at a time, over a :class:`MethodStrategy`."""
+
+    def __init__(self, strategy, grid: Grid, run_id: int):
+        self.strategy = strategy
+        self.grid = grid
+        self.run_id = run_id
+        self.downs: dict[int, object] = {}
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        s = self.strategy
+        self.downs, out = {}, []
+        for k, msg, route in s.start_round(server_round, self.grid):
+            self.downs[k] = msg
+            config = {"fedlowrank.message": msg.to_bytes(), "fedlowrank.route": json.dumps(dict(route))}
+            out.append((GridClientProxy(s.nodes[k], self.grid, self.run_id), FitIns(Parameters([], ""), config)))
+        return out
+
+    def aggregate_fit(self, server_round, results, failures):
+        import torch
+
+        from ...message import Message, Reply
+        from ...privacy.mechanisms import reference
+        from ..engine import check_reply
+
+        s, rnd = self.strategy, server_round
+        usable, ledger, rejected, dropped, compute = [], [], [], {}, 0.0
+        for _, fitres in results:
+            k = int(fitres.metrics["fedlowrank.client"])
+            down = self.downs.pop(k)
+            mean = parameters_to_ndarrays(fitres.parameters)
+            reply = Message(json.loads(str(fitres.metrics["fedlowrank.scalars"])))
+            for (key, dtype), delta in zip(json.loads(str(fitres.metrics["fedlowrank.keys"])), mean, strict=True):
+                t = torch.from_numpy(np.asarray(delta, dtype=np.float64))
+                ref = reference(down, key, t.shape, getattr(torch, dtype))
+                reply[key] = (t if ref is None else ref.to(torch.float64) + t).to(getattr(torch, dtype))
+            ledger.append({"round": rnd, "client": k, "down": down.nbytes(), "up": reply.nbytes()})
+            compute += float(fitres.metrics.get("compute-seconds", 0.0))
+            reason = check_reply(s.sim.method, down, reply, rnd, len(s.sim.parts[k]))
+            if reason is not None:
+                rejected.append({"client": k, "reason": reason})
+                continue
+            usable.append(Reply(k, int(reply["num_examples"]), reply))
+        for k, down in self.downs.items():
+            dropped[k] = "no masked update (SecAgg+ dropped it)"
+            ledger.append({"round": rnd, "client": k, "down": down.nbytes(), "up": 0})
+        ledger.sort(key=lambda r: r["client"])
+        usable.sort(key=lambda r: r.client)
+        s.aggregate_replies(rnd, usable, {}, ledger, dropped, rejected, compute, 0.0, 0.0)
+        self.downs = {}
+        return None, {}
+
+    def initialize_parameters(self, client_manager):
+        return None
+
+    def configure_evaluate(self, server_round, parameters, client_manager):
+        return []
+
+    def aggregate_evaluate(self, server_round, results, failures):
+        return None, {}
+
+    def evaluate(self, server_round, parameters):
+        return None
+
+
+def run_secagg(strategy, grid: Grid, context: Context, clipping_range: float, timeout: float) -> None:
+    """Run every round of ``strategy``'s run with SecAgg+; a round the protocol halts (too few clients) is
+    recorded as skipped."""
+    rounds = strategy.sim.cfg.run.rounds
+    legacy_strategy = SecAggRounds(strategy, grid, context.run_id)
+    legacy = LegacyContext(context, config=ServerConfig(num_rounds=rounds, round_timeout=timeout),
+                           strategy=legacy_strategy)
+    workflow = SecAggPlusWorkflow(num_shares=1.0, reconstruction_threshold=0.67, max_weight=1.0,
+                                  clipping_range=clipping_range, timeout=timeout)
+    for rnd in range(strategy.sim.round + 1, rounds + 1):
+        legacy.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: rnd})
+        legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(Parameters([], ""), True)
+        strategy._row = {}
+        workflow(grid, legacy)
+        if "replied" not in strategy._row:  # the protocol halted before aggregation
+            log(INFO, "fedlowrank: round %d: SecAgg+ halted; round skipped, global state unchanged", rnd)
+            if "round" not in strategy._row:
+                strategy._row = {"round": rnd, "clients": [], "t_start": time.perf_counter()}
+            strategy.aggregate_replies(rnd, [], {}, [], {k: "SecAgg+ halted" for k in legacy_strategy.downs}, [],
+                                       0.0, 0.0, 0.0)
+            legacy_strategy.downs = {}
+        strategy.evaluate(rnd, None)
