@@ -266,7 +266,7 @@ def test_api_run_and_compare_end_to_end(tmp_path, capsys):
     assert fedit["runs"][0]["final"] == summary["accuracy"]  # same partition, seed and budget as the single run
     saved = json.loads((tmp_path / "cmp" / "results.json").read_text())
     assert [r["method"] for r in saved["rows"]] == ["fedit", "florg"]
-    assert capsys.readouterr().err.count("per-client label counts") == 1
+    assert capsys.readouterr().err.count("per-client counts of each label") == 1
     with pytest.raises(fedlowrank.ConfigError, match="train.weight_decay"):
         fedlowrank.run("tiny", ["train.weight_decay=-1"])
 

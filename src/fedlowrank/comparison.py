@@ -32,8 +32,10 @@ Log = Callable[[str], None] | None
 
 
 def default_metric(cfg: RunConfig) -> str:
-    """``run.stop_metric`` if set, else ``accuracy`` for classification and ``rel_error`` otherwise."""
-    return cfg.run.stop_metric or ("accuracy" if cfg.task.kind == "text-classification" else "rel_error")
+    """``run.stop_metric`` if set, else ``accuracy`` for classification, the held-out ``loss`` for a causal LM and
+    ``rel_error`` otherwise."""
+    return cfg.run.stop_metric or {"text-classification": "accuracy", "causal-lm": "loss"}.get(cfg.task.kind,
+                                                                                               "rel_error")
 
 
 def higher_is_better(metric: str) -> bool:
@@ -126,11 +128,15 @@ def setup_of(cfg: RunConfig, task_description: dict[str, Any], seeds: list[int])
     """The settings shared by every run of a comparison (or a tuning), as run."""
     p, t = cfg.partition, cfg.train
     partition = {"kind": p.kind, "num_clients": p.num_clients}
-    if p.kind in ("dirichlet", "quantity"):
+    if p.kind in ("dirichlet", "quantity", "clusters"):
         partition["alpha"] = p.alpha
+    if p.kind == "clusters":
+        partition["num_clusters"] = p.num_clusters
+    if p.partition_by:
+        partition["partition_by"] = p.partition_by
     if p.kind == "shards":
         partition["classes_per_client"] = p.classes_per_client
-    if p.kind in ("dirichlet", "quantity"):
+    if p.kind in ("dirichlet", "quantity", "clusters"):
         partition["min_partition_size"] = p.min_partition_size
     return {
         "task": cfg.task.kind, "model": task_description.get("model"),
@@ -203,7 +209,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         reference: the method the others are compared with, per seed (default: the first method).
         tuned: a ``tune.json`` whose chosen learning rates are applied (default: ``compare.tuned``).
     """
-    from .partition import partition
+    from .partition import partition_task
     from .runtime.simulator import Simulation
     from .tasks import build_task
 
@@ -235,8 +241,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
             if key not in tasks:
                 tasks[key] = build_task(cfg)
             task = tasks[key]
-            parts[name, seed] = partition(task.num_train, task.train_labels, cfg.partition, seed,
-                                          task.natural_partition)
+            parts[name, seed] = partition_task(task, cfg.partition, seed)[0]
             if partition_digest(parts[name, seed]) != partition_digest(parts[reference, seed]):
                 raise ConfigError(f"compare: seed {seed}: {name!r} would train on another partition than "
                                   f"{reference!r} (a per-method setting changes [data] or [partition]); paired "

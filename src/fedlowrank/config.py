@@ -27,7 +27,7 @@ from .adapters.lora import SCALING_RULES
 from .device import DTYPES, check_device_spec
 
 WEIGHTINGS = ("num_examples", "uniform")
-TASKS = ("text-classification", "matrix-regression", "image-classification")
+TASKS = ("text-classification", "matrix-regression", "image-classification", "causal-lm")
 
 
 class ConfigError(ValueError):
@@ -66,7 +66,7 @@ class TaskSection:
 @dataclass
 class DataSection:
     source: str = "bbc-news"
-    path: str = "../shared/data/agnews"
+    path: str = ""  # folder of the agnews/gsm8k source; "" = ../shared/data/<source>
     train: str = ""
     test: str = ""
     text_column: str = "0"
@@ -76,6 +76,8 @@ class DataSection:
     max_train_examples: int = 0
     max_test_examples: int = 0
     hf_name: str = ""
+    prompt_column: str = "question"
+    response_column: str = "answer"
     validation_fraction: float = 0.1  # `fedlowrank tune`: share of each client's examples held out for validation
 
 
@@ -161,13 +163,14 @@ MEANINGS: dict[str, str] = {
     "run.tracking": "mirror each metrics row to an experiment tracker: tensorboard, wandb or mlflow ('' = off)",
     "run.state_memory_mb": "MiB of client states kept in memory; beyond it the least recently used spill to disk "
                            "(RUN_DIR/client_states/) and are read back on demand (0 = keep all in memory)",
-    "task.kind": "text-classification or matrix-regression",
+    "task.kind": "text-classification, causal-lm, image-classification or matrix-regression",
     "task.model": "a bundled model name or a local Hugging Face model folder",
     "task.max_length": "tokens per example (longer texts are truncated)",
     "task.eval_batch_size": "examples per evaluation forward pass",
     "task.options": "options of the task (matrix-regression: num_clients, dim, outputs, samples, het, objective)",
     "data.source": "bbc-news (packaged), agnews (data.path), files (data.train, data.test) or hf (data.hf_name)",
-    "data.path": "folder holding AG News train.tsv and test.tsv (data.source = 'agnews')",
+    "data.path": "folder of the agnews (train.tsv, test.tsv) or gsm8k (train.jsonl, test.jsonl) source ('' = "
+                 "../shared/data/<source>)",
     "data.train": "training file, .tsv, .csv or .jsonl (data.source = 'files')",
     "data.test": "test file ('' = hold out data.test_fraction of the training file)",
     "data.text_column": "text column: an index, or a header name (a key for JSONL)",
@@ -177,14 +180,21 @@ MEANINGS: dict[str, str] = {
     "data.validation_fraction": "`fedlowrank tune`: share of each client's examples held out for validation",
     "data.max_train_examples": "keep at most this many training examples, seeded (0 = all)",
     "data.max_test_examples": "keep at most this many test examples, seeded (0 = all)",
-    "data.hf_name": "Hugging Face dataset name (data.source = 'hf'; needs `datasets` and a network)",
-    "partition.kind": "how examples are dealt to clients: iid, dirichlet, shards, quantity or natural",
+    "data.hf_name": "Hugging Face dataset name (data.source = 'hf'; needs `datasets` and a network), or a "
+                    "builder such as json with data.train/data.test as its data_files",
+    "data.prompt_column": "causal-lm: the prompt column (a name, a key for JSONL, or an index)",
+    "data.response_column": "causal-lm: the response column (a name, a key for JSONL, or an index)",
+    "partition.kind": "how examples are dealt to clients: iid, dirichlet, shards, quantity, natural, domains or "
+                      "clusters (k-means of MiniLM embeddings, then dirichlet over the clusters)",
     "partition.num_clients": "number of clients M",
     "partition.alpha": "Dirichlet concentration α of dirichlet and quantity (smaller = more skewed)",
     "partition.min_partition_size": "redraw until every client holds at least this many examples",
     "partition.classes_per_client": "classes per client (shards)",
     "partition.self_balancing": "dirichlet: give no more of a class to clients already above N/M",
     "partition.max_tries": "redraws allowed to meet partition.min_partition_size",
+    "partition.partition_by": "a data column to split on instead of labels (dirichlet, shards) or one client per "
+                              "value (natural); '' = labels",
+    "partition.num_clusters": "clusters of the clusters partition",
     "lora.rank": "LoRA rank r of every client",
     "lora.ranks": "per-client ranks, dealt round-robin (heterogeneous-rank methods; [] = lora.rank)",
     "lora.server_rank": "rank of the global adapter with heterogeneous ranks (0 = max(lora.ranks))",
@@ -370,6 +380,7 @@ def validate(cfg: RunConfig) -> None:
           f"data.validation_fraction must be in (0, 1), got {d.validation_fraction}")
     _choice("partition.kind", p.kind, PARTITIONS)
     _need(p.alpha > 0, f"partition.alpha must be > 0, got {p.alpha}")
+    _need(p.kind != "clusters" or p.num_clusters >= 2, f"partition.num_clusters must be >= 2, got {p.num_clusters}")
     _need(p.min_partition_size >= 0, f"partition.min_partition_size must be >= 0, got {p.min_partition_size}")
     _need(p.classes_per_client >= 1, f"partition.classes_per_client must be >= 1, got {p.classes_per_client}")
     _need(p.max_tries >= 1, f"partition.max_tries must be >= 1, got {p.max_tries}")

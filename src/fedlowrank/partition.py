@@ -7,20 +7,27 @@
 * ``shards`` — pathological: each client holds ``classes_per_client`` classes; classes are dealt round-robin
   after a seeded shuffle and each class is split evenly among its holders.
 * ``quantity`` — quantity skew: sizes ∝ Dir(α·1_M) (floored at ``min_partition_size``), labels IID.
+* ``natural`` — one client per natural id: the task's own ids, or each value of the column ``partition_by``.
+* ``clusters`` — for data without labels: k-means (:func:`kmeans`) of sentence embeddings of the training
+  examples into ``num_clusters`` clusters, then ``dirichlet`` over the cluster ids.
 * ``domains`` — feature shift, as DomainNet's natural domains: the task's examples carry domain ids (the image
   task's ``task.options.domains``); client k holds domain ``k mod D`` only, each domain split IID among its
   ``⌈(M − d)/D⌉`` clients (needs M ≥ D).
+
+What is split on (:func:`split_on`): the task's labels, or the values of the data column ``partition_by`` (for
+``dirichlet``/``shards``, like flwr-datasets' ``partition_by``), or the cluster ids. The per-client histogram
+report counts those values.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .seeding import numpy_rng
 
-PARTITIONS = ("iid", "dirichlet", "shards", "quantity", "natural", "domains")
+PARTITIONS = ("iid", "dirichlet", "shards", "quantity", "natural", "domains", "clusters")
 
 
 @dataclass
@@ -34,6 +41,8 @@ class PartitionConfig:
     classes_per_client: int = 2
     self_balancing: bool = False
     max_tries: int = 100
+    partition_by: str = ""
+    num_clusters: int = 8
 
 
 def partition(num_examples: int, labels: np.ndarray | None, cfg: PartitionConfig, seed: int,
@@ -61,10 +70,115 @@ def partition(num_examples: int, labels: np.ndarray | None, cfg: PartitionConfig
     if cfg.kind == "quantity":
         return _quantity(num_examples, cfg, rng)
     if labels is None:
-        raise ValueError(f"partition.kind = {cfg.kind!r} needs labels; this task has none (use iid or quantity)")
-    if cfg.kind == "dirichlet":
+        raise ValueError(f"partition.kind = {cfg.kind!r} needs labels; this task has none (use iid, quantity, "
+                         "clusters, or partition.partition_by = a data column)")
+    if cfg.kind in ("dirichlet", "clusters"):
         return _dirichlet(labels, cfg, rng)
     return _shards(labels, cfg, rng)
+
+
+@dataclass
+class SplitOn:
+    """The per-example values a partition splits on, and what they are.
+
+    Attributes:
+        values: ``[N_train]`` int64 codes in ``[0, len(names))``.
+        names: the name of each code (class names, column values, ``cluster 0``...).
+        what: in words, e.g. ``"label"``, ``"column 'category'"``, ``"k-means cluster of MiniLM embeddings"``.
+    """
+
+    values: np.ndarray
+    names: list[str] = field(default_factory=list)
+    what: str = "label"
+
+
+def encode_values(values: list[str]) -> tuple[np.ndarray, list[str]]:
+    """Strings → (``[N]`` int64 codes, the sorted distinct values)."""
+    names = sorted(set(values))
+    index = {v: i for i, v in enumerate(names)}
+    return np.array([index[v] for v in values], dtype=np.int64), names
+
+
+def split_on(task, cfg: PartitionConfig, seed: int) -> SplitOn | None:
+    """What ``cfg`` splits ``task``'s training set on (``None``: nothing, e.g. unlabelled data split IID).
+
+    ``task`` provides ``train_labels`` (and ``data.label_names``), ``column_values(name) -> list[str]`` for
+    ``partition_by``, and ``embedding_texts() -> list[str]`` for ``clusters``.
+    """
+    if cfg.kind == "clusters":
+        if cfg.partition_by:
+            raise ValueError("partition.partition_by: not used with partition.kind = 'clusters' (it splits on "
+                             "cluster ids); leave it empty or use kind = 'dirichlet'")
+        if cfg.num_clusters < 2:
+            raise ValueError(f"partition.num_clusters must be >= 2, got {cfg.num_clusters}")
+        from .embeddings import sentence_embeddings
+
+        texts = task.embedding_texts()
+        if cfg.num_clusters > len(texts):
+            raise ValueError(f"partition.num_clusters = {cfg.num_clusters} is more than the {len(texts)} "
+                             "training examples")
+        ids, _ = kmeans(sentence_embeddings(texts), cfg.num_clusters, seed)
+        return SplitOn(ids, [f"cluster {c}" for c in range(cfg.num_clusters)],
+                       f"k-means cluster (k = {cfg.num_clusters}) of MiniLM sentence embeddings")
+    if cfg.partition_by:
+        values, names = encode_values([str(v) for v in task.column_values(cfg.partition_by)])
+        return SplitOn(values, names, f"column {cfg.partition_by!r}")
+    if task.train_labels is None:
+        return None
+    names = getattr(getattr(task, "data", None), "label_names", None)
+    labels = np.asarray(task.train_labels)
+    return SplitOn(labels, list(names) if names else [str(c) for c in range(int(labels.max()) + 1)], "label")
+
+
+def partition_task(task, cfg: PartitionConfig, seed: int) -> tuple[list[np.ndarray], SplitOn | None]:
+    """Client index arrays of ``task``'s training set and what they were split on (see :func:`split_on`).
+
+    ``natural`` with ``partition_by`` makes one client per value of that column (sorted by value)."""
+    split = split_on(task, cfg, seed)
+    natural = task.natural_partition
+    if cfg.kind == "natural" and cfg.partition_by:
+        natural = split.values
+    return partition(task.num_train, None if split is None else split.values, cfg, seed, natural), split
+
+
+def kmeans(x: np.ndarray, k: int, seed: int, max_iters: int = 100) -> tuple[np.ndarray, np.ndarray]:
+    """Lloyd's k-means with k-means++ seeding from the stream ``(seed, "kmeans")``.
+
+    Args:
+        x: ``[N, d]`` points. k: number of clusters (``<= N``).
+    Returns:
+        ``([N] int64 cluster ids, [k, d] float64 centres)``. A cluster that empties is re-seeded with the point
+        farthest from its centre, so every cluster keeps at least one point.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    n = len(x)
+    if not 1 <= k <= n:
+        raise ValueError(f"k-means: k must be in [1, {n}], got {k}")
+    rng = numpy_rng(seed, "kmeans")
+    sq = (x * x).sum(1)
+
+    def dist2(centres: np.ndarray) -> np.ndarray:  # [N, k] squared distances
+        return np.maximum(sq[:, None] - 2 * x @ centres.T + (centres * centres).sum(1)[None, :], 0.0)
+
+    centres = [x[rng.integers(n)]]
+    for _ in range(1, k):
+        d = dist2(np.array(centres)).min(1)
+        centres.append(x[rng.choice(n, p=d / d.sum())] if d.sum() > 0 else x[rng.integers(n)])
+    centres = np.array(centres)
+    ids = np.full(n, -1, dtype=np.int64)
+    for _ in range(max_iters):
+        d = dist2(centres)
+        new = d.argmin(1)
+        for c in range(k):
+            if not (new == c).any():
+                far = int(d[np.arange(n), new].argmax())
+                new[far] = c
+                d[far] = 0.0
+        if np.array_equal(new, ids):
+            break
+        ids = new
+        centres = np.stack([x[ids == c].mean(0) for c in range(k)])
+    return ids, centres
 
 
 def _dirichlet(labels: np.ndarray, cfg: PartitionConfig, rng: np.random.Generator) -> list[np.ndarray]:

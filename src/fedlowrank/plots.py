@@ -97,9 +97,9 @@ def plot_comparison(histories: dict[str, list[list[dict[str, Any]]]], out_dir: P
 
 
 def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] | None = None,
-                          client_names: list[str] | None = None) -> Path | None:
-    """Stacked bars of each client's label counts (``client_names``, e.g. each client's image domain, label the
-    bars under their numbers)."""
+                          client_names: list[str] | None = None, what: str = "label") -> Path | None:
+    """Stacked bars of each client's counts of each value split on (``what``: label, a column, clusters;
+    ``client_names``, e.g. each client's image domain, label the bars under their numbers)."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -113,6 +113,7 @@ def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] |
     if client_names:
         ax.set_xticks(np.arange(hist.shape[0]), [f"{k}\n{n}" for k, n in enumerate(client_names)], fontsize=7)
     ax.set_ylabel("examples")
+    ax.set_title(f"split on: {what}", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -62,7 +62,7 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
     """Tune ``train.lr`` per method on the validation split; returns what ``tune.json`` holds (written to
     ``out`` with one run directory per (method, lr, seed) when ``out`` is given)."""
     from .methods import lr_grid
-    from .partition import partition
+    from .partition import partition_task
     from .runtime.simulator import DivergenceError, Simulation
     from .tasks import build_task
 
@@ -95,7 +95,7 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
                 task = tasks[key]
                 split_key = key + json.dumps([dataclasses.asdict(cfg.partition), cfg.data.validation_fraction])
                 if split_key not in splits:
-                    parts = partition(task.num_train, task.train_labels, cfg.partition, seed, task.natural_partition)
+                    parts = partition_task(task, cfg.partition, seed)[0]
                     splits[split_key] = split_validation(parts, cfg.data.validation_fraction, seed)
                 train_parts, held_out = splits[split_key]
                 view = task.validation(held_out)

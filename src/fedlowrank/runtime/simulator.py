@@ -45,7 +45,7 @@ import torch
 from ..device import check_dtype, resolve_device
 from ..message import Message, Reply, State
 from ..methods import get_method
-from ..partition import format_histograms, label_histograms, partition
+from ..partition import format_histograms, label_histograms, partition_task, split_on
 from ..plots import plot_label_histograms
 from ..privacy.runtime import accounting, central_replies
 from ..progress import Progress
@@ -120,8 +120,10 @@ class Simulation:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.task = task if task is not None else build_task(cfg)
-        self.parts = parts if parts is not None else partition(
-            self.task.num_train, self.task.train_labels, cfg.partition, cfg.run.seed, self.task.natural_partition)
+        if parts is None:
+            self.parts, self.split = partition_task(self.task, cfg.partition, cfg.run.seed)
+        else:  # what the configured partition splits on, for the report
+            self.parts, self.split = parts, split_on(self.task, cfg.partition, cfg.run.seed)
         self.method = get_method(cfg.method_name, **cfg.method_options)
         self.model = self.task.build_model()
         self.info = setup_info(cfg, [len(p) for p in self.parts])
@@ -152,13 +154,14 @@ class Simulation:
         (self.run_dir / "config.json").write_text(self.cfg.to_json())
         report: dict[str, Any] = {"task": self.task.describe(), "client_sizes": [len(p) for p in self.parts]}
         report.update(self.task.describe_partition(self.parts))
-        if self.task.train_labels is not None:
-            hist = label_histograms(self.task.train_labels, self.parts, int(self.task.train_labels.max()) + 1)
-            report["label_histograms"] = hist.tolist()
-            names = getattr(getattr(self.task, "data", None), "label_names", None)
-            plot_label_histograms(hist, self.run_dir / "partition.png", names, report.get("client_domains"))
+        if self.split is not None:  # per-client counts of what the partition split on (labels, column, clusters)
+            hist = label_histograms(self.split.values, self.parts, len(self.split.names))
+            report.update(split_on=self.split.what, split_names=self.split.names, label_histograms=hist.tolist())
+            domains = report.get("client_domains")
+            plot_label_histograms(hist, self.run_dir / "partition.png", self.split.names, domains, self.split.what)
             if self.log and self.log_partition:
-                self.log("per-client label counts:\n" + format_histograms(hist, names, report.get("client_domains")))
+                self.log(f"per-client counts of each {self.split.what}:\n"
+                         + format_histograms(hist, self.split.names, domains))
         (self.run_dir / "partition.json").write_text(json.dumps(report, indent=1))
         for name in ("metrics.jsonl", "ledger.jsonl"):
             (self.run_dir / name).write_text("")
@@ -313,6 +316,10 @@ class Simulation:
         self.history.append(row)
         self._append("metrics.jsonl", [row])
         self._append("ledger.jsonl", ledger_rows)
+        generations = self.task.pop_generations()  # e.g. a causal LM's answers to a few test questions
+        if generations and self.run_dir is not None:
+            (self.run_dir / f"generations-round{self.round}.jsonl").write_text(
+                "".join(json.dumps(g) + "\n" for g in generations))
         if self.run_dir is not None and self.cfg.run.tracking:
             if self.tracker is None:
                 self.tracker = open_tracker(self.cfg, self.run_dir)
@@ -370,7 +377,8 @@ class Simulation:
         sim.store.restore(ck.clients, ck.spilled)
         sim.history, sim.ledger.rows = ck.history, ck.ledger
         evals = [r for r in ck.history if "accuracy" in r or "loss" in r]
-        sim.last_eval = {k: v for k, v in evals[-1].items() if k in ("accuracy", "loss")} if evals else {}
+        metric_keys = ("accuracy", "loss", "perplexity", "exact_match")
+        sim.last_eval = {k: v for k, v in evals[-1].items() if k in metric_keys} if evals else {}
         return sim
 
     @classmethod

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from ..methods import get_method
-from ..partition import partition
+from ..partition import partition_task
 from ..seeding import torch_generator
 from ..tasks import Task, build_task
 from ..training.local import LocalTrainer
@@ -125,7 +125,7 @@ def run_vectorized(cfg, task: Task | None = None, log: Callable[[str], None] | N
     if not hasattr(task, "batched_grad"):
         raise ValueError(f"task {task.name!r} has no closed-form batched_grad; use the simulator")
     parts = [torch.as_tensor(p, dtype=torch.long)
-             for p in partition(task.num_train, task.train_labels, cfg.partition, cfg.run.seed, task.natural_partition)]
+             for p in partition_task(task, cfg.partition, cfg.run.seed)[0]]
     method = get_method(cfg.method_name, **cfg.method_options)
     hook = getattr(method, "batched_round", None)
     if hook is None:

@@ -21,6 +21,10 @@ def task_class(kind: str) -> type[Task]:
         from .image import ImageClassification
 
         return ImageClassification
+    if kind == "causal-lm":
+        from .causal_lm import CausalLM
+
+        return CausalLM
     raise ValueError(f"task.kind: unknown task {kind!r}")
 
 
@@ -32,10 +36,12 @@ def build_task(cfg) -> Task:
         from .text import TextClassification
 
         d = cfg.data
+        if d.source == "gsm8k":
+            raise ValueError("data.source = 'gsm8k' is instruction data (no labels); use task.kind = 'causal-lm'")
         if d.source == "bbc-news":
             data = load_bbc_news(d.test_fraction, cfg.run.seed)
         elif d.source == "agnews":
-            folder = agnews_folder(d.path)
+            folder = agnews_folder(d.path or "../shared/data/agnews")
             data = load_text_files(folder / "train.tsv", folder / "test.tsv", header="false")
         elif d.source == "files":
             columns = [column_spec(c) for c in (d.text_column, d.label_column)]
@@ -54,6 +60,19 @@ def build_task(cfg) -> Task:
             raise ValueError(f"task.options.{unknown[0]} is not an option of matrix-regression; "
                              f"allowed: {', '.join(sorted(allowed))}")
         return MatrixRegression(**cfg.task.options)
+    if cfg.task.kind == "causal-lm":
+        from .causal_lm import CausalLM
+        from .instructions import load_instructions
+
+        allowed = set(inspect.signature(CausalLM).parameters) - {"data", "model", "max_length", "targets",
+                                                                  "eval_batch_size"}
+        unknown = sorted(set(cfg.task.options) - allowed)
+        if unknown:
+            raise ValueError(f"task.options.{unknown[0]} is not an option of causal-lm; "
+                             f"allowed: {', '.join(sorted(allowed))}")
+        data = load_instructions(cfg.data, cfg.partition.partition_by, cfg.run.seed)
+        return CausalLM(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None,
+                        cfg.task.eval_batch_size, **cfg.task.options)
     if cfg.task.kind == "image-classification":
         from .image import build_image_task
 

@@ -61,6 +61,19 @@ class Task:
         """Metrics on the global test set, e.g. ``{"accuracy": .., "loss": ..}`` (no autograd)."""
         raise NotImplementedError
 
+    def column_values(self, name: str) -> list[str]:
+        """The value of data column ``name`` for every training example (for ``partition.partition_by``)."""
+        raise ValueError(f"partition.partition_by: task {self.name!r} has no data columns to split on")
+
+    def embedding_texts(self) -> list[str]:
+        """The text of every training example (for ``partition.kind = "clusters"``)."""
+        raise ValueError(f"partition.kind = 'clusters': task {self.name!r} has no texts to embed")
+
+    def pop_generations(self) -> list[dict[str, Any]]:
+        """Examples of what the model produced in the last :meth:`evaluate` (e.g. prompt, reference, output),
+        handed over once; the runtime writes them to the run directory. Default: none."""
+        return []
+
     def evaluate_examples(self, net: nn.Module, indices: np.ndarray) -> dict[str, float]:
         """Metrics on the training examples at ``indices`` (a validation split held out of training)."""
         raise NotImplementedError(f"task {self.name!r} cannot evaluate on held-out training examples")
@@ -108,6 +121,12 @@ class ValidationView(Task):
 
     def features(self, net: nn.Module, batch: Any) -> Tensor:
         return self.task.features(net, batch)
+
+    def column_values(self, name: str) -> list[str]:
+        return self.task.column_values(name)
+
+    def embedding_texts(self) -> list[str]:
+        return self.task.embedding_texts()
 
     def evaluate(self, net: nn.Module) -> dict[str, float]:
         return self.task.evaluate_examples(net, self.indices)

@@ -17,7 +17,7 @@ import numpy as np
 from ..seeding import numpy_rng
 from .table import read_table
 
-SOURCES = ("bbc-news", "agnews", "files", "hf")
+SOURCES = ("bbc-news", "agnews", "gsm8k", "files", "hf")
 
 
 @dataclass
@@ -78,18 +78,23 @@ def load_bbc_news(test_fraction: float = 0.2, seed: int = 0) -> TextData:
 PROJECT_ROOT = Path(__file__).resolve().parents[3]  # the checkout (editable install): src/fedlowrank/tasks/…
 
 
-def agnews_folder(path: str | Path) -> Path:
-    """``data.path`` of the AG News source: as given when it exists; a relative path that does not exist from the
-    working directory is taken from the project checkout (the bundled configs say ``../shared/data/agnews``)."""
+def checkout_folder(path: str | Path, files: tuple[str, ...], what: str, hint: str) -> Path:
+    """``data.path`` holding ``files``: as given when it exists; a relative path that does not exist from the
+    working directory is taken from the project checkout (the bundled configs say ``../shared/data/...``)."""
     folder = Path(path)
     if not folder.is_absolute() and not folder.exists() and (PROJECT_ROOT / folder).exists():
         folder = PROJECT_ROOT / folder
-    if not (folder / "train.tsv").exists() or not (folder / "test.tsv").exists():
-        raise FileNotFoundError(f"data.path: {str(path)!r} holds no AG News train.tsv and test.tsv (looked in "
-                                f"{Path(path).resolve()} and {(PROJECT_ROOT / path).resolve()}); AG News is not "
-                                "packaged: set data.path to a folder holding train.tsv and test.tsv (text<TAB>label, "
-                                "no header), see docs/install.md")
+    if not all((folder / f).exists() for f in files):
+        raise FileNotFoundError(f"data.path: {str(path)!r} holds no {what} {' and '.join(files)} (looked in "
+                                f"{Path(path).resolve()} and {(PROJECT_ROOT / path).resolve()}); {hint}")
     return folder
+
+
+def agnews_folder(path: str | Path) -> Path:
+    """``data.path`` of the AG News source (see :func:`checkout_folder`)."""
+    return checkout_folder(path, ("train.tsv", "test.tsv"), "AG News",
+                           "AG News is not packaged: set data.path to a folder holding train.tsv and test.tsv "
+                           "(text<TAB>label, no header), see docs/install.md")
 
 
 def _read_labelled(path: Path, text_column: str | int, label_column: str | int,

@@ -1,0 +1,122 @@
+"""Instruction data (prompt → response pairs) for the causal-LM task: GSM8K's folder, any TSV/CSV/JSONL with a
+prompt and a response column (read by :func:`~fedlowrank.tasks.table.read_table`), or a Hugging Face dataset.
+
+Every loader returns an :class:`InstructionData`; extra columns (``partition.partition_by``) are kept per training
+example for partitioners.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..seeding import numpy_rng
+from .data import checkout_folder
+from .table import column_spec, read_table
+
+GSM8K_FOLDER = "../shared/data/gsm8k"
+
+
+@dataclass
+class InstructionData:
+    """Prompts and responses of a train and a test split; ``train_columns[name][i]`` is column ``name`` of
+    training example ``i`` (the columns asked for besides prompt and response)."""
+
+    train_prompts: list[str]
+    train_responses: list[str]
+    test_prompts: list[str]
+    test_responses: list[str]
+    train_columns: dict[str, list[str]] = field(default_factory=dict)
+
+    def select(self, train: np.ndarray, test: np.ndarray) -> "InstructionData":
+        """The examples at the given train and test indices."""
+        return InstructionData([self.train_prompts[i] for i in train], [self.train_responses[i] for i in train],
+                               [self.test_prompts[i] for i in test], [self.test_responses[i] for i in test],
+                               {k: [v[i] for i in train] for k, v in self.train_columns.items()})
+
+
+def _read(path: str | Path, prompt: str, response: str, extra: list[str], header: str) -> list[list[str]]:
+    columns = [column_spec(c) for c in (prompt, response, *extra)]
+    names = ["data.prompt_column", "data.response_column", *(["partition.partition_by"] if extra else [])]
+    table = read_table(path, columns, header, names)
+    return [table.column(j) for j in range(len(columns))]
+
+
+def load_instruction_files(train: str | Path, test: str | Path | None, prompt: str = "question",
+                           response: str = "answer", extra: list[str] | None = None, test_fraction: float = 0.2,
+                           seed: int = 0, header: str = "auto") -> InstructionData:
+    """Read prompt and response columns (names or 0-based indices) of a train file and an optional test file;
+    without a test file, a seeded ``test_fraction`` of the train file is held out."""
+    extra = list(extra or [])
+    cols = _read(train, prompt, response, extra, header)
+    if test is None:
+        n = len(cols[0])
+        order = numpy_rng(seed, "train-test-split").permutation(n)
+        n_test = int(round(test_fraction * n))
+        if n_test == 0 or n_test == n:
+            raise ValueError(f"{train}: data.test_fraction = {test_fraction} of its {n} examples leaves an empty "
+                             "split; change data.test_fraction or give a data.test file")
+        te, tr = np.sort(order[:n_test]), np.sort(order[n_test:])
+        return InstructionData(cols[0], cols[1], cols[0], cols[1],
+                               {c: v for c, v in zip(extra, cols[2:])}).select(tr, te)
+    test_cols = _read(test, prompt, response, [], header)
+    return InstructionData(cols[0], cols[1], test_cols[0], test_cols[1], {c: v for c, v in zip(extra, cols[2:])})
+
+
+def load_gsm8k(path: str | Path = "", extra: list[str] | None = None) -> InstructionData:
+    """GSM8K's ``train.jsonl`` and ``test.jsonl`` (``question``/``answer``) in ``path`` (default: the shared
+    copy, ``../shared/data/gsm8k`` from the working directory or the project checkout)."""
+    folder = checkout_folder(path or GSM8K_FOLDER, ("train.jsonl", "test.jsonl"), "GSM8K",
+                             "set data.path to a folder holding GSM8K's train.jsonl and test.jsonl")
+    return load_instruction_files(folder / "train.jsonl", folder / "test.jsonl", "question", "answer", extra)
+
+
+def load_instruction_hf(name: str, prompt: str, response: str, extra: list[str] | None = None,
+                        data_files: dict[str, str] | None = None, train_split: str = "train",
+                        test_split: str = "test") -> InstructionData:
+    """A Hugging Face dataset by name (hub, needs the network) or a builder with local ``data_files``
+    (``load_dataset("json", data_files={"train": ..., "test": ...})``). Needs the ``datasets`` extra."""
+    try:
+        import datasets
+    except ImportError as exc:
+        raise RuntimeError("data.source = 'hf' needs the package `datasets` "
+                           "(pip install 'fedlowrank[datasets]', i.e. datasets==5.2.0)") from exc
+    ds = datasets.load_dataset(name, data_files=data_files)
+    for split in (train_split, test_split):
+        if split not in ds:
+            raise ValueError(f"data.hf_name = {name!r} has no split {split!r}; splits: {', '.join(ds)}")
+    tr, te = ds[train_split], ds[test_split]
+    for column, where in ((prompt, "data.prompt_column"), (response, "data.response_column"),
+                          *((c, "partition.partition_by") for c in extra or [])):
+        if column not in tr.column_names:
+            raise ValueError(f"{where} = {column!r} is not a column of {name!r}; columns: {', '.join(tr.column_names)}")
+    return InstructionData([str(x) for x in tr[prompt]], [str(x) for x in tr[response]],
+                           [str(x) for x in te[prompt]], [str(x) for x in te[response]],
+                           {c: [str(x) for x in tr[c]] for c in extra or []})
+
+
+def load_instructions(d, partition_by: str, seed: int) -> InstructionData:
+    """The instruction data of a config's ``[data]`` section (``d``), subsampled to ``data.max_*_examples``;
+    ``partition_by`` (a column name, or ``""``) is read as well."""
+    extra = [partition_by] if partition_by else []
+    if d.source == "gsm8k":
+        data = load_gsm8k(d.path, extra)
+    elif d.source == "files":
+        data = load_instruction_files(d.train, d.test or None, d.prompt_column, d.response_column, extra,
+                                      d.test_fraction, seed, d.header)
+    elif d.source == "hf":
+        files = {k: v for k, v in (("train", d.train), ("test", d.test)) if v} or None
+        data = load_instruction_hf(d.hf_name, d.prompt_column, d.response_column, extra, files)
+    else:
+        raise ValueError(f"data.source = {d.source!r} is not instruction data; for task.kind = 'causal-lm' use "
+                         "gsm8k, files or hf")
+
+    def pick(n: int, k: int, stream: str) -> np.ndarray:
+        if k <= 0 or k >= n:
+            return np.arange(n)
+        return np.sort(numpy_rng(seed, stream).choice(n, size=k, replace=False))
+
+    return data.select(pick(len(data.train_prompts), d.max_train_examples, "subsample-train"),
+                       pick(len(data.test_prompts), d.max_test_examples, "subsample-test"))
