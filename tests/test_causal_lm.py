@@ -362,3 +362,11 @@ def test_exported_adapter_generates_the_same_tokens_as_the_run(tmp_path, capsys)
     assert ours == theirs and any(ours)
     with exported.disable_adapter():  # the adapter carries the update: the base model alone answers otherwise
         assert generate(exported, tok, prompts, max_new_tokens=16, batch_size=3) != ours
+
+
+def test_all_linear_targets_every_linear_but_the_output_layer():
+    task = build_task(tiny_lm_config('lora.targets="all-linear"'))
+    model = task.build_model()
+    assert "lm_head" not in model.target_names and not model.head_names
+    linears = [n for n, m in model.net.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    assert sorted(model.target_names) == sorted(linears)

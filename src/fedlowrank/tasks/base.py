@@ -8,12 +8,27 @@ held out as a validation split (:meth:`Task.evaluate_examples`, :meth:`Task.vali
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
 from torch import Tensor, nn
 
 from ..adapters.model import AdaptedModel
+from ..adapters.targets import default_targets, resolve_targets
+
+
+def adapted_copy(loaded, targets: list[str] | str | None, train_outputs: bool) -> AdaptedModel:
+    """A fresh copy of ``loaded.net`` (a :class:`~fedlowrank.models.LoadedModel`) with its adapter targets resolved:
+    ``targets`` (``lora.targets``) or the architecture's default, never the output modules
+    (``loaded.output_modules``: a classifier, ``lm_head``), whose parameters are the trained head when
+    ``train_outputs`` and stay frozen otherwise."""
+    net = copy.deepcopy(loaded.net)
+    net.eval()
+    outputs = tuple(loaded.output_modules)
+    names = resolve_targets(net, targets or default_targets(loaded.model_type), outputs)
+    head = [n for n, _ in net.named_parameters() if n.startswith(tuple(f"{m}." for m in outputs))] if train_outputs else []
+    return AdaptedModel(net, names, head)
 
 
 class Task:

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import re
@@ -28,10 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..adapters.model import AdaptedModel
-from ..adapters.targets import default_targets, resolve_targets
 from ..device import module_device
 from ..seeding import numpy_rng
-from .base import Task
+from .base import Task, adapted_copy
 from .instructions import InstructionData
 
 log = logging.getLogger("fedlowrank")
@@ -245,11 +243,7 @@ class CausalLM(Task):
 
     def build_model(self) -> AdaptedModel:
         """A copy of the loaded model; no head is trained (``lm_head`` and the embeddings stay frozen)."""
-        net = copy.deepcopy(self.loaded.net)
-        net.eval()
-        outputs = tuple(f"{m}." for m in self.loaded.output_modules)
-        targets = resolve_targets(net, self.targets or default_targets(self.loaded.model_type), outputs)
-        return AdaptedModel(net, targets, [])
+        return adapted_copy(self.loaded, self.targets, train_outputs=False)
 
     def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         return collate([self.train[int(i)] for i in indices], self.tokenizer.pad_token_id)

@@ -11,7 +11,6 @@ per domain. The head (``classifier.*``) is new, trained and shared.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import numpy as np
@@ -20,10 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..adapters.model import AdaptedModel
-from ..adapters.targets import default_targets, resolve_targets
 from ..device import module_device
 from ..models import NOT_IMAGENET, load_model
-from .base import Task
+from .base import Task, adapted_copy
 from .image_data import (IMAGE_SOURCES, ImageData, apply_domain, assign_domains, check_domains, load_fashion_mnist,
                          load_hf_images, load_image_folder, subsample_images)
 
@@ -109,12 +107,7 @@ class ImageClassification(Task):
         return self.data.num_labels
 
     def build_model(self) -> AdaptedModel:
-        net = copy.deepcopy(self.loaded.net)
-        net.eval()
-        head = tuple(self.loaded.output_modules)  # the classifier (and ResNet's norms): trained, never targets
-        targets = resolve_targets(net, self.targets or default_targets(self.loaded.model_type), head)
-        head_params = [n for n, _ in net.named_parameters() if n.startswith(tuple(f"{m}." for m in head))]
-        return AdaptedModel(net, targets, head_params)
+        return adapted_copy(self.loaded, self.targets, train_outputs=True)  # the classifier: trained, never a target
 
     def inputs(self, images: torch.Tensor) -> torch.Tensor:
         return to_model_input(images, self.loaded.preprocess)

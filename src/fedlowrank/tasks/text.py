@@ -7,7 +7,6 @@ longest sequence. The head (``classifier.*``) is new, trained and shared.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import numpy as np
@@ -16,10 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..adapters.model import AdaptedModel
-from ..adapters.targets import default_targets, resolve_targets
 from ..device import module_device, to_device
 from ..models import load_model
-from .base import Task
+from .base import Task, adapted_copy
 from .data import TextData
 
 class TextClassification(Task):
@@ -70,12 +68,7 @@ class TextClassification(Task):
         return self.data.num_labels
 
     def build_model(self) -> AdaptedModel:
-        net = copy.deepcopy(self.loaded.net)
-        net.eval()
-        head = tuple(self.loaded.output_modules)  # e.g. ("classifier",): trained and shared, never a target
-        targets = resolve_targets(net, self.targets or default_targets(self.loaded.model_type), head)
-        head_params = [n for n, _ in net.named_parameters() if n.startswith(tuple(f"{m}." for m in head))]
-        return AdaptedModel(net, targets, head_params)
+        return adapted_copy(self.loaded, self.targets, train_outputs=True)  # the classifier: trained, never a target
 
     def _trim(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         width = int(mask.sum(1).max())
