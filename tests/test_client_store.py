@@ -3,8 +3,9 @@ memory, and resume with spilled states bit-identical to a run that keeps every s
 
 from __future__ import annotations
 
-import gc
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -62,28 +63,44 @@ def test_without_a_budget_nothing_is_spilled():
         ClientStore(memory_mb=-1)
 
 
-def _rss_mb() -> float:
+# Run in a fresh interpreter, so that memory other tests freed cannot absorb the states being measured.
+_MEASURE = """
+import gc, os, sys
+import torch
+from fedlowrank.message import State
+from fedlowrank.runtime.store import ClientStore
+
+def rss_mb():
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+def fill(store):
+    gc.collect()
+    before = rss_mb()
+    for k in range(40):   # 40 states of 4 MiB: 160 MiB in all
+        store[k] = State({"c": torch.full((2**19,), float(k), dtype=torch.float64), "k": k})
+    assert float(store[7]["c"][0]) == 7.0 and len(store) == 40
+    return rss_mb() - before
+
+warm = ClientStore(memory_mb=0.001, folder=sys.argv[1] + "-warm-up")   # imports and the spill path, not measured
+warm[0], warm[1] = State({"c": torch.zeros(4), "k": 0}), State({"c": torch.zeros(4), "k": 1})
+store = ClientStore(memory_mb=16, folder=sys.argv[1]) if sys.argv[2] == "spill" else ClientStore(memory_mb=0)
+print(fill(store), len(store.spilled_files()))
+"""
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc (Linux) to read the RSS")
 def test_spilling_keeps_memory_bounded(tmp_path):
-    def fill(store: ClientStore) -> float:
-        gc.collect()
-        before = _rss_mb()
-        for k in range(40):   # 40 states of 4 MiB: 160 MiB in all
-            store[k] = State({"c": torch.full((2**19,), float(k), dtype=torch.float64), "k": k})
-        grown = _rss_mb() - before
-        assert float(store[7]["c"][0]) == 7.0 and len(store) == 40
-        return grown
+    def measure(mode: str) -> tuple[float, int]:
+        out = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path / mode), mode], capture_output=True,
+                             text=True, check=True).stdout.split()
+        return float(out[0]), int(out[1])
 
-    kept = ClientStore(memory_mb=0)
-    assert fill(kept) > 120          # the measurement sees the states when they stay in memory
-    del kept
-    spilling = ClientStore(memory_mb=16, folder=tmp_path)
-    assert fill(spilling) < 60       # at most 16 MiB of states in memory (plus allocator slack)
-    assert len(spilling.spilled_files()) >= 36
+    grown_kept, _ = measure("keep")
+    grown_spilling, files = measure("spill")
+    assert grown_kept > 120          # the measurement sees the states when they stay in memory
+    assert grown_spilling < 80       # 16 MiB of states in memory, plus what the allocator keeps of freed ones (~45 MiB)
+    assert files >= 36
 
 
 def test_resume_with_spilled_states_is_bit_identical(tmp_path):
