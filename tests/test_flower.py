@@ -387,3 +387,18 @@ def test_own_data_file_missing_is_one_error_naming_the_node_config_key(tmp_path)
                    RecordDict(), config)
     with pytest.raises(FileNotFoundError, match=rf"^node config data-train: no file {tmp_path / 'absent.tsv'}$"):
         client_app.query(None, node)
+
+
+def test_data_labels_number_the_servers_classes_in_their_order(tmp_path):
+    """The server's own data (data.source = files) is numbered by data.labels, as the nodes' files are."""
+    from fedlowrank.tasks.data import load_text_files
+
+    path = tmp_path / "server.tsv"
+    path.write_text("a text\tb\nanother\ta\nthird\tb\n")
+    test = tmp_path / "test.tsv"
+    test.write_text("x\ta\n")
+    data = load_text_files(path, test, header="false", label_names=["b", "c", "a"])
+    assert data.label_names == ["b", "c", "a"]
+    assert data.train_labels.tolist() == [0, 2, 0] and data.test_labels.tolist() == [2]
+    with pytest.raises(ValueError, match=rf"^{path}:2: label 'a' is not in data.labels \(b, c\)$"):
+        load_text_files(path, test, header="false", label_names=["b", "c"])
