@@ -24,10 +24,16 @@ from helpers import tiny_task
     ("run.bogus=1", "run.bogus"),
     ("bogus.key=1", "bogus"),
     ("lora.ranks=[2,4]", "lora.ranks"),  # fedit does not support heterogeneous ranks
+    ('data.labels=["a","a"]', "data.labels lists a class twice"),
+    ('data.labels=["a"]', "data.labels needs at least 2 classes"),
+    ('data.labels=["a"," b"]', "data.labels must be a list of non-empty class names"),
+    ("data.labels=[1,2]", "data.labels must be a list of non-empty class names"),
+    ('data.labels=["a","b"]', "data.labels is for task.kind = 'text-classification'"),  # with matrix below
 ])
 def test_bad_values_fail_naming_the_field(override, field):
+    config = "matrix" if "is for task.kind" in field else "tiny"
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        load_config("tiny", [override])
+        load_config(config, [override])
 
 
 def test_errors_found_when_the_model_is_built():

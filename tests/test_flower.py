@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flwr.app import ConfigRecord, Context, Error, RecordDict  # noqa: E402
 from flwr.app import Message as FlowerMessage  # noqa: E402
@@ -38,9 +39,11 @@ class LoopGrid(Grid):
     """Delivers each message to ``client_app.app`` in this process; nodes in ``drop`` never reply to training;
     ``tamper(client, reply)`` may edit a reply on its way back; nodes in ``broken`` get an invalid run config."""
 
-    def __init__(self, run_config, num_clients: int, drop=(), tamper=None, broken=()):
+    def __init__(self, run_config, num_clients: int, drop=(), tamper=None, broken=(), node_data=None):
         self.contexts = {1000 + k: Context(7, 1000 + k, {"partition-id": k, "num-partitions": num_clients},
                                            RecordDict(), dict(run_config)) for k in range(num_clients)}
+        for k, path in (node_data or {}).items():  # nodes that bring their own training file
+            self.contexts[1000 + k].node_config["data-train"] = str(path)
         for k in broken:
             self.contexts[1000 + k].run_config["set"] += " train.lr=-1"
         self.drop, self.tamper, self.sent = {1000 + k for k in drop}, tamper, 0
@@ -94,14 +97,14 @@ def flower_process(monkeypatch):
     client_app._runs.clear()
 
 
-def run_flower(*sets: str, drop=(), tamper=None, broken=(), run_dir=None):
+def run_flower(*sets: str, drop=(), tamper=None, broken=(), run_dir=None, node_data=None):
     """The tiny run of ``sets`` through MethodStrategy + ClientApp; returns (server-side Simulation, grid, strategy).
-    The server writes ``run_dir`` when given, as the ServerApp does."""
+    The server writes ``run_dir`` when given, as the ServerApp does; ``node_data`` = {client: own training file}."""
     run_config = {"config": "tiny", "set": shlex.join(sets), "flower.node-timeout": 0.0}
     cfg, settings = load_run_config(run_config)
     sim = simulator.Simulation(cfg, task=tiny_task(), run_dir=run_dir)
     strategy = MethodStrategy(sim, settings)
-    grid = LoopGrid(run_config, cfg.partition.num_clients, drop, tamper, broken)
+    grid = LoopGrid(run_config, cfg.partition.num_clients, drop, tamper, broken, node_data)
     strategy.connect(grid)
     strategy.start(grid, state_arrays(sim.server), num_rounds=cfg.run.rounds, timeout=1.0,
                    evaluate_fn=strategy.evaluate)
@@ -311,3 +314,91 @@ def test_flower_run_directory_exports_and_resumes_in_the_simulator(tmp_path):
     resumed.run()  # FedIT's clients carry no state: the simulator continues the Flower run exactly
     assert_same_state(resumed.server, run_tiny("fedit", rounds=3).server)
     assert [r["round"] for r in resumed.history] == [1, 2, 3]
+
+
+# -- nodes that bring their own data (node config data-train) ------------------------------------------
+AGNEWS_LABELS = '["Business","Sci/Tech","Sports","World"]'  # the tiny task's classes, sorted as it numbers them
+
+
+def node_files(tmp_path, sizes=(30, 14)) -> list:
+    """One TSV per node (text<TAB>label) cut from the tiny task's training examples, consecutive and disjoint."""
+    data, paths, start = tiny_task().data, [], 0
+    for k, n in enumerate(sizes):
+        rows = [f"{data.train_texts[i]}\t{data.label_names[data.train_labels[i]]}" for i in range(start, start + n)]
+        paths.append(tmp_path / f"node{k}.tsv")
+        paths[-1].write_text("\n".join(rows) + "\n", encoding="utf-8")
+        start += n
+    return paths
+
+
+@pytest.mark.parametrize("method", ["fedit", "scaffold"])
+def test_nodes_with_their_own_files_equal_the_simulator_on_those_files(tmp_path, method):
+    """Two nodes train on all of their own files; the server aggregates and evaluates on its own test set. The
+    run equals the simulator's on the concatenated files with each client's part its file."""
+    from fedlowrank.tasks.data import TextData
+    from fedlowrank.tasks.text import TextClassification
+
+    sizes = (30, 14)
+    paths = node_files(tmp_path, sizes)
+    sets = (f"method.name={method}", "partition.num_clients=2", f"data.labels={AGNEWS_LABELS}", "data.header=false")
+    trained = []
+    sim, grid, strategy = run_flower(*sets, node_data=dict(enumerate(paths)),
+                                     tamper=lambda k, reply: trained.append((k, reply.content["metrics"]["num-examples"])))
+    assert strategy.node_sizes == {0: sizes[0], 1: sizes[1]}  # learnt from the partition query
+    assert sorted(set(trained)) == [(0, sizes[0]), (1, sizes[1])]  # each node trained on all of its own file
+    node_run = client_app._runs[next(iter(client_app._runs))]  # the last node's run (client 1)
+    tiny = tiny_task()
+    assert node_run.task.data.label_names == tiny.data.label_names
+    assert node_run.task.train_labels.tolist() == tiny.data.train_labels[sizes[0]:sum(sizes)].tolist()
+    n = sum(sizes)
+    own = TextData(tiny.data.train_texts[:n], tiny.data.train_labels[:n], tiny.data.test_texts,
+                   tiny.data.test_labels, tiny.data.label_names)
+    cfg, _ = load_run_config({"config": "tiny", "set": shlex.join(sets)})
+    ref = simulator.Simulation(cfg, task=TextClassification(own, "tiny-bert", cfg.task.max_length),
+                               parts=[np.arange(0, sizes[0]), np.arange(sizes[0], n)])
+    ref.run()
+    assert_same_state(sim.server, ref.server)
+    for flower_row, sim_row in zip(sim.history, ref.history, strict=True):
+        for key in ("clients", "replied", "train_loss", "accuracy"):
+            assert flower_row.get(key) == sim_row.get(key), key
+    assert_same_node_states(grid, strategy, ref)
+
+
+def test_own_data_needs_data_labels_and_refuses_a_label_outside_them(tmp_path):
+    paths = node_files(tmp_path, (12, 12))
+    base = ("partition.num_clients=2", "data.header=false")
+    node = Context(7, 1, {"partition-id": 0, "num-partitions": 2, "data-train": str(paths[0])}, RecordDict(),
+                   {"config": "tiny", "set": shlex.join(base)})
+    with pytest.raises(ValueError, match=r"^node config data-train: set data.labels"):
+        client_app.query(None, node)
+    lines = paths[1].read_text().splitlines()
+    lines[4] = lines[4].rsplit("\t", 1)[0] + "\tWeather"
+    paths[1].write_text("\n".join(lines) + "\n")
+    config = {"config": "tiny", "set": shlex.join((*base, f"data.labels={AGNEWS_LABELS}"))}
+    node = Context(7, 1, {"partition-id": 1, "num-partitions": 2, "data-train": str(paths[1])}, RecordDict(), config)
+    with pytest.raises(ValueError, match=rf"^{paths[1]}:5: label 'Weather' is not in data.labels "
+                                         r"\(Business, Sci/Tech, Sports, World\)$"):
+        client_app.query(None, node)
+
+
+def test_own_data_file_missing_is_one_error_naming_the_node_config_key(tmp_path):
+    config = {"config": "tiny", "set": shlex.join(("partition.num_clients=2", f"data.labels={AGNEWS_LABELS}"))}
+    node = Context(7, 1, {"partition-id": 0, "num-partitions": 2, "data-train": str(tmp_path / "absent.tsv")},
+                   RecordDict(), config)
+    with pytest.raises(FileNotFoundError, match=rf"^node config data-train: no file {tmp_path / 'absent.tsv'}$"):
+        client_app.query(None, node)
+
+
+def test_data_labels_number_the_servers_classes_in_their_order(tmp_path):
+    """The server's own data (data.source = files) is numbered by data.labels, as the nodes' files are."""
+    from fedlowrank.tasks.data import load_text_files
+
+    path = tmp_path / "server.tsv"
+    path.write_text("a text\tb\nanother\ta\nthird\tb\n")
+    test = tmp_path / "test.tsv"
+    test.write_text("x\ta\n")
+    data = load_text_files(path, test, header="false", label_names=["b", "c", "a"])
+    assert data.label_names == ["b", "c", "a"]
+    assert data.train_labels.tolist() == [0, 2, 0] and data.test_labels.tolist() == [2]
+    with pytest.raises(ValueError, match=rf"^{path}:2: label 'a' is not in data.labels \(b, c\)$"):
+        load_text_files(path, test, header="false", label_names=["b", "c"])

@@ -79,6 +79,7 @@ class DataSection:
     prompt_column: str = "question"
     response_column: str = "answer"
     validation_fraction: float = 0.1  # `fedlowrank tune`: share of each client's examples held out for validation
+    labels: list[str] = field(default_factory=list)  # class names in label-id order; [] = the data's, sorted
 
 
 @dataclass
@@ -177,6 +178,8 @@ MEANINGS: dict[str, str] = {
     "data.label_column": "label column: an index, or a header name (a key for JSONL)",
     "data.header": "whether line 1 of a .tsv/.csv is a header: auto, true or false (docs/data.md)",
     "data.test_fraction": "share of the training file held out, stratified, when there is no test file",
+    "data.labels": "text-classification: the class names, in label-id order ([] = the data's, sorted); required "
+                   "when Flower nodes bring their own data (node config data-train)",
     "data.validation_fraction": "`fedlowrank tune`: share of each client's examples held out for validation",
     "data.max_train_examples": "keep at most this many training examples, seeded (0 = all)",
     "data.max_test_examples": "keep at most this many test examples, seeded (0 = all)",
@@ -376,6 +379,12 @@ def validate(cfg: RunConfig) -> None:
           f"data.text_column and data.label_column must differ, both are {d.text_column!r}")
     _need(d.source != "files" or bool(d.train), "data.train: a file path is required when data.source = 'files'")
     _need(d.source != "hf" or bool(d.hf_name), "data.hf_name: a dataset name is required when data.source = 'hf'")
+    _need(all(isinstance(x, str) and x.strip() == x and x for x in d.labels),
+          f"data.labels must be a list of non-empty class names without surrounding spaces, got {d.labels!r}")
+    _need(len(set(d.labels)) == len(d.labels), f"data.labels lists a class twice: {d.labels!r}")
+    _need(not d.labels or len(d.labels) >= 2, f"data.labels needs at least 2 classes, got {d.labels!r}")
+    _need(not d.labels or cfg.task.kind == "text-classification",
+          f"data.labels is for task.kind = 'text-classification'; this run has {cfg.task.kind!r}")
     _need(0 < d.validation_fraction < 1,
           f"data.validation_fraction must be in (0, 1), got {d.validation_fraction}")
     _choice("partition.kind", p.kind, PARTITIONS)

@@ -31,9 +31,8 @@ def task_class(kind: str) -> type[Task]:
 def build_task(cfg) -> Task:
     """The task of a :class:`~fedlowrank.config.RunConfig` (data loaded and tokenised once)."""
     if cfg.task.kind == "text-classification":
-        from .data import agnews_folder, load_bbc_news, load_hf, load_text_files, subsample
+        from .data import agnews_folder, load_bbc_news, load_hf, load_text_files, subsample, use_label_names
         from .table import column_spec
-        from .text import TextClassification
 
         d = cfg.data
         if d.source == "gsm8k":
@@ -42,15 +41,17 @@ def build_task(cfg) -> Task:
             data = load_bbc_news(d.test_fraction, cfg.run.seed)
         elif d.source == "agnews":
             folder = agnews_folder(d.path or "../shared/data/agnews")
-            data = load_text_files(folder / "train.tsv", folder / "test.tsv", header="false")
+            data = load_text_files(folder / "train.tsv", folder / "test.tsv", header="false", label_names=d.labels)
         elif d.source == "files":
             columns = [column_spec(c) for c in (d.text_column, d.label_column)]
-            data = load_text_files(d.train, d.test or None, *columns, d.test_fraction, cfg.run.seed, d.header)
+            data = load_text_files(d.train, d.test or None, *columns, d.test_fraction, cfg.run.seed, d.header,
+                                   d.labels)
         else:
             data = load_hf(d.hf_name, d.text_column, d.label_column)
+        if d.labels and d.source in ("bbc-news", "hf"):
+            data = use_label_names(data, d.labels, f"data.source = {d.source!r}")
         data = subsample(data, d.max_train_examples, d.max_test_examples, cfg.run.seed)
-        return TextClassification(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None,
-                                  cfg.task.eval_batch_size, **cfg.task.options)
+        return _text_task(cfg, data)
     if cfg.task.kind == "matrix-regression":
         from .matrix_regression import MatrixRegression
 
@@ -80,4 +81,35 @@ def build_task(cfg) -> Task:
     raise ValueError(f"task.kind: unknown task {cfg.task.kind!r}")
 
 
-__all__ = ["Task", "build_task", "task_class"]
+def _text_task(cfg, data) -> Task:
+    from .text import TextClassification
+
+    return TextClassification(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None,
+                              cfg.task.eval_batch_size, **cfg.task.options)
+
+
+def node_data(cfg, path: str, key: str = "data-train"):
+    """The :class:`~fedlowrank.tasks.data.TextData` of a Flower node that brings its own training file ``path``
+    (node config ``key``): all of it is training data, read like ``data.train`` with the run's ``data.*``
+    columns and header, labels numbered by ``data.labels``; no test set (the server evaluates)."""
+    if cfg.task.kind != "text-classification":
+        raise ValueError(f"node config {key}: a node's own data is supported for task.kind = "
+                         f"'text-classification' only; this run has {cfg.task.kind!r}")
+    if not cfg.data.labels:
+        raise ValueError(f"node config {key}: set data.labels (the class names, e.g. data.labels=[\"a\",\"b\"]) "
+                         "in the run config, so that every node and the server number the classes alike")
+    from .data import load_node_file
+    from .table import column_spec
+
+    d = cfg.data
+    columns = [column_spec(c) for c in (d.text_column, d.label_column)]
+    return load_node_file(path, *columns, d.header, d.labels, key)
+
+
+def build_node_task(cfg, path: str, key: str = "data-train") -> Task:
+    """The task of a node that brings its own training file (see :func:`node_data`): the run's model and
+    settings on the node's examples."""
+    return _text_task(cfg, node_data(cfg, path, key))
+
+
+__all__ = ["Task", "build_node_task", "build_task", "node_data", "task_class"]

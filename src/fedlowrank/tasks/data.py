@@ -133,12 +133,31 @@ def _check_split(labels: list[str], where: list[str], test_fraction: float, path
                          "data.test file")
 
 
+def _check_label_names(labels: list[str], where: list[str], names: list[str]) -> None:
+    """Refuse a label that is not one of the configured class names ``names`` (``data.labels``)."""
+    known = set(names)
+    for label, at in zip(labels, where):
+        if label not in known:
+            raise ValueError(f"{at}: label {label!r} is not in data.labels ({', '.join(names)})")
+
+
+def use_label_names(data: TextData, names: list[str], source: str) -> TextData:
+    """``data`` with label ids indexing the configured class names ``names`` (``data.labels``) instead of its own
+    sorted ones, so that every party of a federation numbers the classes alike; ``source`` names the data."""
+    unknown = sorted(set(data.label_names) - set(names))
+    if unknown:
+        raise ValueError(f"{source}: label {unknown[0]!r} is not in data.labels ({', '.join(names)})")
+    ids = np.array([names.index(n) for n in data.label_names], dtype=np.int64)
+    return TextData(data.train_texts, ids[data.train_labels], data.test_texts, ids[data.test_labels], list(names))
+
+
 def load_text_files(train: str | Path, test: str | Path | None, text_column: str | int = 0,
                     label_column: str | int = 1, test_fraction: float = 0.2, seed: int = 0,
-                    header: str = "auto") -> TextData:
+                    header: str = "auto", label_names: list[str] | None = None) -> TextData:
     """Read a train (and optional test) file with :func:`~fedlowrank.tasks.table.read_table` (``.tsv``, ``.csv``:
     columns by index or by header name; ``.jsonl``: keys). Without a test file the train file is split
-    stratified. Labels are strings (stripped); see ``docs/data.md`` for the rules and checks."""
+    stratified. Labels are strings (stripped); see ``docs/data.md`` for the rules and checks. With
+    ``label_names`` (``data.labels``) the ids index those names and a label outside them is refused."""
     train = Path(train)
     if not train.is_file():
         raise FileNotFoundError(f"data.train: no file {train}")
@@ -146,6 +165,9 @@ def load_text_files(train: str | Path, test: str | Path | None, text_column: str
     if test is None:
         _check_labels(ltr, [], str(train), [])
         _check_split(ltr, wtr, test_fraction, train)
+        if label_names:
+            _check_label_names(ltr, wtr, label_names)
+            return use_label_names(_stratified_split(xtr, ltr, test_fraction, seed), label_names, str(train))
         return _stratified_split(xtr, ltr, test_fraction, seed)
     test = Path(test)
     if not test.is_file():
@@ -153,7 +175,28 @@ def load_text_files(train: str | Path, test: str | Path | None, text_column: str
     xte, lte, wte = _read_labelled(test, text_column, label_column, header)
     _check_labels(ltr, lte, str(train), wte)
     ytr, yte, names = _encode_labels(ltr, lte)
+    if label_names:
+        _check_label_names(ltr + lte, wtr + wte, label_names)
+        return use_label_names(TextData(xtr, ytr, xte, yte, names), label_names, str(train))
     return TextData(xtr, ytr, xte, yte, names)
+
+
+def load_node_file(path: str | Path, text_column: str | int, label_column: str | int, header: str,
+                   label_names: list[str], key: str = "data-train") -> TextData:
+    """A Flower node's own training file (node config ``key``), read like ``data.train``; all of it is training
+    data (no test split, no class-count checks: a node may hold one class) and its label ids index
+    ``label_names`` (``data.labels``), so that they agree with every other node and the server."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"node config {key}: no file {path}")
+    try:
+        texts, labels, where = _read_labelled(path, text_column, label_column, header)
+    except OSError as exc:
+        raise ValueError(f"node config {key}: cannot read {path} ({exc.strerror or exc})") from None
+    _check_label_names(labels, where, label_names)
+    index = {n: i for i, n in enumerate(label_names)}
+    return TextData(texts, np.array([index[x] for x in labels], dtype=np.int64), [], np.zeros(0, dtype=np.int64),
+                    list(label_names))
 
 
 def load_hf(name: str, text_column: str, label_column: str, train_split: str = "train",

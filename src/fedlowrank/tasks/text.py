@@ -56,6 +56,9 @@ class TextClassification(Task):
         self.test_labels = torch.as_tensor(data.test_labels)[order]
 
     def _encode(self, tok, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not texts:  # a Flower node's own data has no test split
+            empty = torch.zeros(0, self.max_length, dtype=torch.long)
+            return empty, empty.clone()
         enc = tok(texts, truncation=True, max_length=self.max_length, padding="max_length", return_tensors="pt")
         return enc["input_ids"], enc["attention_mask"]
 

@@ -7,6 +7,11 @@
   state back, so that stateful methods (control variates, private factors, optimiser moments) carry over
   rounds. Start each SuperNode with ``--node-config "partition-id=<k> num-partitions=<M>"``.
 
+A node may bring its own training file instead: ``--node-config "partition-id=<k> num-partitions=<M>
+data-train=/path/own.tsv"``. It then builds its task from that file alone (read like ``data.train``, with the
+run config's ``data.*`` columns and header; label ids from the run config's ``data.labels``) and trains on all
+of it: its partition is its file. Nothing else changes; the server evaluates on its own test data.
+
 The new state is kept *pending* (records ``fedlowrank.pending.*`` and the round it was made in) until the
 server has aggregated the reply it came with: every train message names the last round whose reply of this
 client the server aggregated (``accepted``), and the node commits its pending state if it is that round's and
@@ -34,6 +39,7 @@ ROUTE = "fedlowrank"  # ConfigRecord naming the client and round of a train mess
 STATE = "fedlowrank.state."  # prefix of the client state's records in context.state
 PENDING = "fedlowrank.pending."  # prefix of the state made by the last reply, not yet known to be aggregated
 PENDING_ROUND = "fedlowrank.pending-round"  # ConfigRecord {"round": r}: the round that made the pending state
+DATA_TRAIN = "data-train"  # node-config key: this node's own training file (absent: partition k of the run's data)
 
 
 def _secagg_when_asked(msg: FlowerMessage, context: Context, call_next) -> FlowerMessage:
@@ -55,12 +61,33 @@ def _run(context: Context):
     from ..simulator import Simulation
     from .settings import load_run_config
 
-    key = json.dumps(dict(context.run_config), sort_keys=True)
+    own = context.node_config.get(DATA_TRAIN)
+    key = json.dumps([dict(context.run_config), own], sort_keys=True)
     if key not in _runs:
         _runs.clear()
         cfg, _ = load_run_config(context.run_config)
-        _runs[key] = Simulation(cfg)
+        _runs[key] = Simulation(cfg) if own is None else _own_data_run(cfg, str(own), _partition(context)[0])
     return _runs[key]
+
+
+def _own_data_run(cfg, path: str, k: int):
+    """The run of a node that brings its own training file ``path``: client ``k`` trains on all of it. The
+    other clients' data are not here (their sizes are 0 in the method's view); the configured partition is
+    the server's business, so the node's run splits nothing (``partition.kind = iid``)."""
+    import dataclasses
+
+    import numpy as np
+
+    from ...tasks import build_node_task
+    from ..simulator import Simulation
+
+    m = cfg.partition.num_clients
+    if not 0 <= k < m:
+        raise ValueError(f"node config partition-id = {k} is out of range: the run has partition.num_clients = {m}")
+    task = build_node_task(cfg, path, DATA_TRAIN)
+    parts = [np.arange(task.num_train) if j == k else np.zeros(0, dtype=np.int64) for j in range(m)]
+    node_cfg = dataclasses.replace(cfg, partition=dataclasses.replace(cfg.partition, kind="iid", partition_by=""))
+    return Simulation(node_cfg, task=task, parts=parts)
 
 
 def _partition(context: Context) -> tuple[int, int]:
@@ -90,7 +117,14 @@ def committed_state(records: RecordDict, accepted: int):
 @app.query()
 def query(msg: FlowerMessage, context: Context) -> FlowerMessage:
     k, m = _partition(context)
-    return FlowerMessage(RecordDict({ROUTE: ConfigRecord({"partition-id": k, "num-partitions": m})}), reply_to=msg)
+    answer = {"partition-id": k, "num-partitions": m}
+    own = context.node_config.get(DATA_TRAIN)
+    if own is not None:  # the server learns the node's size: it bounds the reply's num_examples
+        from ...tasks import node_data
+        from .settings import load_run_config
+
+        answer["num-examples"] = len(node_data(load_run_config(context.run_config)[0], str(own), DATA_TRAIN).train_texts)
+    return FlowerMessage(RecordDict({ROUTE: ConfigRecord(answer)}), reply_to=msg)
 
 
 def client_round(context: Context, route, down):

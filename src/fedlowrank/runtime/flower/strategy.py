@@ -64,6 +64,7 @@ class MethodStrategy(Strategy):
         self.settings = settings
         self.nodes: dict[int, int] = {}  # client id (SuperNode partition-id) -> node id
         self._ignored: set[int] = set()  # node ids whose answer to the query was unusable
+        self.node_sizes: dict[int, int] = {}  # client id -> its training examples, for nodes with their own data
         self._sent: list[tuple[FlowerMessage, int, Message, int]] = []  # (sent, client, its Message, flower bytes)
         self._row: dict[str, Any] = {}
         self.accepted: dict[int, int] = {}  # client -> last round whose reply of it was aggregated (0: none)
@@ -110,6 +111,8 @@ class MethodStrategy(Strategy):
                 self._ignored.add(node)
                 continue
             self.nodes[k] = node
+            if "num-examples" in answer:  # the node brings its own data (node config data-train)
+                self.node_sizes[k] = int(answer["num-examples"])
 
     # -- training ------------------------------------------------------------------------------------
     def start_round(self, rnd: int, grid: Grid) -> list[tuple[int, Message, ConfigRecord]]:
@@ -167,7 +170,7 @@ class MethodStrategy(Strategy):
             if msg is None:
                 msg = Message()
             ledger.append({"round": rnd, "client": k, "down": down.nbytes(), "up": msg.nbytes()})
-            reason = check_reply(sim.method, down, msg, rnd, len(sim.parts[k]))
+            reason = check_reply(sim.method, down, msg, rnd, self.node_sizes.get(k, len(sim.parts[k])))
             if reason is not None:
                 rejected.append({"client": k, "reason": reason})
                 log(WARNING, "fedlowrank: round %d: rejected the reply of client %d: %s", rnd, k, reason)
