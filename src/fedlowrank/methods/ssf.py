@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..adapters.model import AdaptedLinear, AdaptedModel

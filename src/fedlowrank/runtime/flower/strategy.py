@@ -144,7 +144,7 @@ class MethodStrategy(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[FlowerMessage]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        sim, rnd, cfg = self.sim, server_round, self.sim.cfg
+        sim, rnd = self.sim, server_round
         usable: list[Reply] = []
         ledger: list[dict[str, int]] = []
         dropped: dict[int, str] = {}
