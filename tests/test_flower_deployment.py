@@ -146,9 +146,8 @@ class Federation:
         return "\n".join(f"===== {p.name}\n{p.read_text()[-3000:]}" for p in self.logs if p.exists())
 
 
-@pytest.fixture
-def federation(tmp_path):
-    fed = Federation(tmp_path)
+def launched(fed: Federation):
+    """Yield ``fed`` with a SuperLink and two SuperNodes running; afterwards every process it started is dead."""
     try:
         fed.launch(num_nodes=2)
         yield fed
@@ -156,6 +155,11 @@ def federation(tmp_path):
         killed = fed.close()
         time.sleep(0.5)
         assert not [pid for pid in killed if alive(pid)]
+
+
+@pytest.fixture
+def federation(tmp_path):
+    yield from launched(Federation(tmp_path))
 
 
 def load_state(run_dir: Path) -> State:

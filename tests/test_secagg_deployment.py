@@ -4,7 +4,6 @@ and FFA-LoRA. Slow (a deployment); the processes are started and killed as in ``
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -30,14 +29,7 @@ class SecAggFederation(deployment.Federation):
 
 @pytest.fixture
 def federation(tmp_path):
-    fed = SecAggFederation(tmp_path)
-    try:
-        fed.launch(num_nodes=2)
-        yield fed
-    finally:
-        killed = fed.close()
-        time.sleep(0.5)
-        assert not [pid for pid in killed if deployment.alive(pid)]
+    yield from deployment.launched(SecAggFederation(tmp_path))
 
 
 def test_secagg_matches_plain_aggregation(federation, tmp_path):

@@ -127,15 +127,22 @@ def cmd_export(args) -> int:
     return 0
 
 
-def cmd_compare(args) -> int:
-    from .comparison import results_markdown, run_comparison
+def _claim_output(args, kind: str):
+    """The output directory of ``compare``/``tune`` (``--out`` or a new one under ``run.out_dir``), checked writable
+    and claimed: returns (directory, lock held until the command ends; each run locks its own subdirectory)."""
     from .config import check_writable, load_config
     from .runtime.rundir import claim_run_dir
 
     cfg = load_config(args.config, args.set)
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
-    out = Path(args.out) if args.out else _run_dir(cfg, "compare")
-    lock = claim_run_dir(out, args.overwrite)  # held until the comparison ends; each run locks its own directory
+    out = Path(args.out) if args.out else _run_dir(cfg, kind)
+    return out, claim_run_dir(out, args.overwrite)
+
+
+def cmd_compare(args) -> int:
+    from .comparison import results_markdown, run_comparison
+
+    out, lock = _claim_output(args, "compare")
     results = run_comparison(args.config, args.methods, args.seeds, args.set, out, None if args.quiet else _log,
                              reference=args.reference, tuned=args.tuned)
     print(results_markdown(results))
@@ -145,14 +152,9 @@ def cmd_compare(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from .config import check_writable, load_config
-    from .runtime.rundir import claim_run_dir
     from .tuning import run_tuning, tune_markdown
 
-    cfg = load_config(args.config, args.set)
-    check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
-    out = Path(args.out) if args.out else _run_dir(cfg, "tune")
-    lock = claim_run_dir(out, args.overwrite)  # held until the tuning ends; each run locks its own directory
+    out, lock = _claim_output(args, "tune")
     result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out, None if args.quiet else _log)
     print(tune_markdown(result))
     _log(f"tuning: {out / 'tune.json'}; use it with: fedlowrank compare ... --tuned {out / 'tune.json'}")
