@@ -113,3 +113,51 @@ def test_bad_grids_are_refused():
     for bad in ("", "1e-3,x", "0", "-1e-3", "1e-3,1e-3"):
         with pytest.raises(ConfigError, match="--grid"):
             parse_grid(bad)
+
+
+def test_resume_reuses_finished_runs_and_combines_separate_processes(tmp_path, monkeypatch, capsys):
+    """``--resume``: a finished run is read, not run again; an interrupted one runs from the start; runs made by
+    separate ``compare`` processes into one --out combine into the same results as one process."""
+    from fedlowrank.runtime.simulator import Simulation
+
+    sets = ["--set", "run.rounds=2", "--quiet"]
+    whole = tmp_path / "whole"
+    assert main(["compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0,1", "--out", str(whole), *sets]) == 0
+    parts = tmp_path / "parts"
+    for m in ("fedit", "ffa-lora"):
+        for s in ("0", "1"):
+            piece = tmp_path / f"piece-{m}-{s}"
+            assert main(["compare", "tiny", "--methods", m, "--seeds", s, "--out", str(piece), *sets]) == 0
+            parts.mkdir(exist_ok=True)
+            (piece / f"{m}-seed{s}").rename(parts / f"{m}-seed{s}")
+    (parts / "ffa-lora-seed1" / "summary.json").unlink()  # as if interrupted before its end
+    ran: list[str] = []
+    run = Simulation.run
+    monkeypatch.setattr(Simulation, "run", lambda self: ran.append(self.method.name) or run(self))
+    capsys.readouterr()
+    assert main(["compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0,1", "--out", str(parts),
+                 "--resume", "--set", "run.rounds=2"]) == 0
+    assert ran == ["ffa-lora"] and capsys.readouterr().err.count("reusing the finished run") == 3
+    a, b = (json.loads((d / "results.json").read_text()) for d in (whole, parts))
+    def runs(res):
+        return [[{k: v for k, v in x.items() if k not in ("time", "run_dir")} for x in r["runs"]] for r in res["rows"]]
+
+    assert runs(a) == runs(b)
+    assert a["paired"] == b["paired"]
+    # another config in the same directory is refused, naming it
+    with pytest.raises(ConfigError, match="holds a run of another config"):
+        main(["compare", "tiny", "--methods", "fedit", "--seeds", "0", "--out", str(parts), "--resume",
+              "--set", "run.rounds=2", "--set", "train.lr=0.1", "--debug"])
+    # tune: the second call trains nothing and chooses the same
+    tune = tmp_path / "tune"
+    first = run_tuning("tiny", "fedit", GRID, "0", ["run.rounds=1"], tune)
+    ran.clear()
+    again = run_tuning("tiny", "fedit", GRID, "0", ["run.rounds=1"], tune, resume=True)
+    assert ran == [] and again["chosen"] == first["chosen"]
+    assert [r["value"] for r in again["runs"]] == [r["value"] for r in first["runs"]]
+
+
+def test_resume_needs_an_out_directory_and_no_overwrite(tmp_path, capsys):
+    for extra in ([], ["--out", str(tmp_path / "x"), "--overwrite"]):
+        assert main(["tune", "tiny", "--resume", *extra]) == 2
+        assert "--resume continues the runs in an --out directory" in capsys.readouterr().err

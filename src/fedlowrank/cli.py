@@ -18,7 +18,8 @@
 
 CONFIG is a TOML file or the name of a bundled config (``main``, ``tiny``, ``agnews``, ``matrix``).
 ``run``, ``compare`` and ``tune`` refuse an ``--out`` directory that is not empty unless ``--overwrite``
-(docs/runs.md).
+(docs/runs.md); ``compare --resume`` and ``tune --resume`` continue in it, reusing each run that ended there
+with the same config.
 
 Errors (:func:`main`): a user error — a bad config value or flag, a missing or unreadable file, an asset not
 installed, a corrupt checkpoint, a diverged run — prints one line ``error: ...`` and exits 2. Anything else is
@@ -127,16 +128,23 @@ def cmd_export(args) -> int:
     return 0
 
 
+RESUME_HELP = ("continue in --out: reuse each run there that ended with the same config, run the others from the "
+               "start (also combines runs made by separate processes)")
+
+
 def _claim_output(args, kind: str):
     """The output directory of ``compare``/``tune`` (``--out`` or a new one under ``run.out_dir``), checked writable
-    and claimed: returns (directory, lock held until the command ends; each run locks its own subdirectory)."""
-    from .config import check_writable, load_config
-    from .runtime.rundir import claim_run_dir
+    and claimed (``--resume``: locked, its finished runs kept): returns (directory, lock held until the command
+    ends; each run locks its own subdirectory)."""
+    from .config import ConfigError, check_writable, load_config
+    from .runtime.rundir import claim_run_dir, lock_run_dir
 
+    if args.resume and (args.overwrite or not args.out):
+        raise ConfigError("--resume continues the runs in an --out directory: give --out, and not --overwrite")
     cfg = load_config(args.config, args.set)
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
     out = Path(args.out) if args.out else _run_dir(cfg, kind)
-    return out, claim_run_dir(out, args.overwrite)
+    return out, lock_run_dir(out) if args.resume else claim_run_dir(out, args.overwrite)
 
 
 def cmd_compare(args) -> int:
@@ -144,7 +152,7 @@ def cmd_compare(args) -> int:
 
     out, lock = _claim_output(args, "compare")
     results = run_comparison(args.config, args.methods, args.seeds, args.set, out, None if args.quiet else _log,
-                             reference=args.reference, tuned=args.tuned)
+                             reference=args.reference, tuned=args.tuned, resume=args.resume)
     print(results_markdown(results))
     _log(f"results: {out / 'results.md'}" + "".join(f"\nplot: {p}" for p in results.get("plots", [])))
     lock.release()
@@ -155,7 +163,8 @@ def cmd_tune(args) -> int:
     from .tuning import run_tuning, tune_markdown
 
     out, lock = _claim_output(args, "tune")
-    result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out, None if args.quiet else _log)
+    result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out, None if args.quiet else _log,
+                        resume=args.resume)
     print(tune_markdown(result))
     _log(f"tuning: {out / 'tune.json'}; use it with: fedlowrank compare ... --tuned {out / 'tune.json'}")
     lock.release()
@@ -236,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--reference", default=None, help="method the others are compared with per seed (default: the first)")
     sp.add_argument("--tuned", default=None, metavar="TUNE_JSON",
                     help="run each method at the learning rate chosen by `fedlowrank tune` (default: compare.tuned)")
+    sp.add_argument("--resume", action="store_true", help=RESUME_HELP)
     sp.set_defaults(func=cmd_compare)
     sp = sub.add_parser("tune", help="choose each method's learning rate on a validation split of the training data",
                         parents=[debug])
@@ -243,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--methods", default=None, help="comma-separated method names (default: compare.methods)")
     sp.add_argument("--grid", default=None, help="comma-separated learning rates (default: each method's paper grid)")
     sp.add_argument("--seeds", default=None, help="comma-separated seeds (default: run.seed)")
+    sp.add_argument("--resume", action="store_true", help=RESUME_HELP)
     sp.set_defaults(func=cmd_tune)
     sp = sub.add_parser("resume", help="continue an interrupted run from its newest checkpoint", parents=[debug])
     sp.add_argument("run_dir", help="the run directory")

@@ -13,6 +13,10 @@ Settings per method, later ones winning: the method's preset (:func:`fedlowrank.
 
 Files (when ``out`` is given): one run directory per (method, seed), ``results.json`` (setup, per-seed values,
 means, intervals, paired differences), ``results.md`` (opens with the setup as run) and the plots.
+
+``resume``: a run directory in ``out`` whose run ended (:func:`finished_run`) is read instead of run again; any
+other is run from the start. So an interrupted comparison continues where it stopped, and runs made by
+separate processes (one ``--methods m --seeds s`` each, with the same ``--out``) are combined by one last call.
 """
 
 from __future__ import annotations
@@ -52,6 +56,39 @@ def method_settings(cfg: RunConfig, name: str, user_sets: list[str] | tuple[str,
     tuned = [f"train.lr={lr!r}"] if lr is not None else []
     return [f"method.name={name}", *preset_overrides(name), *cfg.compare.overrides.get(name, []), *tuned,
             *user_sets]
+
+
+SUMMARY_KEYS = ("method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy", "epsilon")
+
+
+def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
+    """``{"summary": summary.json, "history": metrics.jsonl rows, "metrics": the final evaluation}`` of the run
+    that ended in ``run_dir``, or ``None`` when none did there (no ``summary.json``: never started or interrupted).
+
+    A run that ended with another config than ``cfg`` (its ``config.json`` has another fingerprint,
+    :func:`fedlowrank.runtime.checkpoint.config_fingerprint`) raises :class:`ConfigError`: reusing it would mix
+    two experiments."""
+    from .config import from_dict
+    from .runtime.checkpoint import config_fingerprint
+
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--resume: {run_dir / 'summary.json'} is unreadable ({exc}); delete {run_dir} to run "
+                          "it again") from None
+    try:
+        old = from_dict(json.loads((run_dir / "config.json").read_text()))
+        history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    except (OSError, json.JSONDecodeError, ConfigError) as exc:
+        raise ConfigError(f"--resume: the finished run in {run_dir} is unreadable ({exc}); delete it to run it "
+                          "again") from None
+    if config_fingerprint(old) != config_fingerprint(cfg):
+        raise ConfigError(f"--resume: {run_dir} holds a run of another config than this one (different settings "
+                          "or learning rate); use another --out, or delete that directory")
+    metrics = {k: v for k, v in summary.items() if k not in SUMMARY_KEYS}
+    return {"summary": summary, "history": history, "metrics": metrics}
 
 
 def parse_methods(text: str | list[str] | None, cfg: RunConfig) -> list[str]:
@@ -199,9 +236,10 @@ def _metric_values(history: list[dict[str, Any]], metric: str) -> list[float]:
 def run_comparison(config: str | Path | None, methods: str | list[str] | None = None,
                    seeds: str | list[int] | None = None, overrides: list[str] | tuple[str, ...] = (),
                    out: str | Path | None = None, log: Log = None, *, reference: str | None = None,
-                   tuned: str | Path | None = None) -> dict[str, Any]:
+                   tuned: str | Path | None = None, resume: bool = False) -> dict[str, Any]:
     """Run every method on every seed and return the results (see the module docstring); with ``out`` also
-    write the run directories, ``results.json``, ``results.md`` and the plots there.
+    write the run directories, ``results.json``, ``results.md`` and the plots there; with ``resume`` reuse the
+    runs that ended in ``out``.
 
     Args:
         config: a TOML file or bundled config name; ``overrides``: ``"section.key=value"`` strings for all.
@@ -254,22 +292,29 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         for seed in seed_list:
             cfg = configs[name][seed]
             task = tasks[task_key(cfg)]
-            # the methods share each seed's partition: its label counts are logged once, with the first method
-            sim = Simulation(cfg, task=task, run_dir=out / f"{name}-seed{seed}" if out else None, log=log,
-                             parts=parts[name, seed], log_partition=name == names[0])
-            summary = sim.run()
-            values = _metric_values(sim.history, metric)
+            run_dir = out / f"{name}-seed{seed}" if out else None
+            done = finished_run(run_dir, cfg) if resume and run_dir is not None else None
+            if done is not None:
+                if log:
+                    log(f"[{name}] seed {seed}: reusing the finished run in {run_dir}")
+                summary, history, final = done["summary"], done["history"], done["metrics"]
+            else:
+                # the methods share each seed's partition: its label counts are logged once, with the first method
+                sim = Simulation(cfg, task=task, run_dir=run_dir, log=log, parts=parts[name, seed],
+                                 log_partition=name == names[0], overwrite=resume)
+                summary, history, final = sim.run(), sim.history, sim.last_eval
+            values = _metric_values(history, metric)
             if not values:
                 raise ConfigError(f"run.stop_metric: the task reports no {metric!r} "
-                                  f"(it reports {', '.join(sorted(sim.last_eval)) or 'nothing'})")
+                                  f"(it reports {', '.join(sorted(final)) or 'nothing'})")
             if setup is None:
                 setup = setup_of(cfg, task.describe(), seed_list)
-            histories.setdefault(name, []).append(sim.history)
+            histories.setdefault(name, []).append(history)
             runs.append({"seed": seed, "final": values[-1], "best": max(values) if higher_is_better(metric)
                          else min(values), "bytes_up": summary["bytes_up"], "bytes_down": summary["bytes_down"],
                          "time": summary["time"]["total"], "epsilon": summary.get("epsilon"),
-                         "partition": partition_digest(sim.parts),
-                         "sampling": hashlib.sha256(json.dumps([r["clients"] for r in sim.history]).encode())
+                         "partition": partition_digest(parts[name, seed]),
+                         "sampling": hashlib.sha256(json.dumps([r["clients"] for r in history]).encode())
                          .hexdigest()[:16],
                          **({"run_dir": str(out / f"{name}-seed{seed}")} if out else {})})
         cfg0 = configs[name][seed_list[0]]

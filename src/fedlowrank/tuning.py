@@ -12,7 +12,9 @@ For each method, each learning rate of the grid (``--grid``, else the method's p
 validation metric (the task's ``validation_metric``: accuracy, maximised, for classification; held-out loss,
 minimised, for regression); ties go to the first learning rate of the grid. A diverged run scores worst. ``tune.json`` holds every (method, lr, seed, metric)
 and the choice; ``compare --tuned tune.json`` (or ``compare.tuned``) runs each method at its chosen rate.
-Only ``train.lr`` is tuned; ``train.head_lr`` stays as configured.
+Only ``train.lr`` is tuned; ``train.head_lr`` stays as configured. With ``resume``, a run directory in ``out``
+whose run ended with the same config is read instead of run again (:func:`fedlowrank.comparison.finished_run`);
+any other is run from the start.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .comparison import Log, method_settings, parse_methods, parse_seeds, setup_lines, setup_of, task_key
+from .comparison import Log, finished_run, method_settings, parse_methods, parse_seeds, setup_lines, setup_of, task_key
 from .config import ConfigError, load_config
 from .seeding import numpy_rng
 
@@ -58,9 +60,10 @@ def parse_grid(text: str | list[float] | None) -> list[float] | None:
 def run_tuning(config: str | Path | None, methods: str | list[str] | None = None,
                grid: str | list[float] | None = None, seeds: str | list[int] | None = None,
                overrides: list[str] | tuple[str, ...] = (), out: str | Path | None = None,
-               log: Log = None) -> dict[str, Any]:
+               log: Log = None, resume: bool = False) -> dict[str, Any]:
     """Tune ``train.lr`` per method on the validation split; returns what ``tune.json`` holds (written to
-    ``out`` with one run directory per (method, lr, seed) when ``out`` is given)."""
+    ``out`` with one run directory per (method, lr, seed) when ``out`` is given; ``resume`` reuses the runs
+    that ended there)."""
     from .methods import lr_grid
     from .partition import partition_task
     from .runtime.simulator import DivergenceError, Simulation
@@ -105,10 +108,17 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
                              "validation_fraction": cfg.data.validation_fraction, "metric": metric}
                     setup["num_test"] = None  # the test set is not used
                 run_dir = out / f"{name}-lr{lr:g}-seed{seed}" if out else None
+                done = finished_run(run_dir, cfg) if resume and run_dir is not None else None
                 try:
-                    sim = Simulation(cfg, task=view, run_dir=run_dir, log=log, parts=train_parts)
-                    value = sim.run().get(metric, math.nan)
-                    validation = dict(sim.last_eval)
+                    if done is not None:
+                        if log:
+                            log(f"tune [{name}] lr={lr:g} seed={seed}: reusing the finished run in {run_dir}")
+                        validation = done["metrics"]
+                    else:
+                        sim = Simulation(cfg, task=view, run_dir=run_dir, log=log, parts=train_parts, overwrite=resume)
+                        sim.run()
+                        validation = dict(sim.last_eval)
+                    value = validation.get(metric, math.nan)
                 except DivergenceError as exc:
                     value, validation = math.nan, {"diverged": str(exc)}
                 values.append(value)
