@@ -60,6 +60,8 @@ def cmd_methods(args) -> int:
             flags.append("needs individual replies")
         if cls.supports_heterogeneous_ranks:
             flags.append("heterogeneous ranks")
+        if cls.supports_cohorts:
+            flags.append("cohorts")
         flags.append(f"privacy: {', '.join(cls.supported_privacy_modes())}")
         print(f"{name}\n  {cls.description}\n  paper: {cls.paper}\n  up:   {cls.uplink}\n  down: {cls.downlink}"
               + (f"\n  ({'; '.join(flags)})" if flags else "")

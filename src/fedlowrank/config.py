@@ -52,6 +52,7 @@ class RunSection:
     tracking: str = ""
     device: str = "auto"
     state_memory_mb: float = 0.0  # client states kept in memory (MiB); beyond it they spill to disk (0 = no limit)
+    cohort: int = 0  # clients trained together (0 = automatic: all of a round's on CUDA, 1 on the CPU)
 
 
 @dataclass
@@ -164,6 +165,9 @@ MEANINGS: dict[str, str] = {
     "run.tracking": "mirror each metrics row to an experiment tracker: tensorboard, wandb or mlflow ('' = off)",
     "run.state_memory_mb": "MiB of client states kept in memory; beyond it the least recently used spill to disk "
                            "(RUN_DIR/client_states/) and are read back on demand (0 = keep all in memory)",
+    "run.cohort": "clients trained together, one forward/backward per step over the shared backbone for methods "
+                  "and tasks that support it (others: one at a time); 0 = automatic (every sampled client of a "
+                  "round on CUDA, 1 on the CPU), 1 = one at a time (docs/architecture.md)",
     "task.kind": "text-classification, causal-lm, image-classification or matrix-regression",
     "task.model": "a bundled model name or a local Hugging Face model folder",
     "task.max_length": "tokens per example (longer texts are truncated)",
@@ -351,6 +355,11 @@ def validate(cfg: RunConfig) -> None:
     _need(r.checkpoint_every >= 0, f"run.checkpoint_every must be >= 0 (0 = never), got {r.checkpoint_every}")
     _need(r.state_memory_mb >= 0, f"run.state_memory_mb must be >= 0 (0 = keep every client state in memory), "
           f"got {r.state_memory_mb}")
+    _need(r.cohort >= 0, f"run.cohort must be an integer >= 0 (0 = automatic, 1 = one client at a time, N = up to N "
+                         f"clients together), got {r.cohort}")
+    _need(r.cohort <= 1 or not cfg.privacy.dpsgd,
+          f"run.cohort = {r.cohort} with privacy.dpsgd: DP-SGD clips per example within one client's step, which a "
+          f"joint step of several clients does not do; use run.cohort = 1, or 0 (automatic: one at a time)")
     _choice("task.kind", cfg.task.kind, TASKS)
     _choice("train.dtype", t.dtype, tuple(DTYPES))
     try:

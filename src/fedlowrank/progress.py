@@ -129,14 +129,16 @@ class Progress:
             self._open("rounds", self.rounds, 0, f"[{self.method}] rounds", initial=rnd - 1)
         self._open("clients", num_clients, 1, f"round {rnd} clients")
 
-    def client_start(self, client: int) -> Callable[[int, int], None] | None:
-        """A per-step hook for the client's local training (``None`` without bars): ``hook(step, total)``."""
+    def client_start(self, client: int | list[int]) -> Callable[[int, int], None] | None:
+        """A per-step hook for the local training of a client, or of a cohort of them (``None`` without bars):
+        ``hook(step, total)``."""
         if self._tqdm is None:
             return None
+        who = f"client {client}" if isinstance(client, int) else f"clients {', '.join(map(str, client))}"
 
         def on_step(step: int, total: int) -> None:
             if step == 1:
-                self._open("steps", total, 2, f"client {client} steps")
+                self._open("steps", total, 2, f"{who} steps")
             self._advance("steps")
 
         return on_step

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .model import AdaptedLinear, AdaptedModel
@@ -76,6 +77,24 @@ class LoRALinear(AdaptedLinear):
 
     def adapter_output(self, x: torch.Tensor) -> torch.Tensor:
         return self.scale * self.output_map(self.input_map(self.dropout(x), self.lora_A), self.lora_B)
+
+    @classmethod
+    def joint_adapter_output(cls, members: list["LoRALinear"], x: torch.Tensor) -> torch.Tensor | None:
+        """Every member's ``s_k · x_k A_kᵀ B_kᵀ`` as two batched products over the K members, factors zero-padded to
+        the largest rank (the padded directions add exact zeros): ``x [K·n, ..., in] → [K·n, ..., out]``. Linear
+        layers without LoRA dropout; ``None`` otherwise."""
+        if isinstance(members[0].base, nn.Conv2d) or not all(isinstance(m.dropout, nn.Identity) for m in members):
+            return None
+        r = max(m.rank for m in members)
+        A = torch.stack([F.pad(m.lora_A, (0, 0, 0, r - m.rank)) for m in members])   # [K, r, in]
+        B = torch.stack([F.pad(m.lora_B, (0, r - m.rank)) for m in members])         # [K, out, r]
+        out = torch.bmm(torch.bmm(x.reshape(len(members), -1, x.shape[-1]), A.mT), B.mT)   # [K, n·…, out]
+        scales = {m.scale for m in members}
+        if len(scales) == 1:
+            out = scales.pop() * out
+        else:
+            out = out * torch.tensor([m.scale for m in members], dtype=out.dtype, device=out.device).view(-1, 1, 1)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def attach_lora(model: AdaptedModel, rank: int, alpha: float, scaling: str = "standard", dropout: float = 0.0) -> None:

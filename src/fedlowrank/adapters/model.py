@@ -10,6 +10,8 @@ trainable parameters. The effective weight is ``W0 + base_delta + adapter_delta`
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from typing import Callable, Iterator
 
 import torch
@@ -103,14 +105,71 @@ class AdaptedLinear(nn.Module):
         """The trainable path's contribution to the output, computed in factored form; ``None`` for none."""
         return None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def joint_adapter_output(cls, members: list["AdaptedLinear"], x: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`adapter_output` of every one of ``members`` (of this class) on its equal share of ``x``
+        (``[K·n, ..., in]``, member k's rows ``k·n ... (k+1)·n − 1``) in a few batched products, or ``None`` when
+        this class cannot batch them (then each member runs on its own rows). A subclass that overrides
+        :meth:`adapter_output` overrides this too."""
+        return None
+
+    def frozen_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen layer's output, with ``W0 + base_delta`` and the base's bias."""
         if isinstance(self.base, nn.Conv2d):
             b = self.base
-            y = F.conv2d(x, self.frozen_weight().reshape(b.weight.shape), b.bias, b.stride, b.padding, b.dilation)
-        else:
-            y = F.linear(x, self.frozen_weight(), self.base.bias)
+            return F.conv2d(x, self.frozen_weight().reshape(b.weight.shape), b.bias, b.stride, b.padding, b.dilation)
+        return F.linear(x, self.frozen_weight(), self.base.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.frozen_output(x)
         extra = self.adapter_output(x)
         return y if extra is None else y + extra
+
+
+class RowRouter(nn.Module):
+    """Stands in for one module of a cohort's joint forward: rows ``rows[k]`` of the input go through
+    ``members[k]`` (the same module in member k's model), outputs concatenated in order. ``[N, ...] → [N, ...]``,
+    ``N = rows[-1].stop``; the batch must be dimension 0."""
+
+    def __init__(self, members: list[nn.Module], rows: list[slice]):
+        super().__init__()
+        self.members, self.rows = members, rows  # a plain list: not submodules of the joint network
+
+    def _check(self, x: torch.Tensor) -> None:
+        if x.shape[0] != self.rows[-1].stop:
+            raise ValueError(f"a joint batch of {self.rows[-1].stop} rows reached a routed module as input "
+                             f"{tuple(x.shape)}: routing per client needs the batch on dimension 0")
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        self._check(x)
+        return torch.cat([m(x[s], *args, **kwargs) for m, s in zip(self.members, self.rows)])
+
+
+class AdapterRouter(RowRouter):
+    """A :class:`RowRouter` for an adapted target. When no member holds a base delta, the frozen ``W0`` (shared by
+    every member) multiplies all rows at once and only the adapters' paths run per member, batched over the
+    members when they have as many rows each (:meth:`AdaptedLinear.joint_adapter_output`); otherwise each member's
+    rows go through its own ``W0 + base_delta``."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.members[0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check(x)
+        if any(m.base_delta is not None for m in self.members):
+            return super().forward(x)
+        y = self.members[0].frozen_output(x)
+        kind = type(self.members[0])
+        if len({s.stop - s.start for s in self.rows}) == 1 and all(type(m) is kind for m in self.members):
+            extra = kind.joint_adapter_output(self.members, x)
+            if extra is not None:
+                return y + extra
+        outs = []
+        for m, s in zip(self.members, self.rows):
+            extra = m.adapter_output(x[s])
+            outs.append(y[s] if extra is None else y[s] + extra)
+        return torch.cat(outs)
 
 
 def _get_parent(root: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -177,6 +236,43 @@ class AdaptedModel(nn.Module):
     def head_parameters(self) -> dict[str, nn.Parameter]:
         params = dict(self.net.named_parameters())
         return {n: params[n] for n in self.head_names}
+
+    def head_modules(self) -> list[str]:
+        """Names of the outermost modules holding the head's parameters (e.g. ``classifier``)."""
+        owners = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n in self.head_names})
+        if "" in owners:
+            raise ValueError("a head parameter that belongs to the network itself cannot be routed per client")
+        return [o for o in owners if not any(o.startswith(p + ".") for p in owners)]
+
+    def own_parameters(self) -> list[nn.Parameter]:
+        """What a client may train: the adapters' own parameters (not their frozen base) and the head's."""
+        own = [p for m in self.adapters().values() for n, p in m.named_parameters() if not n.startswith("base.")]
+        return own + list(self.head_parameters().values())
+
+    def shared_copy(self) -> "AdaptedModel":
+        """A copy that owns its :meth:`own_parameters` and shares every other tensor (the frozen backbone,
+        buffers) with this model: a cohort member's model (:mod:`fedlowrank.runtime.cohort`). Buffers can be
+        shared because methods replace them (``set_base_delta``) and never write into them."""
+        own = {id(p) for p in self.own_parameters()}
+        memo = {id(t): t for t in (*self.parameters(), *self.buffers()) if id(t) not in own}
+        return copy.deepcopy(self, memo)
+
+    @contextlib.contextmanager
+    def routed(self, members: list["AdaptedModel"], rows: list[slice]):
+        """Within the block, this model's forward sends rows ``rows[k]`` of every adapted target and head module
+        through member ``k``'s own module (its factors, base delta, scale, head); the rest of the network, shared
+        by every member (:meth:`shared_copy`), sees all rows at once."""
+        routes = [(n, AdapterRouter) for n in self.target_names] + [(n, RowRouter) for n in self.head_modules()]
+        originals = []
+        try:
+            for name, router in routes:
+                parent, attr = _get_parent(self.net, name)
+                originals.append((parent, attr, getattr(parent, attr)))
+                setattr(parent, attr, router([m.net.get_submodule(name) for m in members], rows))
+            yield
+        finally:
+            for parent, attr, module in reversed(originals):
+                setattr(parent, attr, module)
 
     def set_trainable(self, params: dict[str, nn.Parameter]) -> None:
         """Freeze everything, then unfreeze exactly ``params``."""

@@ -13,6 +13,7 @@ A method never imports a runtime, and runtimes never look at a method's name.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Sequence
@@ -75,6 +76,11 @@ class Method:
             works with any server step); ``None`` = derived from ``needs_individual_replies``
             (:meth:`supported_privacy_modes`). A class that narrows it says why in ``privacy_refusal``.
         supports_heterogeneous_ranks: whether clients may have different LoRA ranks.
+        supports_cohorts: whether several clients' ``train`` may run together in a cohort
+            (:mod:`fedlowrank.runtime.cohort`): ``train`` trains only adapter and head parameters, with one
+            ``trainer.fit``, and changes nothing of the method's but its composed corrections (which
+            :meth:`cohort_member` copies). The runtime then trains the members' local steps jointly; methods
+            without it train one client at a time.
         personalized: True if each client's model differs from the global one (part of it stays private);
             the runtime then reports the mean over clients of their own models' test metrics.
         preset: the paper's own run settings as ``{"section.key": value}`` config overrides (client weighting,
@@ -89,6 +95,7 @@ class Method:
     downlink: ClassVar[str] = ""
     needs_individual_replies: ClassVar[bool] = False
     supports_heterogeneous_ranks: ClassVar[bool] = False
+    supports_cohorts: ClassVar[bool] = False
     personalized: ClassVar[bool] = False
     preset: ClassVar[dict[str, Any]] = {}
     lr_grid: ClassVar[tuple[float, ...]] = ()
@@ -152,6 +159,15 @@ class Method:
     def pop_metrics(self) -> dict[str, float]:
         """The diagnostics recorded since the last call (called by the runtime after each aggregate)."""
         return self.__dict__.pop("_metrics", {})
+
+    def cohort_member(self) -> "Method":
+        """This method as one member of a cohort runs it: a shallow copy with its own copies of the composed
+        corrections (whose ``start`` sets every per-client attribute anew), so members' ``train`` calls can
+        interleave."""
+        member = copy.copy(self)
+        if "_corrections" in self.__dict__:
+            member.__dict__["_corrections"] = [copy.copy(c) for c in self.__dict__["_corrections"]]
+        return member
 
     # -- shared helpers ------------------------------------------------------------------------------
     def composed_corrections(self) -> list[ClientCorrection]:
@@ -242,6 +258,11 @@ class LoRAMethod(Method):
     ``"<module>.base_delta"`` ``[out, in]`` (only when the method keeps a non-zero base delta). Keys of
     composed pieces are namespaced with a slash (``"scaffold.c/<key>"``); plain keys never contain one.
 
+    Client cohorts (``supports_cohorts``): on for the whole family, whose ``train`` is :meth:`local_train`'s one
+    ``trainer.fit`` of factors and head, whatever it does before and after (FedIT, FedProx, SCAFFOLD, MOON (its
+    extra forward passes run per member), FFA-LoRA, FedSA-LoRA, HetLoRA, FLoRA, FlexLoRA, FeDeRA, FedEx-LoRA,
+    LoRA-FAIR, ILoRA(-S), FedIT+QR, FR-LoRA, FedRPCA, TIES, Task Arithmetic, RoLoRA).
+
     Options shared by every LoRA method:
         correction: client-side drift corrections composed on top of the method: ``"none"``,
             ``"fedprox"``, ``"scaffold"`` or ``"fedprox+scaffold"``.
@@ -256,6 +277,7 @@ class LoRAMethod(Method):
     cv_grad: str = "mean"
 
     trains: ClassVar[tuple[str, ...]] = ("A", "B")
+    supports_cohorts = True
 
     def __post_init__(self) -> None:
         self._corrections: list[ClientCorrection] = make_corrections(self.correction, self.mu, self.cv_grad)

@@ -70,6 +70,7 @@ class FLoRG(Method):
     downlink = "A [r,k] per target module, head (L, R come from the shared seed)"
     needs_individual_replies = True
     supports_heterogeneous_ranks = False
+    supports_cohorts = True  # train: one fit of gram_A and the head, routed per client like LoRA's factors
     preset = {"server.weighting": "uniform"}  # eq. 4: 1/N
     lr_grid = (1e-3, 3e-3, 1e-2)  # issue #16's CPU-scale grid (paper: {5e-4, 1e-4, 5e-5, 1e-5} at LLM scale)
 

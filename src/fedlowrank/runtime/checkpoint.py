@@ -52,7 +52,10 @@ class Checkpoint:
 
 
 # run settings that do not change what a run computes: a checkpoint stays valid when they change
-NON_MATHS_KEYS = {"run": ("name", "out_dir", "threads", "checkpoint_every", "state_memory_mb"), "compare": None}
+# run.cohort: how many clients share a forward pass, which changes results only by float rounding (and, with
+# dropout, which stream draws the masks); its automatic value follows the device, which a resume may change.
+NON_MATHS_KEYS = {"run": ("name", "out_dir", "threads", "checkpoint_every", "state_memory_mb", "cohort"),
+                  "compare": None}
 
 
 def config_fingerprint(cfg) -> str:

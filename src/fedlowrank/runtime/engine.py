@@ -6,13 +6,15 @@ a simulated run with the same seeds produce the same global model:
 * :func:`setup_info` — the :class:`SetupInfo` a method is set up with (same on server and clients);
 * :func:`sample_clients` — uniform sampling of K of M clients without replacement, from the round's stream;
 * :func:`wire` — what crosses the network: a message serialised and parsed back;
-* :func:`client_update` — one client's round: fresh base deltas, ``method.train``, the reply;
+* :func:`client_update` — one client's round: fresh base deltas, ``method.train``, the reply (the simulator's
+  cohorts run several at once, :mod:`.cohort`);
 * :func:`check_reply` — whether the server may use a reply (shapes, dtypes, finiteness, size, keys).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 import torch
@@ -49,9 +51,11 @@ def wire(msg: Message) -> Message:
 
 
 def client_update(method: Method, model: AdaptedModel, msg: Message, state: State, task, indices: np.ndarray,
-                  cfg, client: int, rnd: int, on_step=None) -> tuple[Message, State, LocalTrainer]:
+                  cfg, client: int, rnd: int, on_step=None,
+                  trainer_class: Callable[..., LocalTrainer] = LocalTrainer) -> tuple[Message, State, LocalTrainer]:
     """Run one client's round on ``model`` and return (reply, new client state, the trainer used);
-    ``on_step(step, total)`` is the trainer's progress hook.
+    ``on_step(step, total)`` is the trainer's progress hook; ``trainer_class`` builds the trainer (a cohort's
+    :class:`~.cohort.CohortTrainer`, see :mod:`.cohort`).
 
     Every adapter's base delta is cleared first: whatever the client needs must come in ``msg``. The reply and
     the new state come back on the CPU, whatever device the model is on. With ``privacy.dpsgd`` local training is
@@ -62,8 +66,8 @@ def client_update(method: Method, model: AdaptedModel, msg: Message, state: Stat
         mod.set_base_delta(None)
     dp = cfg.privacy
     dpsgd = DPSGD(dp.dpsgd_clip, dp.dpsgd_noise, torch_generator(cfg.run.seed, "dpsgd", client, rnd)) if dp.dpsgd else None
-    trainer = LocalTrainer(task, indices, cfg.train, client, rnd, cfg.run.rounds, cfg.run.seed, on_step=on_step,
-                           dpsgd=dpsgd)
+    trainer = trainer_class(task, indices, cfg.train, client, rnd, cfg.run.rounds, cfg.run.seed, on_step=on_step,
+                            dpsgd=dpsgd)
     reply, new_state = method.train(model, msg, state, trainer)
     return local_reply(cfg, to_host(reply), msg, client, rnd), to_host(new_state), trainer
 

@@ -3,7 +3,9 @@
 Each round: sample K of M clients from the round's stream; for each, serialise the broadcast (counted in the
 ledger), run :func:`~fedlowrank.runtime.engine.client_update` on the shared model, serialise the reply
 (counted); then ``method.aggregate``; evaluate every ``run.eval_every`` rounds. Memory grows with the
-clients' small states, never with model copies.
+clients' small states, never with model copies. With ``run.cohort`` > 1 (by default on CUDA) the sampled clients
+go in groups of that many: broadcasts, then their local training together (:mod:`.cohort`; each member's model
+shares the frozen backbone), then each reply in client order as above.
 
 A run directory holds ``config.json`` (resolved), ``partition.json`` (per-client label histograms),
 ``metrics.jsonl`` (a row per round: metrics, bytes, time breakdown, ``per_client``), ``ledger.jsonl`` (a row per client
@@ -42,6 +44,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from ..adapters.model import AdaptedModel
 from ..device import check_dtype, resolve_device
 from ..message import Message, Reply, State
 from ..methods import get_method
@@ -55,6 +58,7 @@ from ..seeding import numpy_rng
 from .checkpoint import (Checkpoint, CheckpointError, config_fingerprint, drop_checkpoints_after, find_checkpoint,
                          save_checkpoint)
 from .rundir import check_run_dir, claim_run_dir, lock_run_dir
+from .cohort import cohort_size, cohort_update
 from .engine import check_reply, client_update, sample_clients, setup_info, wire
 from .store import ClientStore
 
@@ -133,6 +137,8 @@ class Simulation:
         self.device = resolve_device(cfg.run.device)
         check_dtype(cfg.train.dtype, self.device)
         self.model.to(self.device)  # after setup: the method derives its server state on the CPU
+        self._cohort: int | None = None  # clients trained together (run.cohort resolved at the first round)
+        self._views: list[AdaptedModel] = []  # the cohort members' models (shared frozen backbone)
         self.store = ClientStore(cfg.run.state_memory_mb, None if run_dir is None else Path(run_dir) / "client_states")
         self.ledger = Ledger()
         self.history: list[dict[str, Any]] = []
@@ -202,6 +208,31 @@ class Simulation:
             dropped |= {c for c, u in zip(clients, rng.random(len(clients))) if u < r.dropout}
         return dropped
 
+    def cohort_size(self) -> int:
+        """How many clients train together (:func:`~.cohort.cohort_size`, resolved at the first round); when
+        ``run.cohort`` asked for more than can be, one line says why."""
+        if self._cohort is None:
+            self._cohort, reason = cohort_size(self.cfg, self.method, self.task, self.model, self.device)
+            if reason and self.cfg.run.cohort > 1 and self.log:
+                self.log(f"[{self.method.name}] run.cohort = {self.cfg.run.cohort}: {reason}; clients train one at "
+                         f"a time")
+        return self._cohort
+
+    def train_clients(self, rnd: int, sent: list[tuple[int, int, Message, State]]) -> list[tuple[Message, State, Any]]:
+        """``(reply, new state, trainer)`` of each client in ``sent``: alone on the model, or as a cohort, each
+        member on its own :meth:`~fedlowrank.adapters.model.AdaptedModel.shared_copy` of it (made once, reused)."""
+        clients = [k for k, *_ in sent]
+        on_step = self.progress.client_start(clients[0] if len(clients) == 1 else clients)
+        if len(sent) == 1:
+            k, _, down, state = sent[0]
+            return [client_update(self.method, self.model, down, state, self.task, self.parts[k], self.cfg, k, rnd,
+                                  on_step)]
+        while len(self._views) < len(sent):
+            self._views.append(self.model.shared_copy())
+        return cohort_update(self.method, self.model, self._views[:len(sent)], [down for _, _, down, _ in sent],
+                             [state for *_, state in sent], self.task, [self.parts[k] for k in clients], self.cfg,
+                             clients, rnd, on_step)
+
     def run_round(self) -> dict[str, Any]:
         """Run the next round; returns its metrics row."""
         cfg, rnd = self.cfg, self.round + 1
@@ -217,34 +248,33 @@ class Simulation:
         losses: list[float] = []
         self.progress.round_start(rnd, len(clients))
         self.client_eval = {}  # filled by this round's evaluation, if any
-        for k in clients:
-            msg = self.method.broadcast(self.server, k, rnd)
-            down_bytes = msg.nbytes()
-            down = wire(msg)
-            downs[k] = down
-            state = self.store.get(k)
-            if state is None:
-                state = self.method.init_client(k)
-            reply, new_state, trainer = client_update(self.method, self.model, down, state, self.task,
-                                                      self.parts[k], cfg, k, rnd, self.progress.client_start(k))
-            compute += trainer.compute_seconds
-            self.progress.client_done()
-            if k in dropped:
-                ledger_rows.append({"round": rnd, "client": k, "down": down_bytes, "up": 0})
-                continue
-            if self.tamper is not None:
-                reply = self.tamper(rnd, k, reply)
-            received = wire(reply)
-            ledger_rows.append({"round": rnd, "client": k, "down": down_bytes, "up": reply.nbytes()})
-            reason = check_reply(self.method, down, received, rnd, len(self.parts[k]))
-            if reason is not None:
-                rejected.append({"client": k, "reason": reason})
-                if self.log:
-                    self.log(f"[{self.method.name}] round {rnd}: rejected the reply of client {k}: {reason}")
-                continue
-            new_states[k] = new_state
-            losses.append(float(received["train_loss"]))
-            replies.append(Reply(k, int(received["num_examples"]), received))
+        size = self.cohort_size()
+        for chunk in (clients[i:i + size] for i in range(0, len(clients), size)):
+            sent: list[tuple[int, int, Message, State]] = []  # (client, bytes down, what it received, its state)
+            for k in chunk:
+                msg = self.method.broadcast(self.server, k, rnd)
+                down = downs[k] = wire(msg)
+                state = self.store.get(k)
+                sent.append((k, msg.nbytes(), down, self.method.init_client(k) if state is None else state))
+            for (k, down_bytes, down, _), (reply, new_state, trainer) in zip(sent, self.train_clients(rnd, sent)):
+                compute += trainer.compute_seconds
+                self.progress.client_done()
+                if k in dropped:
+                    ledger_rows.append({"round": rnd, "client": k, "down": down_bytes, "up": 0})
+                    continue
+                if self.tamper is not None:
+                    reply = self.tamper(rnd, k, reply)
+                received = wire(reply)
+                ledger_rows.append({"round": rnd, "client": k, "down": down_bytes, "up": reply.nbytes()})
+                reason = check_reply(self.method, down, received, rnd, len(self.parts[k]))
+                if reason is not None:
+                    rejected.append({"client": k, "reason": reason})
+                    if self.log:
+                        self.log(f"[{self.method.name}] round {rnd}: rejected the reply of client {k}: {reason}")
+                    continue
+                new_states[k] = new_state
+                losses.append(float(received["train_loss"]))
+                replies.append(Reply(k, int(received["num_examples"]), received))
         for row in ledger_rows:
             self.ledger.add(**row)
         aggregation = 0.0

@@ -12,6 +12,8 @@ import copy
 from typing import Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..adapters.model import AdaptedModel
@@ -31,6 +33,21 @@ def adapted_copy(loaded, targets: list[str] | str | None, train_outputs: bool) -
     return AdaptedModel(net, names, head)
 
 
+def join_padded(batches: list[dict[str, Tensor]], pad: dict[str, int]) -> tuple[dict[str, Tensor], list[slice]]:
+    """Dict batches as one: each key's tensors ``[n_k, T_k, ...]`` padded at the end of dimension 1 to the longest
+    ``T`` with ``pad[key]`` (keys not in ``pad`` are concatenated as they are), then concatenated along dimension
+    0. Returns ``(batch [Σ n_k, T, ...], rows)`` with ``rows[k]`` the slice of batch k's rows."""
+    joint = {}
+    for key in batches[0]:
+        parts = [b[key] for b in batches]
+        if key in pad:
+            width = max(t.shape[1] for t in parts)
+            parts = [F.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]), value=pad[key]) for t in parts]
+        joint[key] = torch.cat(parts)
+    ends = np.cumsum([len(b[next(iter(b))]) for b in batches]).tolist()
+    return joint, [slice(a, b) for a, b in zip([0, *ends[:-1]], ends)]
+
+
 class Task:
     """Base class of tasks.
 
@@ -44,6 +61,8 @@ class Task:
         validation_metric: the key of :meth:`evaluate_examples` that learning-rate tuning selects on
             (``"accuracy"`` is maximised, any other key minimised).
         metrics: the names :meth:`evaluate` returns (``run.stop_metric`` must be one of them).
+        supports_cohorts: whether :meth:`join_batches`, :meth:`output` and :meth:`output_loss` are defined, so
+            that several clients' steps can share one forward pass (:mod:`fedlowrank.runtime.cohort`).
     """
 
     name: str = ""
@@ -51,6 +70,7 @@ class Task:
     validation_metric: str = "loss"
     train_labels: np.ndarray | None = None
     natural_partition: np.ndarray | None = None
+    supports_cohorts: bool = False
 
     @property
     def num_train(self) -> int:
@@ -71,6 +91,20 @@ class Task:
     def features(self, net: nn.Module, batch: Any) -> Tensor:
         """The representation the head sees, ``[batch, d]`` (for representation-level methods such as MOON)."""
         raise NotImplementedError(f"task {self.name!r} does not expose features")
+
+    # -- cohorts (supports_cohorts): loss(net, batch) == output_loss(output(net, batch), batch) -------------------
+    def join_batches(self, batches: list) -> tuple[Any, list[slice]]:
+        """Several clients' batches as one batch and each one's rows in it; padding changes no output the loss
+        reads (e.g. :func:`join_padded` with the pad token, mask 0, label -100)."""
+        raise NotImplementedError(f"task {self.name!r} cannot join batches")
+
+    def output(self, net: nn.Module, batch: Any) -> Tensor:
+        """What the loss reads from the network, row ``i`` for example ``i``: ``[B, ...]``."""
+        raise NotImplementedError(f"task {self.name!r} cannot join batches")
+
+    def output_loss(self, out: Tensor, batch: Any) -> Tensor:
+        """The loss of ``batch`` from its rows of :meth:`output` (longer along a padded dimension when joined)."""
+        raise NotImplementedError(f"task {self.name!r} cannot join batches")
 
     def evaluate(self, net: nn.Module) -> dict[str, float]:
         """Metrics on the global test set, e.g. ``{"accuracy": .., "loss": ..}`` (no autograd)."""
@@ -120,6 +154,19 @@ class ValidationView(Task):
 
     def __getattr__(self, key: str) -> Any:  # task-specific extras (e.g. ``batched_grad``, ``data``)
         return getattr(self.__dict__["task"], key)
+
+    @property
+    def supports_cohorts(self) -> bool:  # type: ignore[override]
+        return self.task.supports_cohorts
+
+    def join_batches(self, batches: list) -> tuple[Any, list[slice]]:
+        return self.task.join_batches(batches)
+
+    def output(self, net: nn.Module, batch: Any) -> Tensor:
+        return self.task.output(net, batch)
+
+    def output_loss(self, out: Tensor, batch: Any) -> Tensor:
+        return self.task.output_loss(out, batch)
 
     @property
     def num_train(self) -> int:

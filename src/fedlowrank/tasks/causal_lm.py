@@ -29,7 +29,7 @@ from torch import nn
 from ..adapters.model import AdaptedModel
 from ..device import module_device
 from ..seeding import numpy_rng
-from .base import Task, adapted_copy
+from .base import Task, adapted_copy, join_padded
 from .instructions import InstructionData
 
 log = logging.getLogger("fedlowrank")
@@ -177,6 +177,7 @@ class CausalLM(Task):
 
     name = "causal-lm"
     metrics = ("loss", "perplexity", "exact_match")
+    supports_cohorts = True
 
     def __init__(self, data: InstructionData, model: str = "tiny-llama", max_length: int = 256,
                  targets: list[str] | None = None, eval_batch_size: int = 8, eval_examples: int = 200,
@@ -255,9 +256,22 @@ class CausalLM(Task):
     def loss(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """Mean next-token cross-entropy over the batch's response tokens (0 with no gradient when the batch
         has none left after truncation)."""
-        logits = self._forward(net, batch).logits
-        nll, count = response_nll(logits, batch["labels"].to(logits.device))
+        return self.output_loss(self.output(net, batch), batch)
+
+    def output(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """Logits ``[B, T, V]``."""
+        return self._forward(net, batch).logits
+
+    def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        """:meth:`loss` from logits ``[B, T', V]``, ``T' ≥ T`` (the positions past the batch's own are padding)."""
+        labels = batch["labels"].to(out.device)
+        nll, count = response_nll(out[:, :labels.shape[1]], labels)
         return nll / max(count, 1)
+
+    def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[slice]]:
+        """Right padding as in :func:`collate`: the pad token, mask 0, label -100."""
+        return join_padded(batches, {"input_ids": self.tokenizer.pad_token_id, "attention_mask": 0,
+                                     "labels": IGNORE})
 
     def features(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """``[B, d]`` last hidden state averaged over each example's tokens (padding excluded)."""

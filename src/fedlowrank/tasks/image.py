@@ -21,7 +21,7 @@ from torch import nn
 from ..adapters.model import AdaptedModel
 from ..device import module_device
 from ..models import NOT_IMAGENET, load_model
-from .base import Task, adapted_copy
+from .base import Task, adapted_copy, join_padded
 from .image_data import (IMAGE_SOURCES, ImageData, apply_domain, assign_domains, check_domains, load_fashion_mnist,
                          load_hf_images, load_image_folder, subsample_images)
 
@@ -74,6 +74,7 @@ class ImageClassification(Task):
     name = "image-classification"
     validation_metric = "accuracy"
     metrics = ("accuracy", "loss")  # with domains, also accuracy_<domain>
+    supports_cohorts = True
 
     def __init__(self, data: ImageData, model: str = "tiny-vit", targets: list[str] | None = None,
                  eval_batch_size: int = 256, domains: list[str] | None = None, seed: int = 0, source: str = ""):
@@ -118,7 +119,17 @@ class ImageClassification(Task):
                 "labels": torch.as_tensor(self.train_labels[idx.numpy()])}
 
     def loss(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        return F.cross_entropy(net(pixel_values=batch["pixel_values"]).logits, batch["labels"])
+        return self.output_loss(self.output(net, batch), batch)
+
+    def output(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """Logits ``[B, C]``."""
+        return net(pixel_values=batch["pixel_values"]).logits
+
+    def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        return F.cross_entropy(out, batch["labels"])
+
+    def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[slice]]:
+        return join_padded(batches, {})  # images of one size: nothing to pad
 
     def features(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """What the head sees, ``[batch, d]``: the input of the ``classifier`` module, caught by a hook."""

@@ -17,7 +17,7 @@ from torch import nn
 from ..adapters.model import AdaptedModel
 from ..device import module_device, to_device
 from ..models import load_model
-from .base import Task, adapted_copy
+from .base import Task, adapted_copy, join_padded
 from .data import TextData
 
 class TextClassification(Task):
@@ -36,6 +36,7 @@ class TextClassification(Task):
     name = "text-classification"
     validation_metric = "accuracy"
     metrics = ("accuracy", "loss")
+    supports_cohorts = True
 
     def __init__(self, data: TextData, model: str = "minilm", max_length: int = 64,
                  targets: list[str] | str | None = None, eval_batch_size: int = 64):
@@ -83,8 +84,18 @@ class TextClassification(Task):
         return {"input_ids": ids, "attention_mask": mask, "labels": torch.as_tensor(self.train_labels[idx.numpy()])}
 
     def loss(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return F.cross_entropy(logits, batch["labels"])
+        return self.output_loss(self.output(net, batch), batch)
+
+    def output(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """Logits ``[B, C]``."""
+        return net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+    def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        return F.cross_entropy(out, batch["labels"])
+
+    def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[slice]]:
+        """Token ids padded with the pad token and masks with 0 (right padding: no real token's output changes)."""
+        return join_padded(batches, {"input_ids": self.loaded.tokenizer.pad_token_id, "attention_mask": 0})
 
     def features(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         out = net.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])

@@ -8,6 +8,9 @@ A correction sees the trainable parameters as ``{key: Parameter}`` where the key
 * client: ``start`` (round start), ``loss`` (extra loss term), ``grad`` (edit gradients before the optimizer
   step), ``finish`` (extra upload entries; updates the client state in place).
 
+``start`` sets every per-client attribute anew: the members of a client cohort (:mod:`fedlowrank.runtime.cohort`)
+each train with a shallow copy of the method's corrections (:meth:`~fedlowrank.methods.base.Method.cohort_member`).
+
 :class:`FedProx` is Li et al. 2020 (μ/2·‖w − w_global‖²). :class:`Scaffold` is Karimireddy et al. 2020, with
 the global variate updated by ``c ← c + (|S|/N)·mean(Δcᵢ)`` so that ``c`` stays the mean of all clients'
 ``cᵢ`` under partial participation (all start at zero).

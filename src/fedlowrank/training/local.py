@@ -9,6 +9,7 @@ clients ran before.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -155,64 +156,97 @@ class LocalTrainer:
     def fit(self, model, params: dict[str, nn.Parameter], corrections: Sequence = (),
             optimizer: OptimizerFactory | None = None) -> FitResult:
         """Train ``params`` (already loaded into ``model``) for :attr:`num_steps` steps."""
-        import time
-
         torch.manual_seed(derive_seed(self.seed, "dropout", self.client, self.rnd))
-        lr = head_lr = self.lr
-        if optimizer is not None:
-            opt = optimizer(params, lr)
-        else:
-            head_lr = self.cfg.lr_at(self.rnd, self.rounds, self.cfg.head_lr) if self.cfg.head_lr else lr
-            body = [p for k, p in params.items() if not k.startswith("head/")]
-            head = [p for k, p in params.items() if k.startswith("head/")]
-            groups = [g for g in ({"params": body, "lr": lr}, {"params": head, "lr": head_lr}) if g["params"]]
-            opt = make_optimizer(self.cfg, groups)
-        net = model.net
-        net.train()
-        device = module_device(net)
-        scaler = grad_scaler(device, self.cfg.dtype)
-        losses: list[float] = []
-        steps = self.num_steps
-        batches = self.batches()
-        plist = list(params.values())
+        run = FitRun(self, model, params, corrections, optimizer)
         t0 = time.perf_counter()
-        for step in range(steps):
-            batch = to_device(next(batches), device)
-            opt.zero_grad(set_to_none=True)
+        for step in range(run.steps):
+            batch = run.next_batch()
+            run.opt.zero_grad(set_to_none=True)
             if self.dpsgd is not None:
-                if scaler is not None:
+                if run.scaler is not None:
                     raise ValueError("privacy.dpsgd: train.dtype = 'fp16' is not supported (its loss scaler would "
                                      "rescale the noisy gradient); use bf16 or fp32")
-                with autocast(device, self.cfg.dtype):
-                    loss = private_step_gradients(net, self.task, params, batch, self.dpsgd)
-                if any(c.loss(params, net, batch, self.task) is not None for c in corrections):
+                with autocast(run.device, self.cfg.dtype):
+                    loss = private_step_gradients(run.net, self.task, params, batch, self.dpsgd)
+                if any(c.loss(params, run.net, batch, self.task) is not None for c in corrections):
                     raise ValueError("privacy.dpsgd: corrections that add a loss term (fedprox, moon) are not "
                                      "supported (their gradient would not be clipped per example)")
             else:
-                with autocast(device, self.cfg.dtype):
-                    loss = self.task.loss(net, batch)
-                    total = loss
-                    for c in corrections:
-                        extra = c.loss(params, net, batch, self.task)
-                        if extra is not None:
-                            total = total + extra
-                if scaler is None:
-                    total.backward()
-                else:
-                    scaler.scale(total).backward()
-                    scaler.unscale_(opt)  # clipping and corrections see true gradients
-            if self.cfg.max_grad_norm > 0:      # clip the gradient of the loss, then correct it (SCAFFOLD)
-                nn.utils.clip_grad_norm_(plist, self.cfg.max_grad_norm)
-            for c in corrections:
-                c.grad(params)
-            if scaler is None:
-                opt.step()
-            else:
-                scaler.step(opt)
-                scaler.update()
-            losses.append(float(loss.detach()))
+                with autocast(run.device, self.cfg.dtype):
+                    loss = self.task.loss(run.net, batch)
+                    total = run.with_corrections(loss, batch)
+                run.scaled(total).backward()
+            run.step(loss)
             if self.on_step is not None:
-                self.on_step(step + 1, steps)
+                self.on_step(step + 1, run.steps)
         self.compute_seconds += time.perf_counter() - t0
-        net.eval()
-        return FitResult(loss=float(np.mean(losses)) if losses else float("nan"), steps=steps, lr=lr, head_lr=head_lr)
+        return run.finish()
+
+
+class FitRun:
+    """One client's fit in progress: its optimizer, loss scaler, data stream and losses. :meth:`LocalTrainer.fit`
+    drives one; a cohort's joint loop (:mod:`fedlowrank.runtime.cohort`) drives several, one step of each per
+    joint forward and backward.
+
+    Each step: ``opt.zero_grad``; the task loss of :meth:`next_batch`, plus the corrections' loss terms
+    (:meth:`with_corrections`), backward through :meth:`scaled`; then :meth:`step`.
+    """
+
+    def __init__(self, trainer: LocalTrainer, model, params: dict[str, nn.Parameter], corrections: Sequence = (),
+                 optimizer: OptimizerFactory | None = None):
+        cfg = trainer.cfg
+        self.trainer, self.model, self.params, self.corrections = trainer, model, params, list(corrections)
+        self.lr = self.head_lr = trainer.lr
+        if optimizer is not None:
+            self.opt = optimizer(params, self.lr)
+        else:
+            self.head_lr = cfg.lr_at(trainer.rnd, trainer.rounds, cfg.head_lr) if cfg.head_lr else self.lr
+            body = [p for k, p in params.items() if not k.startswith("head/")]
+            head = [p for k, p in params.items() if k.startswith("head/")]
+            groups = [g for g in ({"params": body, "lr": self.lr}, {"params": head, "lr": self.head_lr}) if g["params"]]
+            self.opt = make_optimizer(cfg, groups)
+        self.net = model.net
+        self.net.train()
+        self.device = module_device(self.net)
+        self.scaler = grad_scaler(self.device, cfg.dtype)
+        self.steps = trainer.num_steps
+        self.batches = trainer.batches()
+        self.losses: list[torch.Tensor] = []
+
+    def next_batch(self):
+        return to_device(next(self.batches), self.device)
+
+    def with_corrections(self, loss: torch.Tensor, batch) -> torch.Tensor:
+        """``loss`` plus the corrections' loss terms on this client's network and ``batch`` (FedProx, MOON)."""
+        total = loss
+        for c in self.corrections:
+            extra = c.loss(self.params, self.net, batch, self.trainer.task)
+            if extra is not None:
+                total = total + extra
+        return total
+
+    def scaled(self, total: torch.Tensor) -> torch.Tensor:
+        """What to call ``backward`` on: ``total``, times fp16's loss scale."""
+        return total if self.scaler is None else self.scaler.scale(total)
+
+    def step(self, loss: torch.Tensor) -> None:
+        """After backward: unscale (fp16), clip the loss gradient, the corrections' ``grad`` hooks (SCAFFOLD), the
+        optimizer step; record ``loss``."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)  # clipping and corrections see true gradients
+        if self.trainer.cfg.max_grad_norm > 0:      # clip the gradient of the loss, then correct it (SCAFFOLD)
+            nn.utils.clip_grad_norm_(list(self.params.values()), self.trainer.cfg.max_grad_norm)
+        for c in self.corrections:
+            c.grad(self.params)
+        if self.scaler is None:
+            self.opt.step()
+        else:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        self.losses.append(loss.detach())  # read at the end: no device synchronisation per step
+
+    def finish(self) -> FitResult:
+        """The fit's :class:`FitResult`; the network back in eval mode."""
+        self.net.eval()
+        loss = float(np.mean([float(x) for x in self.losses])) if self.losses else float("nan")
+        return FitResult(loss=loss, steps=self.steps, lr=self.lr, head_lr=self.head_lr)

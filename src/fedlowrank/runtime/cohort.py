@@ -1,0 +1,229 @@
+"""Client cohorts: several sampled clients of a round train together, one forward and backward per step.
+
+``run.cohort`` clients (0 = automatic: every sampled client of the round on CUDA, 1 on the CPU, where a joint step
+measured no gain) form a cohort. Each member runs its own :func:`~.engine.client_update` exactly as alone: its own
+copy of the method (:meth:`~fedlowrank.methods.base.Method.cohort_member`: own correction objects), on its own
+model view (:meth:`~fedlowrank.adapters.model.AdaptedModel.shared_copy`: own adapter factors, base deltas,
+scales and head; the frozen backbone shared), with its own trainer (data order, learning rates). Only the local
+steps are shared:
+
+1. **Rendezvous** (:func:`run_together`): each member's ``client_update`` runs in a worker thread that runs only
+   while the caller waits for it (one thread at a time, in member order: deterministic). It stops at its first
+   ``trainer.fit(...)`` (:class:`CohortTrainer`) and hands over the arguments, a :class:`FitRequest`.
+2. **Joint loop** (:func:`joint_fit`): every step, each member's next minibatch (from its own stream) is joined
+   into one batch (:meth:`Task.join_batches`: rows in member order, sequences padded), one forward runs through
+   the shared backbone with every adapted target and the head routing member k's rows through member k's own
+   modules (:meth:`AdaptedModel.routed`: the shared ``W0`` multiplies all rows at once, and LoRA's paths run as
+   products batched over the members when they have as many rows each), and one backward of ``Σₖ (lossₖ + correction termsₖ)`` puts each
+   member's gradient on its own parameters. Then each member does exactly what :meth:`LocalTrainer.fit` does after
+   backward (:class:`~fedlowrank.training.local.FitRun`): its gradient clipping, its corrections' ``grad`` hooks
+   (SCAFFOLD, ILoRA-S), its optimizer step. A member whose steps are done (fewer examples with
+   ``train.local_epochs``) leaves the joint batch.
+3. Each member's ``client_update`` then goes on from ``fit``'s result to its reply and new state, alone.
+
+A member that never calls ``fit`` just runs alone, and so does a second ``fit`` of a member, or a cohort left with
+one member at the rendezvous. The result equals one client at a time up to float rounding (tests/test_cohort.py),
+as long as the forward draws no random numbers: with dropout in training mode (the backbone's or ``lora.dropout``)
+the joint forward draws every member's masks from one stream per cohort and round (``"cohort-dropout"``, round,
+members), not from each client's own ``"dropout"`` stream, so results then depend on which clients share a cohort
+(and match one-at-a-time runs in distribution only). A MOON member's extra forward passes run on its own view.
+
+Joint training needs a method that declares ``supports_cohorts`` (its ``train`` trains adapter and head
+parameters with one ``trainer.fit``), a task that declares ``supports_cohorts`` (it can join batches), no
+batch normalisation (it would mix the members' rows) and no ``privacy.dpsgd`` (per-example clipping inside one
+client's step; ``run.cohort > 1`` with it is refused by the config). Otherwise clients train one at a time, and a
+run that asked for ``run.cohort > 1`` says why in one line. Flower nodes always train one client each.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..adapters.model import AdaptedModel
+from ..device import autocast, module_device
+from ..message import Message, State
+from ..methods.base import Method
+from ..seeding import derive_seed
+from ..training.local import FitResult, FitRun, LocalTrainer, OptimizerFactory
+from .engine import client_update
+
+
+def cohort_size(cfg, method: Method, task, model: AdaptedModel, device: torch.device) -> tuple[int, str]:
+    """How many clients train together (``run.cohort`` resolved for ``device``), and why it is 1 when ``run.cohort``
+    asked for more ("" otherwise)."""
+    asked = cfg.run.cohort or (cfg.run.clients_per_round if device.type == "cuda" else 1)
+    if asked == 1:
+        return 1, ""
+    if cfg.privacy.dpsgd:
+        reason = "privacy.dpsgd clips per example within one client's step"
+    elif not method.supports_cohorts:
+        reason = f"method {method.name!r} trains one client at a time (it does not declare supports_cohorts)"
+    elif not task.supports_cohorts:
+        reason = f"task {task.name!r} cannot join several clients' batches"
+    elif any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.net.modules()):
+        reason = "the network's batch normalisation would mix the clients' rows"
+    else:
+        return min(asked, cfg.run.clients_per_round), ""
+    return 1, reason
+
+
+@dataclass
+class FitRequest:
+    """The arguments of one member's ``trainer.fit``."""
+
+    trainer: LocalTrainer
+    model: AdaptedModel
+    params: dict[str, nn.Parameter]
+    corrections: Sequence
+    optimizer: OptimizerFactory | None
+
+
+class Member:
+    """One member's work (``job(member)``) in a worker thread that runs only while the caller waits in
+    :meth:`resume`, so exactly one thread runs at any time. Its first ``fit`` (:meth:`meet`) stops it there."""
+
+    def __init__(self, job: Callable[["Member"], Any]):
+        self.job = job
+        self.request: FitRequest | None = None
+        self.fit_result: FitResult | None = None  # from the joint loop; None: fit alone
+        self.fit_error: BaseException | None = None  # the joint loop failed: end the worker with this
+        self.gathering = True
+        self.done, self.result, self.error = False, None, None
+        self._worker_turn, self._caller_turn = threading.Semaphore(0), threading.Semaphore(0)
+        self.thread = threading.Thread(target=self._work, daemon=True)
+        self.thread.start()
+
+    def _work(self) -> None:
+        self._worker_turn.acquire()
+        try:
+            self.result = self.job(self)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
+            self.error = exc
+        self.done = True
+        self._caller_turn.release()
+
+    def resume(self) -> None:
+        """Caller: let the worker run until it stops at ``fit`` or ends."""
+        self._worker_turn.release()
+        self._caller_turn.acquire()
+
+    def meet(self, request: FitRequest) -> FitResult | None:
+        """Worker, in ``fit``: the first time, hand ``request`` over and wait for the joint loop's result (``None``:
+        train alone); any later ``fit`` trains alone at once."""
+        if not self.gathering:
+            return None
+        self.gathering, self.request = False, request
+        self._caller_turn.release()
+        self._worker_turn.acquire()
+        if self.fit_error is not None:
+            raise RuntimeError("the cohort's joint training failed") from self.fit_error
+        return self.fit_result
+
+
+class CohortTrainer(LocalTrainer):
+    """A :class:`LocalTrainer` whose ``fit`` meets the cohort (:meth:`Member.meet`) and trains alone only when
+    the cohort sends it back."""
+
+    def __init__(self, member: Member, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.member = member
+
+    def fit(self, model, params, corrections=(), optimizer=None) -> FitResult:
+        result = self.member.meet(FitRequest(self, model, params, list(corrections), optimizer))
+        return super().fit(model, params, corrections, optimizer) if result is None else result
+
+
+def run_together(jobs: list[Callable[[Member], Any]],
+                 joint: Callable[[list[FitRequest]], list[FitResult]]) -> list[Any]:
+    """Run ``jobs`` (each ``job(member)`` trains through a :class:`CohortTrainer` of ``member``) up to their first
+    ``fit`` one after the other, train the requests of those that got there with ``joint`` (when two or more did),
+    then finish each job in order. Returns the jobs' results; raises the first member's error."""
+    members = [Member(job) for job in jobs]
+    for m in members:
+        m.resume()
+    waiting = [m for m in members if not m.done]
+    try:
+        failed = next((m.error for m in members if m.error is not None), None)
+        if failed is not None:
+            raise failed
+        results = joint([m.request for m in waiting]) if len(waiting) > 1 else [None] * len(waiting)
+    except BaseException as exc:
+        for m in waiting:
+            m.fit_error = exc
+            m.resume()
+        for m in members:
+            m.thread.join()
+        raise
+    for m, result in zip(waiting, results):
+        m.fit_result = result
+        m.resume()
+    for m in members:
+        m.thread.join()
+        if m.error is not None:
+            raise m.error
+    return [m.result for m in members]
+
+
+def joint_fit(model: AdaptedModel, requests: list[FitRequest], seed: int,
+              on_step: Callable[[int, int], None] | None = None) -> list[FitResult]:
+    """Every request's ``fit`` in one loop of joint steps on ``model`` (whose frozen tensors the requests' models
+    share); ``on_step(step, total)`` after each joint step. Returns each request's :class:`FitResult`."""
+    for r in requests:
+        own = {id(p) for p in r.model.own_parameters()}
+        bad = [k for k, p in r.params.items() if id(p) not in own]
+        if bad:
+            raise RuntimeError(f"a cohort member trains {bad[0]!r}, neither an adapter's nor the head's parameter: "
+                               f"its method must not declare supports_cohorts")
+    trainers = [r.trainer for r in requests]
+    task, cfg = trainers[0].task, trainers[0].cfg
+    torch.manual_seed(derive_seed(seed, "cohort-dropout", trainers[0].rnd, *(t.client for t in trainers)))
+    runs = [FitRun(r.trainer, r.model, r.params, r.corrections, r.optimizer) for r in requests]
+    net = model.net
+    net.train()
+    device = module_device(net)
+    steps = max(run.steps for run in runs)
+    t0 = time.perf_counter()
+    for step in range(steps):
+        active = [run for run in runs if step < run.steps]
+        batches = [run.next_batch() for run in active]
+        for run in active:
+            run.opt.zero_grad(set_to_none=True)
+        joined, rows = task.join_batches(batches)
+        with model.routed([run.model for run in active], rows), autocast(device, cfg.dtype):
+            out = task.output(net, joined)
+            losses = [task.output_loss(out[s], batch) for s, batch in zip(rows, batches)]
+            totals = [run.with_corrections(loss, batch) for run, loss, batch in zip(active, losses, batches)]
+        sum(run.scaled(total) for run, total in zip(active, totals)).backward()
+        for run, loss in zip(active, losses):
+            run.step(loss)
+        if on_step is not None:
+            on_step(step + 1, steps)
+    elapsed = time.perf_counter() - t0
+    net.eval()
+    for t in trainers:
+        t.compute_seconds += elapsed / len(trainers)
+    return [run.finish() for run in runs]
+
+
+def cohort_update(method: Method, model: AdaptedModel, views: list[AdaptedModel], msgs: list[Message],
+                  states: list[State], task, parts: list, cfg, clients: list[int], rnd: int,
+                  on_step: Callable[[int, int], None] | None = None) -> list[tuple[Message, State, LocalTrainer]]:
+    """:func:`~.engine.client_update` of ``clients`` together: client ``clients[i]`` with message ``msgs[i]``,
+    state ``states[i]`` and data ``parts[i]`` on ``views[i]`` (a :meth:`~AdaptedModel.shared_copy` of ``model``),
+    their local steps joint on ``model``. Returns ``(reply, new state, trainer)`` per client, in order."""
+    def job(i: int, member_method: Method) -> Callable[[Member], Any]:
+        return lambda member: client_update(member_method, views[i], msgs[i], states[i], task, parts[i], cfg,
+                                            clients[i], rnd, on_step, partial(CohortTrainer, member))
+
+    jobs = [job(i, method.cohort_member()) for i in range(len(clients))]
+    return run_together(jobs, lambda requests: joint_fit(model, requests, cfg.run.seed, on_step))
+
+
+__all__ = ["cohort_size", "cohort_update", "joint_fit", "run_together", "CohortTrainer", "FitRequest", "Member"]
