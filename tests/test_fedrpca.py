@@ -189,6 +189,8 @@ def test_global_beta_scope_and_clipping():
                                           ({"head_agg": "frozen"}, "method.head_agg"),
                                           ({"beta_min": 2.0, "beta_max": 1.0}, "method.beta_min"),
                                           ({"rpca_max_iter": 0}, "method.rpca_max_iter"),
+                                          ({"rpca_solver": "ialm"}, "method.rpca_solver"),
+                                          ({"rpca_device": "gpu"}, "method.rpca_device"),
                                           ({"correction": "moon"}, "method.correction")])
 def test_bad_options_name_the_option(opts, option):
     with pytest.raises(ValueError, match=option):
@@ -231,3 +233,61 @@ def test_default_beta_is_per_factor_type():
         ref = robust_pca_reference(X)
         expected = (X.mean(1) + (diag[f"rpca/{k}/beta"] - 1) * ref.S.mean(1)).view(server[k].shape)
         assert float((update(server, new, k) - expected).norm()) <= 2e-6 * float(expected.norm()), k
+
+
+def test_rpca_solver_and_device_errors_list_the_allowed_values(monkeypatch):
+    with pytest.raises(ValueError, match=r"method.rpca_solver must be one of \('admm', 'adaptive'\), got 'ialm'"):
+        get_method("fedrpca", rpca_solver="ialm")
+    with pytest.raises(ValueError, match="method.rpca_device must be one of auto, cpu, cuda, cuda:N; got 'gpu'"):
+        get_method("fedrpca", rpca_device="gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    method, server = setup(rpca_device="cuda")                  # the syntax is fine; the hardware is checked in use
+    with pytest.raises(ValueError, match="method.rpca_device = 'cuda' but CUDA is not available"):
+        method.aggregate(server, replies(server, common_plus_noise(server, 4, seed=13)), 1)
+    auto, _ = setup(rpca_device="auto")                         # no CUDA: auto is the CPU
+    auto.aggregate(server, replies(server, common_plus_noise(server, 4, seed=13)), 1)
+
+
+def test_adaptive_solver_gives_the_exact_admm_update_at_tight_tolerance():
+    """``rpca_solver = "adaptive"`` changes the solver, not the decomposition: at tol 1e-12 the FedRPCA update,
+    β and the diagnostics agree with the paper's ADMM."""
+    tight = dict(rpca_tol=1e-12, rpca_max_iter=20000)
+    exact, server = setup(**tight)
+    fast, _ = setup(rpca_solver="adaptive", **tight)
+    reps = replies(server, common_plus_noise(server, 8, seed=14))
+    a, b = exact.aggregate(server, reps, 1), fast.aggregate(server, reps, 1)
+    da, db = exact.pop_metrics(), fast.pop_metrics()
+    for key in trained(server):
+        ua, ub = update(server, a, key), update(server, b, key)
+        assert float((ua - ub).norm()) <= 1e-6 * float(ua.norm()), key
+    for key in exact.lora_keys(server):
+        assert db[f"rpca/{key}/beta"] == pytest.approx(da[f"rpca/{key}/beta"], rel=1e-6)
+        assert db[f"rpca/{key}/rank_L"] == da[f"rpca/{key}/rank_L"]
+        assert db[f"rpca/{key}/iterations"] < da[f"rpca/{key}/iterations"]
+    assert db["rpca/not_converged"] == 0 and db["rpca/residual_max"] <= 1e-12
+
+
+def test_end_to_end_with_the_adaptive_solver_on_the_tiny_task():
+    from helpers import run_tiny
+
+    sim = run_tiny("fedrpca", "method.rpca_solver=adaptive", "partition.num_clients=4", "run.clients_per_round=3",
+                   rounds=2)
+    diag = sim.history[-1]["diagnostics"]
+    assert 0 < diag["rpca/beta_mean"] < math.inf and diag["rpca/iterations_mean"] >= 1
+    assert diag["rpca/not_converged"] == 0 and diag["rpca/residual_max"] <= 1e-7
+    assert all(math.isfinite(v) for v in diag.values())
+    assert all(torch.isfinite(v).all() for k, v in sim.server.items() if isinstance(v, torch.Tensor))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("solver", ["admm", "adaptive"])
+def test_rpca_on_cuda_gives_the_cpu_update(solver):
+    tight = dict(rpca_tol=1e-10, rpca_max_iter=5000, rpca_solver=solver)
+    cpu, server = setup(**tight)
+    gpu, _ = setup(rpca_device="cuda", **tight)
+    reps = replies(server, common_plus_noise(server, 8, seed=15))
+    a, b = cpu.aggregate(server, reps, 1), gpu.aggregate(server, reps, 1)
+    for key in trained(server):
+        assert b[key].device.type == "cpu"                     # the server state stays on the CPU
+        ua, ub = update(server, a, key), update(server, b, key)
+        assert float((ua - ub).norm()) <= 1e-6 * float(ua.norm()), key

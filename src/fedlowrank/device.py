@@ -22,27 +22,30 @@ DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def check_device_spec(spec: str) -> None:
-    """Syntax of ``run.device`` (no hardware query): ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
-    index = spec[5:] if spec.startswith("cuda:") else "0"
-    if not (spec in ("auto", "cpu", "cuda") or (spec.startswith("cuda:") and index.isdigit())):
-        raise ValueError(f"run.device must be one of {', '.join(DEVICES)}; got {spec!r}")
+def check_device_spec(spec: str, option: str = "run.device") -> None:
+    """Syntax of a device option (``run.device`` unless ``option`` names another; no hardware query): ``auto``,
+    ``cpu``, ``cuda`` or ``cuda:N``."""
+    ok = isinstance(spec, str) and (spec in ("auto", "cpu", "cuda")
+                                    or (spec.startswith("cuda:") and spec[5:].isdigit()))
+    if not ok:
+        raise ValueError(f"{option} must be one of {', '.join(DEVICES)}; got {spec!r}")
 
 
-def resolve_device(spec: str) -> torch.device:
-    """``run.device`` → ``torch.device``; one line naming ``run.device`` when the hardware is not there."""
-    check_device_spec(spec)
+def resolve_device(spec: str, option: str = "run.device") -> torch.device:
+    """A device option (``run.device`` unless ``option`` names another) → ``torch.device``; one line naming the
+    option when the hardware is not there."""
+    check_device_spec(spec, option)
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if spec == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError(f"run.device = {spec!r} but CUDA is not available on this machine (torch "
-                         f"{torch.__version__}); use run.device = 'cpu' or 'auto'")
+        raise ValueError(f"{option} = {spec!r} but CUDA is not available on this machine (torch "
+                         f"{torch.__version__}); use {option} = 'cpu' or 'auto'")
     index = int(spec[5:]) if ":" in spec else 0
     count = torch.cuda.device_count()
     if index >= count:
-        raise ValueError(f"run.device = {spec!r} but this machine has {count} CUDA device(s) "
+        raise ValueError(f"{option} = {spec!r} but this machine has {count} CUDA device(s) "
                          f"(cuda:0..cuda:{count - 1})")
     return torch.device("cuda", index)
 
