@@ -161,3 +161,24 @@ def test_resume_needs_an_out_directory_and_no_overwrite(tmp_path, capsys):
     for extra in ([], ["--out", str(tmp_path / "x"), "--overwrite"]):
         assert main(["tune", "tiny", "--resume", *extra]) == 2
         assert "--resume continues the runs in an --out directory" in capsys.readouterr().err
+
+
+def test_jobs_run_in_worker_processes_with_the_same_results(tmp_path, capsys):
+    """``--jobs 2``: the runs go to two spawned processes and are read back; same results as one process."""
+    sets = ["--set", "run.rounds=2", "--set", "run.threads=1", "--quiet"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["compare", "tiny", "--methods", "fedit", "--seeds", "0,1", "--out", str(one), *sets]) == 0
+    assert main(["compare", "tiny", "--methods", "fedit", "--seeds", "0,1", "--out", str(two), "--jobs", "2", *sets]) == 0
+    a, b = (json.loads((d / "results.json").read_text()) for d in (one, two))
+    strip = [[{k: v for k, v in x.items() if k not in ("time", "run_dir")} for x in r["runs"]] for r in a["rows"]]
+    assert strip == [[{k: v for k, v in x.items() if k not in ("time", "run_dir")} for x in r["runs"]] for r in b["rows"]]
+    t1 = run_tuning("tiny", "fedit", GRID, "0", ["run.rounds=1", "run.threads=1"], tmp_path / "t1")
+    t2 = run_tuning("tiny", "fedit", GRID, "0", ["run.rounds=1", "run.threads=1"], tmp_path / "t2", jobs=2)
+    assert t2["chosen"] == t1["chosen"] and [r["value"] for r in t2["runs"]] == [r["value"] for r in t1["runs"]]
+
+
+def test_bad_jobs_are_refused(tmp_path, capsys):
+    assert main(["compare", "tiny", "--jobs", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--jobs must be an integer >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--jobs > 1 needs an output directory"):
+        run_tuning("tiny", "fedit", GRID, "0", ["run.rounds=1"], None, jobs=2)

@@ -38,7 +38,7 @@ def run(config: str | Path | dict[str, Any] | None, overrides: list[str] | tuple
 def compare(config: str | Path | dict[str, Any] | None, methods: list[str] | None = None,
             seeds: list[int] | None = None, overrides: list[str] | tuple[str, ...] = (),
             out: str | Path | None = None, quiet: bool = True, *, reference: str | None = None,
-            tuned: str | Path | None = None, resume: bool = False) -> dict[str, Any]:
+            tuned: str | Path | None = None, resume: bool = False, jobs: int = 1) -> dict[str, Any]:
     """Run several methods on the same partition, seeds and budget and return the results of
     :func:`fedlowrank.comparison.run_comparison`: ``metric``, ``seeds``, ``setup``, ``rows`` (per method: its
     settings, ``runs`` per seed with ``final`` and ``best`` metric and bytes, their means with 95% intervals) and
@@ -52,6 +52,7 @@ def compare(config: str | Path | dict[str, Any] | None, methods: list[str] | Non
         quiet: ``False`` prints progress lines on stderr.
         reference: the method the others are compared with (default: the first); ``tuned``: a ``tune.json``.
         resume: reuse each run in ``out`` that ended with the same config (the others run from the start).
+        jobs: worker processes for the runs (``> 1`` needs ``out``).
     """
     from .comparison import run_comparison
     from .config import check_writable
@@ -59,4 +60,4 @@ def compare(config: str | Path | dict[str, Any] | None, methods: list[str] | Non
     if out is not None:
         check_writable(out, "out")
     return run_comparison(config, methods, seeds, overrides, out, None if quiet else _stderr, reference=reference,
-                          tuned=tuned, resume=resume)
+                          tuned=tuned, resume=resume, jobs=jobs)

@@ -134,6 +134,10 @@ RESUME_HELP = ("continue in --out: reuse each run there that ended with the same
                "start (also combines runs made by separate processes)")
 
 
+JOBS_HELP = ("run the runs in N worker processes, each with run.threads torch threads (0: the cores / N); same "
+             "results as one process")
+
+
 def _claim_output(args, kind: str):
     """The output directory of ``compare``/``tune`` (``--out`` or a new one under ``run.out_dir``), checked writable
     and claimed (``--resume``: locked, its finished runs kept): returns (directory, lock held until the command
@@ -154,7 +158,8 @@ def cmd_compare(args) -> int:
 
     out, lock = _claim_output(args, "compare")
     results = run_comparison(args.config, args.methods, args.seeds, args.set, out, None if args.quiet else _log,
-                             reference=args.reference, tuned=args.tuned, resume=args.resume)
+                             reference=args.reference, tuned=args.tuned, resume=args.resume,
+                             jobs=args.jobs)
     print(results_markdown(results))
     _log(f"results: {out / 'results.md'}" + "".join(f"\nplot: {p}" for p in results.get("plots", [])))
     lock.release()
@@ -166,7 +171,7 @@ def cmd_tune(args) -> int:
 
     out, lock = _claim_output(args, "tune")
     result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out, None if args.quiet else _log,
-                        resume=args.resume)
+                        resume=args.resume, jobs=args.jobs)
     print(tune_markdown(result))
     _log(f"tuning: {out / 'tune.json'}; use it with: fedlowrank compare ... --tuned {out / 'tune.json'}")
     lock.release()
@@ -248,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tuned", default=None, metavar="TUNE_JSON",
                     help="run each method at the learning rate chosen by `fedlowrank tune` (default: compare.tuned)")
     sp.add_argument("--resume", action="store_true", help=RESUME_HELP)
+    sp.add_argument("--jobs", type=int, default=1, metavar="N", help=JOBS_HELP)
     sp.set_defaults(func=cmd_compare)
     sp = sub.add_parser("tune", help="choose each method's learning rate on a validation split of the training data",
                         parents=[debug])
@@ -256,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--grid", default=None, help="comma-separated learning rates (default: each method's paper grid)")
     sp.add_argument("--seeds", default=None, help="comma-separated seeds (default: run.seed)")
     sp.add_argument("--resume", action="store_true", help=RESUME_HELP)
+    sp.add_argument("--jobs", type=int, default=1, metavar="N", help=JOBS_HELP)
     sp.set_defaults(func=cmd_tune)
     sp = sub.add_parser("resume", help="continue an interrupted run from its newest checkpoint", parents=[debug])
     sp.add_argument("run_dir", help="the run directory")

@@ -17,6 +17,10 @@ means, intervals, paired differences), ``results.md`` (opens with the setup as r
 ``resume``: a run directory in ``out`` whose run ended (:func:`finished_run`) is read instead of run again; any
 other is run from the start. So an interrupted comparison continues where it stopped, and runs made by
 separate processes (one ``--methods m --seeds s`` each, with the same ``--out``) are combined by one last call.
+
+``jobs``: the (method, seed) runs go to that many worker processes (:func:`run_in_processes`), each with
+``run.threads`` torch threads (when 0: the cores divided by ``jobs``), and are read back from their run
+directories; the results are the same as one process's.
 """
 
 from __future__ import annotations
@@ -89,6 +93,56 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
                           "or learning rate); use another --out, or delete that directory")
     metrics = {k: v for k, v in summary.items() if k not in SUMMARY_KEYS}
     return {"summary": summary, "history": history, "metrics": metrics}
+
+
+def check_jobs(jobs: int, out: Path | None) -> None:
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"--jobs must be an integer >= 1, got {jobs!r}")
+    if jobs > 1 and out is None:
+        raise ConfigError("--jobs > 1 needs an output directory (the worker processes write their runs there)")
+
+
+def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: np.ndarray | None,
+             overwrite: bool) -> str | None:
+    """One run in a worker process (:func:`run_in_processes`): on the validation view of ``held_out`` when
+    given (``fedlowrank tune``), on ``parts``. Returns ``None``, or the message of a divergence."""
+    from .runtime.simulator import DivergenceError, Simulation
+    from .tasks import build_task
+
+    task = build_task(cfg)
+    try:
+        Simulation(cfg, task=task if held_out is None else task.validation(held_out), run_dir=run_dir, parts=parts,
+                   overwrite=overwrite).run()
+    except DivergenceError as exc:
+        return str(exc)
+    return None
+
+
+def run_in_processes(runs: list[tuple[str, RunConfig, Path, list[np.ndarray], np.ndarray | None]], jobs: int,
+                     overwrite: bool, log: Log = None) -> dict[str, str]:
+    """Run ``(label, cfg, run_dir, parts, held_out)`` in ``jobs`` worker processes (spawned: no state shared with
+    this one), ``run.threads`` torch threads each (0: ``os.cpu_count() // jobs``, at least 1); every run writes its
+    run directory, to be read back with :func:`finished_run`. Returns ``{label: divergence message}`` of the runs
+    that diverged; any other error of a worker is raised here."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    diverged: dict[str, str] = {}
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_run_one, cfg if cfg.run.threads else
+                               dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, threads=threads)),
+                               run_dir, parts, held_out, overwrite): label
+                   for label, cfg, run_dir, parts, held_out in runs}
+        for i, future in enumerate(as_completed(futures), 1):
+            label = futures[future]
+            message = future.result()
+            if message is not None:
+                diverged[label] = message
+            if log:
+                log(f"{label}: {'diverged' if message else 'done'} ({i}/{len(runs)} runs)")
+    return diverged
 
 
 def parse_methods(text: str | list[str] | None, cfg: RunConfig) -> list[str]:
@@ -236,10 +290,10 @@ def _metric_values(history: list[dict[str, Any]], metric: str) -> list[float]:
 def run_comparison(config: str | Path | None, methods: str | list[str] | None = None,
                    seeds: str | list[int] | None = None, overrides: list[str] | tuple[str, ...] = (),
                    out: str | Path | None = None, log: Log = None, *, reference: str | None = None,
-                   tuned: str | Path | None = None, resume: bool = False) -> dict[str, Any]:
+                   tuned: str | Path | None = None, resume: bool = False, jobs: int = 1) -> dict[str, Any]:
     """Run every method on every seed and return the results (see the module docstring); with ``out`` also
     write the run directories, ``results.json``, ``results.md`` and the plots there; with ``resume`` reuse the
-    runs that ended in ``out``.
+    runs that ended in ``out``; with ``jobs > 1`` run them in that many processes (needs ``out``).
 
     Args:
         config: a TOML file or bundled config name; ``overrides``: ``"section.key=value"`` strings for all.
@@ -248,7 +302,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         tuned: a ``tune.json`` whose chosen learning rates are applied (default: ``compare.tuned``).
     """
     from .partition import partition_task
-    from .runtime.simulator import Simulation
+    from .runtime.simulator import DivergenceError, Simulation
     from .tasks import build_task
 
     overrides = list(overrides)
@@ -284,6 +338,14 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
                 raise ConfigError(f"compare: seed {seed}: {name!r} would train on another partition than "
                                   f"{reference!r} (a per-method setting changes [data] or [partition]); paired "
                                   "differences need the same partition")
+    check_jobs(jobs, out)
+    if jobs > 1:
+        pending = [(f"[{n}] seed {s}", configs[n][s], out / f"{n}-seed{s}", parts[n, s], None)
+                   for n in names for s in seed_list if not (resume and finished_run(out / f"{n}-seed{s}", configs[n][s]))]
+        diverged = run_in_processes(pending, jobs, resume, log)
+        if diverged:
+            label, message = next(iter(diverged.items()))
+            raise DivergenceError(f"{label}: {message}")
     histories: dict[str, list[list[dict[str, Any]]]] = {}
     rows: list[dict[str, Any]] = []
     setup: dict[str, Any] | None = None
@@ -293,7 +355,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
             cfg = configs[name][seed]
             task = tasks[task_key(cfg)]
             run_dir = out / f"{name}-seed{seed}" if out else None
-            done = finished_run(run_dir, cfg) if resume and run_dir is not None else None
+            done = finished_run(run_dir, cfg) if (resume or jobs > 1) and run_dir is not None else None
             if done is not None:
                 if log:
                     log(f"[{name}] seed {seed}: reusing the finished run in {run_dir}")

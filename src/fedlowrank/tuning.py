@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from .comparison import Log, finished_run, method_settings, parse_methods, parse_seeds, setup_lines, setup_of, task_key
+from .comparison import (Log, check_jobs, finished_run, method_settings, parse_methods, parse_seeds, run_in_processes,
+                         setup_lines, setup_of, task_key)
 from .config import ConfigError, load_config
 from .seeding import numpy_rng
 
@@ -60,10 +61,10 @@ def parse_grid(text: str | list[float] | None) -> list[float] | None:
 def run_tuning(config: str | Path | None, methods: str | list[str] | None = None,
                grid: str | list[float] | None = None, seeds: str | list[int] | None = None,
                overrides: list[str] | tuple[str, ...] = (), out: str | Path | None = None,
-               log: Log = None, resume: bool = False) -> dict[str, Any]:
+               log: Log = None, resume: bool = False, jobs: int = 1) -> dict[str, Any]:
     """Tune ``train.lr`` per method on the validation split; returns what ``tune.json`` holds (written to
     ``out`` with one run directory per (method, lr, seed) when ``out`` is given; ``resume`` reuses the runs
-    that ended there)."""
+    that ended there; ``jobs > 1`` runs them in that many processes, :func:`fedlowrank.comparison.run_in_processes`)."""
     from .methods import lr_grid
     from .partition import partition_task
     from .runtime.simulator import DivergenceError, Simulation
@@ -83,6 +84,32 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
 
     tasks: dict[str, Any] = {}
     splits: dict[str, tuple[list[np.ndarray], np.ndarray]] = {}
+
+    def split_of(cfg) -> tuple[Any, list[np.ndarray], np.ndarray]:
+        """(task, the clients' training indices, the validation indices) of ``cfg``'s task, partition and seed."""
+        key = task_key(cfg)
+        if key not in tasks:
+            tasks[key] = build_task(cfg)
+        split_key = key + json.dumps([dataclasses.asdict(cfg.partition), cfg.data.validation_fraction, cfg.run.seed])
+        if split_key not in splits:
+            parts = partition_task(tasks[key], cfg.partition, cfg.run.seed)[0]
+            splits[split_key] = split_validation(parts, cfg.data.validation_fraction, cfg.run.seed)
+        return (tasks[key], *splits[split_key])
+
+    def run_dir_of(name: str, lr: float, seed: int) -> Path | None:
+        return out / f"{name}-lr{lr:g}-seed{seed}" if out else None
+
+    check_jobs(jobs, out)
+    diverged: dict[str, str] = {}
+    if jobs > 1:
+        pending = []
+        for (name, lr, seed), cfg in configs.items():
+            run_dir = run_dir_of(name, lr, seed)
+            if not (resume and finished_run(run_dir, cfg)):
+                _, train_parts, held_out = split_of(cfg)
+                pending.append((f"tune [{name}] lr={lr:g} seed={seed}", cfg, run_dir, train_parts, held_out))
+        diverged = run_in_processes(pending, jobs, resume, log)
+
     runs: list[dict[str, Any]] = []
     setup: dict[str, Any] | None = None
     chosen: dict[str, dict[str, Any]] = {}
@@ -92,27 +119,22 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
             values = []
             for seed in seed_list:
                 cfg = configs[(name, lr, seed)]
-                key = task_key(cfg)
-                if key not in tasks:
-                    tasks[key] = build_task(cfg)
-                task = tasks[key]
-                split_key = key + json.dumps([dataclasses.asdict(cfg.partition), cfg.data.validation_fraction])
-                if split_key not in splits:
-                    parts = partition_task(task, cfg.partition, seed)[0]
-                    splits[split_key] = split_validation(parts, cfg.data.validation_fraction, seed)
-                train_parts, held_out = splits[split_key]
+                task, train_parts, held_out = split_of(cfg)
                 view = task.validation(held_out)
                 metric = view.validation_metric
                 if setup is None:  # sizes of the first seed's split (each run records its own)
                     setup = {**setup_of(cfg, task.describe(), seed_list), "num_validation": int(len(held_out)),
                              "validation_fraction": cfg.data.validation_fraction, "metric": metric}
                     setup["num_test"] = None  # the test set is not used
-                run_dir = out / f"{name}-lr{lr:g}-seed{seed}" if out else None
-                done = finished_run(run_dir, cfg) if resume and run_dir is not None else None
+                run_dir = run_dir_of(name, lr, seed)
+                label = f"tune [{name}] lr={lr:g} seed={seed}"
+                done = finished_run(run_dir, cfg) if (resume or jobs > 1) and run_dir is not None else None
                 try:
+                    if label in diverged:
+                        raise DivergenceError(diverged[label])
                     if done is not None:
-                        if log:
-                            log(f"tune [{name}] lr={lr:g} seed={seed}: reusing the finished run in {run_dir}")
+                        if log and jobs == 1:
+                            log(f"{label}: reusing the finished run in {run_dir}")
                         validation = done["metrics"]
                     else:
                         sim = Simulation(cfg, task=view, run_dir=run_dir, log=log, parts=train_parts, overwrite=resume)
@@ -125,7 +147,7 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
                 runs.append({"method": name, "lr": lr, "seed": seed, "metric": metric, "value": value,
                              "num_validation": int(len(held_out)), "validation": validation})
                 if log:
-                    log(f"tune [{name}] lr={lr:g} seed={seed}: validation {metric} = {value:.4f}")
+                    log(f"{label}: validation {metric} = {value:.4f}")
             scores[lr] = float(np.mean(values)) if all(math.isfinite(v) for v in values) else math.nan
         finite = {lr: v for lr, v in scores.items() if math.isfinite(v)}
         if not finite:
