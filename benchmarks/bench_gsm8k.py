@@ -78,8 +78,9 @@ class FixedBatch:
         return self.task.loss(net, batch)
 
 
-def step_time(task, cfg, steps: int) -> None:
-    """Seconds per token of FedIT's client step and of a plain peft + torch loop on one batch of 4 examples."""
+def step_time(task, cfg, steps: int, repeats: int) -> None:
+    """Seconds per token of FedIT's client step and of a plain peft + torch loop on one batch of 4 examples, timed
+    alternately ``repeats`` times (``steps`` steps each)."""
     from peft import LoraConfig, get_peft_model
 
     from fedlowrank.methods import get_method
@@ -88,19 +89,19 @@ def step_time(task, cfg, steps: int) -> None:
 
     batch = task.batch(np.arange(cfg.train.batch_size))
     tokens = int(batch["attention_mask"].sum())
-    # ours: FedIT's client step (load the message, LocalTrainer.fit, reply), `steps` steps after one warm-up
+    # ours: FedIT's client step (load the message, LocalTrainer.fit, reply)
     model = task.build_model()
     method = get_method("fedit")
     server = method.setup(model, setup_info(cfg, [len(task.train)] * cfg.partition.num_clients))
     fixed = FixedBatch(task, batch)
-    ours = []
-    for n in (1, steps):
-        tcfg = dataclasses.replace(cfg.train, local_steps=n)
-        trainer = LocalTrainer(fixed, np.arange(len(task.train)), tcfg, 0, 1, cfg.run.rounds, cfg.run.seed)
+
+    def ours(n: int) -> float:
+        trainer = LocalTrainer(fixed, np.arange(len(task.train)), dataclasses.replace(cfg.train, local_steps=n), 0, 1,
+                               cfg.run.rounds, cfg.run.seed)
         t0 = time.perf_counter()
         method.train(model, method.broadcast(server, 0, 1), method.init_client(0), trainer)
-        ours.append(time.perf_counter() - t0)
-    ours_step = ours[1] / steps
+        return (time.perf_counter() - t0) / n
+
     # plain peft + torch on the same batch
     net = get_peft_model(copy.deepcopy(task.loaded.net),
                          LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules=["q_proj", "v_proj"],
@@ -108,23 +109,26 @@ def step_time(task, cfg, steps: int) -> None:
     net.train()
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=cfg.train.lr)
 
-    def peft_step():
-        opt.zero_grad(set_to_none=True)
-        logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        nll, count = response_nll(logits, batch["labels"])
-        (nll / max(count, 1)).backward()
-        opt.step()
+    def peft(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            opt.zero_grad(set_to_none=True)
+            logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            nll, count = response_nll(logits, batch["labels"])
+            (nll / max(count, 1)).backward()
+            opt.step()
+        return (time.perf_counter() - t0) / n
 
-    peft_step()  # warm-up
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        peft_step()
-    peft_s = (time.perf_counter() - t0) / steps
-    print(f"step time, batch {cfg.train.batch_size} × {batch['input_ids'].shape[1]} ({tokens} tokens), {steps} steps "
-          f"each after a warm-up:")
-    print(f"  fedlowrank FedIT client step: {ours_step:.3f} s/step = {1e3 * ours_step / tokens:.2f} ms/token")
+    ours(1), peft(1)  # warm-up
+    pairs = [(ours(steps), peft(steps)) for _ in range(repeats)]  # alternated, so load changes hit both alike
+    ours_s, peft_s = (float(np.median([p[i] for p in pairs])) for i in (0, 1))
+    ratios = [o / p for o, p in pairs]
+    print(f"step time, batch {cfg.train.batch_size} × {batch['input_ids'].shape[1]} ({tokens} tokens), "
+          f"{repeats} alternated repeats of {steps} steps each after a warm-up (medians):")
+    print(f"  fedlowrank FedIT client step: {ours_s:.3f} s/step = {1e3 * ours_s / tokens:.2f} ms/token")
     print(f"  plain peft + torch AdamW:     {peft_s:.3f} s/step = {1e3 * peft_s / tokens:.2f} ms/token")
-    print(f"  ratio ours / peft: {ours_step / peft_s:.3f} (target <= 1.1)")
+    print(f"  ratio ours / peft: median {float(np.median(ratios)):.3f}, range {min(ratios):.3f}–{max(ratios):.3f} "
+          f"(target <= 1.1)")
 
 
 def main() -> None:
@@ -142,6 +146,7 @@ def main() -> None:
     p.add_argument("--methods", default="fedit,florg,fedgalore,ilora")
     p.add_argument("--ilora-ranks", default="4,8,16", help="ILoRA's client ranks, dealt round-robin")
     p.add_argument("--step-steps", type=int, default=5, help="steps timed in the step-time comparison")
+    p.add_argument("--step-repeats", type=int, default=5, help="alternated repeats of the step-time comparison")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-base", action="store_true")
@@ -176,7 +181,7 @@ def main() -> None:
             print(f"{name:10s} after {args.rounds} rounds: {fmt(summary)}  up {summary['bytes_up'] / 1e6:.2f} MB  "
                   f"({time.perf_counter() - t0:.0f} s; ranks {mcfg.client_ranks()})")
     if not args.skip_step_time:
-        step_time(task, cfg, args.step_steps)
+        step_time(task, cfg, args.step_steps, args.step_repeats)
     print("results: " + json.dumps({k: {m: v[m] for m in ("loss", "perplexity", "exact_match") if m in v}
                                     for k, v in results.items()}))
 
