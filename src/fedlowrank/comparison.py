@@ -96,6 +96,7 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
 
 
 def check_jobs(jobs: int, out: Path | None) -> None:
+    """Refuse a ``--jobs`` that is not a positive integer, or ``> 1`` without an output directory."""
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ConfigError(f"--jobs must be an integer >= 1, got {jobs!r}")
     if jobs > 1 and out is None:
@@ -322,6 +323,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
     configs = {n: {s: load_config(config, [*settings[n], f"run.seed={s}"]) for s in seed_list} for n in names}
     metric = default_metric(base)
     out = Path(out) if out is not None else None
+    check_jobs(jobs, out)
 
     tasks: dict[str, Any] = {}
     parts: dict[tuple[str, int], list[np.ndarray]] = {}
@@ -338,10 +340,10 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
                 raise ConfigError(f"compare: seed {seed}: {name!r} would train on another partition than "
                                   f"{reference!r} (a per-method setting changes [data] or [partition]); paired "
                                   "differences need the same partition")
-    check_jobs(jobs, out)
     if jobs > 1:
         pending = [(f"[{n}] seed {s}", configs[n][s], out / f"{n}-seed{s}", parts[n, s], None)
-                   for n in names for s in seed_list if not (resume and finished_run(out / f"{n}-seed{s}", configs[n][s]))]
+                   for n in names for s in seed_list
+                   if not (resume and finished_run(out / f"{n}-seed{s}", configs[n][s]))]
         diverged = run_in_processes(pending, jobs, resume, log)
         if diverged:
             label, message = next(iter(diverged.items()))
