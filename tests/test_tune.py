@@ -182,3 +182,16 @@ def test_bad_jobs_are_refused(tmp_path, capsys):
     assert "--jobs must be an integer >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--jobs > 1 needs an output directory"):
         run_tuning("tiny", "fedit", GRID, "0", ["run.rounds=1"], None, jobs=2)
+
+
+def test_settings_for_the_compared_methods_only_are_accepted(tmp_path):
+    """``--set`` values that suit only the compared methods (heterogeneous ranks, a method option) are checked
+    against each of them, not against the config's own ``method.name``; a compared method they do not suit is
+    named."""
+    sets = ["run.rounds=1", "lora.ranks=[2,4]", "method.hetero_base=per_client"]
+    res = run_tuning("tiny", "ilora", "1e-3", "0", sets)
+    assert set(res["chosen"]) == {"ilora"}
+    with pytest.raises(ConfigError, match="method 'fedit' does not support heterogeneous ranks"):
+        from fedlowrank.comparison import run_comparison
+
+        run_comparison("tiny", "ilora,fedit", "0", ["run.rounds=1", "lora.ranks=[2,4]"])

@@ -147,7 +147,7 @@ def _claim_output(args, kind: str):
 
     if args.resume and (args.overwrite or not args.out):
         raise ConfigError("--resume continues the runs in an --out directory: give --out, and not --overwrite")
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set, method_checks=False)  # each compared method is checked on its own
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
     out = Path(args.out) if args.out else _run_dir(cfg, kind)
     return out, lock_run_dir(out) if args.resume else claim_run_dir(out, args.overwrite)

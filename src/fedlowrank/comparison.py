@@ -307,7 +307,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
     from .tasks import build_task
 
     overrides = list(overrides)
-    base = load_config(config, overrides)
+    base = load_config(config, overrides, method_checks=False)
     names = parse_methods(methods, base)
     seed_list = parse_seeds(seeds, base)
     reference = reference or names[0]

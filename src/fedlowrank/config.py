@@ -304,8 +304,8 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     return value
 
 
-def from_dict(raw: dict[str, Any]) -> RunConfig:
-    """Build and validate a :class:`RunConfig` from a (TOML-shaped) dict."""
+def from_dict(raw: dict[str, Any], method_checks: bool = True) -> RunConfig:
+    """Build and validate a :class:`RunConfig` from a (TOML-shaped) dict (``method_checks``: see :func:`validate`)."""
     cfg = RunConfig()
     for section, values in raw.items():
         if section not in _SECTIONS:
@@ -321,7 +321,7 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
             if key not in fields:
                 raise ConfigError(f"{section}.{key} is not a config key; allowed: {', '.join(fields)}")
             setattr(obj, key, _coerce(section, key, value, getattr(obj, key)))
-    validate(cfg)
+    validate(cfg, method_checks)
     return cfg
 
 
@@ -334,8 +334,11 @@ def _choice(where: str, value: Any, allowed: tuple) -> None:
     _need(value in allowed, f"{where} must be one of {', '.join(map(str, allowed))}; got {value!r}")
 
 
-def validate(cfg: RunConfig) -> None:
-    """Checks that need no data or model (those come when the task and model are built)."""
+def validate(cfg: RunConfig, method_checks: bool = True) -> None:
+    """Checks that need no data or model (those come when the task and model are built). ``method_checks=False``
+    leaves out those of ``method.name`` (its options, heterogeneous ranks, privacy modes): ``compare`` and
+    ``tune`` read their shared settings that way, since the user's ``--set`` may suit only the compared
+    methods; each compared method's own config is checked in full."""
     from .methods import method_class
 
     r, p, lo, t = cfg.run, cfg.partition, cfg.lora, cfg.train
@@ -427,6 +430,8 @@ def validate(cfg: RunConfig) -> None:
     _need(cfg.server.lr > 0, f"server.lr must be > 0, got {cfg.server.lr}")
     _need(all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in cfg.compare.overrides.values()),
           "compare.overrides must map a method name to a list of \"section.key=value\" strings")
+    if not method_checks:
+        return
     try:
         cls = method_class(cfg.method_name)
         allowed = cls.options()
@@ -507,8 +512,9 @@ def read_toml(source: str | Path | dict[str, Any] | None) -> dict[str, Any]:
 
 
 def load_config(source: str | Path | dict[str, Any] | None = None,
-                overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """TOML file (or bundled name, or a TOML-shaped dict) + ``--set`` overrides → validated :class:`RunConfig`."""
+                overrides: list[str] | tuple[str, ...] = (), method_checks: bool = True) -> RunConfig:
+    """TOML file (or bundled name, or a TOML-shaped dict) + ``--set`` overrides → validated :class:`RunConfig`
+    (``method_checks``: see :func:`validate`)."""
     raw = read_toml(source)
     for text in overrides:
         path, value = parse_override(text)
@@ -522,4 +528,4 @@ def load_config(source: str | Path | dict[str, Any] | None = None,
     if isinstance(lora, dict) and lora.get("ranks") == []:
         raise ConfigError("lora.ranks is empty: give one rank per client (fewer are dealt round-robin), "
                           "or leave it out to use lora.rank")
-    return from_dict(raw)
+    return from_dict(raw, method_checks)

@@ -71,7 +71,7 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
     from .tasks import build_task
 
     overrides = list(overrides)
-    base = load_config(config, overrides)
+    base = load_config(config, overrides, method_checks=False)
     names = parse_methods(methods, base)
     seed_list = parse_seeds(seeds if seeds is not None else [base.run.seed], base)
     fixed_grid = parse_grid(grid)
