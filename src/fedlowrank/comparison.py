@@ -103,6 +103,9 @@ def check_jobs(jobs: int, out: Path | None) -> None:
         raise ConfigError("--jobs > 1 needs an output directory (the worker processes write their runs there)")
 
 
+_WORKER_TASKS: dict[str, Any] = {}  # a worker process's built tasks (task_key → task), reused by its later runs
+
+
 def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: np.ndarray | None,
              overwrite: bool) -> str | None:
     """One run in a worker process (:func:`run_in_processes`): on the validation view of ``held_out`` when
@@ -110,7 +113,10 @@ def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: n
     from .runtime.simulator import DivergenceError, Simulation
     from .tasks import build_task
 
-    task = build_task(cfg)
+    key = task_key(cfg)
+    if key not in _WORKER_TASKS:
+        _WORKER_TASKS[key] = build_task(cfg)
+    task = _WORKER_TASKS[key]
     try:
         Simulation(cfg, task=task if held_out is None else task.validation(held_out), run_dir=run_dir, parts=parts,
                    overwrite=overwrite).run()

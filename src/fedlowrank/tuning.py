@@ -90,7 +90,7 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
         key = task_key(cfg)
         if key not in tasks:
             tasks[key] = build_task(cfg)
-        split_key = key + json.dumps([dataclasses.asdict(cfg.partition), cfg.data.validation_fraction, cfg.run.seed])
+        split_key = key + json.dumps([dataclasses.asdict(cfg.partition), cfg.data.validation_fraction])
         if split_key not in splits:
             parts = partition_task(tasks[key], cfg.partition, cfg.run.seed)[0]
             splits[split_key] = split_validation(parts, cfg.data.validation_fraction, cfg.run.seed)
