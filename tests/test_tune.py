@@ -195,3 +195,25 @@ def test_settings_for_the_compared_methods_only_are_accepted(tmp_path):
         from fedlowrank.comparison import run_comparison
 
         run_comparison("tiny", "ilora,fedit", "0", ["run.rounds=1", "lora.ranks=[2,4]"])
+
+
+def test_tuning_more_methods_into_one_directory_keeps_the_earlier_choices(tmp_path):
+    """A second ``tune`` into the same --out (another method, or one method's grid extended) keeps what the first
+    chose for the methods it does not re-tune; one of another config is refused before anything runs."""
+    out = tmp_path / "tune"
+    first = run_tuning("tiny", "fedit,ffa-lora", GRID, "0", ["run.rounds=1"], out)
+    extended = run_tuning("tiny", "fedit", "1e-4,1e-3,3e-2", "0", ["run.rounds=1"], out, resume=True)
+    saved = json.loads((out / "tune.json").read_text())
+    assert saved["chosen"]["ffa-lora"] == first["chosen"]["ffa-lora"] == extended["chosen"]["ffa-lora"]
+    assert saved["chosen"]["fedit"]["scores"].keys() == {"0.0001", "0.001", "0.03"}
+    assert saved["grid"]["ffa-lora"] == [1e-4, 3e-2] and saved["settings"]["ffa-lora"] == first["settings"]["ffa-lora"]
+    assert sorted((r["method"], r["lr"]) for r in saved["runs"]) == [
+        ("fedit", 1e-4), ("fedit", 1e-3), ("fedit", 3e-2), ("ffa-lora", 1e-4), ("ffa-lora", 3e-2)]
+    assert "| ffa-lora |" in (out / "tune.md").read_text()
+    for sets, seeds in ((["run.rounds=2"], "0"), (["run.rounds=1"], "1")):
+        with pytest.raises(ConfigError, match=r"tune.json holds the tuning of ffa-lora with another config or seeds"):
+            run_tuning("tiny", "fedit", GRID, seeds, sets, out, resume=True)
+    assert json.loads((out / "tune.json").read_text()) == saved
+    (out / "tune.json").write_text("{}")
+    with pytest.raises(ConfigError, match="is not a tune.json written by fedlowrank tune"):
+        run_tuning("tiny", "fedit", GRID, "0", ["run.rounds=1"], out, resume=True)

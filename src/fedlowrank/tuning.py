@@ -14,7 +14,9 @@ minimised, for regression); ties go to the first learning rate of the grid. A di
 and the choice; ``compare --tuned tune.json`` (or ``compare.tuned``) runs each method at its chosen rate.
 Only ``train.lr`` is tuned; ``train.head_lr`` stays as configured. With ``resume``, a run directory in ``out``
 whose run ended with the same config is read instead of run again (:func:`fedlowrank.comparison.finished_run`);
-any other is run from the start.
+any other is run from the start. Tuning into a directory that already holds a ``tune.json`` keeps the methods
+that tuning chose and this one does not re-tune (:func:`earlier_choices`), so a method's grid can be extended, or a
+method added, without losing the others' choices.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 from .comparison import (Log, check_jobs, finished_run, method_settings, parse_methods, parse_seeds, run_in_processes,
                          setup_lines, setup_of, task_key)
 from .config import ConfigError, load_config
+from .runtime.checkpoint import config_fingerprint
 from .seeding import numpy_rng
 
 
@@ -79,6 +82,8 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
     configs = {(n, lr, s): load_config(config, [*method_settings(base, n, overrides, lr), f"run.seed={s}"])
                for n in names for lr in grids[n] for s in seed_list}
     out = Path(out) if out is not None else None
+    base_fingerprint = config_fingerprint(base)
+    kept = earlier_choices(out / "tune.json", names, base_fingerprint, seed_list) if out is not None else {}
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
 
@@ -155,13 +160,37 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
         pick = (max if metric == "accuracy" else min)(finite, key=finite.get)
         chosen[name] = {"lr": pick, "score": finite[pick], "scores": {f"{lr:g}": v for lr, v in scores.items()}}
     assert setup is not None
-    result = {"setup": setup, "seeds": seed_list, "grid": {n: grids[n] for n in names},
-              "settings": {n: method_settings(base, n, overrides)[1:] for n in names}, "runs": runs,
-              "chosen": chosen}
+    result = {"setup": setup, "seeds": seed_list, "base": base_fingerprint,
+              "grid": {**kept.get("grid", {}), **{n: grids[n] for n in names}},
+              "settings": {**kept.get("settings", {}), **{n: method_settings(base, n, overrides)[1:] for n in names}},
+              "runs": kept.get("runs", []) + runs, "chosen": {**kept.get("chosen", {}), **chosen}}
     if out is not None:
         (out / "tune.json").write_text(json.dumps(result, indent=1))
         (out / "tune.md").write_text(tune_markdown(result))
     return result
+
+
+def earlier_choices(path: Path, names: list[str], base_fingerprint: str, seeds: list[int]) -> dict[str, Any]:
+    """What the ``tune.json`` at ``path`` holds for the methods not in ``names`` (``grid``, ``settings``, ``runs``,
+    ``chosen``; empty when there is no such file or method), to be kept beside this tuning's. It must come from the
+    same base config (``base``: :func:`~fedlowrank.runtime.checkpoint.config_fingerprint` of the config and
+    ``--set`` before the methods' own settings) and seeds; otherwise :class:`ConfigError`, before anything runs."""
+    if not path.exists():
+        return {}
+    try:
+        earlier = json.loads(path.read_text())
+        others = [n for n in earlier["chosen"] if n not in names]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ConfigError(f"tune: {path} is not a tune.json written by fedlowrank tune ({exc}); use another --out, "
+                          "or delete it") from None
+    if not others:
+        return {}
+    if earlier.get("base") != base_fingerprint or earlier.get("seeds") != seeds:
+        raise ConfigError(f"tune: {path} holds the tuning of {', '.join(others)} with another config or seeds than "
+                          "this one; use another --out, or delete it")
+    return {"grid": {n: earlier["grid"][n] for n in others}, "settings": {n: earlier["settings"][n] for n in others},
+            "runs": [r for r in earlier["runs"] if r["method"] in others],
+            "chosen": {n: earlier["chosen"][n] for n in others}}
 
 
 def tune_markdown(result: dict[str, Any]) -> str:
