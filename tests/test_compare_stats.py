@@ -132,8 +132,8 @@ def test_presets_come_first_and_the_user_wins():
     cfg = load_config("tiny", ['compare.overrides.ffa-lora=["train.lr=0.2"]'])
     assert load_config("tiny", method_settings(cfg, "ffa-lora")).train.optimizer == "sgd"  # the paper's preset
     assert load_config("tiny", method_settings(cfg, "ffa-lora")).train.lr == 0.2  # compare.overrides
-    assert load_config("tiny", method_settings(cfg, "ffa-lora", lr=0.03)).train.lr == 0.03  # tuned
-    user = load_config("tiny", method_settings(cfg, "ffa-lora", ["train.lr=0.5", "train.optimizer=adamw"], lr=0.03))
+    assert load_config("tiny", method_settings(cfg, "ffa-lora", tuned={"train.lr": 0.03})).train.lr == 0.03  # tuned
+    user = load_config("tiny", method_settings(cfg, "ffa-lora", ["train.lr=0.5", "train.optimizer=adamw"], {"train.lr": 0.03}))
     assert user.train.lr == 0.5 and user.train.optimizer == "adamw"  # --set
 
 

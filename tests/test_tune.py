@@ -79,7 +79,7 @@ def test_the_choice_comes_from_the_validation_split_only(tmp_path, monkeypatch, 
     first = json.loads((out / "tune.json").read_text())
     assert {(r["method"], r["lr"], r["seed"]) for r in first["runs"]} == {
         (m, lr, 0) for m in ("fedit", "ffa-lora") for lr in (1e-4, 3e-2)}
-    assert all(r["metric"] == "accuracy" and 0 <= r["value"] <= 1 for r in first["runs"])
+    assert all(r["metric"] == "accuracy" and 0 <= r["score"] <= 1 for r in first["runs"])
 
     def no_test_set(self, net):
         raise AssertionError("tuning evaluated the test set")
@@ -87,7 +87,7 @@ def test_the_choice_comes_from_the_validation_split_only(tmp_path, monkeypatch, 
     monkeypatch.setattr(TextClassification, "evaluate", no_test_set)
     second = run_tuning("tiny", "fedit,ffa-lora", GRID, "0", ["data.max_test_examples=16"])
     assert second["chosen"] == first["chosen"]
-    assert [r["value"] for r in second["runs"]] == [r["value"] for r in first["runs"]]
+    assert [r["score"] for r in second["runs"]] == [r["score"] for r in first["runs"]]
 
 
 def test_compare_reuses_the_tuned_learning_rates(tmp_path):
@@ -97,12 +97,12 @@ def test_compare_reuses_the_tuned_learning_rates(tmp_path):
                  str(tmp_path / "tune" / "tune.json"), "--out", str(out), "--quiet", "--set", "run.rounds=1"]) == 0
     res = json.loads((out / "results.json").read_text())
     for row in res["rows"]:
-        assert row["lr"] == tuned["chosen"][row["method"]]["lr"]
+        assert row["lr"] == tuned["chosen"][row["method"]]["value"]
         assert f"train.lr={row['lr']!r}" in row["settings"]
         run_cfg = json.loads((out / f"{row['method']}-seed0" / "config.json").read_text())
         assert run_cfg["train"]["lr"] == row["lr"]
     assert str(tmp_path / "tune" / "tune.json") in (out / "results.md").read_text()
-    with pytest.raises(ConfigError, match="chose no learning rate for fedavg-full"):
+    with pytest.raises(ConfigError, match="chose no value for fedavg-full"):
         from fedlowrank.comparison import run_comparison
 
         run_comparison("tiny", "fedit,fedavg-full", "0", [f"compare.tuned={tmp_path / 'tune' / 'tune.json'}"])
@@ -154,7 +154,7 @@ def test_resume_reuses_finished_runs_and_combines_separate_processes(tmp_path, m
     ran.clear()
     again = run_tuning("tiny", "fedit", GRID, "0", ["run.rounds=1"], tune, resume=True)
     assert ran == [] and again["chosen"] == first["chosen"]
-    assert [r["value"] for r in again["runs"]] == [r["value"] for r in first["runs"]]
+    assert [r["score"] for r in again["runs"]] == [r["score"] for r in first["runs"]]
 
 
 def test_resume_needs_an_out_directory_and_no_overwrite(tmp_path, capsys):
@@ -174,7 +174,7 @@ def test_jobs_run_in_worker_processes_with_the_same_results(tmp_path, capsys):
     assert strip == [[{k: v for k, v in x.items() if k not in ("time", "run_dir")} for x in r["runs"]] for r in b["rows"]]
     t1 = run_tuning("tiny", "fedit", GRID, "0", ["run.rounds=1", "run.threads=1"], tmp_path / "t1")
     t2 = run_tuning("tiny", "fedit", GRID, "0", ["run.rounds=1", "run.threads=1"], tmp_path / "t2", jobs=2)
-    assert t2["chosen"] == t1["chosen"] and [r["value"] for r in t2["runs"]] == [r["value"] for r in t1["runs"]]
+    assert t2["chosen"] == t1["chosen"] and [r["score"] for r in t2["runs"]] == [r["score"] for r in t1["runs"]]
 
 
 def test_bad_jobs_are_refused(tmp_path, capsys):
@@ -211,9 +211,55 @@ def test_tuning_more_methods_into_one_directory_keeps_the_earlier_choices(tmp_pa
         ("fedit", 1e-4), ("fedit", 1e-3), ("fedit", 3e-2), ("ffa-lora", 1e-4), ("ffa-lora", 3e-2)]
     assert "| ffa-lora |" in (out / "tune.md").read_text()
     for sets, seeds in ((["run.rounds=2"], "0"), (["run.rounds=1"], "1")):
-        with pytest.raises(ConfigError, match=r"tune.json holds the tuning of ffa-lora with another config or seeds"):
+        with pytest.raises(ConfigError, match=r"tune.json holds the tuning of ffa-lora with another config, seeds or parameter"):
             run_tuning("tiny", "fedit", GRID, seeds, sets, out, resume=True)
     assert json.loads((out / "tune.json").read_text()) == saved
     (out / "tune.json").write_text("{}")
     with pytest.raises(ConfigError, match="is not a tune.json written by fedlowrank tune"):
         run_tuning("tiny", "fedit", GRID, "0", ["run.rounds=1"], out, resume=True)
+
+
+def test_a_second_parameter_is_tuned_at_the_tuned_learning_rate(tmp_path):
+    """``--param privacy.clip --tuned lr/tune.json``: every run at the method's tuned rate, the choice carries both
+    values, and ``compare --tuned`` applies both."""
+    lr = run_tuning("tiny", "fedit", GRID, "0", ["run.rounds=1"], tmp_path / "lr")
+    sets = ["run.rounds=1", "privacy.mode=central", "privacy.noise_multiplier=0.5", "server.weighting=uniform"]
+    assert main(["tune", "tiny", "--methods", "fedit", "--param", "privacy.clip", "--grid", "0.01,1",
+                 "--tuned", str(tmp_path / "lr" / "tune.json"), "--out", str(tmp_path / "clip"), "--quiet",
+                 *[x for s in sets for x in ("--set", s)]]) == 0
+    clip = json.loads((tmp_path / "clip" / "tune.json").read_text())
+    pick = clip["chosen"]["fedit"]
+    assert pick["param"] == "privacy.clip" and pick["value"] in (0.01, 1.0)
+    assert pick["sets"] == {"train.lr": lr["chosen"]["fedit"]["value"], "privacy.clip": pick["value"]}
+    for value in ("0.01", "1"):
+        run_cfg = json.loads((tmp_path / "clip" / f"fedit-privacy.clip{value}-seed0" / "config.json").read_text())
+        assert run_cfg["train"]["lr"] == pick["sets"]["train.lr"] and run_cfg["privacy"]["clip"] == float(value)
+    assert "| fedit | 0.01 |" in (tmp_path / "clip" / "tune.md").read_text()
+    out = tmp_path / "cmp"
+    assert main(["compare", "tiny", "--methods", "fedit", "--seeds", "0", "--tuned", str(tmp_path / "clip" / "tune.json"),
+                 "--out", str(out), "--quiet", *[x for s in sets for x in ("--set", s)]]) == 0
+    run_cfg = json.loads((out / "fedit-seed0" / "config.json").read_text())
+    assert (run_cfg["train"]["lr"], run_cfg["privacy"]["clip"]) == (pick["sets"]["train.lr"], pick["value"])
+
+
+def test_bad_tuning_parameters_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--grid: give the values of privacy.clip"):
+        run_tuning("tiny", "fedit", None, "0", ["run.rounds=1"], param="privacy.clip")
+    with pytest.raises(ConfigError, match="--set privacy.clip=1 fixes privacy.clip, the parameter being tuned"):
+        run_tuning("tiny", "fedit", "0.1,1", "0", ["privacy.clip=1"], param="privacy.clip")
+    with pytest.raises(ConfigError, match="train.lrr is not a config key"):
+        run_tuning("tiny", "fedit", "0.1,1", "0", [], param="train.lrr")
+    with pytest.raises(ConfigError, match="--tuned: .* is not a tune.json"):
+        run_tuning("tiny", "fedit", "0.1,1", "0", [], param="privacy.clip", tuned=tmp_path / "missing.json")
+    lr = run_tuning("tiny", "fedit", GRID, "0", ["run.rounds=1"], tmp_path / "lr")
+    with pytest.raises(ConfigError, match="--tuned: .* chose no value for ffa-lora"):
+        run_tuning("tiny", "fedit,ffa-lora", "0.1,1", "0", [], param="privacy.clip", tuned=tmp_path / "lr" / "tune.json")
+    assert lr["chosen"]["fedit"]["sets"] == {"train.lr": lr["chosen"]["fedit"]["value"]}
+
+
+def test_tune_files_of_earlier_versions_are_read(tmp_path):
+    from fedlowrank.comparison import read_tuned
+
+    old = tmp_path / "tune.json"
+    old.write_text(json.dumps({"chosen": {"fedit": {"lr": 0.01, "score": 0.5, "scores": {"0.01": 0.5}}}}))
+    assert read_tuned(old) == {"fedit": {"train.lr": 0.01}}

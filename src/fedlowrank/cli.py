@@ -5,9 +5,9 @@
   methods on the same partitions, seeds and budget (:mod:`fedlowrank.comparison`); prints the setup and the
   table (means with 95% t-intervals over seeds, paired differences against the reference), writes
   ``results.json``, ``results.md`` and accuracy-vs-round / accuracy-vs-bytes plots.
-* ``fedlowrank tune [CONFIG] [--methods a,b] [--grid 1e-3,3e-3] [--seeds 0]`` — each method's learning rate
-  chosen on a validation split held out of the clients' training data; writes ``tune.json`` for
-  ``compare --tuned``.
+* ``fedlowrank tune [CONFIG] [--methods a,b] [--grid 1e-3,3e-3] [--seeds 0] [--param KEY] [--tuned TUNE_JSON]``
+  — each method's learning rate (or another numeric setting) chosen on a validation split held out of the
+  clients' training data; writes ``tune.json`` for ``compare --tuned``.
 * ``fedlowrank resume RUN_DIR [--round N]`` — continue an interrupted run from its newest intact checkpoint
   (or that of round N), bit for bit.
 * ``fedlowrank export RUN_DIR [--format peft|merged] [--rank R]`` — the global model as a PEFT adapter
@@ -171,7 +171,7 @@ def cmd_tune(args) -> int:
 
     out, lock = _claim_output(args, "tune")
     result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out, None if args.quiet else _log,
-                        resume=args.resume, jobs=args.jobs)
+                        resume=args.resume, jobs=args.jobs, param=args.param, tuned=args.tuned)
     print(tune_markdown(result))
     _log(f"tuning: {out / 'tune.json'}; use it with: fedlowrank compare ... --tuned {out / 'tune.json'}")
     lock.release()
@@ -255,11 +255,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--resume", action="store_true", help=RESUME_HELP)
     sp.add_argument("--jobs", type=int, default=1, metavar="N", help=JOBS_HELP)
     sp.set_defaults(func=cmd_compare)
-    sp = sub.add_parser("tune", help="choose each method's learning rate on a validation split of the training data",
-                        parents=[debug])
+    sp = sub.add_parser("tune", help="choose each method's learning rate (or another setting) on a validation split "
+                        "of the training data", parents=[debug])
     common(sp)
     sp.add_argument("--methods", default=None, help="comma-separated method names (default: compare.methods)")
-    sp.add_argument("--grid", default=None, help="comma-separated learning rates (default: each method's paper grid)")
+    sp.add_argument("--param", default="train.lr", metavar="KEY",
+                    help="the numeric setting to tune, section.key (default: train.lr)")
+    sp.add_argument("--grid", default=None, help="comma-separated values (default for train.lr: each method's "
+                    "paper grid)")
+    sp.add_argument("--tuned", default=None, metavar="TUNE_JSON",
+                    help="run each method at the values chosen there while tuning --param")
     sp.add_argument("--seeds", default=None, help="comma-separated seeds (default: run.seed)")
     sp.add_argument("--resume", action="store_true", help=RESUME_HELP)
     sp.add_argument("--jobs", type=int, default=1, metavar="N", help=JOBS_HELP)

@@ -52,13 +52,13 @@ def higher_is_better(metric: str) -> bool:
 
 
 def method_settings(cfg: RunConfig, name: str, user_sets: list[str] | tuple[str, ...] = (),
-                    lr: float | None = None) -> list[str]:
+                    tuned: dict[str, float] | None = None) -> list[str]:
     """The ``--set`` list that configures ``name`` in a comparison: the method's preset, then
-    ``compare.overrides[name]``, then ``train.lr = lr`` (a tuned learning rate), then ``user_sets``."""
+    ``compare.overrides[name]``, then the tuned values (``{"train.lr": 1e-3, ...}``), then ``user_sets``."""
     from .methods import preset_overrides
 
-    tuned = [f"train.lr={lr!r}"] if lr is not None else []
-    return [f"method.name={name}", *preset_overrides(name), *cfg.compare.overrides.get(name, []), *tuned,
+    chosen = [f"{key}={value!r}" for key, value in (tuned or {}).items()]
+    return [f"method.name={name}", *preset_overrides(name), *cfg.compare.overrides.get(name, []), *chosen,
             *user_sets]
 
 
@@ -179,13 +179,16 @@ def parse_seeds(text: str | list[int] | None, cfg: RunConfig) -> list[int]:
     return seeds
 
 
-def read_tuned(path: str | Path) -> dict[str, float]:
-    """The learning rate chosen per method in a ``tune.json`` written by ``fedlowrank tune``."""
+def read_tuned(path: str | Path, field: str = "compare.tuned") -> dict[str, dict[str, float]]:
+    """The values chosen per method in a ``tune.json`` written by ``fedlowrank tune``: ``{method: {key: value}}``
+    (the tuned parameter and those of the ``--tuned`` file it was tuned on; ``{"train.lr": lr}`` in the files of
+    versions that tuned only the learning rate)."""
     try:
         chosen = json.loads(Path(path).read_text())["chosen"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ConfigError(f"compare.tuned: {path} is not a tune.json written by fedlowrank tune ({exc})") from None
-    return {name: float(entry["lr"]) for name, entry in chosen.items()}
+        return {name: {k: float(v) for k, v in (entry["sets"] if "sets" in entry else {"train.lr": entry["lr"]}).items()}
+                for name, entry in chosen.items()}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"{field}: {path} is not a tune.json written by fedlowrank tune ({exc})") from None
 
 
 def partition_digest(parts: list[np.ndarray]) -> str:
@@ -323,7 +326,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
     chosen = read_tuned(tuned) if tuned else {}
     missing = [n for n in names if tuned and n not in chosen]
     if missing:
-        raise ConfigError(f"compare.tuned: {tuned} chose no learning rate for {', '.join(missing)} "
+        raise ConfigError(f"compare.tuned: {tuned} chose no value for {', '.join(missing)} "
                           f"(tuned: {', '.join(chosen) or 'none'})")
     settings = {n: method_settings(base, n, overrides, chosen.get(n)) for n in names}
     configs = {n: {s: load_config(config, [*settings[n], f"run.seed={s}"]) for s in seed_list} for n in names}

@@ -1,4 +1,5 @@
-"""``fedlowrank tune``: per-method learning-rate selection on a validation split of the clients' training data.
+"""``fedlowrank tune``: per-method selection of a hyper-parameter (the learning rate by default) on a validation
+split of the clients' training data.
 
 The validation split: after the usual partition (the same one ``compare`` uses for that seed), each client
 holds out a seeded ``data.validation_fraction`` of its examples (``floor(fraction · n_k)``, keeping at least one
@@ -6,13 +7,14 @@ to train on). Clients train only on the rest; the global model is evaluated on t
 examples (:meth:`fedlowrank.tasks.Task.validation`) and never on the test set. So the choice is made on data
 drawn like the training data, and it cannot depend on the test set.
 
-For each method, each learning rate of the grid (``--grid``, else the method's paper grid,
-:func:`fedlowrank.methods.lr_grid`) and each seed: one run at ``train.lr = lr`` with the method's settings as
-``compare`` applies them; the score of a learning rate is the mean over seeds of the final model's
-validation metric (the task's ``validation_metric``: accuracy, maximised, for classification; held-out loss,
-minimised, for regression); ties go to the first learning rate of the grid. A diverged run scores worst. ``tune.json`` holds every (method, lr, seed, metric)
-and the choice; ``compare --tuned tune.json`` (or ``compare.tuned``) runs each method at its chosen rate.
-Only ``train.lr`` is tuned; ``train.head_lr`` stays as configured. With ``resume``, a run directory in ``out``
+For each method, each value of the grid (``--grid``; for ``train.lr`` by default the method's paper grid,
+:func:`fedlowrank.methods.lr_grid`) and each seed: one run at ``param = value`` with the method's settings as
+``compare`` applies them; the score of a value is the mean over seeds of the final model's validation metric
+(the task's ``validation_metric``: accuracy, maximised, for classification; held-out loss, minimised, for
+regression); ties go to the first value of the grid. A diverged run scores worst. ``tune.json`` holds every
+(method, value, seed, score) and the choice; ``compare --tuned tune.json`` (or ``compare.tuned``) runs each
+method at its chosen values. ``--param privacy.clip --tuned lr/tune.json`` tunes a second parameter with each
+method at its tuned learning rate; the choice then carries both. With ``resume``, a run directory in ``out``
 whose run ended with the same config is read instead of run again (:func:`fedlowrank.comparison.finished_run`);
 any other is run from the start. Tuning into a directory that already holds a ``tune.json`` keeps the methods
 that tuning chose and this one does not re-tune (:func:`earlier_choices`), so a method's grid can be extended, or a
@@ -29,11 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from .comparison import (Log, check_jobs, finished_run, method_settings, parse_methods, parse_seeds, run_in_processes,
-                         setup_lines, setup_of, task_key)
+from .comparison import (Log, check_jobs, finished_run, method_settings, parse_methods, parse_seeds, read_tuned,
+                         run_in_processes, setup_lines, setup_of, task_key)
 from .config import ConfigError, load_config
 from .runtime.checkpoint import config_fingerprint
 from .seeding import numpy_rng
+
+LR = "train.lr"  # the parameter tuned by default
 
 
 def split_validation(parts: list[np.ndarray], fraction: float, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -64,10 +68,14 @@ def parse_grid(text: str | list[float] | None) -> list[float] | None:
 def run_tuning(config: str | Path | None, methods: str | list[str] | None = None,
                grid: str | list[float] | None = None, seeds: str | list[int] | None = None,
                overrides: list[str] | tuple[str, ...] = (), out: str | Path | None = None,
-               log: Log = None, resume: bool = False, jobs: int = 1) -> dict[str, Any]:
-    """Tune ``train.lr`` per method on the validation split; returns what ``tune.json`` holds (written to
-    ``out`` with one run directory per (method, lr, seed) when ``out`` is given; ``resume`` reuses the runs
-    that ended there; ``jobs > 1`` runs them in that many processes, :func:`fedlowrank.comparison.run_in_processes`)."""
+               log: Log = None, resume: bool = False, jobs: int = 1, param: str = LR,
+               tuned: str | Path | None = None) -> dict[str, Any]:
+    """Tune ``param`` (default ``train.lr``) per method on the validation split; returns what ``tune.json`` holds
+    (written to ``out`` with one run directory per (method, value, seed) when ``out`` is given; ``resume`` reuses
+    the runs that ended there; ``jobs > 1`` runs them in that many processes,
+    :func:`fedlowrank.comparison.run_in_processes`). ``tuned``: a ``tune.json`` whose choices each method runs at
+    while ``param`` is tuned (a learning rate tuned first, then ``privacy.clip`` at it); each method's chosen
+    ``sets`` hold both, for ``compare --tuned``."""
     from .methods import lr_grid
     from .partition import partition_task
     from .runtime.simulator import DivergenceError, Simulation
@@ -77,13 +85,24 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
     base = load_config(config, overrides, method_checks=False)
     names = parse_methods(methods, base)
     seed_list = parse_seeds(seeds if seeds is not None else [base.run.seed], base)
+    fixed = [s for s in overrides if s.split("=", 1)[0].strip() == param]
+    if fixed:
+        raise ConfigError(f"tune: --set {fixed[0]} fixes {param}, the parameter being tuned; remove it")
     fixed_grid = parse_grid(grid)
+    if fixed_grid is None and param != LR:
+        raise ConfigError(f"--grid: give the values of {param} to try (only train.lr has default grids)")
     grids = {n: fixed_grid or lr_grid(n) for n in names}
-    configs = {(n, lr, s): load_config(config, [*method_settings(base, n, overrides, lr), f"run.seed={s}"])
-               for n in names for lr in grids[n] for s in seed_list}
+    earlier = read_tuned(tuned, "--tuned") if tuned else {}
+    missing = [n for n in names if tuned and n not in earlier]
+    if missing:
+        raise ConfigError(f"--tuned: {tuned} chose no value for {', '.join(missing)} (tuned: {', '.join(earlier)})")
+    at = {n: {k: v for k, v in earlier.get(n, {}).items() if k != param} for n in names}
+    configs = {(n, v, s): load_config(config, [*method_settings(base, n, overrides, {**at[n], param: v}),
+                                               f"run.seed={s}"])
+               for n in names for v in grids[n] for s in seed_list}
     out = Path(out) if out is not None else None
     base_fingerprint = config_fingerprint(base)
-    kept = earlier_choices(out / "tune.json", names, base_fingerprint, seed_list) if out is not None else {}
+    kept = earlier_choices(out / "tune.json", names, base_fingerprint, seed_list, param) if out is not None else {}
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
 
@@ -101,18 +120,20 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
             splits[split_key] = split_validation(parts, cfg.data.validation_fraction, cfg.run.seed)
         return (tasks[key], *splits[split_key])
 
-    def run_dir_of(name: str, lr: float, seed: int) -> Path | None:
-        return out / f"{name}-lr{lr:g}-seed{seed}" if out else None
+    short = "lr" if param == LR else param  # run directories: fedit-lr0.001-seed0, fedit-privacy.clip0.3-seed0
+
+    def run_dir_of(name: str, value: float, seed: int) -> Path | None:
+        return out / f"{name}-{short}{value:g}-seed{seed}" if out else None
 
     check_jobs(jobs, out)
     diverged: dict[str, str] = {}
     if jobs > 1:
         pending = []
-        for (name, lr, seed), cfg in configs.items():
-            run_dir = run_dir_of(name, lr, seed)
+        for (name, value, seed), cfg in configs.items():
+            run_dir = run_dir_of(name, value, seed)
             if not (resume and finished_run(run_dir, cfg)):
                 _, train_parts, held_out = split_of(cfg)
-                pending.append((f"tune [{name}] lr={lr:g} seed={seed}", cfg, run_dir, train_parts, held_out))
+                pending.append((f"tune [{name}] {short}={value:g} seed={seed}", cfg, run_dir, train_parts, held_out))
         diverged = run_in_processes(pending, jobs, resume, log)
 
     runs: list[dict[str, Any]] = []
@@ -120,10 +141,10 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
     chosen: dict[str, dict[str, Any]] = {}
     for name in names:
         scores = {}
-        for lr in grids[name]:
+        for value in grids[name]:
             values = []
             for seed in seed_list:
-                cfg = configs[(name, lr, seed)]
+                cfg = configs[(name, value, seed)]
                 task, train_parts, held_out = split_of(cfg)
                 view = task.validation(held_out)
                 metric = view.validation_metric
@@ -131,8 +152,8 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
                     setup = {**setup_of(cfg, task.describe(), seed_list), "num_validation": int(len(held_out)),
                              "validation_fraction": cfg.data.validation_fraction, "metric": metric}
                     setup["num_test"] = None  # the test set is not used
-                run_dir = run_dir_of(name, lr, seed)
-                label = f"tune [{name}] lr={lr:g} seed={seed}"
+                run_dir = run_dir_of(name, value, seed)
+                label = f"tune [{name}] {short}={value:g} seed={seed}"
                 done = finished_run(run_dir, cfg) if (resume or jobs > 1) and run_dir is not None else None
                 try:
                     if label in diverged:
@@ -145,24 +166,28 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
                         sim = Simulation(cfg, task=view, run_dir=run_dir, log=log, parts=train_parts, overwrite=resume)
                         sim.run()
                         validation = dict(sim.last_eval)
-                    value = validation.get(metric, math.nan)
+                    score = validation.get(metric, math.nan)
                 except DivergenceError as exc:
-                    value, validation = math.nan, {"diverged": str(exc)}
-                values.append(value)
-                runs.append({"method": name, "lr": lr, "seed": seed, "metric": metric, "value": value,
-                             "num_validation": int(len(held_out)), "validation": validation})
+                    score, validation = math.nan, {"diverged": str(exc)}
+                values.append(score)
+                runs.append({"method": name, "param": param, "value": value, "lr": cfg.train.lr, "seed": seed,
+                             "metric": metric, "score": score, "num_validation": int(len(held_out)),
+                             "validation": validation})
                 if log:
-                    log(f"{label}: validation {metric} = {value:.4f}")
-            scores[lr] = float(np.mean(values)) if all(math.isfinite(v) for v in values) else math.nan
-        finite = {lr: v for lr, v in scores.items() if math.isfinite(v)}
+                    log(f"{label}: validation {metric} = {score:.4f}")
+            scores[value] = float(np.mean(values)) if all(math.isfinite(v) for v in values) else math.nan
+        finite = {v: x for v, x in scores.items() if math.isfinite(x)}
         if not finite:
-            raise ValueError(f"tune: every learning rate of {name!r} diverged ({', '.join(map(str, grids[name]))})")
+            raise ValueError(f"tune: every {param} of {name!r} diverged ({', '.join(map(str, grids[name]))})")
         pick = (max if metric == "accuracy" else min)(finite, key=finite.get)
-        chosen[name] = {"lr": pick, "score": finite[pick], "scores": {f"{lr:g}": v for lr, v in scores.items()}}
+        chosen[name] = {"param": param, "value": pick, "sets": {**at[name], param: pick}, "score": finite[pick],
+                        "scores": {f"{v:g}": x for v, x in scores.items()}}
     assert setup is not None
-    result = {"setup": setup, "seeds": seed_list, "base": base_fingerprint,
+    result = {"setup": setup, "seeds": seed_list, "base": base_fingerprint, "param": param,
+              "tuned": str(tuned) if tuned else None,
               "grid": {**kept.get("grid", {}), **{n: grids[n] for n in names}},
-              "settings": {**kept.get("settings", {}), **{n: method_settings(base, n, overrides)[1:] for n in names}},
+              "settings": {**kept.get("settings", {}), **{n: method_settings(base, n, overrides, at[n])[1:]
+                                                          for n in names}},
               "runs": kept.get("runs", []) + runs, "chosen": {**kept.get("chosen", {}), **chosen}}
     if out is not None:
         (out / "tune.json").write_text(json.dumps(result, indent=1))
@@ -170,11 +195,13 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
     return result
 
 
-def earlier_choices(path: Path, names: list[str], base_fingerprint: str, seeds: list[int]) -> dict[str, Any]:
+def earlier_choices(path: Path, names: list[str], base_fingerprint: str, seeds: list[int],
+                    param: str) -> dict[str, Any]:
     """What the ``tune.json`` at ``path`` holds for the methods not in ``names`` (``grid``, ``settings``, ``runs``,
     ``chosen``; empty when there is no such file or method), to be kept beside this tuning's. It must come from the
     same base config (``base``: :func:`~fedlowrank.runtime.checkpoint.config_fingerprint` of the config and
-    ``--set`` before the methods' own settings) and seeds; otherwise :class:`ConfigError`, before anything runs."""
+    ``--set`` before the methods' own settings), seeds and tuned parameter; otherwise :class:`ConfigError`, before
+    anything runs."""
     if not path.exists():
         return {}
     try:
@@ -185,24 +212,27 @@ def earlier_choices(path: Path, names: list[str], base_fingerprint: str, seeds: 
                           "or delete it") from None
     if not others:
         return {}
-    if earlier.get("base") != base_fingerprint or earlier.get("seeds") != seeds:
-        raise ConfigError(f"tune: {path} holds the tuning of {', '.join(others)} with another config or seeds than "
-                          "this one; use another --out, or delete it")
+    if (earlier.get("base"), earlier.get("seeds"), earlier.get("param", LR)) != (base_fingerprint, seeds, param):
+        raise ConfigError(f"tune: {path} holds the tuning of {', '.join(others)} with another config, seeds or "
+                          "parameter than this one; use another --out, or delete it")
     return {"grid": {n: earlier["grid"][n] for n in others}, "settings": {n: earlier["settings"][n] for n in others},
             "runs": [r for r in earlier["runs"] if r["method"] in others],
             "chosen": {n: earlier["chosen"][n] for n in others}}
 
 
 def tune_markdown(result: dict[str, Any]) -> str:
-    """``tune.md``: the setup as run and, per method, each learning rate's mean validation score."""
+    """``tune.md``: the setup as run and, per method, each tried value's mean validation score."""
     setup = result["setup"]
+    param = result.get("param", LR)
     direction = "higher" if setup["metric"] == "accuracy" else "lower"
-    lines = ["# Learning-rate tuning", "", "## Setup (as run)", "", *setup_lines(setup),
+    lines = ["# Tuning", "", "## Setup (as run)", "", *setup_lines(setup),
              f"- validation: {setup['validation_fraction']:g} of each client's examples held out (not trained on); "
-             "the test set is not used", "",
+             "the test set is not used", *([f"- each method at the values chosen in {result['tuned']}"]
+                                           if result.get("tuned") else []), "",
              f"Score: the final model's validation {setup['metric']}, mean over the seeds ({direction} is better; "
-             "nan = diverged).", "", "| method | learning rate | score | chosen |", "|---|---|---|---|"]
+             "nan = diverged).", "", f"| method | {param} | score | chosen |", "|---|---|---|---|"]
     for name, c in result["chosen"].items():
-        for lr, score in c["scores"].items():
-            lines.append(f"| {name} | {lr} | {score:.4f} | {'✓' if float(lr) == c['lr'] else ''} |")
+        pick = c.get("value", c.get("lr"))
+        for value, score in c["scores"].items():
+            lines.append(f"| {name} | {value} | {score:.4f} | {'✓' if float(value) == pick else ''} |")
     return "\n".join(lines) + "\n"
