@@ -1,24 +1,31 @@
-"""Client-level DP study (issue 19): FedIT, FFA-LoRA, FLoRG and FedSA-LoRA at ε ∈ {1, 3, 8} (δ = 1/N) on BBC News
-with MiniLM, several seeds, the clipping norm C tuned per (method, ε) from a grid: does freezing A help under DP,
-as FFA-LoRA claims?
+"""Client-level DP study (issue 19): FedIT, FFA-LoRA, FLoRG and FedSA-LoRA at ε ∈ {1, 3, 8} (δ = 1/N) on AG News
+with MiniLM, paired seeds, the clipping norm C tuned per (method, ε) on a validation split: does freezing A help
+under DP, as FFA-LoRA claims?
 
-Each method runs in the strongest mode it supports (``supported_privacy_modes()``): central DP (noise σ·C on the
-sum, server.weighting = uniform) for FedIT, FFA-LoRA and FedSA-LoRA, local DP (noise σ·C on each reply) for FLoRG,
-whose Gram aggregation needs individual replies; σ is computed from the target ε for the configured rounds and
-sampling (``privacy.target_epsilon``). ε = inf is the non-private run. C is tuned on the seeds' *test* accuracy
-(there is no validation split): the "best C" row is optimistic by construction, the per-C rows are not.
+The protocol, every step a ``fedlowrank`` call whose directory under ``--out`` is kept (``--resume`` reuses the
+runs that ended there, so an interrupted study continues):
 
-Prints, per run, final accuracy, the ε reached and the bytes the ledger counted (client-level DP adds no bytes:
-clipping and noise keep every tensor's shape; SecAgg+ is a Flower-only mechanism whose protocol traffic is not in
-this simulator's ledger); then accuracy mean ± 95% CI (t over seeds) per (method, ε) at the best C.
+1. ``tune``: each method's learning rate without privacy, on the validation split held out of the clients'
+   training data (``--lr-grid``, default each method's paper grid) → ``OUT/tune-lr``.
+2. per ε: ``tune --param privacy.clip --tuned OUT/tune-lr/tune.json``: C from ``--clips`` at the method's tuned
+   rate, on the same validation split, with σ computed from ε for the configured rounds and client sampling
+   (``privacy.target_epsilon``) → ``OUT/tune-clip-eps<ε>``. The test set is never used to choose.
+3. per ε (and ε = inf, no privacy, at the tuned rates): ``compare`` over ``--seeds`` at the tuned (lr, C):
+   accuracy mean ± 95 % t-interval, paired differences against ``--reference`` (FedIT) with their interval and
+   verdict, the ε reached and the bytes the ledger counted → ``OUT/compare-eps<ε>``.
 
-The study (hours of MiniLM training on 2 cores; not run here):
+Each method runs in the strongest privacy mode it supports (``supported_privacy_modes()``, set per method through
+``compare.overrides``): central DP (noise σ·C on the sum, ``server.weighting = uniform`` for all) for FedIT,
+FFA-LoRA and FedSA-LoRA, local DP (noise σ·C on each reply) for FLoRG, whose Gram aggregation needs individual
+replies. Client-level DP adds no bytes (clipping and noise keep every tensor's shape).
 
-    python benchmarks/study_privacy.py --epsilons 1,3,8,inf --seeds 0,1,2 --clips 0.1,0.3,1.0 --rounds 20
+The study as sized for this CPU (100 clients of AG News, 10 per round, 20 rounds of 2 local steps):
 
-A smoke run (tiny random BERT, 1 round):
+    python benchmarks/study_privacy.py --out runs/study-privacy --jobs 2
 
-    python benchmarks/study_privacy.py --smoke
+A smoke run (seconds, tiny random BERT, 1 round, one ε):
+
+    python benchmarks/study_privacy.py --smoke --out /tmp/study-privacy-smoke
 """
 
 from __future__ import annotations
@@ -28,90 +35,106 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import provenance  # noqa: E402
 
+from fedlowrank.comparison import describe_partition, run_comparison  # noqa: E402
 from fedlowrank.config import load_config  # noqa: E402
 from fedlowrank.methods import method_class  # noqa: E402
-from fedlowrank.runtime.simulator import Simulation  # noqa: E402
-from fedlowrank.tasks import build_task  # noqa: E402
+from fedlowrank.progress import format_bytes  # noqa: E402
+from fedlowrank.tuning import run_tuning  # noqa: E402
 
 METHODS = "fedit,ffa-lora,florg,fedsa-lora"
-T_95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+# 100 clients of ~100 examples, 10 sampled per round: client-level DP needs many clients per round to leave signal
+STUDY_SETS = ["partition.num_clients=100", "run.clients_per_round=10", "partition.alpha=0.5", "run.rounds=20",
+              "train.local_steps=2", "train.batch_size=16", "task.max_length=32", "lora.rank=4", "run.eval_every=10",
+              "data.max_test_examples=2000", "server.weighting=uniform", "run.threads=1"]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default=METHODS)
-    p.add_argument("--epsilons", default="1,3,8,inf", help="target ε per run (inf = no privacy)")
-    p.add_argument("--clips", default="0.1,0.3,1.0", help="clipping norms C tried per (method, ε)")
+    p.add_argument("--reference", default="fedit", help="the method the paired differences are taken against")
+    p.add_argument("--epsilons", default="1,3,8", help="target ε values (the non-private run is always added)")
+    p.add_argument("--clips", default="0.1,0.3,1,3", help="clipping norms C tuned over per (method, ε)")
+    p.add_argument("--lr-grid", default=None, help="learning rates tuned over (default: each method's paper grid)")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--config", default="main", help="base config (bundled name or TOML)")
-    p.add_argument("--set", action="append", default=[], help="extra config overrides")
-    p.add_argument("--out", default="", help="append every run's summary as JSON lines here")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--smoke", action="store_true", help="tiny config, 1 round, one ε and C: checks the script runs")
+    p.add_argument("--config", default="agnews", help="base config (bundled name or TOML)")
+    p.add_argument("--set", action="append", default=[], help="extra config overrides, after the study's own")
+    p.add_argument("--out", required=True, help="the study's directory (reused: finished runs are read back)")
+    p.add_argument("--jobs", type=int, default=1, help="runs side by side (processes)")
+    p.add_argument("--smoke", action="store_true", help="tiny config, 1 round, ε = 8: checks the script runs")
     args = p.parse_args(argv)
+    args.sets = [*STUDY_SETS, *args.set]
     if args.smoke:
-        args.config, args.rounds, args.epsilons, args.clips, args.seeds = "tiny", 1, "8", "1.0", "0"
+        args.config, args.epsilons, args.clips, args.lr_grid, args.seeds = "tiny", "8", "0.1,1", "0.01,0.1", "0,1"
+        args.sets = ["run.rounds=1", "server.weighting=uniform", "run.clients_per_round=4", *args.set]
     return args
 
 
-def config(args, method: str, eps: float, clip: float, seed: int):
-    sets = [f"method.name={method}", f"run.rounds={args.rounds}", f"run.seed={seed}", f"run.threads={args.threads}",
-            f"run.eval_every={args.rounds}", "server.weighting=uniform", *args.set]
-    if math.isfinite(eps):
-        mode = "central" if "central" in method_class(method).supported_privacy_modes() else "local"
-        sets += [f"privacy.mode={mode}", f"privacy.clip={clip}", f"privacy.target_epsilon={eps}"]
-    return load_config(args.config, sets)
+def privacy_overrides(config: str, sets: list[str], methods: list[str]) -> str:
+    """``compare.overrides`` with each method's strongest privacy mode added to the config's own entries."""
+    base = load_config(config, sets, method_checks=False).compare.overrides
+    entries = {m: [*base.get(m, []),
+                   f"privacy.mode={'central' if 'central' in method_class(m).supported_privacy_modes() else 'local'}"]
+               for m in methods}
+    entries.update({m: v for m, v in base.items() if m not in entries})
+    return "compare.overrides={" + ", ".join(f'"{m}" = {json.dumps(v)}' for m, v in entries.items()) + "}"
 
 
-def ci95(values: list[float]) -> tuple[float, float]:
-    """Mean and half-width of the 95% t-interval (0 for a single value)."""
-    mean = float(np.mean(values))
-    if len(values) < 2:
-        return mean, 0.0
-    return mean, T_95.get(len(values) - 1, 1.96) * float(np.std(values, ddof=1)) / math.sqrt(len(values))
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)
     print(provenance(argv))
-    methods, seeds = args.methods.split(","), [int(s) for s in args.seeds.split(",")]
-    epsilons, clips = [float(e) for e in args.epsilons.split(",")], [float(c) for c in args.clips.split(",")]
-    tasks: dict[int, object] = {}
-    acc: dict[tuple[str, float, float], list[float]] = {}
-    out = open(args.out, "a") if args.out else None
-    for seed in seeds:
-        for method in methods:
-            for eps in epsilons:
-                for clip in clips if math.isfinite(eps) else [math.inf]:
-                    cfg = config(args, method, eps, clip, seed)
-                    if seed not in tasks:
-                        tasks[seed] = build_task(cfg)
-                    summary = Simulation(cfg, task=tasks[seed]).run()
-                    acc.setdefault((method, eps, clip), []).append(summary.get("accuracy", float("nan")))
-                    print(f"{method:10s} eps={eps:<5g} C={clip:<5g} seed={seed} mode={cfg.privacy.mode or '-':7s} "
-                          f"acc={summary.get('accuracy', float('nan')):.4f} eps_reached={summary.get('epsilon', 0):.3f} "
-                          f"up={summary['bytes_up']} down={summary['bytes_down']}", flush=True)
-                    if out:
-                        out.write(json.dumps({"method": method, "target_epsilon": eps, "clip": clip, "seed": seed,
-                                              "mode": cfg.privacy.mode, **summary}) + "\n")
-    print("\naccuracy (mean ± 95% CI over seeds) at the best C per (method, ε); C in brackets")
-    print("method      " + "".join(f"{'eps=' + format(e, 'g'):>22s}" for e in epsilons))
-    for method in methods:
+    out, methods = Path(args.out), args.methods.split(",")
+    epsilons = [float(e) for e in args.epsilons.split(",")]
+    private = [privacy_overrides(args.config, args.sets, methods)]
+    lr = run_tuning(args.config, methods, args.lr_grid, "0", args.sets, out / "tune-lr", log, resume=True,
+                    jobs=args.jobs)
+    print(f"learning rates (validation, no privacy): "
+          + ", ".join(f"{m} {c['value']:g}" for m, c in lr["chosen"].items()), flush=True)
+    results = {math.inf: run_comparison(args.config, methods, args.seeds, args.sets, out / "compare-epsinf", log,
+                                        reference=args.reference, tuned=out / "tune-lr" / "tune.json", resume=True,
+                                        jobs=args.jobs)}
+    clips = {}
+    for eps in epsilons:
+        sets = [*args.sets, *private, f"privacy.target_epsilon={eps:g}"]
+        tuned = run_tuning(args.config, methods, args.clips, "0", sets, out / f"tune-clip-eps{eps:g}", log,
+                           resume=True, jobs=args.jobs, param="privacy.clip", tuned=out / "tune-lr" / "tune.json")
+        clips[eps] = {m: c["value"] for m, c in tuned["chosen"].items()}
+        results[eps] = run_comparison(args.config, methods, args.seeds, sets, out / f"compare-eps{eps:g}", log,
+                                      reference=args.reference, tuned=out / f"tune-clip-eps{eps:g}" / "tune.json",
+                                      resume=True, jobs=args.jobs)
+    setup = results[math.inf]["setup"]
+    print(f"\nsetup as run: {setup['data_source']}, {setup['num_train']:,} training / {setup['num_test']:,} test "
+          f"examples, {describe_partition(setup['partition'])}, {setup['clients_per_round']} per round, {setup['rounds']} rounds "
+          f"of {setup['local_steps']} local steps of batch {setup['batch_size']}, seeds {args.seeds}; δ = 1/N")
+    print("final accuracy, mean ± 95 % t half-width over the seeds [C chosen on validation; ε reached]")
+    print(f"{'method':12s}" + "".join(f"{'ε = ' + format(e, 'g'):>30s}" for e in results))
+    for m in methods:
         cells = []
-        for eps in epsilons:
-            best = max((ci95(acc[(method, eps, c)]) + (c,) for c in (clips if math.isfinite(eps) else [math.inf])),
-                       key=lambda t: t[0])
-            cells.append(f"{best[0]:.3f}±{best[1]:.3f} [{best[2]:g}]")
-        print(f"{method:12s}" + "".join(f"{c:>22s}" for c in cells))
+        for eps, res in results.items():
+            row = next(r for r in res["rows"] if r["method"] == m)
+            extra = f" [C {clips[eps][m]:g}; ε {row['epsilon']:.2f}]" if math.isfinite(eps) else ""
+            cells.append(f"{row['final']['mean']:.3f} ± {row['final']['half_width']:.3f}{extra}")
+        print(f"{m:12s}" + "".join(f"{c:>30s}" for c in cells))
+    print(f"\npaired difference against {args.reference} (same seeds' partitions), final accuracy")
+    for eps, res in results.items():
+        for d in res["paired"]:
+            f = d["final"]
+            print(f"ε = {eps:g}: {d['method']} − {args.reference} = {f['mean']:+.4f} ± {f['half_width']:.4f} "
+                  f"[{f['low']:+.4f}, {f['high']:+.4f}] {f['verdict']}")
+    bytes_row = {r["method"]: (r["bytes_up"], r["bytes_down"]) for r in results[math.inf]["rows"]}
+    print("\nbytes per run (mean over seeds; the same at every ε): "
+          + ", ".join(f"{m} up {format_bytes(u)} / down {format_bytes(d)}" for m, (u, d) in bytes_row.items()))
     return 0
 
 

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .config import ConfigError, RunConfig, load_config
+from .progress import format_bytes
 from .stats import CONFIDENCE, Interval, mean_interval, paired_interval, verdict
 
 Log = Callable[[str], None] | None
@@ -210,7 +211,9 @@ def data_source(cfg: RunConfig) -> str:
     if cfg.task.kind == "matrix-regression":
         return "synthetic (" + ", ".join(f"{k} = {v}" for k, v in cfg.task.options.items()) + ")"
     if d.source == "agnews":
-        return f"AG News files in {d.path}"
+        from .tasks.data import agnews_folder
+
+        return f"AG News files in {agnews_folder(d.path)}"
     if d.source == "files":
         return f"files {d.train}" + (f" and {d.test}" if d.test else f" (test: a {d.test_fraction:g} stratified split)")
     if d.source == "hf":
@@ -279,14 +282,6 @@ def _title(setup: dict[str, Any]) -> str:
     model = f" ({setup['model']})" if setup["model"] else ""
     return (f"{setup['task']}{model}, {describe_partition(setup['partition'])}, "
             f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''}")
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return str(n)
 
 
 def _interval(d: dict[str, Any]) -> Interval:
@@ -455,7 +450,7 @@ def results_markdown(results: dict[str, Any]) -> str:
     for r in results["rows"]:
         eps = (f" {r['epsilon']:.3g} |" if r.get("epsilon") is not None else " – |") if private else ""
         lines.append(f"| {r['method']} | {_interval(r['final']).format()} | {_interval(r['best']).format()} | "
-                     f"{_fmt_bytes(r['bytes_up'])} | {_fmt_bytes(r['bytes_down'])} | {r['time']:.1f} |{eps}")
+                     f"{format_bytes(r['bytes_up'])} | {format_bytes(r['bytes_down'])} | {r['time']:.1f} |{eps}")
     if results["paired"]:
         lines += ["", f"## Paired differences against {ref}", "",
                   f"Per seed, method − {ref} on the same partition and data order; mean ± half-width of the paired "

@@ -40,7 +40,7 @@ def build_task(cfg) -> Task:
         if d.source == "bbc-news":
             data = load_bbc_news(d.test_fraction, cfg.run.seed)
         elif d.source == "agnews":
-            folder = agnews_folder(d.path or "../shared/data/agnews")
+            folder = agnews_folder(d.path)
             data = load_text_files(folder / "train.tsv", folder / "test.tsv", header="false", label_names=d.labels)
         elif d.source == "files":
             columns = [column_spec(c) for c in (d.text_column, d.label_column)]

@@ -91,8 +91,8 @@ def checkout_folder(path: str | Path, files: tuple[str, ...], what: str, hint: s
 
 
 def agnews_folder(path: str | Path) -> Path:
-    """``data.path`` of the AG News source (see :func:`checkout_folder`)."""
-    return checkout_folder(path, ("train.tsv", "test.tsv"), "AG News",
+    """``data.path`` of the AG News source, ``../shared/data/agnews`` when empty (see :func:`checkout_folder`)."""
+    return checkout_folder(path or "../shared/data/agnews", ("train.tsv", "test.tsv"), "AG News",
                            "AG News is not packaged: set data.path to a folder holding train.tsv and test.tsv "
                            "(text<TAB>label, no header), see docs/install.md")
 
