@@ -363,3 +363,27 @@ def test_a_convolution_target_exports_to_peft_and_merged_exactly(tmp_path):
         check = export_run(tmp_path / method, tmp_path / f"out-{method}", fmt, task=task)["check"]
         assert check["run"]["accuracy"] == check["exported"]["accuracy"]
         assert math.isclose(check["run"]["loss"], check["exported"]["loss"], rel_tol=1e-5)
+
+
+def test_compare_and_tune_score_an_image_task_by_accuracy(tmp_path):
+    """``fedlowrank compare`` / ``tune`` on an image folder: accuracy is the metric (it was ``rel_error``, an error)."""
+    from PIL import Image
+
+    from fedlowrank.cli import main
+
+    rng = np.random.default_rng(0)
+    for c in ("a", "b"):
+        (tmp_path / "img" / c).mkdir(parents=True)
+        for i in range(12):
+            Image.fromarray(rng.integers(0, 255, (28, 28), dtype=np.uint8)).save(tmp_path / "img" / c / f"{i}.png")
+    sets = ["task.kind=image-classification", "task.model=tiny-vit", "data.source=image-folder",
+            f"data.train={tmp_path / 'img'}", "run.rounds=1", "run.clients_per_round=2", "partition.kind=iid",
+            "partition.num_clients=2", "lora.rank=2", "train.batch_size=4", "train.local_steps=1"]
+    args = [x for s in sets for x in ("--set", s)]
+    assert main(["compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0", "--out", str(tmp_path / "c"),
+                 "--quiet", *args]) == 0
+    res = json.loads((tmp_path / "c" / "results.json").read_text())
+    assert res["metric"] == "accuracy" and res["higher_is_better"]
+    assert main(["tune", "tiny", "--methods", "fedit", "--grid", "1e-3,1e-2", "--out", str(tmp_path / "t"), "--quiet",
+                 *args]) == 0
+    assert json.loads((tmp_path / "t" / "tune.json").read_text())["setup"]["metric"] == "accuracy"

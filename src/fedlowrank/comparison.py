@@ -41,10 +41,10 @@ Log = Callable[[str], None] | None
 
 
 def default_metric(cfg: RunConfig) -> str:
-    """``run.stop_metric`` if set, else ``accuracy`` for classification, the held-out ``loss`` for a causal LM and
-    ``rel_error`` otherwise."""
-    return cfg.run.stop_metric or {"text-classification": "accuracy", "causal-lm": "loss"}.get(cfg.task.kind,
-                                                                                               "rel_error")
+    """``run.stop_metric`` if set, else ``accuracy`` for text and image classification, the held-out ``loss`` for a
+    causal LM and ``rel_error`` otherwise (the matrix regression)."""
+    by_kind = {"text-classification": "accuracy", "image-classification": "accuracy", "causal-lm": "loss"}
+    return cfg.run.stop_metric or by_kind.get(cfg.task.kind, "rel_error")
 
 
 def higher_is_better(metric: str) -> bool:

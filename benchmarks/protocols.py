@@ -1,0 +1,150 @@
+"""The decisive protocols of the claims in docs/methods/*.md and docs/vision.md, one command each (issues 16, 20).
+
+A protocol is: each method's learning rate tuned on a validation split of the clients' training data
+(``fedlowrank tune``, seed 0, the grid below or the method's paper grid), then ``fedlowrank compare`` of the methods
+over paired seeds at their tuned rates, with the 95 % t-intervals of the paired differences against the reference
+and a verdict only where the interval excludes 0. Every step writes under ``--out/<protocol>/`` (``tune/``,
+``compare/``) and is resumable: running the same command again reuses every run that ended there with the same
+config (``--resume``), so an interrupted protocol continues, and runs made by separate processes combine.
+
+    python benchmarks/protocols.py --list
+    python benchmarks/protocols.py rpca --out runs/protocols --jobs 2
+    python benchmarks/protocols.py vision-label vision-domains --out runs/protocols --jobs 2
+    python benchmarks/protocols.py ilora --smoke --out /tmp/protocols      # tiny models, 1 round: checks the script
+
+Sizes are those of the issue (about an hour per protocol with 2 processes of 1 thread on the project's 2-core CPU).
+The IID half of FedGaLore's claim (``galore-iid``) reuses ``galore-noniid``'s tuned rates, as the paper keeps one rate
+across heterogeneity levels; FedRPCA's arms share FedIT's tuned rate, as its paper does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import provenance  # noqa: E402
+
+from fedlowrank.comparison import results_markdown, run_comparison  # noqa: E402
+from fedlowrank.tuning import run_tuning  # noqa: E402
+
+# AG News, MiniLM-L6: 10 clients, all every round, 8 × 32 tokens per step, r = 4, 2,000 test examples
+TEXT = ["partition.num_clients=10", "run.clients_per_round=10", "task.max_length=32", "train.batch_size=8",
+        "run.eval_every=5", "data.max_test_examples=2000", "lora.rank=4", "run.threads=1"]
+TEN = ["run.rounds=10", "train.local_steps=10"]
+NONIID = ["partition.alpha=0.1"]
+RANKS = ["lora.ranks=[2,4,8]"]  # dealt round-robin to the clients
+DOMAINS = ["partition.kind=domains", 'task.options={classes = [5, 6, 7, 8, 9], domains = ["clean", "rotate", '
+           '"contrast", "blur", "noise", "invert"]}', "partition.num_clients=12",
+           "run.clients_per_round=12"]
+# the stand-in backbone fmnist-vit on Fashion-MNIST classes 5–9; AdamW for every method (ILoRA's AdamW columns)
+VISION = ["run.rounds=20", "run.clients_per_round=10", "train.local_steps=5", "run.eval_every=10", "run.threads=1",
+          "train.optimizer=adamw"]
+# ILoRA's Table 2; FedIT with mixed ranks is its zero-padded form, HetLoRA (the ILoRA spec's recommendation)
+VISION_METHODS = ["ilora", "ilora-s", "hetlora", "flora", "lora-fair", "ffa-lora"]
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """``methods`` compared on ``seeds`` after tuning; ``reference`` first unless named."""
+    claim: str
+    methods: list[str]
+    sets: list[str]
+    config: str = "agnews"
+    seeds: str = "0,1,2"
+    grid: str | None = None  # None: each method's paper grid (fedlowrank methods)
+    grids: dict[str, str] = field(default_factory=dict)  # per-method grid where it differs
+    shared_lr_from: str | None = None  # tune only this method; every method runs at its rate
+    tuned_in: str | None = None  # reuse this protocol's tuning
+    reference: str | None = None
+
+
+PROTOCOLS = {
+    "florg": Protocol("FLoRG with Procrustes beats FLoRG without it (paper Table 3) and FedIT",
+                      ["florg", "florg-no-procrustes", "fedit"], TEXT + TEN + NONIID, grid="1e-3,3e-3,1e-2",
+                      reference="florg"),
+    "galore-noniid": Protocol("FedGaLore's IID → non-IID drop is smaller than FedAvg-Full's and FedGaLore-'s "
+                              "(α = 0.1 half)", ["fedgalore", "fedgalore-minus", "fedavg-full"], TEXT + TEN + NONIID,
+                              grids={"fedgalore": "1e-5,3e-5,1e-4,3e-4,1e-3,3e-3",
+                                     "fedavg-full": "1e-4,3e-4,1e-3,3e-3"}),
+    "galore-iid": Protocol("the IID half, at the α = 0.1 tuned rates", ["fedgalore", "fedgalore-minus", "fedavg-full"],
+                           TEXT + TEN + ["partition.kind=iid"], tuned_in="galore-noniid"),
+    "rpca": Protocol("FedRPCA beats FedAvg (FedIT), Task Arithmetic and TIES at the same learning rate",
+                     ["fedit", "fedrpca", "task-arithmetic", "ties"],
+                     TEXT + NONIID + ["run.rounds=30", "train.local_steps=5", "server.weighting=uniform",
+                                      "train.weight_decay=0.1"], grid="3e-4,1e-3,3e-3", shared_lr_from="fedit"),
+    "ilora": Protocol("ILoRA beats FedIT+QR with client ranks {2, 4, 8}; ILoRA-S ≥ ILoRA (residual base)",
+                      ["fedit-qr", "ilora", "ilora-s"], TEXT + TEN + NONIID + RANKS, seeds="0,1,2,3,4",
+                      grid="3e-4,1e-3,3e-3"),
+    "ilora-perclient": Protocol("the same with the per-client base W0 − s·Q0[:, :r_k]R0[:r_k]", ["ilora", "ilora-s"],
+                                TEXT + TEN + NONIID + RANKS + ["method.hetero_base=per_client"], seeds="0,1,2,3,4",
+                                grid="3e-4,1e-3,3e-3"),
+    "ssf": Protocol("SSF beats SCAFFOLD, FedAvg and FedSub on a network at fewer bytes",
+                    ["ssf", "scaffold", "fedavg-full", "fedsub"], TEXT + TEN + NONIID),
+    "vision-label": Protocol("ILoRA's Table 2 at CPU scale, label skew (Dirichlet α = 0.3), client ranks {2, 4, 8}",
+                             VISION_METHODS, VISION + RANKS + ["partition.alpha=0.3"], config="fmnist",
+                             grid="1e-3,3e-3,1e-2"),
+    "vision-domains": Protocol("the same under feature shift: 6 domains, one per client, 12 clients", VISION_METHODS,
+                               VISION + RANKS + DOMAINS, config="fmnist", grid="1e-3,3e-3,1e-2"),
+}
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_protocol(name: str, out: Path, jobs: int, smoke: bool) -> dict:
+    """Tune (unless reused), write the rates each method runs at, compare; returns compare's results."""
+    p = PROTOCOLS[name]
+    config, sets, seeds = (p.config, p.sets, p.seeds) if not smoke else (
+        "tiny" if p.config == "agnews" else "fmnist", p.sets + ["run.rounds=1", "train.local_steps=1"], "0,1")
+    if smoke and p.config == "fmnist":
+        sets = sets + ["task.model=tiny-vit", "data.max_train_examples=600", "data.max_test_examples=100"]
+    if smoke and p.config == "agnews":
+        sets = [s for s in sets if not s.startswith(("partition.num_clients", "run.clients_per_round"))]
+    tune_dir = out / (p.tuned_in or name) / "tune"
+    if not p.tuned_in:
+        for m in [p.shared_lr_from] if p.shared_lr_from else p.methods:
+            grid = p.grids.get(m, p.grid)
+            if smoke:
+                grid = ",".join((grid or "1e-3,1e-2").split(",")[:2])
+            run_tuning(config, m, grid, "0", sets, tune_dir, log, resume=True, jobs=jobs)
+    tuned = tune_dir / "tune.json"
+    if p.shared_lr_from:
+        chosen = json.loads(tuned.read_text())["chosen"][p.shared_lr_from]
+        tuned = out / name / "shared-lr.json"
+        tuned.write_text(json.dumps({"chosen": {m: {**chosen, "shared_from": p.shared_lr_from} for m in p.methods}}))
+    return run_comparison(config, p.methods, seeds, sets, out / name / "compare", log, reference=p.reference,
+                          tuned=tuned, resume=True, jobs=jobs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("protocols", nargs="*", help="protocol names (--list shows them)")
+    ap.add_argument("--out", default="runs/protocols", help="the protocols' directory (reused on a second run)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs side by side (processes of run.threads = 1)")
+    ap.add_argument("--list", action="store_true", help="list the protocols and their claims")
+    ap.add_argument("--smoke", action="store_true", help="tiny models, 1 round, 2 seeds: checks the script runs")
+    args = ap.parse_args(argv)
+    unknown = [n for n in args.protocols if n not in PROTOCOLS]
+    if args.list or not args.protocols or unknown:
+        if unknown:
+            print(f"unknown protocol: {', '.join(unknown)}", file=sys.stderr)
+        for n, p in PROTOCOLS.items():
+            print(f"{n:16s} {p.claim}\n{'':16s} {p.config}: {' '.join(p.methods)}; seeds {p.seeds}; "
+                  f"--set {' '.join(p.sets)}")
+        return 2 if unknown else 0
+    print(provenance(argv))
+    for name in args.protocols:
+        results = run_protocol(name, Path(args.out), args.jobs, args.smoke)
+        print(f"\n# Protocol {name}: {PROTOCOLS[name].claim}\n")
+        print(results_markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
