@@ -2,6 +2,7 @@
 and ``compare --tuned`` runs each method at its chosen learning rate."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -263,3 +264,27 @@ def test_tune_files_of_earlier_versions_are_read(tmp_path):
     old = tmp_path / "tune.json"
     old.write_text(json.dumps({"chosen": {"fedit": {"lr": 0.01, "score": 0.5, "scores": {"0.01": 0.5}}}}))
     assert read_tuned(old) == {"fedit": {"train.lr": 0.01}}
+
+
+def test_extend_tries_values_beyond_an_edge_until_the_best_is_interior(monkeypatch):
+    """``--extend``: validation accuracy peaks at lr = 10^-4.5; from {3e-4, 1e-3, 3e-3} the 1–3–10 ladder goes down
+    to 1e-4, 3e-5 (the best) and 1e-5, where the best is interior and the extension stops."""
+    from fedlowrank.runtime.simulator import Simulation
+    from fedlowrank.tuning import beyond_edge
+
+    def fake_run(self):
+        self.last_eval = {"accuracy": 1 - (math.log10(self.cfg.train.lr) + 4.5) ** 2}
+        return {}
+
+    monkeypatch.setattr(Simulation, "run", fake_run)
+    res = run_tuning("tiny", "fedit", "3e-4,1e-3,3e-3", "0", ["run.rounds=1"], extend=5)
+    assert res["grid"]["fedit"] == [3e-4, 1e-3, 3e-3, 1e-4, 3e-5, 1e-5]
+    assert res["chosen"]["fedit"]["value"] == 3e-5
+    short = run_tuning("tiny", "fedit", "3e-4,1e-3,3e-3", "0", ["run.rounds=1"], extend=1)
+    assert short["grid"]["fedit"] == [3e-4, 1e-3, 3e-3, 1e-4] and short["chosen"]["fedit"]["value"] == 1e-4
+    interior = run_tuning("tiny", "fedit", "1e-5,3e-5,1e-4", "0", ["run.rounds=1"], extend=5)
+    assert interior["grid"]["fedit"] == [1e-5, 3e-5, 1e-4]
+    assert beyond_edge([1e-4, 1e-3, 1e-2, 1e-1], True) == 1.0 and beyond_edge([1e-4, 1e-3, 1e-2], False) == 1e-5
+    assert beyond_edge([0.1, 0.25, 0.5], True) == 1.0  # off the ladder: geometric
+    with pytest.raises(ConfigError, match="--extend must be an integer >= 0"):
+        run_tuning("tiny", "fedit", GRID, "0", [], extend=-1)

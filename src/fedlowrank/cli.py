@@ -5,7 +5,8 @@
   methods on the same partitions, seeds and budget (:mod:`fedlowrank.comparison`); prints the setup and the
   table (means with 95% t-intervals over seeds, paired differences against the reference), writes
   ``results.json``, ``results.md`` and accuracy-vs-round / accuracy-vs-bytes plots.
-* ``fedlowrank tune [CONFIG] [--methods a,b] [--grid 1e-3,3e-3] [--seeds 0] [--param KEY] [--tuned TUNE_JSON]``
+* ``fedlowrank tune [CONFIG] [--methods a,b] [--grid 1e-3,3e-3] [--seeds 0] [--param KEY] [--tuned TUNE_JSON]
+  [--extend N]``
   — each method's learning rate (or another numeric setting) chosen on a validation split held out of the
   clients' training data; writes ``tune.json`` for ``compare --tuned``.
 * ``fedlowrank resume RUN_DIR [--round N]`` — continue an interrupted run from its newest intact checkpoint
@@ -171,7 +172,7 @@ def cmd_tune(args) -> int:
 
     out, lock = _claim_output(args, "tune")
     result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out, None if args.quiet else _log,
-                        resume=args.resume, jobs=args.jobs, param=args.param, tuned=args.tuned)
+                        resume=args.resume, jobs=args.jobs, param=args.param, tuned=args.tuned, extend=args.extend)
     print(tune_markdown(result))
     _log(f"tuning: {out / 'tune.json'}; use it with: fedlowrank compare ... --tuned {out / 'tune.json'}")
     lock.release()
@@ -265,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "paper grid)")
     sp.add_argument("--tuned", default=None, metavar="TUNE_JSON",
                     help="run each method at the values chosen there while tuning --param")
+    sp.add_argument("--extend", type=int, default=0, metavar="N",
+                    help="while a method's best value is at an edge of the grid, try one more beyond it, at most N "
+                    "times (default 0)")
     sp.add_argument("--seeds", default=None, help="comma-separated seeds (default: run.seed)")
     sp.add_argument("--resume", action="store_true", help=RESUME_HELP)
     sp.add_argument("--jobs", type=int, default=1, metavar="N", help=JOBS_HELP)

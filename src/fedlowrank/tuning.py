@@ -69,13 +69,14 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
                grid: str | list[float] | None = None, seeds: str | list[int] | None = None,
                overrides: list[str] | tuple[str, ...] = (), out: str | Path | None = None,
                log: Log = None, resume: bool = False, jobs: int = 1, param: str = LR,
-               tuned: str | Path | None = None) -> dict[str, Any]:
+               tuned: str | Path | None = None, extend: int = 0) -> dict[str, Any]:
     """Tune ``param`` (default ``train.lr``) per method on the validation split; returns what ``tune.json`` holds
     (written to ``out`` with one run directory per (method, value, seed) when ``out`` is given; ``resume`` reuses
     the runs that ended there; ``jobs > 1`` runs them in that many processes,
     :func:`fedlowrank.comparison.run_in_processes`). ``tuned``: a ``tune.json`` whose choices each method runs at
     while ``param`` is tuned (a learning rate tuned first, then ``privacy.clip`` at it); each method's chosen
-    ``sets`` hold both, for ``compare --tuned``."""
+    ``sets`` hold both, for ``compare --tuned``. ``extend``: while a method's best value is at an edge of what was
+    tried, try one more value beyond it (:func:`beyond_edge`), at most ``extend`` times."""
     from .methods import lr_grid
     from .partition import partition_task
     from .runtime.simulator import DivergenceError, Simulation
@@ -88,6 +89,8 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
     fixed = [s for s in overrides if s.split("=", 1)[0].strip() == param]
     if fixed:
         raise ConfigError(f"tune: --set {fixed[0]} fixes {param}, the parameter being tuned; remove it")
+    if isinstance(extend, bool) or not isinstance(extend, int) or extend < 0:
+        raise ConfigError(f"--extend must be an integer >= 0, got {extend!r}")
     fixed_grid = parse_grid(grid)
     if fixed_grid is None and param != LR:
         raise ConfigError(f"--grid: give the values of {param} to try (only train.lr has default grids)")
@@ -97,9 +100,19 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
     if missing:
         raise ConfigError(f"--tuned: {tuned} chose no value for {', '.join(missing)} (tuned: {', '.join(earlier)})")
     at = {n: {k: v for k, v in earlier.get(n, {}).items() if k != param} for n in names}
-    configs = {(n, v, s): load_config(config, [*method_settings(base, n, overrides, {**at[n], param: v}),
-                                               f"run.seed={s}"])
-               for n in names for v in grids[n] for s in seed_list}
+    configs: dict[tuple[str, float, int], Any] = {}
+
+    def config_of(name: str, value: float, seed: int):
+        if (name, value, seed) not in configs:
+            configs[name, value, seed] = load_config(config, [*method_settings(base, name, overrides,
+                                                                               {**at[name], param: value}),
+                                                              f"run.seed={seed}"])
+        return configs[name, value, seed]
+
+    for n in names:  # every config is checked before anything runs
+        for v in grids[n]:
+            for s in seed_list:
+                config_of(n, v, s)
     out = Path(out) if out is not None else None
     base_fingerprint = config_fingerprint(base)
     kept = earlier_choices(out / "tune.json", names, base_fingerprint, seed_list, param) if out is not None else {}
@@ -127,60 +140,87 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
 
     check_jobs(jobs, out)
     diverged: dict[str, str] = {}
-    if jobs > 1:
+
+    def run_ahead(cells: list[tuple[str, float]]) -> None:
+        """With ``jobs > 1``: run the (method, value) cells' unfinished runs in worker processes first."""
+        if jobs == 1:
+            return
         pending = []
-        for (name, value, seed), cfg in configs.items():
-            run_dir = run_dir_of(name, value, seed)
-            if not (resume and finished_run(run_dir, cfg)):
-                _, train_parts, held_out = split_of(cfg)
-                pending.append((f"tune [{name}] {short}={value:g} seed={seed}", cfg, run_dir, train_parts, held_out))
-        diverged = run_in_processes(pending, jobs, resume, log)
+        for name, value in cells:
+            for seed in seed_list:
+                cfg, run_dir = config_of(name, value, seed), run_dir_of(name, value, seed)
+                if not (resume and finished_run(run_dir, cfg)):
+                    _, train_parts, held_out = split_of(cfg)
+                    pending.append((f"tune [{name}] {short}={value:g} seed={seed}", cfg, run_dir, train_parts,
+                                    held_out))
+        diverged.update(run_in_processes(pending, jobs, resume, log))
 
     runs: list[dict[str, Any]] = []
     setup: dict[str, Any] | None = None
+
+    def score_of(name: str, value: float) -> tuple[float, str]:
+        """The mean validation score over the seeds of ``param = value`` (nan if a run diverged), and the metric."""
+        nonlocal setup
+        values = []
+        for seed in seed_list:
+            cfg = config_of(name, value, seed)
+            task, train_parts, held_out = split_of(cfg)
+            view = task.validation(held_out)
+            metric = view.validation_metric
+            if setup is None:  # sizes of the first seed's split (each run records its own)
+                setup = {**setup_of(cfg, task.describe(), seed_list), "num_validation": int(len(held_out)),
+                         "validation_fraction": cfg.data.validation_fraction, "metric": metric}
+                setup["num_test"] = None  # the test set is not used
+            run_dir = run_dir_of(name, value, seed)
+            label = f"tune [{name}] {short}={value:g} seed={seed}"
+            done = finished_run(run_dir, cfg) if (resume or jobs > 1) and run_dir is not None else None
+            try:
+                if label in diverged:
+                    raise DivergenceError(diverged[label])
+                if done is not None:
+                    if log and jobs == 1:
+                        log(f"{label}: reusing the finished run in {run_dir}")
+                    validation = done["metrics"]
+                else:
+                    sim = Simulation(cfg, task=view, run_dir=run_dir, log=log, parts=train_parts, overwrite=resume)
+                    sim.run()
+                    validation = dict(sim.last_eval)
+                score = validation.get(metric, math.nan)
+            except DivergenceError as exc:
+                score, validation = math.nan, {"diverged": str(exc)}
+            values.append(score)
+            runs.append({"method": name, "param": param, "value": value, "lr": cfg.train.lr, "seed": seed,
+                         "metric": metric, "score": score, "num_validation": int(len(held_out)),
+                         "validation": validation})
+            if log:
+                log(f"{label}: validation {metric} = {score:.4f}")
+        return (float(np.mean(values)) if all(math.isfinite(v) for v in values) else math.nan), metric
+
+    def best(scores: dict[float, float], metric: str) -> float | None:
+        finite = {v: x for v, x in scores.items() if math.isfinite(x)}
+        return (max if metric == "accuracy" else min)(finite, key=finite.get) if finite else None
+
+    run_ahead([(n, v) for n in names for v in grids[n]])
     chosen: dict[str, dict[str, Any]] = {}
     for name in names:
-        scores = {}
+        scores: dict[float, float] = {}
         for value in grids[name]:
-            values = []
-            for seed in seed_list:
-                cfg = configs[(name, value, seed)]
-                task, train_parts, held_out = split_of(cfg)
-                view = task.validation(held_out)
-                metric = view.validation_metric
-                if setup is None:  # sizes of the first seed's split (each run records its own)
-                    setup = {**setup_of(cfg, task.describe(), seed_list), "num_validation": int(len(held_out)),
-                             "validation_fraction": cfg.data.validation_fraction, "metric": metric}
-                    setup["num_test"] = None  # the test set is not used
-                run_dir = run_dir_of(name, value, seed)
-                label = f"tune [{name}] {short}={value:g} seed={seed}"
-                done = finished_run(run_dir, cfg) if (resume or jobs > 1) and run_dir is not None else None
-                try:
-                    if label in diverged:
-                        raise DivergenceError(diverged[label])
-                    if done is not None:
-                        if log and jobs == 1:
-                            log(f"{label}: reusing the finished run in {run_dir}")
-                        validation = done["metrics"]
-                    else:
-                        sim = Simulation(cfg, task=view, run_dir=run_dir, log=log, parts=train_parts, overwrite=resume)
-                        sim.run()
-                        validation = dict(sim.last_eval)
-                    score = validation.get(metric, math.nan)
-                except DivergenceError as exc:
-                    score, validation = math.nan, {"diverged": str(exc)}
-                values.append(score)
-                runs.append({"method": name, "param": param, "value": value, "lr": cfg.train.lr, "seed": seed,
-                             "metric": metric, "score": score, "num_validation": int(len(held_out)),
-                             "validation": validation})
-                if log:
-                    log(f"{label}: validation {metric} = {score:.4f}")
-            scores[value] = float(np.mean(values)) if all(math.isfinite(v) for v in values) else math.nan
-        finite = {v: x for v, x in scores.items() if math.isfinite(x)}
-        if not finite:
+            scores[value], metric = score_of(name, value)
+        for _ in range(extend):
+            pick, tried = best(scores, metric), sorted(scores)
+            if pick is None or len(tried) < 2 or pick not in (tried[0], tried[-1]):
+                break
+            value = beyond_edge(tried, pick == tried[-1])
+            if log:
+                log(f"tune [{name}]: the best {short} {pick:g} is at an edge of {', '.join(f'{v:g}' for v in tried)}; "
+                    f"trying {value:g}")
+            run_ahead([(name, value)])
+            scores[value], metric = score_of(name, value)
+        grids[name] = list(scores)
+        pick = best(scores, metric)
+        if pick is None:
             raise ValueError(f"tune: every {param} of {name!r} diverged ({', '.join(map(str, grids[name]))})")
-        pick = (max if metric == "accuracy" else min)(finite, key=finite.get)
-        chosen[name] = {"param": param, "value": pick, "sets": {**at[name], param: pick}, "score": finite[pick],
+        chosen[name] = {"param": param, "value": pick, "sets": {**at[name], param: pick}, "score": scores[pick],
                         "scores": {f"{v:g}": x for v, x in scores.items()}}
     assert setup is not None
     result = {"setup": setup, "seeds": seed_list, "base": base_fingerprint, "param": param,
@@ -193,6 +233,28 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
         (out / "tune.json").write_text(json.dumps(result, indent=1))
         (out / "tune.md").write_text(tune_markdown(result))
     return result
+
+
+def beyond_edge(tried: list[float], upper: bool) -> float:
+    """The next value past the upper (``upper``) or lower edge of the sorted values ``tried``, as far from the edge
+    as its neighbour is: on the 1–3–10 ladder when every value is 1·10ᵏ or 3·10ᵏ (3e-4 → 1e-4 → 3e-5 in a
+    half-decade grid, 1e-2 → 1e-1 in a decade grid), else the geometric step ``edge²/neighbour``."""
+    edge, neighbour = (tried[-1], tried[-2]) if upper else (tried[0], tried[1])
+
+    def rung(v: float) -> int | None:
+        """Position on the ladder …, 1e-3, 3e-3, 1e-2, … (None off it)."""
+        exponent = math.floor(math.log10(v) + 1e-9)
+        mantissa = v / 10.0 ** exponent
+        for step, m in ((0, 1.0), (1, 3.0)):
+            if abs(mantissa - m) < 1e-6 * m:
+                return 2 * exponent + step
+        return None
+
+    ladder = [rung(v) for v in tried]
+    if all(r is not None for r in ladder):
+        target = 2 * rung(edge) - rung(neighbour)
+        return float(f"{1 if target % 2 == 0 else 3}e{target // 2}")
+    return edge * edge / neighbour
 
 
 def earlier_choices(path: Path, names: list[str], base_fingerprint: str, seeds: list[int],
