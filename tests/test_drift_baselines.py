@@ -573,3 +573,20 @@ def test_scaffold_control_mean_survives_a_skipped_round():
     for key in model_keys(sim.server):
         cis = [sim.store.get(i, State()).get(f"scaffold.ci/{key}", torch.zeros_like(sim.server[key])) for i in range(4)]
         torch.testing.assert_close(sim.server[f"scaffold.c/{key}"], torch.stack(cis).mean(0), atol=1e-6, rtol=1e-5)
+
+
+def test_scaffold_full_is_fedavg_full_with_scaffold_bit_for_bit():
+    """``scaffold-full`` (SSF's Full-SCAFFOLD under its own name) runs exactly ``fedavg-full`` with
+    ``method.correction = "scaffold"``: same global state and bytes."""
+    from fedlowrank.runtime.simulator import Simulation
+
+    from helpers import tiny_config, tiny_task
+
+    sims = [Simulation(tiny_config(*sets, "run.rounds=2"), task=tiny_task()) for sets in
+            (["method.name=scaffold-full"], ["method.name=fedavg-full", "method.correction=scaffold"])]
+    for sim in sims:
+        sim.run()
+    a, b = (sim.server.tensors() for sim in sims)
+    assert a.keys() == b.keys() and any(k.startswith("scaffold.c/") for k in a)  # the server control variate
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["up"] for r in sims[0].ledger.rows] == [r["up"] for r in sims[1].ledger.rows]

@@ -106,3 +106,20 @@ class FedAvgFull(Method):
                 server[f"scaffold.c/{k}"], ci[clients] = scaffold_control_step(
                     server[f"scaffold.c/{k}"], ci[clients], None, gbar[n], self.info.num_clients, "scaffold")
         return server
+
+
+@register
+@dataclass
+class ScaffoldFull(FedAvgFull):
+    """Full-SCAFFOLD, SSF's baseline: ``fedavg-full`` with SCAFFOLD's control variates on every trained weight,
+    under its own name so that one comparison can hold FedAvg-Full and Full-SCAFFOLD side by side."""
+
+    name = "scaffold-full"
+    description = "full fine-tuning of the target weights with SCAFFOLD control variates (SSF's Full-SCAFFOLD)"
+    paper = "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning (ICML 2020)"
+    uplink = "dense W [out,in] per target module, head; and Δcᵢ of the same shapes"
+    downlink = "dense W̄ [out,in] per target module, head; and the server control variate c of the same shapes"
+    preset = {"server.weighting": "uniform", "train.optimizer": "sgd"}  # SCAFFOLD's Alg. 1: uniform, plain SGD
+    lr_grid = (1e-4, 1e-3, 1e-2, 1e-1)  # SSF's search grid, for the comparison with it
+
+    correction: str = "scaffold"
