@@ -19,7 +19,7 @@ Each method runs in the strongest privacy mode it supports (``supported_privacy_
 FFA-LoRA and FedSA-LoRA, local DP (noise σ·C on each reply) for FLoRG, whose Gram aggregation needs individual
 replies. Client-level DP adds no bytes (clipping and noise keep every tensor's shape).
 
-The study as sized for this CPU (100 clients of AG News, 10 per round, 20 rounds of 2 local steps):
+The study as sized for this CPU (100 clients of AG News, Dirichlet α = 1, 10 per round, 20 rounds of 2 local steps):
 
     python benchmarks/study_privacy.py --out runs/study-privacy --jobs 2
 
@@ -49,10 +49,12 @@ from fedlowrank.progress import format_bytes  # noqa: E402
 from fedlowrank.tuning import run_tuning  # noqa: E402
 
 METHODS = "fedit,ffa-lora,florg,fedsa-lora"
-# 100 clients of ~100 examples, 10 sampled per round: client-level DP needs many clients per round to leave signal
-STUDY_SETS = ["partition.num_clients=100", "run.clients_per_round=10", "partition.alpha=0.5", "run.rounds=20",
-              "train.local_steps=2", "train.batch_size=16", "task.max_length=32", "lora.rank=4", "run.eval_every=10",
-              "data.max_test_examples=2000", "server.weighting=uniform", "run.threads=1"]
+# 100 clients of ~100 examples (Dirichlet α = 1: at α = 0.5 no draw gives every client a batch of 16), 10 sampled
+# per round: client-level DP needs many clients per round to leave any signal
+STUDY_SETS = ["partition.num_clients=100", "partition.min_partition_size=16", "run.clients_per_round=10",
+              "partition.alpha=1.0", "run.rounds=20", "train.local_steps=2", "train.batch_size=16",
+              "task.max_length=32", "lora.rank=4", "run.eval_every=10", "data.max_test_examples=2000",
+              "server.weighting=uniform", "run.threads=1"]
 
 
 def parse_args(argv=None):
