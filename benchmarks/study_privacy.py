@@ -117,7 +117,8 @@ def main(argv=None) -> int:
                                       resume=True, jobs=args.jobs)
     setup = results[math.inf]["setup"]
     print(f"\nsetup as run: {setup['data_source']}, {setup['num_train']:,} training / {setup['num_test']:,} test "
-          f"examples, {describe_partition(setup['partition'])}, {setup['clients_per_round']} per round, {setup['rounds']} rounds "
+          f"examples, {describe_partition(setup['partition'])}, {setup['clients_per_round']} per round, "
+          f"{setup['rounds']} rounds "
           f"of {setup['local_steps']} local steps of batch {setup['batch_size']}, seeds {args.seeds}; δ = 1/N")
     print("final accuracy, mean ± 95 % t half-width over the seeds [C chosen on validation; ε reached]")
     print(f"{'method':12s}" + "".join(f"{'ε = ' + format(e, 'g'):>30s}" for e in results))

@@ -186,8 +186,8 @@ def read_tuned(path: str | Path, field: str = "compare.tuned") -> dict[str, dict
     versions that tuned only the learning rate)."""
     try:
         chosen = json.loads(Path(path).read_text())["chosen"]
-        return {name: {k: float(v) for k, v in (entry["sets"] if "sets" in entry else {"train.lr": entry["lr"]}).items()}
-                for name, entry in chosen.items()}
+        sets = {name: entry["sets"] if "sets" in entry else {"train.lr": entry["lr"]} for name, entry in chosen.items()}
+        return {name: {k: float(v) for k, v in values.items()} for name, values in sets.items()}
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
         raise ConfigError(f"{field}: {path} is not a tune.json written by fedlowrank tune ({exc})") from None
 
