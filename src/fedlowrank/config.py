@@ -229,7 +229,8 @@ MEANINGS: dict[str, str] = {
     "compare.methods": "methods that `fedlowrank compare` runs",
     "compare.seeds": "seeds that `fedlowrank compare` runs each method with",
     "compare.overrides": "per-method settings, e.g. {fedgalore = [\"train.lr=1e-4\"]}",
-    "compare.tuned": "a tune.json from `fedlowrank tune` whose chosen values (learning rates, ...) compare applies ('' = none)",
+    "compare.tuned": "a tune.json from `fedlowrank tune` whose chosen values (learning rates, ...) compare applies "
+                     "('' = none)",
     "privacy.mode": "client-level DP: '' (off), central (server clips each update, noise on the sum) or local "
                     "(each client noises its own reply)",
     "privacy.clip": "C, the L2 bound of a client's update (inf = no clipping); the initial C when adaptive",

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from .comparison import (Log, check_jobs, finished_run, method_settings, parse_methods, parse_seeds, read_tuned,
-                         run_in_processes, setup_lines, setup_of, task_key)
+from .comparison import (Log, check_jobs, finished_run, higher_is_better, method_settings, parse_methods, parse_seeds,
+                         read_tuned, run_in_processes, setup_lines, setup_of, task_key)
 from .config import ConfigError, load_config
 from .runtime.checkpoint import config_fingerprint
 from .seeding import numpy_rng
@@ -198,7 +198,7 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
 
     def best(scores: dict[float, float], metric: str) -> float | None:
         finite = {v: x for v, x in scores.items() if math.isfinite(x)}
-        return (max if metric == "accuracy" else min)(finite, key=finite.get) if finite else None
+        return (max if higher_is_better(metric) else min)(finite, key=finite.get) if finite else None
 
     run_ahead([(n, v) for n in names for v in grids[n]])
     chosen: dict[str, dict[str, Any]] = {}
@@ -250,9 +250,9 @@ def beyond_edge(tried: list[float], upper: bool) -> float:
                 return 2 * exponent + step
         return None
 
-    ladder = [rung(v) for v in tried]
-    if all(r is not None for r in ladder):
-        target = 2 * rung(edge) - rung(neighbour)
+    rungs = {v: rung(v) for v in tried}
+    if None not in rungs.values():
+        target = 2 * rungs[edge] - rungs[neighbour]
         return float(f"{1 if target % 2 == 0 else 3}e{target // 2}")
     return edge * edge / neighbour
 
@@ -286,7 +286,7 @@ def tune_markdown(result: dict[str, Any]) -> str:
     """``tune.md``: the setup as run and, per method, each tried value's mean validation score."""
     setup = result["setup"]
     param = result.get("param", LR)
-    direction = "higher" if setup["metric"] == "accuracy" else "lower"
+    direction = "higher" if higher_is_better(setup["metric"]) else "lower"
     lines = ["# Tuning", "", "## Setup (as run)", "", *setup_lines(setup),
              f"- validation: {setup['validation_fraction']:g} of each client's examples held out (not trained on); "
              "the test set is not used", *([f"- each method at the values chosen in {result['tuned']}"]
