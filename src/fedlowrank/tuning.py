@@ -59,9 +59,9 @@ def parse_grid(text: str | list[float] | None) -> list[float] | None:
     try:
         grid = [float(x) for x in text.split(",")] if isinstance(text, str) else [float(x) for x in text]
     except ValueError:
-        raise ConfigError(f"--grid: expected comma-separated learning rates, got {text!r}") from None
+        raise ConfigError(f"--grid: expected comma-separated numbers, got {text!r}") from None
     if not grid or any(not math.isfinite(x) or x <= 0 for x in grid) or len(set(grid)) != len(grid):
-        raise ConfigError(f"--grid: expected distinct positive learning rates, got {text!r}")
+        raise ConfigError(f"--grid: expected distinct positive numbers, got {text!r}")
     return grid
 
 
