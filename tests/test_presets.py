@@ -31,5 +31,14 @@ def test_papers_settings():
     for name in ("ffa-lora", "lora-fair", "scaffold", "ssf", "fedsub"):
         assert 'train.optimizer="sgd"' in preset_overrides(name)
     assert lr_grid("florg") == [1e-3, 3e-3, 1e-2]
+
+
+def test_ssf_study_methods_take_one_step_size_for_every_parameter():
+    """SSF's Alg. 1 (and its comparators') SGD has one η_l: the head follows the tuned ``train.lr`` even where
+    the config gives the head its own (AdamW) rate, as agnews does (there the head never moved under SGD)."""
+    assert load_config("agnews").train.head_lr > 0
+    for name in ("ssf", "fedsub", "scaffold-full"):
+        cfg = load_config("agnews", preset_overrides(name) + [f"method.name={name}", "train.lr=0.1"])
+        assert cfg.train.optimizer == "sgd" and cfg.train.head_lr == 0.0
     assert lr_grid("ilora") == lr_grid("ilora-s") == [3e-4, 1e-3, 3e-3]
     assert preset_overrides("fedit") == [] and lr_grid("fedit") == list(DEFAULT_LR_GRID)

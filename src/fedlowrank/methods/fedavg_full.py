@@ -119,7 +119,8 @@ class ScaffoldFull(FedAvgFull):
     paper = "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning (ICML 2020)"
     uplink = "dense W [out,in] per target module, head; and Δcᵢ of the same shapes"
     downlink = "dense W̄ [out,in] per target module, head; and the server control variate c of the same shapes"
-    preset = {"server.weighting": "uniform", "train.optimizer": "sgd"}  # SCAFFOLD's Alg. 1: uniform, plain SGD
+    # SCAFFOLD's Alg. 1: uniform weights, plain SGD with one step size for every parameter
+    preset = {"server.weighting": "uniform", "train.optimizer": "sgd", "train.head_lr": 0.0}
     lr_grid = (1e-4, 1e-3, 1e-2, 1e-1)  # SSF's search grid, for the comparison with it
 
     correction: str = "scaffold"
