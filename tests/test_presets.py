@@ -31,6 +31,8 @@ def test_papers_settings():
     for name in ("ffa-lora", "lora-fair", "scaffold", "ssf", "fedsub"):
         assert 'train.optimizer="sgd"' in preset_overrides(name)
     assert lr_grid("florg") == [1e-3, 3e-3, 1e-2]
+    assert lr_grid("ilora") == lr_grid("ilora-s") == [3e-4, 1e-3, 3e-3]
+    assert preset_overrides("fedit") == [] and lr_grid("fedit") == list(DEFAULT_LR_GRID)
 
 
 def test_ssf_study_methods_take_one_step_size_for_every_parameter():
@@ -40,5 +42,3 @@ def test_ssf_study_methods_take_one_step_size_for_every_parameter():
     for name in ("ssf", "fedsub", "scaffold-full"):
         cfg = load_config("agnews", preset_overrides(name) + [f"method.name={name}", "train.lr=0.1"])
         assert cfg.train.optimizer == "sgd" and cfg.train.head_lr == 0.0
-    assert lr_grid("ilora") == lr_grid("ilora-s") == [3e-4, 1e-3, 3e-3]
-    assert preset_overrides("fedit") == [] and lr_grid("fedit") == list(DEFAULT_LR_GRID)
