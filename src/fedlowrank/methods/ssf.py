@@ -225,6 +225,8 @@ class SubspaceMethod(Method):
 
     needs_individual_replies: ClassVar[bool] = True
     uploads_gradients: ClassVar[bool] = False   # whether replies carry ḡᵢ (``g/<key>``)
+    preset = {"train.optimizer": "sgd", "train.head_lr": 0.0}  # plain SGD, one η_l for every parameter (Alg. 1)
+    lr_grid = (1e-4, 1e-3, 1e-2, 1e-1)  # SSF's search grid (FedSub's too, for the comparison with it)
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -443,8 +445,6 @@ class SSF(SubspaceMethod):
     uplink = "Y [out,r] and mean projected gradient [out,r] per target layer; head and its mean gradient"
     downlink = "model increments [out,r] since last sync (or W), (c − cᵢ)Pᵀ [out,r] per layer; head, c − cᵢ of head"
     uploads_gradients = True
-    preset = {"train.optimizer": "sgd", "train.head_lr": 0.0}  # plain SGD, one η_l for every parameter (Alg. 1)
-    lr_grid = (1e-4, 1e-3, 1e-2, 1e-1)  # the paper's search grid
 
     control_update: str = "scaffold"
     controls: str = "full"
@@ -498,8 +498,6 @@ class FedSub(SubspaceMethod):
     paper = "Zhang, Xu, Yuan, An Efficient Subspace Algorithm for Federated Learning on Heterogeneous Data (arXiv:2509.05213)"
     uplink = "Y [out,r] per target layer; head"
     downlink = "model increments [out,r] since last sync (or W), dual Λᵢ [out,r] per layer; head"
-    preset = {"train.optimizer": "sgd", "train.head_lr": 0.0}  # plain SGD, one step size for every parameter
-    lr_grid = (1e-4, 1e-3, 1e-2, 1e-1)  # SSF's search grid, for the comparison with it
 
     refresh_every: int = 5
     dual_transfer: str = "rotate"
