@@ -98,8 +98,8 @@ PROTOCOLS = {
     # plain-SGD points up: --extend adds up to two decades (1e-3, 1e-4 or 1, 10) where the best sits at an edge
     "ssf-resnet": Protocol("SSF's Table 5 at CPU scale: ResNet-20 from scratch on Fashion-MNIST, 4 clients, α = 0.3",
                            ["ssf", "scaffold-full", "fedavg-full", "fedsub"],
-                           ["run.rounds=50", "train.local_steps=5", "run.eval_every=10", "run.threads=1"],
-                           config="resnet", grid="1e-3,1e-2,1e-1"),  # ratio 0.25: the resnet config's overrides
+                           ["run.rounds=30", "train.local_steps=5", "run.eval_every=10", "run.threads=1"],
+                           config="resnet", grid="1e-2,3e-2,1e-1"),  # ratio 0.25: the resnet config's overrides
     "vision-label": Protocol("ILoRA's Table 2 at CPU scale, label skew (Dirichlet α = 0.3), client ranks {2, 4, 8}",
                              VISION_METHODS, VISION + RANKS + ["partition.alpha=0.3"], config="fmnist",
                              grid="1e-3,3e-3,1e-2"),
