@@ -161,6 +161,31 @@ def test_personalised_method_reports_each_clients_test_metrics(tmp_path):
             assert e["bytes_up"] == e["bytes_down"] == 0 and e["train_loss"] is None
 
 
+def test_personal_eval_clients_evaluates_a_fixed_subset_and_changes_nothing_else(tmp_path):
+    full = _run(tmp_path / "all", "method.name=fedsa-lora", "run.clients_per_round=3", rounds=2)
+    some = _run(tmp_path / "some", "method.name=fedsa-lora", "run.clients_per_round=3", "run.personal_eval_clients=2",
+                rounds=2)
+    assert len(full.store) > 2
+    chosen = some.personal_eval_clients()
+    assert len(chosen) == 2 and set(chosen) <= set(some.store)
+    every, last = _rows(full)[-1], _rows(some)[-1]
+    tested = {e["client"]: e["test"] for e in last["per_client"] if "test" in e}
+    assert sorted(tested) == chosen
+    # each chosen client's own model scores what it scores when every client is evaluated
+    assert tested == {e["client"]: e["test"] for e in every["per_client"] if e["client"] in chosen}
+    assert np.mean([t["accuracy"] for t in tested.values()]) == pytest.approx(last["accuracy"])
+    # training is untouched: same losses and bytes every round
+    for a, b in zip(_rows(full), _rows(some)):
+        assert (a["train_loss"], a["bytes_up"], a["bytes_down"]) == (b["train_loss"], b["bytes_up"], b["bytes_down"])
+
+
+@pytest.mark.parametrize("value", ["-1", "5"])
+def test_bad_personal_eval_clients_names_the_range(value):
+    with pytest.raises(ConfigError, match=rf"run\.personal_eval_clients must be in \[0, partition\.num_clients = 4\] "
+                                          rf"\(0 = every client\), got {value}"):
+        tiny_config(f"run.personal_eval_clients={value}")
+
+
 # -- a run's own plots -------------------------------------------------------------------------------------
 def test_cli_run_plots_its_curves(tmp_path, capsys):
     out = tmp_path / "r"

@@ -41,6 +41,7 @@ class RunSection:
     rounds: int = 10
     clients_per_round: int = 5
     eval_every: int = 1
+    personal_eval_clients: int = 0  # personalised methods: clients whose own model is evaluated (0 = all)
     out_dir: str = "runs"
     threads: int = 0
     checkpoint_every: int = 0
@@ -153,6 +154,9 @@ MEANINGS: dict[str, str] = {
     "run.rounds": "federated rounds",
     "run.clients_per_round": "clients sampled per round (at most partition.num_clients)",
     "run.eval_every": "evaluate every this many rounds (and after the last)",
+    "run.personal_eval_clients": "personalised methods (fedsa-lora): evaluate the own models of this many clients, "
+                                 "the first with a state in a fixed order drawn from run.seed (0 = every client "
+                                 "with a state); each costs one pass over the test set. The simulator only",
     "run.out_dir": "folder in which run directories are made",
     "run.threads": "torch threads (0 = torch's default)",
     "run.device": "where to compute: auto (a CUDA GPU when there is one), cpu, cuda or cuda:N",
@@ -348,6 +352,9 @@ def validate(cfg: RunConfig, method_checks: bool = True) -> None:
     _need(1 <= r.clients_per_round <= p.num_clients,
           f"run.clients_per_round must be in [1, partition.num_clients = {p.num_clients}], got {r.clients_per_round}")
     _need(r.eval_every >= 1, f"run.eval_every must be >= 1, got {r.eval_every}")
+    _need(0 <= r.personal_eval_clients <= p.num_clients,
+          f"run.personal_eval_clients must be in [0, partition.num_clients = {p.num_clients}] (0 = every client), "
+          f"got {r.personal_eval_clients}")
     _need(1 <= r.min_replies <= r.clients_per_round,
           f"run.min_replies must be in [1, run.clients_per_round = {r.clients_per_round}], got {r.min_replies}")
     _need(0 <= r.dropout < 1, f"run.dropout must be in [0, 1), got {r.dropout}")

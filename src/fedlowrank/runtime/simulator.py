@@ -180,13 +180,24 @@ class Simulation:
                 fh.write(json.dumps(row) + "\n")
 
     # -- rounds --------------------------------------------------------------------------------------
+    def personal_eval_clients(self) -> list[int]:
+        """Clients whose own model a personalised method's evaluation loads: every client with a state, or the
+        first ``run.personal_eval_clients`` of them in a fixed order drawn from ``run.seed`` (the same every
+        round, so later rounds re-evaluate the same clients once they have a state)."""
+        n = self.cfg.run.personal_eval_clients
+        if n == 0:
+            return sorted(self.store)
+        order = numpy_rng(self.cfg.run.seed, "personal-eval").permutation(self.cfg.partition.num_clients)
+        return sorted([int(k) for k in order if int(k) in self.store][:n])
+
     def evaluate(self) -> dict[str, float]:
-        """Global model on the test set; for personalised methods, the mean over the clients that have a state
-        of their own model's metrics."""
+        """Global model on the test set; for personalised methods, the mean over the evaluated clients
+        (:meth:`personal_eval_clients`) of their own model's metrics."""
         if self.method.personalized and self.store:
-            self.progress.eval_start(len(self.store))
+            clients = self.personal_eval_clients()
+            self.progress.eval_start(len(clients))
             self.client_eval = {}
-            for k in sorted(self.store):
+            for k in clients:
                 self.method.load_personal(self.model, self.server, self.store[k])
                 self.client_eval[k] = self.task.evaluate(self.model.net)
                 self.progress.eval_step()
