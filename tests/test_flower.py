@@ -30,7 +30,7 @@ from fedlowrank.message import Message, Reply, State  # noqa: E402
 from fedlowrank.methods import available_methods  # noqa: E402
 from fedlowrank.runtime.engine import client_update, sample_clients  # noqa: E402
 from fedlowrank.runtime.flower import client_app  # noqa: E402
-from fedlowrank.runtime.flower.records import from_records, put_records, to_records  # noqa: E402
+from fedlowrank.runtime.flower.records import from_records, put_records, records_nbytes, to_records  # noqa: E402
 from fedlowrank.runtime.flower.settings import load_run_config  # noqa: E402
 from fedlowrank.runtime.flower.strategy import MethodStrategy, state_arrays  # noqa: E402
 
@@ -125,6 +125,15 @@ def assert_same_state(a: State, b: State, exact: bool = True) -> None:
 
 
 # -- records -----------------------------------------------------------------------------------------
+def test_records_nbytes_counts_as_flower_does_and_takes_an_empty_string():
+    msg = Message({"w": torch.zeros(3, 5), "flag": True, "n": 7, "x": 0.5, "name": "abc", "ids": [1, 2, 3]})
+    content = RecordDict(to_records(msg))
+    assert records_nbytes(content) == sum(r.count_bytes() for r in content.values()) > 3 * 5 * 4
+    # Flower 1.41's ConfigRecord.count_bytes refuses "" (SecAgg+'s FitRes status carries one); ours counts 0 + key
+    status = RecordDict({"status": ConfigRecord({"code": 0, "message": ""}), "keys": ConfigRecord({"k": [b"ab", b""]})})
+    assert records_nbytes(status) == (4 + 8) + (7 + 0) + (1 + 2)
+
+
 def test_records_round_trip_is_exact_for_every_dtype_shape_and_scalar():
     g = torch.Generator().manual_seed(0)
     msg = Message({

@@ -4,6 +4,7 @@ and FFA-LoRA. Slow (a deployment); the processes are started and killed as in ``
 
 from __future__ import annotations
 
+import json
 
 import pytest
 
@@ -45,3 +46,6 @@ def test_secagg_matches_plain_aggregation(federation, tmp_path):
             # quantisation steps of 2·8/2²² ≈ 3.8e-6 per coordinate, carried through training
             torch.testing.assert_close(got[k], ref.server[k], rtol=0, atol=1e-4, msg=k)
         assert "Secure aggregation completed" in log, federation.dump()
+        # the protocol's own messages are counted: the masked vectors alone outweigh the plaintext replies
+        row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+        assert row["flower_bytes_up"] > row["bytes_up"] and row["flower_bytes_down"] > 0, row

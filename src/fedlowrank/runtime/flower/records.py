@@ -79,5 +79,15 @@ def put_records(content: RecordDict, d: TensorDict, prefix: str = "") -> None:
 
 
 def records_nbytes(content: RecordDict) -> int:
-    """Bytes of the arrays and config values in ``content`` as Flower counts them (payload, no framing)."""
-    return sum(r.count_bytes() for r in content.values())
+    """Bytes of the arrays and config values in ``content`` as Flower counts them (payload, no framing): an
+    array's data, 1 per bool, 8 per int or float, a string's or bytes' length, each key's length. Config records
+    are counted here because Flower 1.41's ``ConfigRecord.count_bytes`` refuses an empty string (SecAgg+'s
+    replies carry one)."""
+    return sum(_config_nbytes(r) if isinstance(r, ConfigRecord) else r.count_bytes() for r in content.values())
+
+
+def _config_nbytes(record: ConfigRecord) -> int:
+    def size(v) -> int:
+        return 1 if isinstance(v, bool) else len(v) if isinstance(v, (str, bytes)) else 8
+
+    return sum(len(k) + (sum(map(size, v)) if isinstance(v, list) else size(v)) for k, v in record.items())

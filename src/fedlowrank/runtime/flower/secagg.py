@@ -14,6 +14,9 @@ Flower 1.41 ships SecAgg+ for its legacy ``FitIns``/``FitRes`` records only, dri
   reply is rebuilt as ``broadcast_k + Δ̄`` (per tensor), so that the method's uniform average equals the average of
   the true replies up to SecAgg+'s quantisation; then :meth:`MethodStrategy.aggregate_replies` as in a plain round.
 
+The round's ``flower_bytes_up`` / ``flower_bytes_down`` count every message of the protocol that round (setup, key
+shares, masked vectors, unmasking; :class:`CountingGrid`), what SecAgg+ costs beside the plaintext ledger.
+
 Only methods whose server step is a uniform sum of the replies (``"central"`` among their
 ``supported_privacy_modes()``) can run this way, with ``server.weighting = "uniform"``.
 """
@@ -42,6 +45,26 @@ from flwr.serverapp import Grid
 SECAGG_ROUND = "fitins.config"  # the record a SecAgg+ round's train message carries our broadcast in
 
 
+class CountingGrid:
+    """``grid`` with the payload bytes (:func:`~.records.records_nbytes`) of every message it sends (``down``) and
+    receives (``up``) through ``send_and_receive`` counted; the rest is ``grid``'s own."""
+
+    def __init__(self, grid: Grid):
+        self.grid, self.down, self.up = grid, 0, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.grid, name)
+
+    def send_and_receive(self, messages, *args, **kwargs):
+        from .records import records_nbytes
+
+        messages = list(messages)
+        self.down += sum(records_nbytes(m.content) for m in messages)
+        replies = list(self.grid.send_and_receive(messages, *args, **kwargs))
+        self.up += sum(records_nbytes(m.content) for m in replies if m.has_content())
+        return replies
+
+
 def secagg_reply(msg: FlowerMessage, context: Context) -> FlowerMessage:
     """Client side of a SecAgg+ round: train as in a plain round, answer with the update as ``FitRes``."""
     from ...message import Message
@@ -65,7 +88,7 @@ def secagg_reply(msg: FlowerMessage, context: Context) -> FlowerMessage:
 class SecAggRounds(LegacyStrategy):
     """The legacy strategy ``SecAggPlusWorkflow`` drives, one round at a time, over a :class:`MethodStrategy`."""
 
-    def __init__(self, strategy, grid: Grid, run_id: int):
+    def __init__(self, strategy, grid: CountingGrid, run_id: int):
         self.strategy = strategy
         self.grid = grid
         self.run_id = run_id
@@ -74,6 +97,7 @@ class SecAggRounds(LegacyStrategy):
     def configure_fit(self, server_round, parameters, client_manager):
         s = self.strategy
         self.downs, out = {}, []
+        self.grid.up = self.grid.down = 0  # the round's protocol traffic starts here (SecAgg+'s setup stage)
         for k, msg, route in s.start_round(server_round, self.grid):
             self.downs[k] = msg
             config = {"fedlowrank.message": msg.to_bytes(), "fedlowrank.route": json.dumps(dict(route))}
@@ -110,7 +134,7 @@ class SecAggRounds(LegacyStrategy):
             ledger.append({"round": rnd, "client": k, "down": down.nbytes(), "up": 0})
         ledger.sort(key=lambda r: r["client"])
         usable.sort(key=lambda r: r.client)
-        s.aggregate_replies(rnd, usable, {}, ledger, dropped, rejected, compute, 0.0, 0.0)
+        s.aggregate_replies(rnd, usable, {}, ledger, dropped, rejected, compute, self.grid.up, self.grid.down)
         self.downs = {}
         return None, {}
 
@@ -131,6 +155,7 @@ def run_secagg(strategy, grid: Grid, context: Context, clipping_range: float, ti
     """Run every round of ``strategy``'s run with SecAgg+; a round the protocol halts (too few clients) is
     recorded as skipped."""
     rounds = strategy.sim.cfg.run.rounds
+    grid = CountingGrid(grid)
     legacy_strategy = SecAggRounds(strategy, grid, context.run_id)
     legacy = LegacyContext(context, config=ServerConfig(num_rounds=rounds, round_timeout=timeout),
                            strategy=legacy_strategy)
@@ -146,6 +171,6 @@ def run_secagg(strategy, grid: Grid, context: Context, clipping_range: float, ti
             if "round" not in strategy._row:
                 strategy._row = {"round": rnd, "clients": [], "t_start": time.perf_counter()}
             strategy.aggregate_replies(rnd, [], {}, [], {k: "SecAgg+ halted" for k in legacy_strategy.downs}, [],
-                                       0.0, 0.0, 0.0)
+                                       0.0, grid.up, grid.down)
             legacy_strategy.downs = {}
         strategy.evaluate(rnd, None)
