@@ -6,11 +6,11 @@ The protocol, every step a ``fedlowrank`` call whose directory under ``--out`` i
 runs that ended there, so an interrupted study continues):
 
 1. ``tune``: each method's learning rate without privacy, on the validation split held out of the clients'
-   training data (``--lr-grid``, one more rate past an edge, ``--extend``) → ``OUT/tune-lr``.
+   training data (``--lr-grid``; one more rate past an edge, ``--extend``) → ``OUT/tune-lr``.
 2. per ε (or only at ``--clip-at``): ``tune --param privacy.clip --tuned OUT/tune-lr/tune.json``: C from
-   ``--clips`` at the method's tuned rate, on the same validation split, with σ computed from ε for the configured
-   rounds and client sampling (``privacy.target_epsilon``) → ``OUT/tune-clip-eps<ε>``. The test set is never used
-   to choose.
+   ``--clips`` (one more past an edge) at the method's tuned rate, on the same validation split, with σ computed
+   from ε for the configured rounds and client sampling (``privacy.target_epsilon``) → ``OUT/tune-clip-eps<ε>``.
+   The test set is never used to choose.
 3. per ε, then ε = inf (no privacy, at the tuned rates): ``compare`` over ``--seeds`` at the tuned (lr, C):
    accuracy mean ± 95 % t-interval, paired differences against ``--reference`` (FedIT) with their interval and
    verdict, the ε reached and the bytes the ledger counted → ``OUT/compare-eps<ε>``.
@@ -72,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--epsilons", default="1,3,8", help="target ε values (the non-private run is always added)")
     p.add_argument("--clips", default="0.1,0.3,1,3", help="clipping norms C tuned over per (method, ε)")
     p.add_argument("--lr-grid", default="3e-4,1e-3,3e-3", help="learning rates tuned over (AdamW's ladder)")
-    p.add_argument("--extend", type=int, default=1, help="rates tried past an edge of --lr-grid")
+    p.add_argument("--extend", type=int, default=1, help="values tried past an edge of --lr-grid and of --clips")
     p.add_argument("--clip-at", type=float, default=None,
                    help="tune C only at this ε and use it at every ε (default: tune C at each ε)")
     p.add_argument("--seeds", default="0,1,2")
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
         clip_dirs[eps] = out / f"tune-clip-eps{eps:g}"
         tuned = run_tuning(args.config, methods, args.clips, "0", [*private, f"privacy.target_epsilon={eps:g}"],
                            clip_dirs[eps], log, resume=True, jobs=args.jobs, param="privacy.clip",
-                           tuned=out / "tune-lr" / "tune.json")
+                           tuned=out / "tune-lr" / "tune.json", extend=args.extend)
         print(f"clipping norms (validation, ε = {eps:g}): "
               + ", ".join(f"{m} {c['value']:g}" for m, c in tuned["chosen"].items()), flush=True)
     for eps in epsilons:
