@@ -11,9 +11,10 @@ runs that ended there, so an interrupted study continues):
    ``--clips`` (one more past an edge) at the method's tuned rate, on the same validation split, with σ computed
    from ε for the configured rounds and client sampling (``privacy.target_epsilon``) → ``OUT/tune-clip-eps<ε>``.
    The test set is never used to choose.
-3. per ε, then ε = inf (no privacy, at the tuned rates): ``compare`` over ``--seeds`` at the tuned (lr, C):
-   accuracy mean ± 95 % t-interval, paired differences against ``--reference`` (FedIT) with their interval and
-   verdict, the ε reached and the bytes the ledger counted → ``OUT/compare-eps<ε>``.
+3. per ε, then ε = inf (no privacy, at the tuned rates; ``--no-plain`` leaves it out): ``compare`` over
+   ``--seeds`` at the tuned (lr, C): accuracy mean ± 95 % t-interval, paired differences against ``--reference``
+   (FedIT) with their interval and verdict, the ε reached and the bytes the ledger counted →
+   ``OUT/compare-eps<ε>``.
 
 Every method trains with local AdamW, FFA-LoRA included (its preset is SGD, as in FedGaLore's Table 1; this is
 its AdamW variant, FedGaLore's App. D), so that the optimizer is held fixed and the question is only whether
@@ -73,6 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--clips", default="0.1,0.3,1,3", help="clipping norms C tuned over per (method, ε)")
     p.add_argument("--lr-grid", default="3e-4,1e-3,3e-3", help="learning rates tuned over (AdamW's ladder)")
     p.add_argument("--extend", type=int, default=1, help="values tried past an edge of --lr-grid and of --clips")
+    p.add_argument("--no-plain", action="store_true", help="leave out the ε = inf (no privacy) comparison")
     p.add_argument("--clip-at", type=float, default=None,
                    help="tune C only at this ε and use it at every ε (default: tune C at each ε)")
     p.add_argument("--seeds", default="0,1,2")
@@ -133,10 +135,11 @@ def main(argv=None) -> int:
         results[eps] = run_comparison(args.config, methods, args.seeds, [*private, f"privacy.target_epsilon={eps:g}"],
                                       out / f"compare-eps{eps:g}", log, reference=args.reference,
                                       tuned=clip_dir / "tune.json", resume=True, jobs=args.jobs)
-    results[math.inf] = run_comparison(args.config, methods, args.seeds, plain, out / "compare-epsinf", log,
-                                       reference=args.reference, tuned=out / "tune-lr" / "tune.json", resume=True,
-                                       jobs=args.jobs)
-    setup = results[math.inf]["setup"]
+    if not args.no_plain:
+        results[math.inf] = run_comparison(args.config, methods, args.seeds, plain, out / "compare-epsinf", log,
+                                           reference=args.reference, tuned=out / "tune-lr" / "tune.json",
+                                           resume=True, jobs=args.jobs)
+    setup = results[epsilons[0]]["setup"]
     print(f"\nsetup as run: {setup['data_source']}, {setup['num_train']:,} training / {setup['num_test']:,} test "
           f"examples, {describe_partition(setup['partition'])}, {setup['clients_per_round']} per round, "
           f"{setup['rounds']} rounds "
@@ -156,7 +159,7 @@ def main(argv=None) -> int:
             f = d["final"]
             print(f"ε = {eps:g}: {d['method']} − {args.reference} = {f['mean']:+.4f} ± {f['half_width']:.4f} "
                   f"[{f['low']:+.4f}, {f['high']:+.4f}] {f['verdict']}")
-    bytes_row = {r["method"]: (r["bytes_up"], r["bytes_down"]) for r in results[math.inf]["rows"]}
+    bytes_row = {r["method"]: (r["bytes_up"], r["bytes_down"]) for r in results[epsilons[0]]["rows"]}
     print("\nbytes per run (mean over seeds; the same at every ε): "
           + ", ".join(f"{m} up {format_bytes(u)} / down {format_bytes(d)}" for m, (u, d) in bytes_row.items()))
     return 0
