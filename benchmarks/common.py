@@ -23,7 +23,7 @@ def provenance(argv: list[str] | None = None) -> str:
 def setup_line(cfg, task) -> str:
     """The data and budget of a run as it was run: data source, the training and test examples actually used,
     partition, rounds, local steps, batch, the run's method, learning rate and seed (one line)."""
-    from fedlowrank.comparison import describe_partition, setup_of
+    from fedlowrank.experiments.compare import describe_partition, setup_of
 
     s = setup_of(cfg, task.describe(), [cfg.run.seed])
     local = f"{s['local_epochs']:g} local epochs" if s["local_epochs"] > 0 else f"{s['local_steps']} local steps"

@@ -30,8 +30,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 from common import provenance  # noqa: E402
 
-from fedlowrank.comparison import results_markdown, run_comparison  # noqa: E402
-from fedlowrank.tuning import run_tuning  # noqa: E402
+from fedlowrank.experiments.compare import results_markdown, run_comparison  # noqa: E402
+from fedlowrank.experiments.tune import run_tuning  # noqa: E402
 
 # AG News, MiniLM-L6: 10 clients, all every round, 8 × 32 tokens per step, r = 4, 2,000 test examples
 TEXT = ["partition.num_clients=10", "run.clients_per_round=10", "task.max_length=32", "train.batch_size=8",

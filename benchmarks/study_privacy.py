@@ -50,11 +50,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import provenance  # noqa: E402
 
-from fedlowrank.comparison import describe_partition, run_comparison  # noqa: E402
+from fedlowrank.experiments.compare import describe_partition, run_comparison  # noqa: E402
 from fedlowrank.config import load_config  # noqa: E402
 from fedlowrank.methods import method_class  # noqa: E402
-from fedlowrank.progress import format_bytes  # noqa: E402
-from fedlowrank.tuning import run_tuning  # noqa: E402
+from fedlowrank.reporting.progress import format_bytes  # noqa: E402
+from fedlowrank.experiments.tune import run_tuning  # noqa: E402
 
 METHODS = "fedit,ffa-lora,florg,fedsa-lora"
 METHOD_SETS = {"ffa-lora": ["train.optimizer=adamw"], "fedsa-lora": ["run.personal_eval_clients=10"]}

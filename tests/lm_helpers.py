@@ -1,5 +1,5 @@
 """A minimal causal-LM task for unit tests of the methods on LLaMA/GPT-2 shapes: next-token cross-entropy on a
-fixed matrix of random token ids, with the model loaded by :func:`fedlowrank.models.load_model`.
+fixed matrix of random token ids, with the model loaded by :func:`fedlowrank.models.loading.load_model`.
 
 It is not the library's causal-LM task (data, chat template, label masking live there); it only gives every
 method a causal LM with non-square targets to train.
@@ -17,7 +17,7 @@ from fedlowrank.adapters.model import AdaptedModel
 from fedlowrank.adapters.targets import default_targets, resolve_targets
 from fedlowrank.config import load_config
 from fedlowrank.device import module_device, to_device
-from fedlowrank.models import load_model
+from fedlowrank.models.loading import load_model
 from fedlowrank.tasks.base import Task
 
 SGD_ONLY = ("ssf", "fedsub")  # methods defined with plain SGD local steps

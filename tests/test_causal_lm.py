@@ -14,7 +14,7 @@ import torch
 
 from fedlowrank.config import load_config
 from fedlowrank.methods import available_methods
-from fedlowrank.models import load_model
+from fedlowrank.models.loading import load_model
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks import build_task
 from fedlowrank.tasks.causal_lm import (IGNORE, PLAIN_TEMPLATE, CausalLM, collate, encode_example, extract_answer,

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from fedlowrank.cli import main
-from fedlowrank.comparison import method_settings, run_comparison
+from fedlowrank.experiments.compare import method_settings, run_comparison
 from fedlowrank.config import ConfigError, load_config
 from fedlowrank.runtime.simulator import Simulation
-from fedlowrank.stats import mean_interval, paired_interval, t_cdf, t_quantile, verdict
+from fedlowrank.experiments.stats import mean_interval, paired_interval, t_cdf, t_quantile, verdict
 
 from helpers import tiny_config, tiny_task
 

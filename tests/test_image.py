@@ -19,7 +19,7 @@ from fedlowrank.config import from_dict
 from fedlowrank.export import export_run
 from fedlowrank.methods import available_methods
 from fedlowrank.methods.ssf import SubspaceLinear
-from fedlowrank.partition import PartitionConfig, partition
+from fedlowrank.tasks.partition import PartitionConfig, partition
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks.image import ImageClassification, to_model_input
 from fedlowrank.tasks.image_data import (FASHION_MNIST_DIR, ImageData, apply_domain, load_fashion_mnist,
@@ -286,7 +286,7 @@ def test_resnet20_projects_every_convolution(method, options):
 # -- the stand-in backbone ---------------------------------------------------------------------------------------------
 @needs_fmnist
 def test_fmnist_vit_is_pretrained_once_on_the_other_classes_and_says_so(tmp_path, monkeypatch):
-    import fedlowrank.models as models
+    import fedlowrank.tasks.fmnist_vit as models
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setitem(models.FMNIST_VIT, "steps", 2)

@@ -12,7 +12,7 @@ from fedlowrank.adapters.targets import resolve_targets
 from fedlowrank.config import ConfigError
 from fedlowrank.export import export_run
 from fedlowrank.methods import available_methods
-from fedlowrank.models import Conv1DLinear, load_model
+from fedlowrank.models.loading import Conv1DLinear, load_model
 from fedlowrank.runtime.simulator import Simulation
 
 LAYER0 = "model.layers.0.self_attn."
@@ -70,7 +70,7 @@ def test_gpt2_conv1d_becomes_an_equal_linear_and_c_attn_is_the_default_target():
     from transformers import AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
-    from fedlowrank.models import BUNDLED_FOLDERS
+    from fedlowrank.models.loading import BUNDLED_FOLDERS
 
     reference = AutoModelForCausalLM.from_pretrained(BUNDLED_FOLDERS["tiny-gpt2"]()).eval()
     loaded = load_model("tiny-gpt2", "causal-lm")

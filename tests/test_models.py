@@ -1,10 +1,10 @@
-"""Model loading (fedlowrank.models): bundled names, local folders with their own tokenizer, hub ids, the cache."""
+"""Model loading (fedlowrank.models.loading): bundled names, local folders with their own tokenizer, hub ids, the cache."""
 
 import numpy as np
 import pytest
 import torch
 
-from fedlowrank.models import cached_folder, load_model, tiny_tokenizer
+from fedlowrank.models.loading import cached_folder, load_model, tiny_tokenizer
 from fedlowrank.tasks.data import TextData
 from fedlowrank.tasks.text import TextClassification
 

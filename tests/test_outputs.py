@@ -10,10 +10,10 @@ import pytest
 
 from fedlowrank.cli import main
 from fedlowrank.config import ConfigError, load_config
-from fedlowrank.progress import Progress, StderrLog, format_eta, round_line
+from fedlowrank.reporting.progress import Progress, StderrLog, format_eta, round_line
 from fedlowrank.runtime.engine import sample_clients
 from fedlowrank.runtime.simulator import Simulation
-from fedlowrank.tracking import require_package, row_scalars
+from fedlowrank.reporting.tracking import require_package, row_scalars
 
 from helpers import tiny_config, tiny_task
 
@@ -94,7 +94,7 @@ class _FakeBar:
 
 
 def test_bars_count_rounds_clients_steps_and_evaluation(tmp_path, monkeypatch):
-    import fedlowrank.progress as progress
+    import fedlowrank.reporting.progress as progress
 
     monkeypatch.setattr(progress, "_tqdm", lambda: _FakeBar)
     _FakeBar.made = []

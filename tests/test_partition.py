@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from fedlowrank.partition import PartitionConfig, format_histograms, label_histograms, partition
+from fedlowrank.tasks.partition import PartitionConfig, format_histograms, label_histograms, partition
 
 LABELS = np.repeat(np.arange(5), [300, 200, 250, 150, 100])  # 1000 examples, 5 classes
 
@@ -107,7 +107,7 @@ def _blobs(texts: list[str]) -> np.ndarray:
 
 
 def test_partition_by_a_column_splits_on_its_values():
-    from fedlowrank.partition import partition_task
+    from fedlowrank.tasks.partition import partition_task
 
     task = UnlabelledTask(TOPICS)
     cfg = PartitionConfig(kind="dirichlet", num_clients=10, alpha=0.1, min_partition_size=5, partition_by="topic")
@@ -123,7 +123,7 @@ def test_partition_by_a_column_splits_on_its_values():
 
 
 def test_natural_clients_from_a_column():
-    from fedlowrank.partition import partition_task
+    from fedlowrank.tasks.partition import partition_task
 
     parts, split = partition_task(UnlabelledTask(TOPICS), PartitionConfig(kind="natural", num_clients=5,
                                                                           partition_by="topic"), seed=0)
@@ -134,7 +134,7 @@ def test_natural_clients_from_a_column():
 
 
 def test_kmeans_recovers_separated_blobs_and_is_seeded():
-    from fedlowrank.partition import kmeans
+    from fedlowrank.tasks.partition import kmeans
 
     x = _blobs(UnlabelledTask(TOPICS).embedding_texts())
     ids, centres = kmeans(x, 5, seed=1)
@@ -146,8 +146,8 @@ def test_kmeans_recovers_separated_blobs_and_is_seeded():
 
 
 def test_clusters_partition_assigns_every_example_once_with_dirichlet_skew(monkeypatch):
-    import fedlowrank.embeddings as embeddings
-    from fedlowrank.partition import partition_task
+    import fedlowrank.models.embeddings as embeddings
+    from fedlowrank.tasks.partition import partition_task
 
     monkeypatch.setattr(embeddings, "sentence_embeddings", _blobs)
     task = UnlabelledTask(TOPICS)
@@ -167,7 +167,7 @@ def test_clusters_partition_assigns_every_example_once_with_dirichlet_skew(monke
 
 
 def test_sentence_embeddings_are_computed_once_and_cached(tmp_path, monkeypatch):
-    import fedlowrank.embeddings as embeddings
+    import fedlowrank.models.embeddings as embeddings
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
@@ -185,7 +185,7 @@ def test_sentence_embeddings_are_computed_once_and_cached(tmp_path, monkeypatch)
 
 
 def test_minilm_embeddings_put_similar_questions_closer():
-    from fedlowrank.embeddings import embed
+    from fedlowrank.models.embeddings import embed
 
     e = embed(["How many apples does Tom have left?", "How many apples are left with Tom?",
                "The train departs at noon from the station."])

@@ -10,10 +10,10 @@ import torch
 
 from fedlowrank.cli import main
 from fedlowrank.config import ConfigError
-from fedlowrank.partition import partition
+from fedlowrank.tasks.partition import partition
 from fedlowrank.tasks.matrix_regression import MatrixRegression
 from fedlowrank.tasks.text import TextClassification
-from fedlowrank.tuning import parse_grid, run_tuning, split_validation
+from fedlowrank.experiments.tune import parse_grid, run_tuning, split_validation
 
 from helpers import tiny_config, tiny_task
 
@@ -104,7 +104,7 @@ def test_compare_reuses_the_tuned_learning_rates(tmp_path):
         assert run_cfg["train"]["lr"] == row["lr"]
     assert str(tmp_path / "tune" / "tune.json") in (out / "results.md").read_text()
     with pytest.raises(ConfigError, match="chose no value for fedavg-full"):
-        from fedlowrank.comparison import run_comparison
+        from fedlowrank.experiments.compare import run_comparison
 
         run_comparison("tiny", "fedit,fedavg-full", "0", [f"compare.tuned={tmp_path / 'tune' / 'tune.json'}"])
 
@@ -193,7 +193,7 @@ def test_settings_for_the_compared_methods_only_are_accepted(tmp_path):
     res = run_tuning("tiny", "ilora", "1e-3", "0", sets)
     assert set(res["chosen"]) == {"ilora"}
     with pytest.raises(ConfigError, match="method 'fedit' does not support heterogeneous ranks"):
-        from fedlowrank.comparison import run_comparison
+        from fedlowrank.experiments.compare import run_comparison
 
         run_comparison("tiny", "ilora,fedit", "0", ["run.rounds=1", "lora.ranks=[2,4]"])
 
@@ -259,7 +259,7 @@ def test_bad_tuning_parameters_are_refused(tmp_path):
 
 
 def test_tune_files_of_earlier_versions_are_read(tmp_path):
-    from fedlowrank.comparison import read_tuned
+    from fedlowrank.experiments.compare import read_tuned
 
     old = tmp_path / "tune.json"
     old.write_text(json.dumps({"chosen": {"fedit": {"lr": 0.01, "score": 0.5, "scores": {"0.01": 0.5}}}}))
@@ -270,7 +270,7 @@ def test_extend_tries_values_beyond_an_edge_until_the_best_is_interior(monkeypat
     """``--extend``: validation accuracy peaks at lr = 10^-4.5; from {3e-4, 1e-3, 3e-3} the 1–3–10 ladder goes down
     to 1e-4, 3e-5 (the best) and 1e-5, where the best is interior and the extension stops."""
     from fedlowrank.runtime.simulator import Simulation
-    from fedlowrank.tuning import beyond_edge
+    from fedlowrank.experiments.tune import beyond_edge
 
     def fake_run(self):
         self.last_eval = {"accuracy": 1 - (math.log10(self.cfg.train.lr) + 4.5) ** 2}

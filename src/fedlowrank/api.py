@@ -40,9 +40,9 @@ def compare(config: str | Path | dict[str, Any] | None, methods: list[str] | Non
             out: str | Path | None = None, quiet: bool = True, *, reference: str | None = None,
             tuned: str | Path | None = None, resume: bool = False, jobs: int = 1) -> dict[str, Any]:
     """Run several methods on the same partition, seeds and budget and return the results of
-    :func:`fedlowrank.comparison.run_comparison`: ``metric``, ``seeds``, ``setup``, ``rows`` (per method: its
+    :func:`fedlowrank.experiments.compare.run_comparison`: ``metric``, ``seeds``, ``setup``, ``rows`` (per method: its
     settings, ``runs`` per seed with ``final`` and ``best`` metric and bytes, their means with 95% intervals) and
-    ``paired`` (differences against ``reference`` per seed); :func:`fedlowrank.comparison.results_markdown`
+    ``paired`` (differences against ``reference`` per seed); :func:`fedlowrank.experiments.compare.results_markdown`
     renders them as ``results.md``.
 
     Args:
@@ -54,7 +54,7 @@ def compare(config: str | Path | dict[str, Any] | None, methods: list[str] | Non
         resume: reuse each run in ``out`` that ended with the same config (the others run from the start).
         jobs: worker processes for the runs (``> 1`` needs ``out``).
     """
-    from .comparison import run_comparison
+    from .experiments.compare import run_comparison
     from .config import check_writable
 
     if out is not None:

@@ -2,7 +2,7 @@
 
 * ``fedlowrank run [CONFIG] [--set section.key=value ...]`` — one method, one run directory.
 * ``fedlowrank compare [CONFIG] [--methods a,b] [--seeds 0,1] [--reference a] [--tuned TUNE_JSON]`` — several
-  methods on the same partitions, seeds and budget (:mod:`fedlowrank.comparison`); prints the setup and the
+  methods on the same partitions, seeds and budget (:mod:`fedlowrank.experiments.compare`); prints the setup and the
   table (means with 95% t-intervals over seeds, paired differences against the reference), writes
   ``results.json``, ``results.md`` and accuracy-vs-round / accuracy-vs-bytes plots.
 * ``fedlowrank tune [CONFIG] [--methods a,b] [--grid 1e-3,3e-3] [--seeds 0] [--param KEY] [--tuned TUNE_JSON]
@@ -27,7 +27,7 @@ installed, a corrupt checkpoint, a diverged run — prints one line ``error: ...
 a bug in fedlowrank: one line ``error: internal error ...`` and exit 1. ``--debug`` shows the traceback
 instead. Ctrl-C prints one line and exits 130; a closed output pipe (``fedlowrank methods | head``) exits
 quietly with 141, as a shell tool killed by SIGPIPE does. Only light modules (the standard library and
-:mod:`fedlowrank.progress`) are imported at module level, so that Ctrl-C during start-up is caught too.
+:mod:`fedlowrank.reporting.progress`) are imported at module level, so that Ctrl-C during start-up is caught too.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .progress import StderrLog
+from .reporting.progress import StderrLog
 
 _log = StderrLog()  # lines on stderr; tqdm bars as well on a terminal
 
@@ -96,7 +96,7 @@ def _finish(sim, run_dir: Path) -> int:
         _log(f"interrupted in round {sim.round + 1}; continue with: fedlowrank resume {run_dir}"
              + ("" if sim.cfg.run.checkpoint_every else " (needs run.checkpoint_every > 0)"))
         return 130
-    from .plots import plot_run
+    from .reporting.plots import plot_run
 
     cfg = sim.cfg
     metric = cfg.run.stop_metric or ("accuracy" if cfg.task.kind == "text-classification" else "rel_error")
@@ -155,7 +155,7 @@ def _claim_output(args, kind: str):
 
 
 def cmd_compare(args) -> int:
-    from .comparison import results_markdown, run_comparison
+    from .experiments.compare import results_markdown, run_comparison
 
     out, lock = _claim_output(args, "compare")
     results = run_comparison(args.config, args.methods, args.seeds, args.set, out, None if args.quiet else _log,
@@ -168,7 +168,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from .tuning import run_tuning, tune_markdown
+    from .experiments.tune import run_tuning, tune_markdown
 
     out, lock = _claim_output(args, "tune")
     result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out, None if args.quiet else _log,

@@ -16,12 +16,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .partition import PARTITIONS, PartitionConfig
+from .tasks.partition import PARTITIONS, PartitionConfig
 from .privacy.settings import PrivacySection, check_privacy
 from .tasks.data import SOURCES
 from .tasks.image_data import IMAGE_SOURCES
 from .tasks.table import HEADER_MODES
-from .tracking import TRACKERS
+from .reporting.tracking import TRACKERS
 from .training.local import OPTIMIZERS, SCHEDULES, TrainConfig
 from .adapters.lora import SCALING_RULES
 from .device import DTYPES, check_device_spec
@@ -455,8 +455,8 @@ def validate(cfg: RunConfig, method_checks: bool = True) -> None:
 
 def check_model(model: str) -> None:
     """``task.model`` given as a path (starting with ``/``, ``.`` or ``~``) is an existing folder. Bundled names
-    and hub ids are resolved, with their own one-line errors, when the model is loaded (:mod:`fedlowrank.models`)."""
-    from .models import BUNDLED
+    and hub ids are resolved, with their own one-line errors, when the model is loaded (:mod:`fedlowrank.models.loading`)."""
+    from .models.loading import BUNDLED
 
     if model.startswith(("/", ".", "~")):
         _need(Path(model).expanduser().is_dir(),

@@ -6,7 +6,7 @@ writes, in ``out_dir``:
 * ``format="peft"`` — ``adapter_config.json`` + ``adapter_model.safetensors`` (through PEFT's own
   ``save_pretrained``, so every key carries the ``base_model.model.`` prefix that ``PeftModel.from_pretrained``
   maps) with the head in ``modules_to_save``, ``task_type`` ``CAUSAL_LM`` or ``SEQ_CLS`` and
-  ``base_model_name_or_path`` = the task's portable model id (:attr:`fedlowrank.models.LoadedModel.source`: a
+  ``base_model_name_or_path`` = the task's portable model id (:attr:`fedlowrank.models.loading.LoadedModel.source`: a
   bundled name, the user's folder or a hub id; never a path inside the virtual environment). GPT-2's fused
   ``Conv1D`` targets are written with ``fan_in_fan_out = true``. Exact when the run's update is a LoRA (every target a
   :class:`~fedlowrank.adapters.lora.LoRALinear` without base delta); otherwise ``rank`` is required and the
@@ -156,8 +156,8 @@ def _lora_by_svd(model: AdaptedModel, pristine: nn.Module, rank: int, alpha: flo
 
 def hf_backbone(net: nn.Module) -> nn.Module:
     """A copy of ``net`` as transformers defines its architecture (GPT-2's ``Conv1D`` layers restored, see
-    :func:`fedlowrank.models.conv1d_to_linear`): what export writes and what a user's base model is."""
-    from .models import restore_conv1d
+    :func:`fedlowrank.models.loading.conv1d_to_linear`): what export writes and what a user's base model is."""
+    from .models.loading import restore_conv1d
 
     out = copy.deepcopy(net)
     restore_conv1d(out)
@@ -168,7 +168,7 @@ def _save_peft(model: AdaptedModel, pristine: nn.Module, factors: dict[str, tupl
                alpha: float, rule: str, out_dir: Path, loaded=None) -> dict[str, Any]:
     """Wrap a copy of the pristine backbone (with the global head) in PEFT, load ``factors``, ``save_pretrained``.
 
-    ``loaded`` (the task's :class:`~fedlowrank.models.LoadedModel`, when it has one) gives the ``task_type``
+    ``loaded`` (the task's :class:`~fedlowrank.models.loading.LoadedModel`, when it has one) gives the ``task_type``
     (``CAUSAL_LM`` or ``SEQ_CLS``) and the portable ``base_model_name_or_path``. GPT-2's ``Conv1D`` targets are
     written for peft's ``fan_in_fan_out = true`` (the factors are the same: ``A [r, in]``, ``B [out, r]``).
     """

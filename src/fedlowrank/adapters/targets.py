@@ -9,8 +9,8 @@
 * empty: the architecture's default (:data:`DEFAULT_TARGETS`).
 
 transformers 5 names BERT's attention ``query/key/value`` but LLaMA's and ViT's ``q_proj/k_proj/v_proj``;
-GPT-2's fused ``c_attn`` is a ``Conv1D`` that :func:`fedlowrank.models.load_model` turns into an equivalent
-``nn.Linear`` (see :class:`fedlowrank.models.Conv1DLinear`).
+GPT-2's fused ``c_attn`` is a ``Conv1D`` that :func:`fedlowrank.models.loading.load_model` turns into an equivalent
+``nn.Linear`` (see :class:`fedlowrank.models.loading.Conv1DLinear`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ DEFAULT_TARGETS: dict[str, list[str]] = {
     "vit": ["q_proj", "v_proj"],
     "gpt2": ["c_attn"],
     "clip": ["q_proj", "v_proj"],  # CLIPForImageClassification's vision tower (attention out is out_proj)
-    "resnet20": ["stem", "conv1", "conv2"],  # fedlowrank.resnet: every convolution (trained from scratch)
+    "resnet20": ["stem", "conv1", "conv2"],  # fedlowrank.models.resnet: every convolution (trained from scratch)
 }
 
 

@@ -11,7 +11,7 @@ A run directory holds ``config.json`` (resolved), ``partition.json`` (per-client
 ``metrics.jsonl`` (a row per round: metrics, bytes, time breakdown, ``per_client``), ``ledger.jsonl`` (a row per client
 per round: bytes up and down) and ``checkpoints/`` (every ``run.checkpoint_every`` rounds, and always at the
 last round so that every finished run can be exported); ``run.tracking`` mirrors each metrics row to TensorBoard,
-W&B or MLflow (:mod:`fedlowrank.tracking`). A run directory must be empty unless ``overwrite``, and is locked
+W&B or MLflow (:mod:`fedlowrank.reporting.tracking`). A run directory must be empty unless ``overwrite``, and is locked
 while a run writes it (:mod:`.rundir`); ``resume`` checks that the checkpoint is of the directory's config
 (:func:`~.checkpoint.config_fingerprint`).
 
@@ -48,11 +48,11 @@ from ..adapters.model import AdaptedModel
 from ..device import check_dtype, resolve_device
 from ..message import Message, Reply, State
 from ..methods import get_method
-from ..partition import format_histograms, label_histograms, partition_task, split_on
-from ..plots import plot_label_histograms
+from ..tasks.partition import format_histograms, label_histograms, partition_task, split_on
+from ..reporting.plots import plot_label_histograms
 from ..privacy.runtime import accounting, central_replies
-from ..progress import Progress
-from ..tracking import open_tracker, require_package
+from ..reporting.progress import Progress
+from ..reporting.tracking import open_tracker, require_package
 from ..tasks import Task, build_task
 from ..seeding import numpy_rng
 from .checkpoint import (Checkpoint, CheckpointError, config_fingerprint, drop_checkpoints_after, find_checkpoint,
@@ -99,7 +99,7 @@ class Simulation:
             ``overwrite`` (which deletes the old run's files), and is locked until :meth:`close` (which
             :meth:`run` calls when it ends) or the end of the process.
         log: where progress lines go (``None`` = silent); a log with a true ``bars`` attribute
-            (:class:`~fedlowrank.progress.StderrLog` on a terminal) also gets tqdm bars.
+            (:class:`~fedlowrank.reporting.progress.StderrLog` on a terminal) also gets tqdm bars.
         tamper: fault injection for tests and robustness studies: ``tamper(rnd, client, reply) -> reply`` is
             applied to every reply before it is sent.
         parts: client index arrays to train on instead of the configured partition (``fedlowrank tune`` passes

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from ..methods import get_method
-from ..partition import partition_task
+from ..tasks.partition import partition_task
 from ..seeding import torch_generator
 from ..tasks import Task, build_task
 from ..training.local import LocalTrainer

@@ -21,7 +21,7 @@ from ..adapters.targets import default_targets, resolve_targets
 
 
 def adapted_copy(loaded, targets: list[str] | str | None, train_outputs: bool) -> AdaptedModel:
-    """A fresh copy of ``loaded.net`` (a :class:`~fedlowrank.models.LoadedModel`) with its adapter targets resolved:
+    """A fresh copy of ``loaded.net`` (a :class:`~fedlowrank.models.loading.LoadedModel`) with its adapter targets resolved:
     ``targets`` (``lora.targets``) or the architecture's default, never the output modules
     (``loaded.output_modules``: a classifier, ``lm_head``), whose parameters are the trained head when
     ``train_outputs`` and stay frozen otherwise."""

@@ -183,7 +183,7 @@ class CausalLM(Task):
                  targets: list[str] | None = None, eval_batch_size: int = 8, eval_examples: int = 200,
                  eval_generate: int = 0, max_new_tokens: int = 256, generation_batch_size: int = 8,
                  write_generations: int = 5, eval_seed: int = 0):
-        from ..models import load_model
+        from ..models.loading import load_model
 
         if max_length < 2:
             raise ValueError(f"task.max_length must be >= 2, got {max_length}")

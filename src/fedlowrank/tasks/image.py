@@ -20,8 +20,9 @@ from torch import nn
 
 from ..adapters.model import AdaptedModel
 from ..device import module_device
-from ..models import NOT_IMAGENET, load_model
+from ..models.loading import NOT_IMAGENET, load_model
 from .base import Task, adapted_copy, join_padded
+from .fmnist_vit import fmnist_vit_folder
 from .image_data import (IMAGE_SOURCES, ImageData, apply_domain, assign_domains, check_domains, load_fashion_mnist,
                          load_hf_images, load_image_folder, subsample_images)
 
@@ -60,7 +61,7 @@ class ImageClassification(Task):
 
     Args:
         data: images and labels.
-        model: ``task.model`` (see :func:`fedlowrank.models.load_image_model`): ``tiny-vit``, ``tiny-clip``,
+        model: ``task.model`` (see :func:`fedlowrank.models.loading.load_image_model`): ``tiny-vit``, ``tiny-clip``,
             ``fmnist-vit`` (the project-pretrained stand-in), ``resnet20`` (from scratch), a folder or a hub id.
         targets: LoRA/adapter target suffixes; ``None`` = the architecture's default.
         eval_batch_size: images per evaluation forward pass.
@@ -83,7 +84,8 @@ class ImageClassification(Task):
         self.targets = targets
         self.eval_batch_size = eval_batch_size
         self.source = source
-        self.loaded = load_model(model, "image-classification", data.num_labels, data.label_names)
+        spec = fmnist_vit_folder() if model == "fmnist-vit" else model
+        self.loaded = load_model(spec, "image-classification", data.num_labels, data.label_names)
         self.train_labels = data.train_labels
         self.domains = check_domains(domains) if domains else []
         train = data.train_images

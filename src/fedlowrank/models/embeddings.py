@@ -13,7 +13,7 @@ import os
 import numpy as np
 import torch
 
-from .models import cache_dir, minilm_path
+from .loading import cache_dir, minilm_path
 
 MODEL = "minilm"
 

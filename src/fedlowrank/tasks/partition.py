@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .seeding import numpy_rng
+from ..seeding import numpy_rng
 
 PARTITIONS = ("iid", "dirichlet", "shards", "quantity", "natural", "domains", "clusters")
 
@@ -111,7 +111,7 @@ def split_on(task, cfg: PartitionConfig, seed: int) -> SplitOn | None:
                              "cluster ids); leave it empty or use kind = 'dirichlet'")
         if cfg.num_clusters < 2:
             raise ValueError(f"partition.num_clusters must be >= 2, got {cfg.num_clusters}")
-        from .embeddings import sentence_embeddings
+        from ..models.embeddings import sentence_embeddings
 
         texts = task.embedding_texts()
         if cfg.num_clusters > len(texts):

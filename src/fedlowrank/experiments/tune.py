@@ -15,7 +15,7 @@ regression); ties go to the first value of the grid. A diverged run scores worst
 (method, value, seed, score) and the choice; ``compare --tuned tune.json`` (or ``compare.tuned``) runs each
 method at its chosen values. ``--param privacy.clip --tuned lr/tune.json`` tunes a second parameter with each
 method at its tuned learning rate; the choice then carries both. With ``resume``, a run directory in ``out``
-whose run ended with the same config is read instead of run again (:func:`fedlowrank.comparison.finished_run`);
+whose run ended with the same config is read instead of run again (:func:`fedlowrank.experiments.compare.finished_run`);
 any other is run from the start. Tuning into a directory that already holds a ``tune.json`` keeps the methods
 that tuning chose and this one does not re-tune (:func:`earlier_choices`), so a method's grid can be extended, or a
 method added, without losing the others' choices.
@@ -31,11 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from .comparison import (Log, check_jobs, finished_run, higher_is_better, method_settings, parse_methods, parse_seeds,
+from .compare import (Log, check_jobs, finished_run, higher_is_better, method_settings, parse_methods, parse_seeds,
                          read_tuned, run_in_processes, setup_lines, setup_of, task_key)
-from .config import ConfigError, load_config
-from .runtime.checkpoint import config_fingerprint
-from .seeding import numpy_rng
+from ..config import ConfigError, load_config
+from ..runtime.checkpoint import config_fingerprint
+from ..seeding import numpy_rng
 
 LR = "train.lr"  # the parameter tuned by default
 
@@ -73,14 +73,14 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
     """Tune ``param`` (default ``train.lr``) per method on the validation split; returns what ``tune.json`` holds
     (written to ``out`` with one run directory per (method, value, seed) when ``out`` is given; ``resume`` reuses
     the runs that ended there; ``jobs > 1`` runs them in that many processes,
-    :func:`fedlowrank.comparison.run_in_processes`). ``tuned``: a ``tune.json`` whose choices each method runs at
+    :func:`fedlowrank.experiments.compare.run_in_processes`). ``tuned``: a ``tune.json`` whose choices each method runs at
     while ``param`` is tuned (a learning rate tuned first, then ``privacy.clip`` at it); each method's chosen
     ``sets`` hold both, for ``compare --tuned``. ``extend``: while a method's best value is at an edge of what was
     tried, try one more value beyond it (:func:`beyond_edge`), at most ``extend`` times."""
-    from .methods import lr_grid
-    from .partition import partition_task
-    from .runtime.simulator import DivergenceError, Simulation
-    from .tasks import build_task
+    from ..methods import lr_grid
+    from ..tasks.partition import partition_task
+    from ..runtime.simulator import DivergenceError, Simulation
+    from ..tasks import build_task
 
     overrides = list(overrides)
     base = load_config(config, overrides, method_checks=False)

@@ -1,4 +1,5 @@
-"""Plots of a comparison, of a single run and of a partition (matplotlib, an optional dependency)."""
+"""Plots of a single run and of a partition (matplotlib, an optional dependency); a comparison's plots are
+:mod:`fedlowrank.experiments.plots`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import numpy as np
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
 
@@ -19,16 +20,7 @@ def _pyplot():
     return plt
 
 
-def _band(y: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """Mean over seeds (rows of ``y [seeds, points]``) and the half-width of its 95% t-interval per point."""
-    from .stats import mean_interval
-
-    intervals = [mean_interval(col.tolist()) for col in y.T]
-    mean = np.array([iv.mean for iv in intervals])
-    return mean, (None if y.shape[0] < 2 else np.array([iv.half_width for iv in intervals]))
-
-
-def _bytes_axis(ax, x_max: float, x_min: float) -> None:
+def bytes_axis(ax, x_max: float, x_min: float) -> None:
     """Log-scaled bytes axis labelled ``10 kB``, ``1 MB``...; minor ticks labelled only within one decade."""
     from matplotlib.ticker import EngFormatter, NullFormatter
 
@@ -39,68 +31,11 @@ def _bytes_axis(ax, x_max: float, x_min: float) -> None:
     ax.tick_params(axis="x", which="both", labelsize=8)
 
 
-def plot_comparison(histories: dict[str, list[list[dict[str, Any]]]], out_dir: Path, metric: str = "accuracy",
-                    title: str = "") -> list[Path]:
-    """``<metric>`` vs round and vs cumulative bytes (up + down): per method the mean over seeds and, with two or
-    more seeds, a band of the 95% t-interval of that mean.
-
-    ``histories[method]`` is a list (one per seed) of per-round rows from ``metrics.jsonl``; ``title`` goes on
-    both plots. Returns the written files (none when matplotlib is missing).
-    """
-    plt = _pyplot()
-    if plt is None:
-        return []
-    from matplotlib.ticker import MaxNLocator
-
-    written = []
-    for xkey, xlabel, fname in (("round", "round", f"{metric}_vs_round.png"),
-                                ("bytes", "bytes sent, up + down (mean over seeds)", f"{metric}_vs_bytes.png")):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        x_lo, x_hi = np.inf, 0.0
-        for method, runs in histories.items():
-            rows = [[r for r in run if metric in r] for run in runs]
-            if not rows or not rows[0]:
-                continue
-            n = min(len(r) for r in rows)
-            y = np.array([[r[i][metric] for i in range(n)] for r in rows])
-            if xkey == "round":
-                x = np.array([rows[0][i]["round"] for i in range(n)], dtype=float)
-            else:
-                x = np.array([[r[i]["cum_bytes_up"] + r[i]["cum_bytes_down"] for i in range(n)] for r in rows]).mean(0)
-            x_lo, x_hi = min(x_lo, float(x.min())), max(x_hi, float(x.max()))
-            mean, half = _band(y)
-            line, = ax.plot(x, mean, marker="o", markersize=3, label=method)
-            if half is not None and len(x) > 1:
-                ax.fill_between(x, mean - half, mean + half, alpha=0.2, color=line.get_color(), linewidth=0)
-            elif half is not None:  # one evaluated round: the interval as an error bar
-                ax.errorbar(x, mean, yerr=half, color=line.get_color(), capsize=3)
-        if xkey == "bytes":
-            _bytes_axis(ax, x_hi, x_lo)
-        else:
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if metric == "accuracy":  # a wide interval (few seeds) must not stretch the axis beyond [0, 1]
-            low, high = ax.get_ylim()
-            ax.set_ylim(max(low, 0.0), min(high, 1.0))
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(metric)
-        seeds = len(next(iter(histories.values()), []))
-        band = "; shaded: 95% t-interval of the mean over seeds" if seeds > 1 else ""
-        ax.set_title((title + "\n" if title else "") + f"{metric} vs {xkey}{band}", fontsize=9)
-        ax.grid(alpha=0.3, which="both" if xkey == "bytes" else "major")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / fname
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
-    return written
-
-
 def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] | None = None,
                           client_names: list[str] | None = None, what: str = "label") -> Path | None:
     """Stacked bars of each client's counts of each value split on (``what``: label, a column, clusters;
     ``client_names``, e.g. each client's image domain, label the bars under their numbers)."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(max(4, 0.35 * hist.shape[0] + 2), 3.5))
@@ -138,7 +73,7 @@ def plot_run(history: list[dict[str, Any]], out_dir: Path, metric: str = "accura
     not ``accuracy`` and spans a factor of 10 or more (e.g. ``rel_error``). Returns the written files (none
     when matplotlib is missing).
     """
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     from matplotlib.ticker import MaxNLocator
@@ -160,7 +95,7 @@ def plot_run(history: list[dict[str, Any]], out_dir: Path, metric: str = "accura
             if log_y:
                 ax.set_yscale("log")
                 _readable_log_ticks(ax.yaxis)
-        _bytes_axis(axes[2], max(sent), min(sent))
+        bytes_axis(axes[2], max(sent), min(sent))
     axes[1].plot(rounds, [r["train_loss"] for r in history], marker="o", markersize=3, label="train loss")
     tested = [r for r in history if "loss" in r]
     if tested:

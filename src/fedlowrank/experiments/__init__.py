@@ -1,0 +1,1 @@
+"""Experiments over many runs: ``compare`` (paired seeds), ``tune`` (validation split), their statistics and plots."""
