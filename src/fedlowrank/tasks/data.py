@@ -99,10 +99,19 @@ def agnews_folder(path: str | Path) -> Path:
 
 def _read_labelled(path: Path, text_column: str | int, label_column: str | int,
                    header: str) -> tuple[list[str], list[str], list[str]]:
-    """Texts, labels (stripped) and each example's ``file:line`` from a data file."""
+    """Texts, labels (stripped, never empty) and each example's ``file:line`` from a data file."""
     table = read_table(path, [text_column, label_column], header, ("data.text_column", "data.label_column"),
                        label_position=1)
-    return table.column(0), [x.strip() for x in table.column(1)], [f"{path}:{n}" for n in table.lines]
+    labels, where = [x.strip() for x in table.column(1)], [f"{path}:{n}" for n in table.lines]
+    _refuse_empty_labels(labels, where, f"data.label_column = {label_column!r}")
+    return table.column(0), labels, where
+
+
+def _refuse_empty_labels(labels: list[str], where: list[str], field: str) -> None:
+    """Refuse an empty label (``where[i]`` says where example ``i`` comes from, ``field`` what holds labels)."""
+    for label, at in zip(labels, where):
+        if not label:
+            raise ValueError(f"{at}: empty label ({field}); every example needs a class name")
 
 
 def _check_labels(train_labels: list[str], test_labels: list[str], train_where: str, test_where: list[str]) -> None:
