@@ -6,7 +6,8 @@ import pytest
 
 from fedlowrank import cli
 from fedlowrank.config import ConfigError, load_config
-from fedlowrank.tasks.data import PROJECT_ROOT, load_hf, load_text_files
+from fedlowrank.tasks.data import load_hf, load_text_files
+from fedlowrank.tasks.hub import KNOWN_SETS, local_copy
 from fedlowrank.tasks.table import read_table
 
 
@@ -253,9 +254,9 @@ def test_hf_source_without_datasets_is_one_line(monkeypatch):
 
 
 def test_agnews_files_read_as_before():
-    folder = PROJECT_ROOT / "../shared/data/agnews"
-    if not (folder / "train.tsv").exists():
-        pytest.skip("the shared AG News files are not beside this checkout")
+    folder = local_copy(KNOWN_SETS["agnews"], "")
+    if folder is None:
+        pytest.skip("needs a local AG News copy in $FEDLOWRANK_DATA/agnews (.ci/run: ../shared/data)")
     data = load_text_files(folder / "train.tsv", folder / "test.tsv", header="false")
     assert (len(data.train_texts), len(data.test_texts)) == (10_001, 7_600)
     assert data.label_names == ["Business", "Sci/Tech", "Sports", "World"]
