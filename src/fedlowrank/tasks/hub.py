@@ -113,7 +113,8 @@ def known_hub_splits(known: KnownSet) -> list:
     """The hub's ``train`` and ``test`` splits of ``known`` (no local copy), announced on stderr; one error line
     naming the hub id, where it looked and how to provide the set when ``datasets`` cannot load it."""
     print(f"data.source = {known.source!r}: no local copy ({looked_in(known)}); loading {known.hub_id} with "
-          "`datasets` (its cache or the Hugging Face hub)", file=sys.stderr, flush=True)
+          "`datasets` (its cache or the Hugging Face hub; offline, HF_HUB_OFFLINE=1 skips the hub's retries)",
+          file=sys.stderr, flush=True)
     try:
         return hub_splits(known.hub_id, f"data.source = {known.source!r}", known.hub_config)
     except HubUnavailable as exc:
