@@ -210,10 +210,12 @@ def data_source(cfg: RunConfig) -> str:
     d = cfg.data
     if cfg.task.kind == "matrix-regression":
         return "synthetic (" + ", ".join(f"{k} = {v}" for k, v in cfg.task.options.items()) + ")"
-    if d.source == "agnews":
-        from ..tasks.data import agnews_folder
+    if d.source in ("agnews", "gsm8k"):
+        from ..tasks.hub import describe
 
-        return f"AG News files in {agnews_folder(d.path)}"
+        return describe(d.source, d.path)
+    if d.source == "arithmetic":
+        return "arithmetic word problems packaged with fedlowrank (train.jsonl, test.jsonl)"
     if d.source == "files":
         return f"files {d.train}" + (f" and {d.test}" if d.test else f" (test: a {d.test_fraction:g} stratified split)")
     if d.source == "hf":
