@@ -96,11 +96,11 @@ def _finish(sim, run_dir: Path) -> int:
         _log(f"interrupted in round {sim.round + 1}; continue with: fedlowrank resume {run_dir}"
              + ("" if sim.cfg.run.checkpoint_every else " (needs run.checkpoint_every > 0)"))
         return 130
+    from .experiments.compare import data_name, default_metric
     from .reporting.plots import plot_run
 
     cfg = sim.cfg
-    metric = cfg.run.stop_metric or ("accuracy" if cfg.task.kind == "text-classification" else "rel_error")
-    plots = plot_run(sim.history, run_dir, metric, f"{sim.method.name}: {run_dir.name}")
+    plots = plot_run(sim.history, run_dir, default_metric(cfg), f"{sim.method.name} on {data_name(cfg)}: {run_dir.name}")
     if sim.log:
         sim.log(f"plot: {plots[0]}" if plots else "no plots: matplotlib is not installed (pip install matplotlib==3.11.2)")
     _log(f"run directory: {run_dir}")

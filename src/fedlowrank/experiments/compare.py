@@ -47,8 +47,9 @@ def default_metric(cfg: RunConfig) -> str:
 
 
 def higher_is_better(metric: str) -> bool:
-    """``accuracy`` is maximised; every other metric of the tasks (loss, rel_error, objective) minimised."""
-    return metric == "accuracy"
+    """``accuracy`` and ``exact_match`` are maximised; every other metric of the tasks (loss, perplexity,
+    rel_error, objective) minimised."""
+    return metric in ("accuracy", "exact_match")
 
 
 def method_settings(cfg: RunConfig, name: str, user_sets: list[str] | tuple[str, ...] = (),
