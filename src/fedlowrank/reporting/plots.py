@@ -21,12 +21,15 @@ def pyplot():
 
 
 def bytes_axis(ax, x_max: float, x_min: float) -> None:
-    """Log-scaled bytes axis labelled ``10 kB``, ``1 MB``...; minor ticks labelled only within one decade."""
-    from matplotlib.ticker import EngFormatter, NullFormatter
+    """Log-scaled bytes axis labelled ``10 kB``, ``1 MB``...; within one decade also ``20 kB``, ``30 kB``,
+    ``50 kB`` (labels that do not run into each other)."""
+    from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter
 
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(EngFormatter(unit="B"))
     narrow = x_min > 0 and x_max / x_min < 10
+    if narrow:
+        ax.xaxis.set_minor_locator(LogLocator(base=10, subs=(2.0, 3.0, 5.0)))
     ax.xaxis.set_minor_formatter(EngFormatter(unit="B") if narrow else NullFormatter())
     ax.tick_params(axis="x", which="both", labelsize=8)
 
@@ -46,8 +49,8 @@ def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] |
         ax.bar(np.arange(hist.shape[0]), hist[:, c], bottom=bottom, label=names[c])
         bottom += hist[:, c]
     ax.set_xlabel("client")
-    if client_names:
-        ax.set_xticks(np.arange(hist.shape[0]), [f"{k}\n{n}" for k, n in enumerate(client_names)], fontsize=7)
+    ax.set_xticks(np.arange(hist.shape[0]), [f"{k}\n{n}" for k, n in enumerate(client_names)] if client_names
+                  else [str(k) for k in range(hist.shape[0])], fontsize=7 if client_names else None)
     ax.set_ylabel("examples")
     ax.set_title(f"split on: {what}", fontsize=9)
     ax.legend(fontsize=7, ncol=1 if hist.shape[1] <= 12 else 2, loc="upper left", bbox_to_anchor=(1.01, 1.0),
