@@ -146,7 +146,8 @@ def run_protocol(name: str, out: Path, jobs: int, smoke: bool, device: str = "cp
     tune_seeds = tune_seeds or ("0,1,2" if device == "cuda" else p.tune_seeds)
     compare_seeds = ",".join(map(str, range(seeds))) if seeds else compare_seeds
     home = out / (name + suffix)
-    tune_dir = out / ((p.tuned_in or name) + suffix) / ("tune" if tune_seeds == "0" else "tune-seeds" + tune_seeds.replace(",", "-"))
+    tune_name = "tune" if tune_seeds == "0" else "tune-seeds" + tune_seeds.replace(",", "-")
+    tune_dir = out / ((p.tuned_in or name) + suffix) / tune_name
     if not p.tuned_in:
         groups: dict[str | None, list[str]] = {}  # methods sharing a grid are tuned (and extended) in one sweep
         for m in [p.shared_lr_from] if p.shared_lr_from else p.methods:

@@ -33,7 +33,8 @@ def fedsub_minus_ssf(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.normal(-0.010, 0.025, n)
 
 
-MODELS = {"FedIT − FLoRG": (florg_minus, (12, 16, 20, 24, 30)), "FedSub − SSF": (fedsub_minus_ssf, (12, 24, 40, 52, 64, 80))}
+MODELS = {"FedIT − FLoRG": (florg_minus, (12, 16, 20, 24, 30)),
+          "FedSub − SSF": (fedsub_minus_ssf, (12, 24, 40, 52, 64, 80))}
 
 
 def main(argv=None) -> int:

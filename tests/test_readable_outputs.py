@@ -30,7 +30,8 @@ def _history(values: dict[int, float], rounds: int = 6, metric: str | None = "ac
 
 
 HISTORIES = {"a": [_history({2: 0.5, 4: 0.6, 6: 0.7}), _history({2: 0.3, 4: 0.4, 6: 0.5})],
-             "b": [_history({2: 0.4, 4: 0.45, 6: 0.5}, per_round=500), _history({2: 0.2, 4: 0.5, 6: 0.6}, per_round=500)]}
+             "b": [_history({2: 0.4, 4: 0.45, 6: 0.5}, per_round=500),
+                   _history({2: 0.2, 4: 0.5, 6: 0.6}, per_round=500)]}
 
 
 def test_curves_hold_only_the_rounds_every_seed_evaluated():

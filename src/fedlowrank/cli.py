@@ -102,7 +102,8 @@ def _finish(sim, run_dir: Path) -> int:
     from .reporting.plots import plot_run
 
     cfg = sim.cfg
-    plots = plot_run(sim.history, run_dir, default_metric(cfg), f"{sim.method.name} on {data_name(cfg)}: {run_dir.name}")
+    title = f"{sim.method.name} on {data_name(cfg)}: {run_dir.name}"
+    plots = plot_run(sim.history, run_dir, default_metric(cfg), title)
     if sim.log:
         sim.log(f"plot: {plots[0]}" if plots else "no plots: matplotlib is not installed (pip install matplotlib==3.11.2)")
     _log(f"run directory: {run_dir}")

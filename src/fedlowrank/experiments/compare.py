@@ -251,10 +251,10 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         if not values:
             raise ConfigError(f"run.stop_metric: the task reports no {metric!r} "
                               f"(it reports {', '.join(sorted(outcome.metrics)) or 'nothing'})")
-        summary, seed = outcome.summary or {}, run.cfg.run.seed
+        summary = outcome.summary
         histories.setdefault(run.method, []).append(outcome.history)
         per_method.setdefault(run.method, []).append({
-            "seed": seed, "final": values[-1], "best": max(values) if higher_is_better(metric) else min(values),
+            "seed": run.cfg.run.seed, "final": values[-1], "best": max(values) if higher_is_better(metric) else min(values),
             "bytes_up": summary["bytes_up"], "bytes_down": summary["bytes_down"], "time": summary["time"]["total"],
             "epsilon": summary.get("epsilon"), "partition": partition_digest(sweep.partition(run.cfg)),
             "sampling": hashlib.sha256(json.dumps([r["clients"] for r in outcome.history]).encode()).hexdigest()[:16],
@@ -262,7 +262,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
     setup = setup_of(runs[0].cfg, sweep.task(runs[0].cfg).describe(), seed_list)
     rows = []
     for name in names:
-        cfg0, method_runs = runs[names.index(name) * len(seed_list)].cfg, per_method[name]
+        cfg0, method_runs = next(r.cfg for r in runs if r.method == name), per_method[name]
         rows.append({
             "method": name, "lr": cfg0.train.lr, "head_lr": cfg0.train.head_lr, "optimizer": cfg0.train.optimizer,
             "weighting": cfg0.server.weighting, "settings": settings[name][1:], "runs": method_runs,

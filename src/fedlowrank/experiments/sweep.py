@@ -11,8 +11,9 @@ run of one seed trains on the same partition, and evaluates on the same validati
   are the same either way;
 * with ``resume``, a run directory whose run ended with the same config is read instead of run again, so an
   interrupted sweep continues where it stopped and runs made by separate processes into one ``out`` combine;
-* one line per run: ``run k of N: LABEL`` when it starts in this process, ``run k of N done: LABEL: METRIC``
-  with the ETA of the rest (the wall time per run so far × the runs left) when it ends.
+* progress lines: ``run k of N: LABEL (ETA 0:04:10 for 3 runs)`` as a run starts in this process, ``run k of N
+  done: LABEL: METRIC`` as it ends (with the ETA when the runs end in worker processes); the ETA is the wall time
+  per run so far × the runs left.
 """
 
 from __future__ import annotations

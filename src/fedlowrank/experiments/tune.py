@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from .compare import higher_is_better, method_settings, parse_methods, parse_seeds, read_tuned, setup_lines, setup_of
-from .sweep import Log, Outcome, Run, Sweep, split_validation
+from .sweep import Log, Outcome, Run, Sweep, split_validation  # noqa: F401  (split_validation: tune's split)
 from ..config import ConfigError, load_config
 from ..runtime.checkpoint import config_fingerprint
 
