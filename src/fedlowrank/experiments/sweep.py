@@ -265,6 +265,7 @@ class Sweep:
             self._say(f"run {i + 1} of {len(runs)}: {run.label}: reusing the finished run in {run.run_dir}")
         clock = _Clock(len(pending))
         if self.jobs > 1 and pending:
+            self._say(f"{len(pending)} of {len(runs)} runs go to {self.jobs} worker processes")
             outcomes.update(self._run_in_processes(runs, pending, clock))
             for i in pending:
                 if outcomes[i].diverged is not None and stop_on_divergence:
