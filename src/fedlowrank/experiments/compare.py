@@ -35,21 +35,10 @@ import numpy as np
 
 from ..config import ConfigError, RunConfig, load_config
 from ..reporting.progress import format_bytes
+from ..tasks import headline_metric, higher_is_better
 from .stats import CONFIDENCE, Interval, mean_interval, paired_interval, verdict
 
 Log = Callable[[str], None] | None
-
-
-def default_metric(cfg: RunConfig) -> str:
-    """``run.stop_metric`` if set, else ``accuracy`` for text and image classification, the held-out ``loss`` for a
-    causal LM and ``rel_error`` otherwise (the matrix regression)."""
-    by_kind = {"text-classification": "accuracy", "image-classification": "accuracy", "causal-lm": "loss"}
-    return cfg.run.stop_metric or by_kind.get(cfg.task.kind, "rel_error")
-
-
-def higher_is_better(metric: str) -> bool:
-    """``accuracy`` is maximised; every other metric of the tasks (loss, rel_error, objective) minimised."""
-    return metric == "accuracy"
 
 
 def method_settings(cfg: RunConfig, name: str, user_sets: list[str] | tuple[str, ...] = (),
@@ -325,7 +314,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
                           f"(tuned: {', '.join(chosen) or 'none'})")
     settings = {n: method_settings(base, n, overrides, chosen.get(n)) for n in names}
     configs = {n: {s: load_config(config, [*settings[n], f"run.seed={s}"]) for s in seed_list} for n in names}
-    metric = default_metric(base)
+    metric = headline_metric(base)
     out = Path(out) if out is not None else None
     check_jobs(jobs, out)
 

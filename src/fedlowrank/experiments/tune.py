@@ -31,11 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from .compare import (Log, check_jobs, finished_run, higher_is_better, method_settings, parse_methods, parse_seeds,
-                         read_tuned, run_in_processes, setup_lines, setup_of, task_key)
 from ..config import ConfigError, load_config
 from ..runtime.checkpoint import config_fingerprint
 from ..seeding import numpy_rng
+from ..tasks import higher_is_better
+from .compare import (Log, check_jobs, finished_run, method_settings, parse_methods, parse_seeds, read_tuned,
+                      run_in_processes, setup_lines, setup_of, task_key)
 
 LR = "train.lr"  # the parameter tuned by default
 
