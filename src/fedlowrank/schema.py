@@ -18,13 +18,13 @@ Making a schema object coerces and checks every field (:meth:`Schema.__post_init
 Types: ``bool``, ``int``, ``float``, ``str``, ``list[T]``, ``tuple[T1, T2, ...]`` (fixed length),
 ``dict[str, T]``, unions of these (``float | str``) and ``Any``. Coercion: an ``int`` takes a whole float
 (``1e3``); a ``float`` takes an int and must be finite unless ``allow_inf`` (nan never passes); a ``str`` key takes
-an integer (a column index) and, when its choices are spelled ``"true"``/``"false"``, a boolean. Bounds
-(``ge``, ``gt``, ``le``, ``lt``) and
-``choices`` (the allowed strings: a tuple, or a function returning one for registries) apply to a list's, tuple's
-or table's items;
-``reason`` is said with a bound's error (why the limit, or what the edge values mean).
-A rule that types, bounds and choices cannot say (a device string, distinct class names) is a ``check`` function
-``check(value, key)`` raising ``ValueError``, with ``form`` saying in words what it allows.
+an integer (a column index) and, when its choices are spelled ``"true"``/``"false"``, a boolean.
+
+Bounds (``ge``, ``gt``, ``le``, ``lt``) and ``choices`` (the allowed strings: a tuple, or a function returning one,
+for registries) apply to a list's, tuple's or table's items; ``reason`` is said with a bound's error (why the
+limit, or what its edge values mean). A rule that types, bounds and choices cannot say (a device string, distinct
+names) is a ``check(value, key)`` function raising ``ValueError``, with ``form`` saying in words what it allows.
+A subclass that only changes an inherited key's default writes it with :func:`with_default`.
 """
 
 from __future__ import annotations
