@@ -17,8 +17,6 @@ import numpy as np
 from ..seeding import numpy_rng
 from .table import read_table
 
-SOURCES = ("bbc-news", "agnews", "gsm8k", "files", "hf")
-
 
 @dataclass
 class TextData:
