@@ -12,6 +12,7 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..adapters.lora import SCALING_RULES
@@ -29,6 +30,7 @@ MAX_TOKENS = 1 << 17
 
 
 def method_names() -> tuple[str, ...]:
+    """Every registered method's name."""
     from ..methods import available_methods
 
     return tuple(available_methods())
@@ -45,13 +47,14 @@ def check_model(model: str, key: str = "task.model") -> None:
     """``task.model`` given as a path (starting with ``/``, ``.`` or ``~``) is an existing folder. Bundled names
     and hub ids are resolved, with their own one-line errors, when the model is loaded
     (:mod:`fedlowrank.models.loading`)."""
-    from pathlib import Path
-
     if model.startswith(("/", ".", "~")) and not Path(model).expanduser().is_dir():
         from ..models.loading import BUNDLED
 
         raise ValueError(f"{key}: no folder {model!r} (a local model is a Hugging Face model folder, as written by "
                          f"save_pretrained; bundled models: {', '.join(BUNDLED)})")
+
+
+LABELS_FORM = "a list of non-empty class names without surrounding spaces"
 
 
 def check_labels(labels: list[str], key: str) -> None:
@@ -64,11 +67,10 @@ def check_labels(labels: list[str], key: str) -> None:
         raise ValueError(f"{key} needs at least 2 classes, got {labels!r}")
 
 
-LABELS_FORM = "a list of non-empty class names without surrounding spaces"
-
-
 @dataclass
 class RunSection(Schema):
+    """Config section ``[run]``: rounds, sampling, evaluation, checkpoints, faults, where and how it runs."""
+
     prefix = "run"
 
     name: str = setting("run", "name of the run: prefix of its run directory")
@@ -109,6 +111,8 @@ class RunSection(Schema):
 
 @dataclass
 class TaskSection(Schema):
+    """Config section ``[task]``: which task (the registry's kind), its model and options."""
+
     prefix = "task"
 
     kind: str = setting("text-classification", "the task (`fedlowrank config` of a config lists its options)",
@@ -124,6 +128,8 @@ class TaskSection(Schema):
 
 @dataclass
 class DataSection(Schema):
+    """Config section ``[data]``: where the task's data come from (the task says which keys it reads)."""
+
     prefix = "data"
 
     source: str = setting("bbc-news", "where the task's data come from (which sources and [data] keys each task.kind "
@@ -152,6 +158,8 @@ class DataSection(Schema):
 
 @dataclass
 class LoRASection(Schema):
+    """Config section ``[lora]``: the adapters' rank(s), scale and target modules."""
+
     prefix = "lora"
 
     rank: int = setting(8, "LoRA rank r of every client (at most the adapted layers' sizes)", ge=1)
@@ -167,6 +175,8 @@ class LoRASection(Schema):
 
 @dataclass
 class ServerSection(Schema):
+    """Config section ``[server]``: client weights and the server step."""
+
     prefix = "server"
 
     weighting: str = setting("num_examples", "client weights in aggregation", choices=("num_examples", "uniform"))
@@ -175,6 +185,8 @@ class ServerSection(Schema):
 
 @dataclass
 class CompareSection(Schema):
+    """Config section ``[compare]``: what ``fedlowrank compare`` runs."""
+
     prefix = "compare"
 
     methods: list[str] = setting(["fedit", "fedavg-full"], "methods that `fedlowrank compare` runs",
@@ -230,10 +242,8 @@ SECTIONS: dict[str, type[Schema]] = {name: hint for name, hint in typing.get_typ
                                      if name != "method"}
 """The schema of each section but ``[method]``, in order."""
 
-MEANINGS: dict[str, str] = {
-    key: d.meaning for name in typing.get_type_hints(RunConfig)
-    for key, d in ([("method.name", METHOD_NAME)] if name == "method"
-                   else ((f"{name}.{k}", d) for k, d in declared(SECTIONS[name]).items()))}
+MEANINGS: dict[str, str] = {f"{name}.{key}": d.meaning for name, cls in SECTIONS.items()
+                            for key, d in declared(cls).items()} | {"method.name": METHOD_NAME.meaning}
 """What every ``section.key`` means (``method.name`` included; a method's own options are on its class)."""
 
 
@@ -249,7 +259,8 @@ def config_rows(cfg: RunConfig) -> list[tuple[str, Any, Declared]]:
         if name == "method":
             rows.append(("method.name", cfg.method_name, METHOD_NAME))
             given = cfg.method_options
-            rows += [(f"method.{k}", given.get(k, d.default), d) for k, d in declared(method_class(cfg.method_name)).items()]
+            rows += [(f"method.{k}", given.get(k, d.default), d)
+                     for k, d in declared(method_class(cfg.method_name)).items()]
             continue
         section = getattr(cfg, name)
         for key, d in declared(type(section)).items():
