@@ -140,12 +140,13 @@ def test_debug_shows_the_traceback(no_work):
             main(argv)
 
 
-def test_ctrl_c_while_loading_data_exits_130_with_one_line(monkeypatch, capsys):
+def test_ctrl_c_while_loading_data_exits_130_with_one_line(monkeypatch, capsys, tmp_path):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     import fedlowrank.runtime.simulator as simulator
 
+    monkeypatch.chdir(tmp_path)  # the run directory goes under run.out_dir = runs/, not into the checkout
     monkeypatch.setattr(simulator, "build_task", interrupted)
     assert main(["run", "tiny", "--quiet"]) == 130
     err = capsys.readouterr().err
