@@ -146,6 +146,7 @@ def test_ctrl_c_while_loading_data_exits_130_with_one_line(monkeypatch, capsys, 
 
     import fedlowrank.runtime.simulator as simulator
 
+    monkeypatch.chdir(tmp_path)  # the run directory goes under run.out_dir = runs/, not into the checkout
     monkeypatch.setattr(simulator, "build_task", interrupted)
     assert main(["run", "tiny", "--quiet", "--out", str(tmp_path / "run")]) == 130
     err = capsys.readouterr().err

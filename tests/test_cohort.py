@@ -205,8 +205,8 @@ def test_with_dropout_a_cohort_is_deterministic():
 
 
 @pytest.mark.parametrize("value, message", [
-    ("-1", "run.cohort must be an integer >= 0 (0 = automatic, 1 = one client at a time, N = up to N clients "
-           "together), got -1"),
+    ("-1", "run.cohort must be >= 0 (0 = automatic, 1 = one client at a time, N = up to N clients together), "
+           "got -1"),
     ("'all'", "run.cohort must be an integer, got 'all'"),
     ("2.5", "run.cohort must be an integer, got 2.5"),
 ])

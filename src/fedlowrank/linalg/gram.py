@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+from ..schema import check_choice
+
 GRAM_DECOMPOSITIONS = ("eigh", "stacked_svd", "closed_form")
 
 
@@ -125,8 +127,7 @@ def aggregate_gram(A_prev: torch.Tensor, As: Sequence[torch.Tensor], weights: Se
     (:func:`canonical_rows`, spec A8). r' = rank(Q) as kept by the threshold; ``None`` for ``closed_form``,
     which never computes it (that would cost the O(k·(Nr)²) it avoids).
     """
-    if decomposition not in GRAM_DECOMPOSITIONS:
-        raise ValueError(f"method.server_decomp must be one of {GRAM_DECOMPOSITIONS}, got {decomposition!r}")
+    check_choice("method.server_decomp", decomposition, GRAM_DECOMPOSITIONS)
     M = stack_gram_factors(As, weights)
     if decomposition == "closed_form":
         if not align:

@@ -11,6 +11,8 @@ from typing import Sequence
 
 import torch
 
+from ..schema import check_choice
+
 
 def stack_factors(Bs: Sequence[torch.Tensor], As: Sequence[torch.Tensor],
                   weights: Sequence[float] | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,10 +104,9 @@ def factored_basis(B_c: torch.Tensor, A_c: torch.Tensor, method: str = "qr") -> 
     :func:`normalize_svd_signs`), the Eckart–Young optimal truncations. Either way the truncation error is
     ``‖B_c A_c − Q[:, :r] R[:r]‖_F = ‖R[r:]‖_F``.
     """
+    check_choice("decomposition", method, DECOMPOSITIONS)
     if method == "qr":
         return factored_qr(B_c, A_c)
-    if method == "svd":
-        U, S, Vh = factored_svd(B_c, A_c)
-        U, Vh = normalize_svd_signs(U, Vh)
-        return U, S[:, None] * Vh
-    raise ValueError(f"decomposition must be one of {DECOMPOSITIONS}, got {method!r}")
+    U, S, Vh = factored_svd(B_c, A_c)
+    U, Vh = normalize_svd_signs(U, Vh)
+    return U, S[:, None] * Vh

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..schema import check_choice
+
 SIDES = ("right", "left")
 
 
@@ -21,8 +23,7 @@ def projection_side(m: int, n: int) -> str:
 
 def canonical(X: torch.Tensor, side: str) -> torch.Tensor:
     """``X`` for a right block, ``Xᵀ`` for a left block (so that the projected axis is the last one)."""
-    if side not in SIDES:
-        raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+    check_choice("side", side, SIDES)
     return X if side == "right" else X.T
 
 

@@ -53,6 +53,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..schema import check_choice
+
 
 @dataclass
 class RPCAResult:
@@ -137,8 +139,7 @@ WARMUP_MAX_ITER = 200   # ... or for at most this many iterations; float64 from 
 
 
 def _check_solver(solver: str) -> None:
-    if solver not in SOLVERS:
-        raise ValueError(f"robust_pca solver must be one of {SOLVERS}, got {solver!r}")
+    check_choice("robust_pca solver", solver, SOLVERS)
 
 
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]                     # (T, W, c, changes)

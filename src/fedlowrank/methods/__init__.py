@@ -1,13 +1,13 @@
 """Method registry. Every module in this package registers its methods with :func:`register`.
 
-``get_method(name, **options)`` builds a method by its registered name; ``available_methods()`` lists them.
+``get_method(name, **options)`` builds a method by its registered name, its options checked against their
+declarations (the method's dataclass fields, :mod:`fedlowrank.schema`); ``available_methods()`` lists them.
 ``preset_overrides(name)`` and ``lr_grid(name)`` give a method's paper defaults (``Method.preset``,
 ``Method.lr_grid``) for ``compare`` and ``tune``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import pkgutil
@@ -51,15 +51,10 @@ def method_class(name: str) -> type[Method]:
 
 
 def get_method(name: str, **options) -> Method:
-    """Build the method registered as ``name`` with its options (unknown options are an error)."""
-    cls = method_class(name)
-    allowed = cls.options()
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ValueError(f"method.{unknown[0]}: not an option of {name!r}; allowed: {', '.join(sorted(allowed)) or 'none'}")
-    if dataclasses.is_dataclass(cls):
-        return cls(**options)
-    return cls()
+    """Build the method registered as ``name`` with its options, each checked against its declaration: an unknown
+    option, a value of the wrong type or out of its bounds or choices raises
+    :class:`~fedlowrank.schema.ConfigError` naming ``method.OPTION`` and what is allowed."""
+    return method_class(name).from_values(options, f"an option of {name}")
 
 
 def _toml_value(value) -> str:

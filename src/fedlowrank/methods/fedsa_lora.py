@@ -22,7 +22,7 @@ from ..adapters.lora import lora_modules
 from ..adapters.model import AdaptedModel
 from ..message import Message, State
 from . import register
-from .base import LoRAMethod
+from .base import LoRAMethod, correction_option
 
 
 @register
@@ -37,11 +37,7 @@ class FedSALoRA(LoRAMethod):
     supports_heterogeneous_ranks = False
     personalized = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if "scaffold" in self.correction:
-            raise ValueError(f"method.correction: fedsa-lora allows 'none' or 'fedprox' (SCAFFOLD would upload "
-                             f"B's control variate), got {self.correction!r}")
+    correction: str = correction_option("none", ("none", "fedprox"), "SCAFFOLD would upload B's control variate")
 
     def setup(self, model: AdaptedModel, info) -> State:
         server = super().setup(model, info)

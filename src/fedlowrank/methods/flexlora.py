@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from ..adapters.lora import lora_scale
 from ..linalg.lowrank import factored_svd, stack_factors
 from ..message import Message, Reply, State
+from ..schema import setting
 from . import register
 from .ranks import HeteroRankLoRA, download_factors, module_names, zero_pad
 
@@ -45,9 +46,7 @@ EQUAL_RANKS = ("svd", "fedavg")
 @register
 @dataclass
 class FlexLoRA(HeteroRankLoRA):
-    """Options: ``split`` of the truncated SVD between B and A (``"official"``: B = U S/s, A = Vᵀ;
-    ``"even"``: √S on each side); ``equal_ranks``: ``"svd"`` (the paper's SVD at any rank mix) or ``"fedavg"``
-    (the public code: factor-wise FedAvg when all client ranks are equal)."""
+    """FlexLoRA's server: the weighted average of the products, truncated back to each client's rank."""
 
     name = "flexlora"
     description = "average Σpₖ sₖBₖAₖ (factored), truncated SVD back to each client's rank"
@@ -57,14 +56,10 @@ class FlexLoRA(HeteroRankLoRA):
     downlink = "rank-r_k truncated SVD factors A [r_k,in], B [out,r_k] per target module, head"
     needs_individual_replies = True
 
-    split: str = "official"
-    equal_ranks: str = "svd"
-
-    def __post_init__(self) -> None:
-        for option, value, allowed in (("split", self.split, SPLITS), ("equal_ranks", self.equal_ranks, EQUAL_RANKS)):
-            if value not in allowed:
-                raise ValueError(f"method.{option} must be one of {allowed}, got {value!r}")
-        super().__post_init__()
+    split: str = setting("official", "how the truncated SVD is split between B and A: official (B = U S/s, A = Vᵀ) "
+                         "or even (√S on each side)", choices=SPLITS)
+    equal_ranks: str = setting("svd", "with equal client ranks: svd (the paper's SVD at any rank mix) or fedavg (the "
+                               "public code: factor-wise FedAvg)", choices=EQUAL_RANKS)
 
     def broadcast(self, server: State, client: int, rnd: int) -> Message:
         """Client ``client``'s leading-``r_k`` slices of B̄ and Ā at its scale (see the module docstring)."""

@@ -33,7 +33,7 @@ from ..linalg.lowrank import stack_factors
 from ..message import Message, Reply, State
 from ..seeding import torch_generator
 from . import register
-from .base import LoRAMethod, SetupInfo, load_head
+from .base import LoRAMethod, SetupInfo, correction_option, load_head
 
 
 def merge(base: torch.Tensor | None, B_s: torch.Tensor, A_s: torch.Tensor) -> torch.Tensor:
@@ -55,11 +55,8 @@ class FLoRA(LoRAMethod):
     needs_individual_replies = True
     supports_heterogeneous_ranks = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if "scaffold" in self.correction:
-            raise ValueError(f"method.correction: flora re-initialises its adapters every round and allows 'none' "
-                             f"or 'fedprox', got {self.correction!r}")
+    correction: str = correction_option("none", ("none", "fedprox"), "the adapters are re-initialised every round, "
+                                        "so control variates could not follow them")
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         server = super().setup(model, info)

@@ -39,28 +39,20 @@ from ..adapters.lora import lora_scale
 from ..adapters.model import AdaptedModel
 from ..linalg.gram import GRAM_DECOMPOSITIONS, aggregate_gram, canonical_rows, gram_distance, stack_gram_factors
 from ..message import Message, State
+from ..schema import setting, with_default
 from ..seeding import torch_generator
 from ..training.corrections import make_corrections
 from . import register
-from .base import Method, SetupInfo, head_tensors, load_head, weighted_sum
+from .base import (Method, SetupInfo, correction_option, cv_grad_option, head_tensors, load_head, mu_option,
+                   weighted_sum)
 
 
 @register
 @dataclass
 class FLoRG(Method):
-    """Options:
-        procrustes: align the new factor to the previous one (Theorem 1); false = no alignment (Table 3's
-            ablation when ``truncate`` is false too: ``florg-no-procrustes``).
-        truncate: without Procrustes, keep only the top-r rows of Ã (true) or all r' of them (false, the paper's
-            Table 3 ablation); ignored with Procrustes.
-        server_decomp: ``"stacked_svd"`` (SVD of the stacked [Nr, k] factors, O(k(Nr)²); default),
-            ``"eigh"`` (the paper's k×k eigendecomposition, O(k³)) or ``"closed_form"``
-            (``(AQAᵀ)^{-1/2}AQ``, O(Nr²k); needs ``procrustes``). All three give the same factor.
-        bases_init: L, R initialisation: ``"semi_orthogonal"`` (default), ``"kaiming"`` or ``"svd"`` (of W0).
-        a_init: ``"gaussian"`` (default) or ``"kaiming"``; init_perturbation: s·σ²·k for the Gaussian init.
-        compensate_init: start from the pretrained model (``ΔW = s L(AᵀA − A¹ᵀA¹)R``).
-        eig_tol: relative threshold on the eigenvalues of Q (r' = number above ``eig_tol·λ_max``).
-        correction, mu, cv_grad: client-side FedProx / SCAFFOLD on A and the head (as in the LoRA methods).
+    """FLoRG (module docstring). The three ``server_decomp`` give the same factor: ``stacked_svd`` in O(k(Nr)²),
+    ``eigh`` in O(k³), ``closed_form`` ``(AQAᵀ)^{-1/2}AQ`` in O(Nr²k). ``correction`` applies FedProx / SCAFFOLD to
+    A and the head, as in the LoRA methods.
     """
 
     name = "florg"
@@ -74,32 +66,32 @@ class FLoRG(Method):
     preset = {"server.weighting": "uniform"}  # eq. 4: 1/N
     lr_grid = (1e-3, 3e-3, 1e-2)  # issue #16's CPU-scale grid (paper: {5e-4, 1e-4, 5e-5, 1e-5} at LLM scale)
 
-    procrustes: bool = True
-    truncate: bool = True
-    server_decomp: str = "stacked_svd"
-    bases_init: str = "semi_orthogonal"
-    a_init: str = "gaussian"
-    init_perturbation: float = 1e-2
-    compensate_init: bool = False
-    eig_tol: float = 1e-10
-    correction: str = "none"
-    mu: float = 0.01
-    cv_grad: str = "mean"
+    procrustes: bool = setting(True, "align the new factor to the previous one (Theorem 1); false = no alignment "
+                               "(with method.truncate = false too: the paper's Table 3 ablation)")
+    truncate: bool = setting(True, "without Procrustes: keep only the top-r rows of Ã (true) or all r' of them "
+                             "(false); ignored with Procrustes")
+    server_decomp: str = setting("stacked_svd", "how the server factors Q: SVD of the stacked [Nr, k] factors, the "
+                                 "paper's k×k eigendecomposition (eigh), or closed_form (needs method.procrustes)",
+                                 choices=GRAM_DECOMPOSITIONS)
+    bases_init: str = setting("semi_orthogonal", "initialisation of the frozen bases L, R (svd: of W0)",
+                              choices=BASES_INITS)
+    a_init: str = setting("gaussian", "initialisation of the trainable factor A¹", choices=A_INITS)
+    init_perturbation: float = setting(1e-2, "s·σ²·k of the Gaussian A¹ (A = 0 would never train)", gt=0)
+    compensate_init: bool = setting(False, "start from the pretrained model: ΔW = s L(AᵀA − A¹ᵀA¹)R")
+    eig_tol: float = setting(1e-10, "relative threshold on the eigenvalues of Q: r' = the number above "
+                             "eig_tol·λ_max", gt=0, lt=1)
+    correction: str = correction_option()
+    mu: float = mu_option()
+    cv_grad: str = cv_grad_option()
 
     def __post_init__(self) -> None:
-        for option, value, allowed in (("server_decomp", self.server_decomp, GRAM_DECOMPOSITIONS),
-                                       ("bases_init", self.bases_init, BASES_INITS),
-                                       ("a_init", self.a_init, A_INITS)):
-            if value not in allowed:
-                raise ValueError(f"method.{option} must be one of {allowed}, got {value!r}")
+        super().__post_init__()
         if self.server_decomp == "closed_form" and not self.procrustes:
             raise ValueError("method.server_decomp = 'closed_form' needs method.procrustes = true; "
                              "allowed without Procrustes: 'eigh', 'stacked_svd'")
         if self.growing_rank and self.correction != "none":
             raise ValueError("method.correction: the factor's rank changes every round without Procrustes and "
                              "truncation, so the control variates cannot follow; allowed: 'none'")
-        if not 0 < self.eig_tol < 1:
-            raise ValueError(f"method.eig_tol must be in (0, 1), got {self.eig_tol}")
         self._corrections = make_corrections(self.correction, self.mu, self.cv_grad)
 
     # -- set-up ----------------------------------------------------------------------------------------
@@ -208,8 +200,8 @@ class FLoRGNoProcrustes(FLoRG):
     uplink = "A [r',k] per target module (r' = rank of the last aggregated Gram matrix, up to min(k, N·r)), head"
     downlink = "A [r',k] per target module, head"
 
-    procrustes: bool = False
-    truncate: bool = False
+    procrustes: bool = with_default(FLoRG, "procrustes", False)
+    truncate: bool = with_default(FLoRG, "truncate", False)
 
 
 @register
@@ -220,8 +212,8 @@ class FLoRGTopRows(FLoRG):
     name = "florg-top-rows"
     description = "FLoRG without Procrustes, truncated to the top-r rows of the canonical factor (rank stays r)"
 
-    procrustes: bool = False
-    truncate: bool = True
+    procrustes: bool = with_default(FLoRG, "procrustes", False)
+    truncate: bool = with_default(FLoRG, "truncate", True)
 
 
 __all__ = ["FLoRG", "FLoRGNoProcrustes", "FLoRGTopRows"]

@@ -27,6 +27,7 @@ import torch
 
 from ..adapters.lora import lora_scale
 from ..message import Reply, State
+from ..schema import setting
 from . import register
 from .ranks import HeteroRankLoRA, module_names, padded_average, rank_weights
 
@@ -44,9 +45,7 @@ def product_norm(B: torch.Tensor, A: torch.Tensor) -> float:
 class HetLoRA(HeteroRankLoRA):
     """HetLoRA: LoRA at each client's own rank, zero-padded factor averaging, truncation for redistribution.
 
-    Options:
-        aggregation: ``"weighted"`` (``pₖ`` by ``server.weighting``) or ``"sparsity"`` (``pₖ ∝ ‖s_k B_k A_k‖_F``
-            per module, HetLoRA's sparsity-weighted aggregation).
+    ``aggregation = "sparsity"`` weighs client k by ``pₖ ∝ ‖s_k B_k A_k‖_F`` per module.
     """
 
     name = "hetlora"
@@ -59,12 +58,9 @@ class HetLoRA(HeteroRankLoRA):
     privacy_refusal = ("its server step weighs each reply by its rank and, with method.aggregation = 'sparsity', "
                        "by its norm, so one client's weight is not bounded by 1/K")
 
-    aggregation: str = "weighted"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"method.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+    aggregation: str = setting("weighted", "client weights of the padded average: weighted (by server.weighting) or "
+                               "sparsity (HetLoRA's, ∝ the norm of each client's update per module)",
+                               choices=AGGREGATIONS)
 
     def module_weights(self, replies: Sequence[Reply], name: str, p: torch.Tensor) -> torch.Tensor:
         if self.aggregation == "weighted":

@@ -56,9 +56,10 @@ from ..adapters.lora import attach_lora, lora_modules, lora_scale
 from ..adapters.model import AdaptedModel
 from ..linalg.lowrank import DECOMPOSITIONS, factored_basis, normalize_qr_signs, pad_basis, stack_factors
 from ..message import Message, Reply, State
+from ..schema import setting
 from ..training.corrections import Scaffold
 from . import register
-from .base import LoRAMethod, SetupInfo, head_tensors, load_head
+from .base import LoRAMethod, SetupInfo, correction_option, head_tensors, load_head
 from .ranks import copy, leading, zero_pad
 
 HETERO_BASES = ("per_client", "residual")
@@ -74,11 +75,8 @@ class QRInitLoRA(LoRAMethod):
 
     supports_heterogeneous_ranks = True
 
-    def __post_init__(self) -> None:
-        if "scaffold" in self.correction:
-            raise ValueError(f"method.correction: {self.name!r} allows 'none' or 'fedprox', got {self.correction!r} "
-                             "(its rank-aware control variates are method 'ilora-s')")
-        super().__post_init__()
+    correction: str = correction_option("none", ("none", "fedprox"), "rank-aware control variates are method "
+                                        "ilora-s")
 
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
@@ -186,10 +184,8 @@ class QRInitLoRA(LoRAMethod):
 class ILoRA(QRInitLoRA):
     """ILoRA: QR init, concatenated-QR aggregation of heterogeneous ranks, personalised slices (Algs. 1, 2).
 
-    Options:
-        decomp: ``"qr"`` (unpivoted, the paper) or ``"svd"`` (Eckart–Young optimal truncation, A5).
-        hetero_base: ``"residual"`` (default: one base at r_s, Lemma 6 / Alg. 4, every client starts from the
-            global model as eq. 7 intends; needs every r_k ≤ r_s) or ``"per_client"`` (Alg. 1 literally).
+    ``decomp = "svd"`` is spec A5 (Eckart–Young optimal truncation); ``hetero_base = "residual"`` is Lemma 6 /
+    Alg. 4 (one base at r_s: every client starts from the global model as eq. 7 intends).
     """
 
     name = "ilora"
@@ -202,15 +198,11 @@ class ILoRA(QRInitLoRA):
     needs_individual_replies = True
     lr_grid = (3e-4, 1e-3, 3e-3)  # issue #16's CPU-scale grid around the paper's AdamW 1e-4
 
-    decomp: str = "qr"
-    hetero_base: str = "residual"
-
-    def __post_init__(self) -> None:
-        if self.decomp not in DECOMPOSITIONS:
-            raise ValueError(f"method.decomp must be one of {DECOMPOSITIONS}, got {self.decomp!r}")
-        if self.hetero_base not in HETERO_BASES:
-            raise ValueError(f"method.hetero_base must be one of {HETERO_BASES}, got {self.hetero_base!r}")
-        super().__post_init__()
+    decomp: str = setting("qr", "decomposition of the concatenated factors: qr (unpivoted, the paper) or svd "
+                          "(optimal truncation)", choices=DECOMPOSITIONS)
+    hetero_base: str = setting("residual", "frozen base of a client below the server rank: residual (one base at "
+                               "lora.rank, every client starts from the global model; needs every client rank <= "
+                               "lora.rank) or per_client (Alg. 1 literally)", choices=HETERO_BASES)
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         if self.hetero_base == "residual" and max(info.client_ranks) > info.rank:
@@ -288,8 +280,7 @@ class RankAwareControlVariates(Scaffold):
 class ILoRAS(ILoRA):
     """ILoRA-S: ILoRA plus rank-aware control variates on A and B (:class:`RankAwareControlVariates`).
 
-    Option ``cv_grad`` (shared with SCAFFOLD): ``"mean"`` (mean raw gradient of the round's local steps, default),
-    ``"last"`` (the last step's raw gradient) or ``"option2"`` (SCAFFOLD's literal rule) refreshes ``c_k``.
+    ``cv_grad`` (shared with SCAFFOLD) says how ``c_k`` is refreshed.
     """
 
     name = "ilora-s"

@@ -27,6 +27,7 @@ import torch
 from ..adapters.lora import lora_scale
 from ..linalg.lowrank import stack_factors
 from ..message import Reply, State
+from ..schema import setting
 from . import SGD_LR_GRID, register
 from .ranks import (HeteroRankLoRA, module_names, padded_average, rank_weights)
 
@@ -79,7 +80,7 @@ def fair_correction(B_bar: torch.Tensor, A_bar: torch.Tensor, B_s: torch.Tensor,
 @register
 @dataclass
 class LoRAFAIR(HeteroRankLoRA):
-    """Options: ``lam`` (λ, default 0.01), ``steps`` (server Adam steps per module), ``step_size`` (relative)."""
+    """LoRA-FAIR's server: FedIT averaging, then the residual correction ΔB fitted by Adam."""
 
     name = "lora-fair"
     description = "FedIT averaging plus a server-side residual correction ΔB so that (B̄+ΔB)Ā ≈ Σpₖ BₖAₖ"
@@ -91,18 +92,9 @@ class LoRAFAIR(HeteroRankLoRA):
     preset = {"train.optimizer": "sgd"}  # as run in FedGaLore's study (Table 1)
     lr_grid = SGD_LR_GRID
 
-    lam: float = 0.01
-    steps: int = 200
-    step_size: float = 0.01
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.lam < 0:
-            raise ValueError(f"method.lam must be >= 0, got {self.lam}")
-        if self.steps < 0:
-            raise ValueError(f"method.steps must be >= 0, got {self.steps}")
-        if self.step_size <= 0:
-            raise ValueError(f"method.step_size must be > 0, got {self.step_size}")
+    lam: float = setting(0.01, "λ, the weight of ‖ΔB‖_F in the server's fit of the residual correction", ge=0)
+    steps: int = setting(200, "server Adam steps per module (0 = plain FedIT averaging)", ge=0)
+    step_size: float = setting(0.01, "the server Adam's step size, in units of RMS(B̄)", gt=0)
 
     def aggregate(self, server: State, replies: list[Reply], rnd: int) -> State:
         server = State(server)

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..message import Message, State
 from ..training.corrections import ClientCorrection
+from ..schema import setting
 from . import register
 from .fedit import FedIT
 
@@ -50,10 +51,6 @@ class ModelContrastive(ClientCorrection):
     prefix_prev = "moon.prev/"
 
     def __init__(self, mu: float, temperature: float):
-        if mu < 0:
-            raise ValueError(f"method.moon_mu must be >= 0, got {mu}")
-        if temperature <= 0:
-            raise ValueError(f"method.temperature must be > 0, got {temperature}")
         self.mu, self.temperature = mu, temperature
         self._global: dict[str, torch.Tensor] = {}
         self._prev: dict[str, torch.Tensor] = {}
@@ -94,8 +91,7 @@ class ModelContrastive(ClientCorrection):
 @register
 @dataclass
 class Moon(FedIT):
-    """Options: ``moon_mu`` (μ ≥ 0, weight of ℓ_con; 0 gives FedIT), ``temperature`` (τ > 0), and the LoRA
-    methods' ``correction``/``mu`` (FedProx/SCAFFOLD on top)."""
+    """FedIT plus μ·ℓ_con (``moon_mu`` = 0 gives FedIT); FedProx/SCAFFOLD compose on top (``correction``)."""
 
     name = "moon"
     description = "FedIT with MOON's model-contrastive loss on the representation (global vs previous local model)"
@@ -103,8 +99,8 @@ class Moon(FedIT):
     uplink = "A [r,in] and B [out,r] per target module, head"
     downlink = "Ā, B̄ per target module, head"
 
-    moon_mu: float = 0.01
-    temperature: float = 0.5
+    moon_mu: float = setting(0.01, "μ, the weight of the model-contrastive loss ℓ_con (0 gives FedIT)", ge=0)
+    temperature: float = setting(0.5, "τ, the temperature of ℓ_con", gt=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()

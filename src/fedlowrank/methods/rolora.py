@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..message import Message, State
 from . import register
-from .base import LoRAMethod
+from .base import LoRAMethod, correction_option
 
 
 @register
@@ -30,11 +30,7 @@ class RoLoRA(LoRAMethod):
     needs_individual_replies = False
     supports_heterogeneous_ranks = False
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if "scaffold" in self.correction:
-            raise ValueError(f"method.correction: rolora trains one factor per round and allows 'none' or "
-                             f"'fedprox', got {self.correction!r}")
+    correction: str = correction_option("none", ("none", "fedprox"), "one factor is trained per round")
 
     def factors_to_train(self, rnd: int) -> tuple[str, ...]:
         return ("B",) if rnd % 2 == 1 else ("A",)

@@ -23,14 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import SGD_LR_GRID, register
+from .base import correction_option
 from .fedit import FedIT
 
 
 @register
 @dataclass
 class Scaffold(FedIT):
-    """Options: ``correction`` (``"scaffold"`` or ``"fedprox+scaffold"``), ``mu`` (FedProx's μ when combined),
-    ``cv_grad`` (the control-variate refresh: ``"mean"``, ``"last"`` or ``"option2"``)."""
+    """FedIT with SCAFFOLD's control variates (combined with FedProx by ``correction = "fedprox+scaffold"``)."""
 
     name = "scaffold"
     description = "FedIT with SCAFFOLD control variates on A, B and the head"
@@ -40,10 +40,5 @@ class Scaffold(FedIT):
     preset = {"server.weighting": "uniform", "train.optimizer": "sgd"}  # Alg. 1: x ← x + η_g·mean Δy, local SGD
     lr_grid = SGD_LR_GRID
 
-    correction: str = "scaffold"
-
-    def __post_init__(self) -> None:
-        if "scaffold" not in self.correction:
-            raise ValueError(f"method.correction of scaffold must include the control variates; allowed: "
-                             f"'scaffold', 'fedprox+scaffold'; got {self.correction!r}")
-        super().__post_init__()
+    correction: str = correction_option("scaffold", ("scaffold", "fedprox+scaffold"), "the control variates are "
+                                        "the method")

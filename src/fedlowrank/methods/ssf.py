@@ -51,6 +51,7 @@ from torch import nn
 from ..adapters.model import AdaptedLinear, AdaptedModel
 from ..linalg.projectors import random_basis
 from ..message import Message, Reply, State
+from ..schema import setting, with_default
 from ..seeding import torch_generator
 from ..training.corrections import ClientCorrection
 from . import register
@@ -213,28 +214,20 @@ class SubspaceMethod(Method):
     """What SSF and FedSub share: per-layer shared projectors, the subspace adapter, the model catch-up, the
     per-client contract and the vectorised round. Subclasses give the correction and the server update.
 
-    Options:
-        rank: subspace dimension r of every target layer (0 = ``lora.rank``), capped to the layer's ``in``.
-        ratio: if > 0, ``r_ℓ = round(ratio · in_ℓ)`` per layer instead (spec §2.10), at least 1.
-        refresh_every: new projectors every this many rounds (projector epoch ``rnd // refresh_every``).
+    The subspace rank of layer ℓ is ``round(ratio · in_ℓ)`` (spec §2.10, at least 1) when ``ratio`` > 0, else
+    ``rank``, capped to ``in_ℓ``; the projector epoch of round t is ``t // refresh_every``.
     """
 
-    rank: int = 0
-    ratio: float = 0.0
-    refresh_every: int = 1
+    rank: int = setting(0, "subspace dimension r of every target layer (0 = lora.rank), capped to the layer's in",
+                        ge=0)
+    ratio: float = setting(0.0, "if > 0, each layer's r = round(ratio · in) instead of method.rank (at least 1)",
+                           ge=0, le=1)
+    refresh_every: int = setting(1, "new projectors every this many rounds", ge=1)
 
     needs_individual_replies: ClassVar[bool] = True
     uploads_gradients: ClassVar[bool] = False   # whether replies carry ḡᵢ (``g/<key>``)
     preset = {"train.optimizer": "sgd", "train.head_lr": 0.0}  # plain SGD, one η_l for every parameter (Alg. 1)
     lr_grid = (1e-4, 1e-3, 1e-2, 1e-1)  # SSF's search grid (FedSub's too, for the comparison with it)
-
-    def __post_init__(self) -> None:
-        if self.rank < 0:
-            raise ValueError(f"method.rank must be >= 0 (0 = lora.rank), got {self.rank}")
-        if not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"method.ratio must be in [0, 1] (0 = use rank), got {self.ratio}")
-        if self.refresh_every < 1:
-            raise ValueError(f"method.refresh_every must be >= 1, got {self.refresh_every}")
 
     # -- set-up ------------------------------------------------------------------------------------------
     def layer_rank(self, dim: int) -> int:
@@ -433,11 +426,8 @@ class SubspaceMethod(Method):
 @register
 @dataclass
 class SSF(SubspaceMethod):
-    """Options (besides rank, ratio, refresh_every):
-        control_update: ``"scaffold"`` (c += (1/N)ΣΔcᵢPᵀ..., keeps c = mean cᵢ) or ``"sample_mean"`` (spec A9).
-        controls: ``"full"`` (SSF) or ``"none"`` (ablation: subspace FedAvg with backfill, spec §2.6 item 7).
-        head_update: non-projected tensors (the head) with full SCAFFOLD (``"scaffold"``) or FedAvg.
-    """
+    """SSF: subspace steps corrected by full-size controls (module docstring); ``controls = "none"`` is the
+    ablation of spec §2.6 item 7 (subspace FedAvg with backfill)."""
 
     name = "ssf"
     description = "Subspace SCAFFOLD: shared random subspace per round, full-size controls, residual backfill"
@@ -446,17 +436,11 @@ class SSF(SubspaceMethod):
     downlink = "model increments [out,r] since last sync (or W), (c − cᵢ)Pᵀ [out,r] per layer; head, c − cᵢ of head"
     uploads_gradients = True
 
-    control_update: str = "scaffold"
-    controls: str = "full"
-    head_update: str = "scaffold"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for option, value, allowed in (("control_update", self.control_update, CONTROL_UPDATES),
-                                       ("controls", self.controls, CONTROLS),
-                                       ("head_update", self.head_update, HEAD_UPDATES)):
-            if value not in allowed:
-                raise ValueError(f"method.{option} must be one of {allowed}, got {value!r}")
+    control_update: str = setting("scaffold", "server control refresh: scaffold (c += (1/N) Σ Δcᵢ P, keeps c = mean "
+                                  "cᵢ) or sample_mean (spec A9)", choices=CONTROL_UPDATES)
+    controls: str = setting("full", "full (SSF) or none (subspace FedAvg with backfill)", choices=CONTROLS)
+    head_update: str = setting("scaffold", "non-projected tensors (the head) with full SCAFFOLD or FedAvg",
+                               choices=HEAD_UPDATES)
 
     def controlled(self) -> list[str]:
         if self.controls == "none":
@@ -489,9 +473,8 @@ class SSF(SubspaceMethod):
 @register
 @dataclass
 class FedSub(SubspaceMethod):
-    """Options (besides rank, ratio): refresh_every (default 5, paper Table 1); dual_transfer at a refresh:
-    ``"rotate"`` (Λ ← Λ P_old P_newᵀ, FedSub's code), ``"none"`` (keep coordinates) or ``"reset"`` (Λ ← 0).
-    The head (if any) is averaged FedAvg-style."""
+    """FedSub: subspace steps with subspace-only duals (refresh_every = 5 as in the paper's Table 1); the head (if
+    any) is averaged FedAvg-style."""
 
     name = "fedsub"
     description = "Subspace FedAvg with subspace-only duals rotated at each projector refresh"
@@ -499,13 +482,9 @@ class FedSub(SubspaceMethod):
     uplink = "Y [out,r] per target layer; head"
     downlink = "model increments [out,r] since last sync (or W), dual Λᵢ [out,r] per layer; head"
 
-    refresh_every: int = 5
-    dual_transfer: str = "rotate"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.dual_transfer not in DUAL_TRANSFERS:
-            raise ValueError(f"method.dual_transfer must be one of {DUAL_TRANSFERS}, got {self.dual_transfer!r}")
+    refresh_every: int = with_default(SubspaceMethod, "refresh_every", 5)
+    dual_transfer: str = setting("rotate", "the duals at a projector refresh: rotate (Λ ← Λ P_old P_newᵀ, FedSub's "
+                                 "code), none (keep their coordinates) or reset (Λ ← 0)", choices=DUAL_TRANSFERS)
 
     def init_server(self, server: State) -> None:
         for n in self._layers:

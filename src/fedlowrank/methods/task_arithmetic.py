@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..message import State
+from ..schema import setting
 from . import register
 from .base import SetupInfo
 from .fedit import FedIT
@@ -22,7 +23,7 @@ from .fedit import FedIT
 @register
 @dataclass
 class TaskArithmetic(FedIT):
-    """Options: ``beta`` (β > 0, the scale of the mean task vector), and the LoRA methods' ``correction``/``mu``."""
+    """FedIT whose server scales the mean update by β."""
 
     name = "task-arithmetic"
     description = "scaled averaging: θ ← θ + β·mean of the clients' updates of A, B and the head"
@@ -30,12 +31,7 @@ class TaskArithmetic(FedIT):
     uplink = "A [r,in] and B [out,r] per target module, head"
     downlink = "A, B per target module, head"
 
-    beta: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not self.beta > 0:
-            raise ValueError(f"method.beta must be > 0, got {self.beta}")
-        super().__post_init__()
+    beta: float = setting(2.0, "β, the scale of the mean task vector (1 = FedIT)", gt=0)
 
     def setup(self, model, info: SetupInfo) -> State:
         if info.server_lr != 1.0:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..message import State
+from ..schema import setting
 from . import register
 from .fedit import FedIT
 
@@ -72,9 +73,7 @@ def ties_merge(updates: torch.Tensor, weights: torch.Tensor, thresholds: torch.T
 @register
 @dataclass
 class Ties(FedIT):
-    """Options: ``keep_fraction`` (in (0, 1]; 1 = no trimming), ``trim_scope`` (``"global"`` or ``"tensor"``),
-    ``trim_count`` (``"official"``: ⌊K·d⌋ + 1 entries kept, the public code; ``"paper"``: ⌈K·d⌉), and the LoRA
-    methods' ``correction``/``mu``."""
+    """FedIT whose server merges the clients' updates by TIES (trim, elect sign, disjoint mean)."""
 
     name = "ties"
     description = "TIES-Merging of the clients' LoRA updates each round: trim, elect sign, disjoint mean"
@@ -83,18 +82,12 @@ class Ties(FedIT):
     downlink = "A, B per target module, head"
     needs_individual_replies = True
 
-    keep_fraction: float = 0.2
-    trim_scope: str = "global"
-    trim_count: str = "official"
-
-    def __post_init__(self) -> None:
-        if not 0 < self.keep_fraction <= 1:
-            raise ValueError(f"method.keep_fraction must be in (0, 1], got {self.keep_fraction}")
-        if self.trim_scope not in TRIM_SCOPES:
-            raise ValueError(f"method.trim_scope must be one of {TRIM_SCOPES}, got {self.trim_scope!r}")
-        if self.trim_count not in TRIM_COUNTS:
-            raise ValueError(f"method.trim_count must be one of {TRIM_COUNTS}, got {self.trim_count!r}")
-        super().__post_init__()
+    keep_fraction: float = setting(0.2, "share of each update's entries kept by magnitude (1 = no trimming)", gt=0,
+                                   le=1)
+    trim_scope: str = setting("global", "where the magnitude threshold is taken: over all of a client's LoRA "
+                              "entries (global) or per tensor", choices=TRIM_SCOPES)
+    trim_count: str = setting("official", "how many entries a trim keeps: official (⌊K·d⌋ + 1, the public "
+                              "topk_values_mask) or paper (⌈K·d⌉)", choices=TRIM_COUNTS)
 
     def merged_updates(self, server: State, replies, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{key: τ_m [shape of key]}`` (float64) for every LoRA factor."""

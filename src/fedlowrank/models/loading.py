@@ -32,6 +32,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..schema import check_choice
+
 KINDS = ("sequence-classification", "causal-lm", "image-classification")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
                    "spiece.model", "sentencepiece.bpe.model")
@@ -273,8 +275,7 @@ def load_model(spec: str, kind: str, num_labels: int | None = None,
         ValueError: one line naming ``task.model`` (unknown name, folder without tokenizer, hub unreachable,
             a tokenizer larger than the model's embedding table).
     """
-    if kind not in KINDS:
-        raise ValueError(f"model kind must be one of {', '.join(KINDS)}; got {kind!r}")
+    check_choice("model kind", kind, KINDS)
     if kind == "image-classification":
         return load_image_model(spec, num_labels, label_names)
     if kind == "sequence-classification" and not num_labels:

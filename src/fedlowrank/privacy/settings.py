@@ -5,64 +5,52 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..schema import Schema, setting
+
 MODES = ("", "central", "local")
 CLIPPING = ("fixed", "adaptive")
 
 
 @dataclass
-class PrivacySection:
-    """Client-level differential privacy (DP-FedAvg) and record-level DP-SGD.
+class PrivacySection(Schema):
+    """Client-level differential privacy (DP-FedAvg) and record-level DP-SGD (config section ``[privacy]``).
 
-    Attributes:
-        mode: ``""`` (off), ``"central"`` (the server clips each reply's update and adds N(0, σ²C²) to their sum)
-            or ``"local"`` (each client clips its update and adds N(0, σ²C²) to its own reply before sending).
-        clip: C, the L2 bound of a client's update (``inf`` = no clipping); the initial C when adaptive.
-        noise_multiplier: σ (noise std = σ·C); ignored when ``target_epsilon`` > 0.
-        target_epsilon: > 0: σ is the smallest noise multiplier whose ε after ``run.rounds`` rounds is at most this.
-        delta: δ of the reported (ε, δ); 0 = 1/``partition.num_clients``.
-        clipping: ``"fixed"`` or ``"adaptive"`` (Andrew et al. 2021: C tracks the ``target_quantile`` of the
-            update norms, ``C ← C·exp(−clip_lr·(b̄ − target_quantile))`` with b̄ the noisy fraction of unclipped
-            updates; central mode only).
-        target_quantile, clip_lr: γ and η_C of adaptive clipping.
-        clip_noise: σ_b, std of the noise on the count of unclipped updates; 0 = ``run.clients_per_round``/20.
-        dpsgd: record-level DP-SGD in every client's local training (per-example clipping + noise per step).
-        dpsgd_clip, dpsgd_noise: its per-example clipping norm and noise multiplier.
+    ``central``: the server clips each reply's update and adds N(0, σ²C²) to their sum; ``local``: each client
+    clips its update and adds N(0, σ²C²) to its own reply before sending. Adaptive clipping (Andrew et al. 2021):
+    ``C ← C·exp(−clip_lr·(b̄ − target_quantile))`` with b̄ the noisy fraction of unclipped updates.
     """
 
-    mode: str = ""
-    clip: float = math.inf
-    noise_multiplier: float = 0.0
-    target_epsilon: float = 0.0
-    delta: float = 0.0
-    clipping: str = "fixed"
-    target_quantile: float = 0.5
-    clip_lr: float = 0.2
-    clip_noise: float = 0.0
-    dpsgd: bool = False
-    dpsgd_clip: float = 1.0
-    dpsgd_noise: float = 1.0
+    prefix = "privacy"
+
+    mode: str = setting("", "client-level DP: '' (off), central (server clips each update, noise on the sum) or "
+                        "local (each client noises its own reply)", choices=MODES)
+    clip: float = setting(math.inf, "C, the L2 bound of a client's update (inf = no clipping); the initial C when "
+                          "adaptive", gt=0, allow_inf=True)
+    noise_multiplier: float = setting(0.0, "σ: noise std σ·C (ignored when privacy.target_epsilon > 0)", ge=0)
+    target_epsilon: float = setting(0.0, "> 0: σ is the smallest noise multiplier whose ε after run.rounds rounds is "
+                                    "at most this (0 = use privacy.noise_multiplier)", ge=0)
+    delta: float = setting(0.0, "δ of the reported (ε, δ); 0 = 1/partition.num_clients", ge=0, lt=1)
+    clipping: str = setting("fixed", "fixed, or adaptive (C tracks privacy.target_quantile of the update norms; "
+                            "central only)", choices=CLIPPING)
+    target_quantile: float = setting(0.5, "adaptive clipping: the quantile of update norms C tracks", gt=0, lt=1)
+    clip_lr: float = setting(0.2, "adaptive clipping: learning rate of log C", gt=0)
+    clip_noise: float = setting(0.0, "adaptive clipping: noise std on the count of unclipped updates (0 = "
+                                "run.clients_per_round/20)", ge=0)
+    dpsgd: bool = setting(False, "record-level DP-SGD in every client's local training (per-example clipping, "
+                          "noise per step)")
+    dpsgd_clip: float = setting(1.0, "DP-SGD per-example clipping norm", gt=0)
+    dpsgd_noise: float = setting(1.0, "DP-SGD noise multiplier", ge=0)
 
 
 def check_privacy(cfg, method_cls) -> None:
-    """Raise ``ValueError`` (one line naming the field) for an invalid or unsupported ``[privacy]`` section."""
+    """Raise ``ValueError`` (one line naming the fields) for a ``[privacy]`` section that its run cannot have:
+    the rules between fields and the method's support (each field's own bounds are declared)."""
     p = cfg.privacy
 
     def need(cond: bool, message: str) -> None:
         if not cond:
             raise ValueError(message)
 
-    need(p.mode in MODES, f"privacy.mode must be one of '', central, local; got {p.mode!r}")
-    need(p.clipping in CLIPPING, f"privacy.clipping must be one of {', '.join(CLIPPING)}; got {p.clipping!r}")
-    need(p.clip > 0, f"privacy.clip must be > 0 (inf = no clipping), got {p.clip}")
-    need(p.noise_multiplier >= 0, f"privacy.noise_multiplier must be >= 0, got {p.noise_multiplier}")
-    need(p.target_epsilon >= 0, f"privacy.target_epsilon must be >= 0 (0 = use privacy.noise_multiplier), "
-                                f"got {p.target_epsilon}")
-    need(0 <= p.delta < 1, f"privacy.delta must be in [0, 1) (0 = 1/partition.num_clients), got {p.delta}")
-    need(0 < p.target_quantile < 1, f"privacy.target_quantile must be in (0, 1), got {p.target_quantile}")
-    need(p.clip_lr > 0, f"privacy.clip_lr must be > 0, got {p.clip_lr}")
-    need(p.clip_noise >= 0, f"privacy.clip_noise must be >= 0 (0 = run.clients_per_round/20), got {p.clip_noise}")
-    need(p.dpsgd_clip > 0 and math.isfinite(p.dpsgd_clip), f"privacy.dpsgd_clip must be finite and > 0, got {p.dpsgd_clip}")
-    need(p.dpsgd_noise >= 0, f"privacy.dpsgd_noise must be >= 0, got {p.dpsgd_noise}")
     if not p.mode:
         return
     modes = method_cls.supported_privacy_modes()

@@ -126,7 +126,7 @@ def run_figure(history: list[dict[str, Any]], metric: str, title: str = ""):
 
 def plot_run(history: list[dict[str, Any]], out_dir: Path, metric: str, title: str = "") -> list[Path]:
     """One run's curves (:func:`run_figure`) in ``out_dir/curves.png``; ``metric``: the task's test metric (the
-    caller's, e.g. :func:`fedlowrank.experiments.compare.default_metric`). Returns the written files (none when
+    caller's, e.g. :func:`fedlowrank.tasks.headline_metric`). Returns the written files (none when
     matplotlib is missing)."""
     plt = pyplot()
     if plt is None:

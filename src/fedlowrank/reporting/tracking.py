@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..schema import ConfigError
+
 # run.tracking value -> (module to import, pip requirement)
 TRACKERS = {
     "tensorboard": ("tensorboard", "tensorboard==2.21.0"),
@@ -50,8 +52,6 @@ def flat_config(cfg) -> dict[str, str]:
 
 def require_package(kind: str) -> None:
     """Raise :class:`ConfigError` (one line, with the pip command) when ``run.tracking``'s package is missing."""
-    from ..config import ConfigError
-
     module, requirement = TRACKERS[kind]
     if importlib.util.find_spec(module) is None:
         raise ConfigError(f"run.tracking = {kind!r} needs the {module} package, which is not installed: "

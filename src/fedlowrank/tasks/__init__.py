@@ -1,90 +1,82 @@
-"""Tasks: data source + model builder + loss + metrics. ``build_task(cfg)`` makes the configured one."""
+"""Task registry: every module of this package registers its tasks with :func:`register_task`, as the methods do.
+
+A task class declares (:class:`~fedlowrank.tasks.base.Task`): its kind (``name``, the value of ``task.kind``), the
+metrics :meth:`~Task.evaluate` returns, the primary one and those where higher is better, its options
+(``Options``: declared settings, the keys of ``task.options``), the ``data.source`` values it reads and the
+``[data]`` keys each uses, whether it supports client cohorts, and how it is built from a run config
+(:meth:`~Task.from_config`). Config validation, ``fedlowrank config``, ``run`` (its plot), ``compare`` and
+``tune`` ask the registry: a new task is one file with a ``@register_task`` class.
+"""
 
 from __future__ import annotations
 
-import inspect
+import importlib
+import pkgutil
 
 from .base import Task
+
+_REGISTRY: dict[str, type[Task]] = {}
+
+
+def register_task(cls: type[Task]) -> type[Task]:
+    """Class decorator: register a task under ``cls.name`` (its ``task.kind``; lower case, hyphens). Refused: a
+    primary metric or a maximised metric that the task does not report, or a metric that another task declares
+    with the other direction (``higher_is_better`` is one answer per metric name)."""
+    name = cls.name
+    if not name or name != name.lower() or " " in name or "_" in name:
+        raise ValueError(f"task name must be lower case with hyphens, got {name!r}")
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise ValueError(f"task {name!r} registered twice")
+    if cls.primary_metric not in cls.metrics or not set(cls.maximize) <= set(cls.metrics):
+        raise ValueError(f"task {name!r}: primary_metric {cls.primary_metric!r} and maximize {cls.maximize} must be "
+                         f"among its metrics {cls.metrics}")
+    for other in _REGISTRY.values():
+        for metric in set(cls.metrics) & set(other.metrics):
+            if (metric in cls.maximize) != (metric in other.maximize):
+                raise ValueError(f"task {name!r}: metric {metric!r} is maximised by one of {name!r} and "
+                                 f"{other.name!r} and minimised by the other; give it another name")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def _load_all() -> None:
+    for mod in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{mod.name}")
+
+
+def available_tasks() -> dict[str, type[Task]]:
+    """Every registered task, by kind."""
+    _load_all()
+    return dict(sorted(_REGISTRY.items()))
+
+
+def task_kinds() -> tuple[str, ...]:
+    """The values ``task.kind`` allows."""
+    return tuple(available_tasks())
 
 
 def task_class(kind: str) -> type[Task]:
     """The :class:`Task` class of ``task.kind``."""
-    if kind == "text-classification":
-        from .text import TextClassification
-
-        return TextClassification
-    if kind == "matrix-regression":
-        from .matrix_regression import MatrixRegression
-
-        return MatrixRegression
-    if kind == "image-classification":
-        from .image import ImageClassification
-
-        return ImageClassification
-    if kind == "causal-lm":
-        from .causal_lm import CausalLM
-
-        return CausalLM
-    raise ValueError(f"task.kind: unknown task {kind!r}")
+    tasks = available_tasks()
+    if kind not in tasks:
+        raise ValueError(f"task.kind: unknown task {kind!r}; allowed: {', '.join(tasks)}")
+    return tasks[kind]
 
 
 def build_task(cfg) -> Task:
     """The task of a :class:`~fedlowrank.config.RunConfig` (data loaded and tokenised once)."""
-    if cfg.task.kind == "text-classification":
-        from .data import load_agnews, load_bbc_news, load_hf, load_text_files, subsample, use_label_names
-        from .table import column_spec
-
-        d = cfg.data
-        if d.source in ("arithmetic", "gsm8k"):
-            raise ValueError(f"data.source = {d.source!r} is instruction data (no labels); use task.kind = 'causal-lm'")
-        if d.source == "bbc-news":
-            data = load_bbc_news(d.test_fraction, cfg.run.seed)
-        elif d.source == "agnews":
-            data = load_agnews(d.path, d.labels)
-        elif d.source == "files":
-            columns = [column_spec(c) for c in (d.text_column, d.label_column)]
-            data = load_text_files(d.train, d.test or None, *columns, d.test_fraction, cfg.run.seed, d.header,
-                                   d.labels)
-        else:
-            data = load_hf(d.hf_name, d.text_column, d.label_column)
-        if d.labels and d.source in ("bbc-news", "hf"):
-            data = use_label_names(data, d.labels, f"data.source = {d.source!r}")
-        data = subsample(data, d.max_train_examples, d.max_test_examples, cfg.run.seed)
-        return _text_task(cfg, data)
-    if cfg.task.kind == "matrix-regression":
-        from .matrix_regression import MatrixRegression
-
-        allowed = set(inspect.signature(MatrixRegression).parameters)
-        unknown = sorted(set(cfg.task.options) - allowed)
-        if unknown:
-            raise ValueError(f"task.options.{unknown[0]} is not an option of matrix-regression; "
-                             f"allowed: {', '.join(sorted(allowed))}")
-        return MatrixRegression(**cfg.task.options)
-    if cfg.task.kind == "causal-lm":
-        from .causal_lm import CausalLM
-        from .instructions import load_instructions
-
-        allowed = set(inspect.signature(CausalLM).parameters) - {"data", "model", "max_length", "targets",
-                                                                  "eval_batch_size"}
-        unknown = sorted(set(cfg.task.options) - allowed)
-        if unknown:
-            raise ValueError(f"task.options.{unknown[0]} is not an option of causal-lm; "
-                             f"allowed: {', '.join(sorted(allowed))}")
-        data = load_instructions(cfg.data, cfg.partition.partition_by, cfg.run.seed)
-        return CausalLM(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None,
-                        cfg.task.eval_batch_size, **cfg.task.options)
-    if cfg.task.kind == "image-classification":
-        from .image import build_image_task
-
-        return build_image_task(cfg)
-    raise ValueError(f"task.kind: unknown task {cfg.task.kind!r}")
+    return task_class(cfg.task.kind).from_config(cfg)
 
 
-def _text_task(cfg, data) -> Task:
-    from .text import TextClassification
+def headline_metric(cfg) -> str:
+    """The metric a run of ``cfg`` is judged, tabulated and plotted by: ``run.stop_metric``, else its task's
+    primary metric."""
+    return cfg.run.stop_metric or task_class(cfg.task.kind).primary_metric
 
-    return TextClassification(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None,
-                              cfg.task.eval_batch_size, **cfg.task.options)
+
+def higher_is_better(metric: str) -> bool:
+    """Whether a registered task maximises ``metric`` (accuracy, exact_match); every other metric is minimised."""
+    return any(metric in cls.maximize for cls in available_tasks().values())
 
 
 def node_data(cfg, path: str, key: str = "data-train"):
@@ -108,7 +100,10 @@ def node_data(cfg, path: str, key: str = "data-train"):
 def build_node_task(cfg, path: str, key: str = "data-train") -> Task:
     """The task of a node that brings its own training file (see :func:`node_data`): the run's model and
     settings on the node's examples."""
-    return _text_task(cfg, node_data(cfg, path, key))
+    from .text import TextClassification
+
+    return TextClassification.with_data(cfg, node_data(cfg, path, key))
 
 
-__all__ = ["Task", "build_node_task", "build_task", "node_data", "task_class"]
+__all__ = ["Task", "available_tasks", "build_node_task", "build_task", "headline_metric", "higher_is_better",
+           "node_data", "register_task", "task_class", "task_kinds"]

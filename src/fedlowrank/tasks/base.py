@@ -9,6 +9,7 @@ held out as a validation split (:meth:`Task.evaluate_examples`, :meth:`Task.vali
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 
 from ..adapters.model import AdaptedModel
 from ..adapters.targets import default_targets, resolve_targets
+from ..schema import Schema
 
 
 def adapted_copy(loaded, targets: list[str] | str | None, train_outputs: bool) -> AdaptedModel:
@@ -31,6 +33,14 @@ def adapted_copy(loaded, targets: list[str] | str | None, train_outputs: bool) -
     names = resolve_targets(net, targets or default_targets(loaded.model_type), outputs)
     head = [n for n, _ in net.named_parameters() if n.startswith(tuple(f"{m}." for m in outputs))] if train_outputs else []
     return AdaptedModel(net, names, head)
+
+
+def check_max_length(loaded, max_length: int) -> None:
+    """``task.max_length`` is at most the positions ``loaded``'s model reads (``max_position_embeddings``)."""
+    limit = getattr(getattr(loaded.net, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and max_length > limit:
+        raise ValueError(f"task.max_length = {max_length} is more than the {limit} positions of task.model = "
+                         f"{loaded.source!r}; give at most {limit}")
 
 
 def join_padded(batches: list[dict[str, Tensor]], pad: dict[str, int]) -> tuple[dict[str, Tensor], list[slice]]:
@@ -48,32 +58,69 @@ def join_padded(batches: list[dict[str, Tensor]], pad: dict[str, int]) -> tuple[
     return joint, [slice(a, b) for a, b in zip([0, *ends[:-1]], ends)]
 
 
-class Task:
-    """Base class of tasks.
+@dataclass
+class NoOptions(Schema):
+    """The options of a task that has none."""
 
-    Attributes:
-        name: short name, e.g. ``"text-classification"``.
+    prefix = "task.options"
+
+
+class Task:
+    """Base class of tasks; a registered subclass (:func:`fedlowrank.tasks.register_task`) declares what the CLI,
+    config validation, ``compare`` and ``tune`` need to know of it.
+
+    Class attributes (declarations):
+        name: the task's kind, the value of ``task.kind`` (e.g. ``"text-classification"``).
+        metrics: the names :meth:`evaluate` returns (``run.stop_metric`` must be one of them).
+        primary_metric: the metric a run is judged, compared and plotted by when ``run.stop_metric`` is ``""``.
+        maximize: the metrics where higher is better (the others are minimised).
+        validation_metric: the key of :meth:`evaluate_examples` that learning-rate tuning selects on.
+        supports_cohorts: whether :meth:`join_batches`, :meth:`output` and :meth:`output_loss` are defined, so
+            that several clients' steps can share one forward pass (:mod:`fedlowrank.runtime.cohort`).
+        Options: the task's options (``task.options.*``), a :class:`~fedlowrank.schema.Schema` with prefix
+            ``task.options``; :meth:`from_config` gets them checked.
+        data_sources: for each ``data.source`` the task reads, the other ``[data]`` keys it uses; a key it does
+            not use must keep its default (a value set there would be ignored). Empty: the task reads no ``[data]``
+            (``data.validation_fraction`` aside, which ``tune`` reads for every task).
+        data_description: what data it reads, in words (``"labelled text data"``), for errors.
+
+    Attributes of a built task:
         train_labels: ``[N_train]`` integer labels of the training set (for label-based partitioners), or
             ``None`` when the task has no labels (partition with ``iid``/``quantity`` or natural ids).
         num_train: N_train.
         natural_partition: optional ``[N_train]`` client ids for tasks whose data come already split
             (e.g. the federated matrix regression); ``None`` otherwise.
-        validation_metric: the key of :meth:`evaluate_examples` that learning-rate tuning selects on
-            (``"accuracy"`` is maximised, any other key minimised).
-        metrics: the names :meth:`evaluate` returns (``run.stop_metric`` must be one of them).
-        supports_cohorts: whether :meth:`join_batches`, :meth:`output` and :meth:`output_loss` are defined, so
-            that several clients' steps can share one forward pass (:mod:`fedlowrank.runtime.cohort`).
         metric_counts: for each metric of :meth:`evaluate` that is a share of a fixed number of test examples,
             that number (progress lines write it as a count: ``exact match 3/16 (18.8 %)``).
     """
 
     name: str = ""
     metrics: tuple[str, ...] = ()
+    primary_metric: str = "loss"
+    maximize: tuple[str, ...] = ()
     validation_metric: str = "loss"
+    supports_cohorts: bool = False
+    Options: type[Schema] = NoOptions
+    data_sources: dict[str, tuple[str, ...]] = {}
+    data_description: str = "data"
     train_labels: np.ndarray | None = None
     natural_partition: np.ndarray | None = None
-    supports_cohorts: bool = False
     metric_counts: dict[str, int] = {}
+
+    @classmethod
+    def from_config(cls, cfg) -> "Task":
+        """The task of a validated :class:`~fedlowrank.config.RunConfig` (data loaded, model loaded)."""
+        raise NotImplementedError(f"task {cls.name!r} declares no from_config")
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Rules between the task's options and other keys, checked with the config before any work; raise
+        ``ValueError`` naming the fields. Default: none."""
+
+    @classmethod
+    def checked_options(cls, cfg):
+        """``task.options`` of ``cfg`` as this task's checked :attr:`Options`."""
+        return cls.Options.from_values(cfg.task.options, f"an option of {cls.name}")
 
     @property
     def num_train(self) -> int:

@@ -28,8 +28,10 @@ from torch import nn
 
 from ..adapters.model import AdaptedModel
 from ..device import module_device
+from ..schema import Schema, setting
 from ..seeding import numpy_rng
-from .base import Task, adapted_copy, join_padded
+from . import register_task
+from .base import Task, adapted_copy, check_max_length, join_padded
 from .instructions import InstructionData
 
 log = logging.getLogger("fedlowrank")
@@ -157,6 +159,27 @@ def generate(net: nn.Module, tokenizer, prompts: list[list[int]], max_new_tokens
     return out
 
 
+MAX_NEW_TOKENS = 1 << 17
+
+
+@dataclass
+class CausalLMOptions(Schema):
+    """``task.options`` of ``task.kind = "causal-lm"``: what is evaluated, on which fixed subsets."""
+
+    prefix = "task.options"
+
+    eval_examples: int = setting(200, "size of the fixed test subset for loss and perplexity (0 = the whole test "
+                                 "split)", ge=0)
+    eval_generate: int = setting(0, "questions in the fixed generation subset for exact match (0 = no generation)",
+                                 ge=0)
+    max_new_tokens: int = setting(256, "generation budget per question", ge=1, le=MAX_NEW_TOKENS,
+                                  reason="longer than any bundled model's context")
+    generation_batch_size: int = setting(8, "questions generated together", ge=1)
+    write_generations: int = setting(5, "generations per evaluation written to the run directory", ge=0)
+    eval_seed: int = setting(0, "seed of the two evaluation subsets (fixed across runs and methods unless changed)")
+
+
+@register_task
 class CausalLM(Task):
     """Causal-LM instruction tuning; metrics ``loss`` and ``perplexity`` (held-out response tokens) and, with
     ``eval_generate`` > 0, ``exact_match`` of the final number.
@@ -167,34 +190,46 @@ class CausalLM(Task):
         max_length: tokens per training example (prompt + response + eos); longer examples are cut.
         targets: LoRA target modules (``lora.targets``); ``None`` = the architecture's default.
         eval_batch_size: examples per evaluation forward pass.
-        eval_examples: size of the fixed test subset for loss and perplexity (0 = the whole test split).
-        eval_generate: questions in the fixed generation subset for exact match (0 = no generation).
-        max_new_tokens: generation budget per question.
-        generation_batch_size: questions generated together.
-        write_generations: how many generations per evaluation go to the run directory.
-        eval_seed: seed of the two evaluation subsets (fixed across runs and methods unless changed).
+        eval_examples, eval_generate, max_new_tokens, generation_batch_size, write_generations, eval_seed: the
+            options (``task.options``), declared with their meanings and bounds in :class:`CausalLMOptions`.
     """
 
     name = "causal-lm"
     metrics = ("loss", "perplexity", "exact_match")
+    primary_metric = "loss"
+    maximize = ("exact_match",)
     supports_cohorts = True
+    Options = CausalLMOptions
+    data_description = "instruction data"
+    data_sources = {"arithmetic": ("max_train_examples", "max_test_examples"),
+                    "gsm8k": ("max_train_examples", "max_test_examples", "path"),
+                    "files": ("max_train_examples", "max_test_examples", "train", "test", "prompt_column",
+                              "response_column", "test_fraction", "header"),
+                    "hf": ("max_train_examples", "max_test_examples", "hf_name", "prompt_column", "response_column",
+                           "train", "test")}
+
+    @classmethod
+    def from_config(cls, cfg) -> "CausalLM":
+        """Read the instruction data of ``[data]`` (with ``partition.partition_by``'s column) and tokenise it."""
+        from .instructions import load_instructions
+
+        data = load_instructions(cfg.data, cfg.partition.partition_by, cfg.run.seed)
+        return cls(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None, cfg.task.eval_batch_size,
+                   **cfg.task.options)
 
     def __init__(self, data: InstructionData, model: str = "tiny-llama", max_length: int = 256,
-                 targets: list[str] | None = None, eval_batch_size: int = 8, eval_examples: int = 200,
-                 eval_generate: int = 0, max_new_tokens: int = 256, generation_batch_size: int = 8,
-                 write_generations: int = 5, eval_seed: int = 0):
+                 targets: list[str] | None = None, eval_batch_size: int = 8,
+                 eval_examples: int = CausalLMOptions.eval_examples,
+                 eval_generate: int = CausalLMOptions.eval_generate,
+                 max_new_tokens: int = CausalLMOptions.max_new_tokens,
+                 generation_batch_size: int = CausalLMOptions.generation_batch_size,
+                 write_generations: int = CausalLMOptions.write_generations,
+                 eval_seed: int = CausalLMOptions.eval_seed):
         from ..models.loading import load_model
 
-        if max_length < 2:
-            raise ValueError(f"task.max_length must be >= 2, got {max_length}")
-        for key, value in (("eval_examples", eval_examples), ("eval_generate", eval_generate),
-                           ("write_generations", write_generations)):
-            if value < 0:
-                raise ValueError(f"task.options.{key} must be >= 0, got {value}")
-        for key, value in (("max_new_tokens", max_new_tokens), ("generation_batch_size", generation_batch_size),
-                           ("task.eval_batch_size", eval_batch_size)):
-            if value < 1:
-                raise ValueError(f"{key if '.' in key else 'task.options.' + key} must be >= 1, got {value}")
+        CausalLMOptions(eval_examples=eval_examples, eval_generate=eval_generate, max_new_tokens=max_new_tokens,
+                        generation_batch_size=generation_batch_size, write_generations=write_generations,
+                        eval_seed=eval_seed)  # checks each option
         self.data = data
         self.model_name = model
         self.max_length = max_length
@@ -204,6 +239,7 @@ class CausalLM(Task):
         self.generation_batch_size = generation_batch_size
         self.write_generations = write_generations
         self.loaded = load_model(model, "causal-lm")
+        check_max_length(self.loaded, max_length)
         self.tokenizer = self.loaded.tokenizer
         tok = self.tokenizer
         self.train = [encode_example(tok, p, r, max_length) for p, r in zip(data.train_prompts, data.train_responses)]

@@ -19,8 +19,6 @@ from ..seeding import numpy_rng
 from .hub import KNOWN_SETS, hub_splits, known_hub_splits, local_copy
 from .table import read_table
 
-SOURCES = ("bbc-news", "agnews", "arithmetic", "gsm8k", "files", "hf")
-
 
 @dataclass
 class TextData:

@@ -11,6 +11,7 @@ per domain. The head (``classifier.*``) is new, trained and shared.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,9 +22,11 @@ from torch import nn
 from ..adapters.model import AdaptedModel
 from ..device import module_device
 from ..models.loading import NOT_IMAGENET, load_model
+from ..schema import Schema, distinct, setting
+from . import register_task
 from .base import Task, adapted_copy, join_padded
 from .fmnist_vit import fmnist_vit_folder
-from .image_data import (IMAGE_SOURCES, ImageData, apply_domain, assign_domains, check_domains, load_fashion_mnist,
+from .image_data import (DOMAINS, ImageData, apply_domain, assign_domains, check_domains, load_fashion_mnist,
                          load_hf_images, load_image_folder, subsample_images)
 
 LUMA = (0.299, 0.587, 0.114)
@@ -56,6 +59,20 @@ def shift_domain(images: np.ndarray, domain: str, seed: int) -> np.ndarray:
     return (apply_domain(x, domain, seed) * 255.0).round().clamp(0, 255).to(torch.uint8).numpy()
 
 
+@dataclass
+class ImageOptions(Schema):
+    """``task.options`` of ``task.kind = "image-classification"``."""
+
+    prefix = "task.options"
+
+    classes: list[int] = setting([], "data.source = fashion-mnist: the class ids to keep, relabelled in this order "
+                                 "([] = all ten)", ge=0, le=9, check=distinct)
+    domains: list[str] = setting([], "feature-shift domains: training examples are dealt to them in equal seeded "
+                                 "groups (partition.kind = domains gives each client one) and the test set is "
+                                 "evaluated under each ([] = none)", choices=DOMAINS, check=distinct)
+
+
+@register_task
 class ImageClassification(Task):
     """Image classification with cross-entropy.
 
@@ -73,9 +90,41 @@ class ImageClassification(Task):
     """
 
     name = "image-classification"
-    validation_metric = "accuracy"
     metrics = ("accuracy", "loss")  # with domains, also accuracy_<domain>
+    primary_metric = "accuracy"
+    maximize = ("accuracy",)
+    validation_metric = "accuracy"
     supports_cohorts = True
+    Options = ImageOptions
+    data_description = "image data"
+    data_sources = {"fashion-mnist": ("max_train_examples", "max_test_examples", "train"),
+                    "image-folder": ("max_train_examples", "max_test_examples", "train", "test", "test_fraction"),
+                    "hf-images": ("max_train_examples", "max_test_examples", "hf_name")}
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.task.options.get("classes") and cfg.data.source != "fashion-mnist":
+            raise ValueError("task.options.classes applies to data.source = 'fashion-mnist' only")
+
+    @classmethod
+    def from_config(cls, cfg) -> "ImageClassification":
+        """The images of ``data.source`` (Fashion-MNIST, a folder of class sub-folders or a Hugging Face image set),
+        ``data.max_*_examples`` of them, on ``task.model`` with the options' classes and domains."""
+        d, options = cfg.data, cls.checked_options(cfg)
+        if d.source == "fashion-mnist":
+            classes = options.classes or None
+            data = load_fashion_mnist(d.train, classes)
+            source = f"Fashion-MNIST classes {classes or list(range(10))}"
+        elif d.source == "image-folder":
+            if not d.train:
+                raise ValueError("data.train: a folder of class sub-folders is required when data.source = "
+                                 "'image-folder'")
+            data, source = load_image_folder(d.train, d.test or None, d.test_fraction, cfg.run.seed), d.train
+        else:
+            data, source = load_hf_images(d.hf_name), d.hf_name
+        data = subsample_images(data, d.max_train_examples, d.max_test_examples, cfg.run.seed)
+        return cls(data, cfg.task.model, cfg.lora.targets or None, cfg.task.eval_batch_size, options.domains or None,
+                   cfg.run.seed, source)
 
     def __init__(self, data: ImageData, model: str = "tiny-vit", targets: list[str] | None = None,
                  eval_batch_size: int = 256, domains: list[str] | None = None, seed: int = 0, source: str = ""):
@@ -191,32 +240,4 @@ class ImageClassification(Task):
                 "train_label_counts": counts, "domains": self.domains, "preprocess": self.loaded.preprocess}
 
 
-def build_image_task(cfg) -> ImageClassification:
-    """The image task of a run config: ``data.source`` one of :data:`~.image_data.IMAGE_SOURCES`; options
-    ``task.options.classes`` (Fashion-MNIST class ids to keep, relabelled in order) and ``task.options.domains``."""
-    d, options = cfg.data, dict(cfg.task.options)
-    allowed = {"classes", "domains"}
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(f"task.options.{unknown[0]} is not an option of image-classification; "
-                         f"allowed: {', '.join(sorted(allowed))}")
-    classes = options.pop("classes", None)
-    if d.source not in IMAGE_SOURCES:
-        raise ValueError(f"data.source must be one of {', '.join(IMAGE_SOURCES)} for image-classification; "
-                         f"got {d.source!r}")
-    if classes is not None and d.source != "fashion-mnist":
-        raise ValueError("task.options.classes applies to data.source = 'fashion-mnist' only")
-    if d.source == "fashion-mnist":
-        data, source = load_fashion_mnist(d.train, classes), f"Fashion-MNIST classes {classes or list(range(10))}"
-    elif d.source == "image-folder":
-        if not d.train:
-            raise ValueError("data.train: a folder of class sub-folders is required when data.source = 'image-folder'")
-        data, source = load_image_folder(d.train, d.test or None, d.test_fraction, cfg.run.seed), d.train
-    else:
-        data, source = load_hf_images(d.hf_name), d.hf_name
-    data = subsample_images(data, d.max_train_examples, d.max_test_examples, cfg.run.seed)
-    return ImageClassification(data, cfg.task.model, cfg.lora.targets or None, cfg.task.eval_batch_size,
-                               options.get("domains"), cfg.run.seed, source)
-
-
-__all__ = ["ImageClassification", "build_image_task", "shift_domain", "to_model_input"]
+__all__ = ["ImageClassification", "ImageOptions", "shift_domain", "to_model_input"]

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from ..seeding import numpy_rng, torch_generator
 from .hub import hub_splits
 
-IMAGE_SOURCES = ("fashion-mnist", "image-folder", "hf-images")
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
                        "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
@@ -234,6 +233,6 @@ def assign_domains(num_examples: int, num_domains: int, seed: int) -> np.ndarray
     return ids
 
 
-__all__ = ["DOMAINS", "FASHION_MNIST_CLASSES", "FASHION_MNIST_DIR", "IMAGE_SOURCES", "ImageData", "apply_domain",
+__all__ = ["DOMAINS", "FASHION_MNIST_CLASSES", "FASHION_MNIST_DIR", "ImageData", "apply_domain",
            "assign_domains", "check_domains", "fashion_mnist_folder", "load_fashion_mnist", "load_hf_images",
            "load_image_folder", "read_idx", "subsample_images"]

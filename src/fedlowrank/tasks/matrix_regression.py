@@ -16,7 +16,9 @@ paper's clients. For tasks like this one whose gradients are closed-form, :meth:
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,8 @@ from torch import nn
 
 from ..adapters.model import AdaptedLinear, AdaptedModel
 from ..device import module_device
+from ..schema import ConfigError, Schema, setting
+from . import register_task
 from .base import Task
 
 TARGET = "linear"
@@ -53,16 +57,42 @@ def make_problem(seed: int, num_clients: int, dim: int, outputs: int, samples: i
     return A, B, np.linalg.solve(H, rhs)
 
 
-class MatrixRegression(Task):
-    """The federated matrix-regression task (config ``task.kind = "matrix-regression"``, options below).
+MAX_SIZE = 10**8  # entries of A = N·n·d
 
-    Args:
-        num_clients: N (20); dim: d (100, the projected input dimension); outputs: m (10);
-        samples: n per client (50); het: std of the feature-mean shift (0.1 / 0.5 / 2.0 in the paper);
-        ridge: λ (0.1); noise: observation-noise std (0.01); data_seed: seed of the data (keep it fixed
-        across the methods of a comparison so that X* is shared); dtype: ``"float64"`` (default, needed for
-        the 1e-10 exactness checks) or ``"float32"``; objective: also report ``objective`` at each evaluation
-        (off by default: F(X) costs more than a round of the vectorised runner).
+
+@dataclass
+class MatrixRegressionOptions(Schema):
+    """``task.options`` of ``task.kind = "matrix-regression"`` (the problem of spec §6.1)."""
+
+    prefix = "task.options"
+
+    num_clients: int = setting(20, "N, the clients (partition.kind = natural deals one to each)", ge=1)
+    dim: int = setting(100, "d, the input dimension", ge=1)
+    outputs: int = setting(10, "m, the outputs", ge=1)
+    samples: int = setting(50, "n, the rows of each client", ge=1)
+    het: float = setting(2.0, "std of each client's feature-mean shift (0.1 / 0.5 / 2.0 in the paper)", ge=0)
+    ridge: float = setting(0.1, "λ of the ridge term", ge=0)
+    noise: float = setting(0.01, "observation-noise std", ge=0)
+    data_seed: int = setting(0, "seed of the data (keep it fixed across the methods of a comparison so that X* is "
+                             "shared)")
+    dtype: str = setting("float64", "precision of the data and the model (float64 is needed for the 1e-10 exactness "
+                         "checks)", choices=("float64", "float32"))
+    objective: bool = setting(False, "also report objective F(X) − F(X*) at each evaluation (F costs more than a "
+                              "round of the vectorised runner)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        size = self.num_clients * self.samples * (self.dim + self.outputs)
+        if size > MAX_SIZE:
+            raise ConfigError(f"task.options.num_clients × samples × (dim + outputs) = {size:.3g} data entries, more "
+                              f"than {MAX_SIZE:.0e} (≈ {MAX_SIZE * 8 / 2**30:.1f} GiB in float64, held in memory "
+                              f"with its copies)")
+
+
+@register_task
+class MatrixRegression(Task):
+    """The federated matrix-regression task (config ``task.kind = "matrix-regression"``, options
+    :class:`MatrixRegressionOptions`).
 
     Metrics (:meth:`evaluate`): ``rel_error`` (NaN once X is non-finite) and, with ``objective = true``,
     ``objective`` F(X) − F(X*);
@@ -72,30 +102,25 @@ class MatrixRegression(Task):
 
     name = "matrix-regression"
     metrics = ("rel_error", "objective")  # objective only with task.options.objective = true
+    primary_metric = "rel_error"
+    Options = MatrixRegressionOptions
 
-    def __init__(self, num_clients: int = 20, dim: int = 100, outputs: int = 10, samples: int = 50, het: float = 2.0,
-                 ridge: float = 0.1, noise: float = 0.01, data_seed: int = 0, dtype: str = "float64",
-                 objective: bool = False):
-        for key, value in (("num_clients", num_clients), ("dim", dim), ("outputs", outputs), ("samples", samples)):
-            if int(value) < 1:
-                raise ValueError(f"task.options.{key} must be >= 1, got {value}")
-        if het < 0 or ridge < 0 or noise < 0:
-            raise ValueError("task.options.het, ridge and noise must be >= 0")
-        if dtype not in ("float64", "float32"):
-            raise ValueError(f"task.options.dtype must be one of ('float64', 'float32'), got {dtype!r}")
-        if not isinstance(objective, bool):
-            raise ValueError(f"task.options.objective must be true or false, got {objective!r}")
-        self.options = dict(num_clients=num_clients, dim=dim, outputs=outputs, samples=samples, het=het,
-                            ridge=ridge, noise=noise, data_seed=data_seed, dtype=dtype, objective=objective)
-        self.report_objective = objective
-        self.dtype = getattr(torch, dtype)
-        self.ridge = float(ridge)
-        A, B, x_star = make_problem(data_seed, num_clients, dim, outputs, samples, het, ridge, noise)
-        self.A = torch.from_numpy(A.reshape(num_clients * samples, dim)).to(self.dtype)   # [N·n, d]
-        self.B = torch.from_numpy(B.reshape(num_clients * samples, outputs)).to(self.dtype)  # [N·n, m]
-        self.x_star = torch.from_numpy(x_star)                                            # [d, m] float64
-        self.natural_partition = np.repeat(np.arange(num_clients), samples)
-        self._eye = torch.eye(dim, dtype=self.dtype)                                     # [d, d]: net(I) = X
+    @classmethod
+    def from_config(cls, cfg) -> "MatrixRegression":
+        return cls(**cfg.task.options)
+
+    def __init__(self, **options):
+        o = MatrixRegressionOptions(**options)
+        self.options = dataclasses.asdict(o)
+        self.report_objective = o.objective
+        self.dtype = getattr(torch, o.dtype)
+        self.ridge = o.ridge
+        A, B, x_star = make_problem(o.data_seed, o.num_clients, o.dim, o.outputs, o.samples, o.het, o.ridge, o.noise)
+        self.A = torch.from_numpy(A.reshape(o.num_clients * o.samples, o.dim)).to(self.dtype)    # [N·n, d]
+        self.B = torch.from_numpy(B.reshape(o.num_clients * o.samples, o.outputs)).to(self.dtype)  # [N·n, m]
+        self.x_star = torch.from_numpy(x_star)                                                  # [d, m] float64
+        self.natural_partition = np.repeat(np.arange(o.num_clients), o.samples)
+        self._eye = torch.eye(o.dim, dtype=self.dtype)                                         # [d, d]: net(I) = X
         self._x_star_norm = float(self.x_star.norm())
         self._f_star = self.objective(self.x_star)
 

@@ -25,34 +25,38 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..schema import Schema, setting
 from ..seeding import numpy_rng
 
 PARTITIONS = ("iid", "dirichlet", "shards", "quantity", "natural", "domains", "clusters")
+MAX_CLIENTS = 1_000_000
 
 
 @dataclass
-class PartitionConfig:
-    """Config section ``[partition]``."""
+class PartitionConfig(Schema):
+    """Config section ``[partition]``: how the training examples are dealt to clients (module docstring)."""
 
-    kind: str = "dirichlet"
-    num_clients: int = 10
-    alpha: float = 0.5
-    min_partition_size: int = 10
-    classes_per_client: int = 2
-    self_balancing: bool = False
-    max_tries: int = 100
-    partition_by: str = ""
-    num_clusters: int = 8
+    prefix = "partition"
+
+    kind: str = setting("dirichlet", "how examples are dealt to clients (see tasks/partition.py): clusters = "
+                        "k-means of MiniLM embeddings, then dirichlet over the clusters", choices=PARTITIONS)
+    num_clients: int = setting(10, "number of clients M", ge=1, le=MAX_CLIENTS,
+                               reason="a simulation keeps a partition, a state and a report row per client")
+    alpha: float = setting(0.5, "Dirichlet concentration α of dirichlet, quantity and clusters (smaller = more "
+                           "skewed)", gt=0, le=1e6, reason="beyond, Dir(α) is IID to 0.1%: use partition.kind = iid")
+    min_partition_size: int = setting(10, "redraw until every client holds at least this many examples", ge=0)
+    classes_per_client: int = setting(2, "classes per client (shards)", ge=1)
+    self_balancing: bool = setting(False, "dirichlet: give no more of a class to clients already above N/M")
+    max_tries: int = setting(100, "redraws allowed to meet partition.min_partition_size", ge=1)
+    partition_by: str = setting("", "a data column to split on instead of labels (dirichlet, shards) or one client "
+                                "per value (natural); '' = labels")
+    num_clusters: int = setting(8, "clusters of the clusters partition", ge=2)
 
 
 def partition(num_examples: int, labels: np.ndarray | None, cfg: PartitionConfig, seed: int,
               natural: np.ndarray | None = None) -> list[np.ndarray]:
     """Client index arrays (sorted, disjoint, covering every example) for ``cfg.num_clients`` clients."""
     m = cfg.num_clients
-    if cfg.kind not in PARTITIONS:
-        raise ValueError(f"partition.kind must be one of {PARTITIONS}, got {cfg.kind!r}")
-    if m < 1:
-        raise ValueError(f"partition.num_clients must be >= 1, got {m}")
     if m > num_examples:
         raise ValueError(f"partition.num_clients = {m} is more than the {num_examples} training examples")
     rng = numpy_rng(seed, "partition")

@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..schema import check_choice
+
 HEADER_MODES = ("auto", "true", "false")
 FORMATS = (".tsv", ".csv", ".jsonl")
 # Header cells that ``header = "auto"`` recognises when every selected cell of line 1 is one of them.
@@ -64,8 +66,7 @@ def read_table(path: str | Path, columns: list[str | int], header: str = "auto",
     names = list(field_names) if field_names is not None else [f"column {c!r}" for c in columns]
     if len(names) != len(columns):
         raise ValueError(f"read_table: {len(columns)} columns but {len(names)} field names")
-    if header not in HEADER_MODES:
-        raise ValueError(f"data.header must be one of {', '.join(HEADER_MODES)}; got {header!r}")
+    check_choice("data.header", header, HEADER_MODES)
     if not path.is_file():
         raise FileNotFoundError(f"no data file {path}")
     suffix = path.suffix.lower()

@@ -17,9 +17,16 @@ from torch import nn
 from ..adapters.model import AdaptedModel
 from ..device import module_device, to_device
 from ..models.loading import load_model
-from .base import Task, adapted_copy, join_padded
+from . import register_task
+from .base import Task, adapted_copy, check_max_length, join_padded
 from .data import TextData
 
+# [data] keys read whatever the source: a Flower node that brings its own file reads it with the run's columns,
+# header and class names (:func:`fedlowrank.tasks.node_data`).
+_EVERY_SOURCE = ("max_train_examples", "max_test_examples", "labels", "text_column", "label_column", "header")
+
+
+@register_task
 class TextClassification(Task):
     """Sequence classification with cross-entropy; metrics ``accuracy`` and ``loss`` on the test set.
 
@@ -34,14 +41,44 @@ class TextClassification(Task):
     """
 
     name = "text-classification"
-    validation_metric = "accuracy"
     metrics = ("accuracy", "loss")
+    primary_metric = "accuracy"
+    maximize = ("accuracy",)
+    validation_metric = "accuracy"
     supports_cohorts = True
+    data_description = "labelled text data"
+    data_sources = {"bbc-news": (*_EVERY_SOURCE, "test_fraction"), "agnews": (*_EVERY_SOURCE, "path"),
+                    "files": (*_EVERY_SOURCE, "train", "test", "test_fraction"), "hf": (*_EVERY_SOURCE, "hf_name")}
+
+    @classmethod
+    def from_config(cls, cfg) -> "TextClassification":
+        """Read ``data.source`` (packaged BBC News, AG News files, TSV/CSV/JSONL files or a Hugging Face dataset),
+        keep ``data.max_*_examples`` of it, then tokenise it for ``task.model``."""
+        from .data import load_agnews, load_bbc_news, load_hf, load_text_files, subsample, use_label_names
+        from .table import column_spec
+
+        d = cfg.data
+        if d.source == "bbc-news":
+            data = load_bbc_news(d.test_fraction, cfg.run.seed)
+        elif d.source == "agnews":
+            data = load_agnews(d.path, d.labels)
+        elif d.source == "files":
+            columns = [column_spec(c) for c in (d.text_column, d.label_column)]
+            data = load_text_files(d.train, d.test or None, *columns, d.test_fraction, cfg.run.seed, d.header,
+                                   d.labels)
+        else:
+            data = load_hf(d.hf_name, d.text_column, d.label_column)
+        if d.labels and d.source in ("bbc-news", "hf"):
+            data = use_label_names(data, d.labels, f"data.source = {d.source!r}")
+        return cls.with_data(cfg, subsample(data, d.max_train_examples, d.max_test_examples, cfg.run.seed))
+
+    @classmethod
+    def with_data(cls, cfg, data: TextData) -> "TextClassification":
+        """The task of ``cfg`` on ``data`` (a Flower node's own file, or what :meth:`from_config` read)."""
+        return cls(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None, cfg.task.eval_batch_size)
 
     def __init__(self, data: TextData, model: str = "minilm", max_length: int = 64,
                  targets: list[str] | str | None = None, eval_batch_size: int = 64):
-        if max_length < 2:
-            raise ValueError(f"task.max_length must be >= 2, got {max_length}")
         self.data = data
         self.model_name = model
         self.max_length = max_length
@@ -49,6 +86,7 @@ class TextClassification(Task):
         self.eval_batch_size = eval_batch_size
         self.train_labels = data.train_labels
         self.loaded = load_model(model, "sequence-classification", data.num_labels, data.label_names)
+        check_max_length(self.loaded, max_length)  # every text is padded to max_length
         tok = self.loaded.tokenizer
         self.train_ids, self.train_mask = self._encode(tok, data.train_texts)
         test_ids, test_mask = self._encode(tok, data.test_texts)

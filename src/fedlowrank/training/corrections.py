@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..message import Message, Reply, State
+from ..schema import check_choice
 
 CORRECTIONS = ("none", "fedprox", "scaffold", "fedprox+scaffold")
 CV_REFRESH = ("mean", "last", "option2")
@@ -95,8 +96,7 @@ class Scaffold(ClientCorrection):
     prefix_c, prefix_ci, prefix_dc = "scaffold.c/", "scaffold.ci/", "scaffold.dc/"
 
     def __init__(self, refresh: str = "mean"):
-        if refresh not in CV_REFRESH:
-            raise ValueError(f"method.cv_grad must be one of {CV_REFRESH}, got {refresh!r}")
+        check_choice("method.cv_grad", refresh, CV_REFRESH)
         self.refresh = refresh
         self._c: dict[str, torch.Tensor] = {}
         self._ci: dict[str, torch.Tensor] = {}
@@ -158,8 +158,7 @@ class Scaffold(ClientCorrection):
 
 def make_corrections(spec: str, mu: float = 0.01, cv_grad: str = "mean") -> list[ClientCorrection]:
     """Build the corrections named by ``spec`` (one of :data:`CORRECTIONS`); ``cv_grad`` is SCAFFOLD's refresh."""
-    if spec not in CORRECTIONS:
-        raise ValueError(f"method.correction must be one of {CORRECTIONS}, got {spec!r}")
+    check_choice("method.correction", spec, CORRECTIONS)
     out: list[ClientCorrection] = []
     if "fedprox" in spec:
         out.append(FedProx(mu))

@@ -36,6 +36,7 @@ from typing import Any, Iterable
 import torch
 
 from ..linalg.projectors import canonical, projection_side, random_basis, rsvd_basis, svd_basis
+from ..schema import check_choice
 from ..seeding import torch_generator
 
 OPERATORS = ("sgd", "momentum", "adam", "adamw")
@@ -50,11 +51,6 @@ def seeded_basis(seed: int, block: int, index: int, dim: int, rank: int, dtype: 
     """The random orthonormal basis ``Q: [dim, rank]`` of block ``block`` at refresh ``index`` for round seed
     ``seed``; the server rebuilds a client's basis with the same call (stream ``"galore-basis"``)."""
     return random_basis(dim, rank, torch_generator(seed, "galore-basis", block, index), dtype)
-
-
-def _check(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"galore.{name} must be one of {allowed}, got {value!r}")
 
 
 class GaLore(torch.optim.Optimizer):
@@ -81,10 +77,10 @@ class GaLore(torch.optim.Optimizer):
         base.update(defaults)
         super().__init__(params, base)
         for group in self.param_groups:
-            _check("operator", group["operator"], OPERATORS)
-            _check("projector", group["projector"], PROJECTORS)
-            _check("v_reproject", group["v_reproject"], V_REPROJECT)
-            _check("moments_at_refresh", group["moments_at_refresh"], MOMENTS_AT_REFRESH)
+            check_choice("galore.operator", group["operator"], OPERATORS)
+            check_choice("galore.projector", group["projector"], PROJECTORS)
+            check_choice("galore.v_reproject", group["v_reproject"], V_REPROJECT)
+            check_choice("galore.moments_at_refresh", group["moments_at_refresh"], MOMENTS_AT_REFRESH)
             if group["rank"] is not None and (int(group["rank"]) < 1 or int(group["tau"]) < 1):
                 raise ValueError(f"galore.rank and galore.tau must be >= 1, got {group['rank']}, {group['tau']}")
             if group["rank"] is not None:

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..device import autocast, grad_scaler, module_device, to_device
+from ..device import DTYPES, autocast, grad_scaler, module_device, to_device
 from ..privacy.dpsgd import private_step_gradients
+from ..schema import Schema, setting
 from ..seeding import derive_seed, numpy_rng
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -26,40 +27,33 @@ SCHEDULES = ("constant", "cosine", "linear")
 
 
 @dataclass
-class TrainConfig:
-    """Local training hyper-parameters (config section ``[train]``).
+class TrainConfig(Schema):
+    """Local training hyper-parameters (config section ``[train]``), each declared with its meaning and bounds.
 
-    Attributes:
-        local_steps: optimizer steps per round (used when ``local_epochs`` is 0).
-        local_epochs: passes over the client's data per round (overrides ``local_steps`` when > 0).
-        batch_size: examples per step.
-        optimizer: one of :data:`OPTIMIZERS` (``momentum`` is SGD with ``momentum``).
-        lr: learning rate at round 0; ``schedule`` decays it over rounds (one of :data:`SCHEDULES`).
-        head_lr: learning rate of the head (0 = same as ``lr``).
-        momentum, weight_decay, betas, eps: optimizer settings.
-        max_grad_norm: clip the global norm of the loss gradient (0 = off), before the corrections' ``grad``
-            hooks add their terms: SCAFFOLD's ``c − cᵢ`` is an offset between clients that cancels in the
-            average (Σ(c − cᵢ) = 0); clipping it per client would break that and make option II's
-            ``(x − yᵢ)/(Kη)`` differ from the mean of the gradients it estimates.
-        warmup_rounds: linear warm-up of the learning rate over the first rounds.
-        dtype: ``fp32``, ``bf16`` or ``fp16``: autocast of the forward pass (trainable parameters and optimizer
-            state stay fp32; fp16 adds CUDA's gradient scaler). See :mod:`fedlowrank.device`.
+    ``max_grad_norm`` clips the loss gradient before the corrections' ``grad`` hooks add their terms: SCAFFOLD's
+    ``c − cᵢ`` is an offset between clients that cancels in the average (Σ(c − cᵢ) = 0); clipping it per client
+    would break that and make option II's ``(x − yᵢ)/(Kη)`` differ from the mean of the gradients it estimates.
+    ``dtype``: see :mod:`fedlowrank.device` (fp16 adds CUDA's gradient scaler).
     """
 
-    local_steps: int = 5
-    local_epochs: float = 0.0
-    batch_size: int = 16
-    optimizer: str = "adamw"
-    lr: float = 5e-4
-    head_lr: float = 0.0
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    max_grad_norm: float = 0.0
-    schedule: str = "constant"
-    warmup_rounds: int = 0
-    dtype: str = "fp32"
+    prefix = "train"
+
+    local_steps: int = setting(5, "optimizer steps per client per round (when train.local_epochs is 0)", ge=0)
+    local_epochs: float = setting(0.0, "passes over the client's data per round (> 0 overrides train.local_steps)",
+                                  ge=0)
+    batch_size: int = setting(16, "examples per local step", ge=1)
+    optimizer: str = setting("adamw", "local optimizer (momentum = SGD with train.momentum)", choices=OPTIMIZERS)
+    lr: float = setting(5e-4, "local learning rate (of round 1; train.schedule decays it over rounds)", gt=0)
+    head_lr: float = setting(0.0, "learning rate of the classifier head (0 = train.lr)", ge=0)
+    momentum: float = setting(0.9, "momentum of the momentum optimizer", ge=0)
+    weight_decay: float = setting(0.0, "weight decay of the local optimizer", ge=0)
+    betas: tuple[float, float] = setting((0.9, 0.999), "Adam β1, β2", ge=0, lt=1)
+    eps: float = setting(1e-8, "Adam ε (added to the root of the second moment)", gt=0)
+    max_grad_norm: float = setting(0.0, "clip the gradient norm to this (0 = no clipping)", ge=0)
+    schedule: str = setting("constant", "learning rate over rounds", choices=SCHEDULES)
+    warmup_rounds: int = setting(0, "rounds of linear learning-rate warm-up", ge=0)
+    dtype: str = setting("fp32", "autocast of the forward pass (parameters and optimizer state stay fp32)",
+                         choices=tuple(DTYPES))
 
     def lr_at(self, rnd: int, rounds: int, base: float | None = None) -> float:
         """Learning rate in round ``rnd`` (1-based) of ``rounds``."""

@@ -1,0 +1,121 @@
+"""The rules between keys, checked after each key's own declaration and before any work; each error names the
+fields it relates. Also the configured task's options and ``[data]`` keys, and the method's options and support."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from ..privacy.settings import check_privacy
+from ..schema import ConfigError, declared
+from ..tasks import available_tasks, task_class
+from .sections import DataSection, RunConfig
+
+
+def _need(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(cfg: RunConfig, method_checks: bool = True) -> None:
+    """The checks that need no data or model (those come when the task and model are built); each section's own
+    keys were checked when it was made. ``method_checks=False`` leaves out those of ``method.name`` (its options,
+    heterogeneous ranks, privacy modes): ``compare`` and ``tune`` read their shared settings that way, since the
+    user's ``--set`` may suit only the compared methods; each compared method's own config is checked in full.
+    Checked values are stored back (``task.options``, the method's options)."""
+    try:
+        _check_run(cfg)
+        _check_task_and_data(cfg)
+        lo, t = cfg.lora, cfg.train
+        _need(len(lo.ranks) <= cfg.partition.num_clients,
+              f"lora.ranks gives {len(lo.ranks)} ranks for partition.num_clients = {cfg.partition.num_clients} "
+              "clients; give at most one per client")
+        _need(t.local_steps >= 1 or t.local_epochs > 0, "train.local_steps must be >= 1 (or train.local_epochs > 0)")
+        if method_checks:
+            _check_method(cfg)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # a task's or method's own rule, already naming its fields
+        raise ConfigError(str(exc)) from None
+
+
+def _check_run(cfg: RunConfig) -> None:
+    r, m = cfg.run, cfg.partition.num_clients
+    _need(r.clients_per_round <= m,
+          f"run.clients_per_round must be in [1, partition.num_clients = {m}], got {r.clients_per_round}")
+    _need(0 <= r.personal_eval_clients <= m, f"run.personal_eval_clients must be in [0, partition.num_clients = {m}] "
+                                        f"(0 = every client), got {r.personal_eval_clients}")
+    _need(r.min_replies <= r.clients_per_round,
+          f"run.min_replies must be in [1, run.clients_per_round = {r.clients_per_round}], got {r.min_replies}")
+    for rnd, client in r.dropout_schedule:
+        _need(1 <= rnd <= r.rounds and client < m,
+              f"run.dropout_schedule: [{rnd}, {client}] is not a [round, client] pair of this run (rounds 1 to "
+              f"run.rounds = {r.rounds}, clients 0 to partition.num_clients - 1 = {m - 1})")
+    _need(r.cohort <= 1 or not cfg.privacy.dpsgd,
+          f"run.cohort = {r.cohort} with privacy.dpsgd: DP-SGD clips per example within one client's step, which a "
+          f"joint step of several clients does not do; use run.cohort = 1, or 0 (automatic: one at a time)")
+
+
+def _check_task_and_data(cfg: RunConfig) -> None:
+    kind, d = cfg.task.kind, cfg.data
+    task = task_class(kind)
+    _need(cfg.run.stop_metric in ("", *task.metrics),
+          f"run.stop_metric must be one of {', '.join(task.metrics)} for task.kind = {kind!r} ('' = "
+          f"{task.primary_metric}); got {cfg.run.stop_metric!r}")
+    options = task.checked_options(cfg)
+    cfg.task.options = {k: getattr(options, k) for k in cfg.task.options}
+    check_data_keys(cfg)
+    _need(d.text_column != d.label_column,
+          f"data.text_column and data.label_column must differ, both are {d.text_column!r}")
+    _need(d.source != "files" or bool(d.train), "data.train: a file path is required when data.source = 'files'")
+    _need(d.source != "hf" or bool(d.hf_name), "data.hf_name: a dataset name is required when data.source = 'hf'")
+    task.check_config(cfg)
+
+
+def check_data_keys(cfg: RunConfig) -> None:
+    """``data.source`` is one the task reads, and every ``[data]`` key it does not read (with that source) keeps
+    its default: a value set there would be ignored (:attr:`~fedlowrank.tasks.base.Task.data_sources`)."""
+    kind, d = cfg.task.kind, cfg.data
+    task = task_class(kind)
+    sources = task.data_sources
+    if sources and d.source not in sources:
+        others = [name for name, cls in available_tasks().items() if d.source in cls.data_sources]
+        hint = f" (for {d.source} use task.kind = {' or '.join(map(repr, others))})" if others else ""
+        raise ConfigError(f"data.source = {d.source!r} is not {task.data_description}; for task.kind = {kind!r} use "
+                          f"one of {', '.join(sources)}{hint}")
+    reads = {"validation_fraction"} | ({"source", *sources[d.source]} if sources else set())
+    for key, decl in declared(DataSection).items():
+        if key in reads or getattr(d, key) == decl.default:
+            continue
+        where = [s for s, keys in sources.items() if key in keys]
+        if where:
+            raise ConfigError(f"data.{key} is for data.source = {' or '.join(map(repr, where))}; task.kind = {kind!r} "
+                              f"does not read it with data.source = {d.source!r}, so leave it unset")
+        kinds = [name for name, cls in available_tasks().items()
+                 if cls.data_sources and (key == "source" or any(key in keys for keys in cls.data_sources.values()))]
+        why = "does not read it" if sources else "makes its data from task.options"
+        raise ConfigError(f"data.{key} is for task.kind = {' or '.join(map(repr, kinds))}; task.kind = {kind!r} {why}, "
+                          "so leave it unset")
+
+
+def _check_method(cfg: RunConfig) -> None:
+    from ..methods import get_method
+
+    method = get_method(cfg.method_name, **cfg.method_options)
+    cfg.method = {"name": cfg.method_name, **{k: getattr(method, k) for k in cfg.method_options}}
+    cls = type(method)
+    _need(not cfg.lora.ranks or cls.supports_heterogeneous_ranks or len(set(cfg.client_ranks())) == 1,
+          f"lora.ranks: method {cfg.method_name!r} does not support heterogeneous ranks")
+    check_privacy(cfg, cls)
+
+
+def check_writable(path: str | Path, field: str) -> None:
+    """``path`` is, or can be made as, a writable directory: a file can be made in its nearest existing ancestor
+    (tried with a temporary file, removed at once). ``field`` names the setting in the error (``run.out_dir``)."""
+    target = Path(path).absolute()
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    _need(existing.is_dir(), f"{field}: {str(path)!r} cannot be a directory: {existing} is a file")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as exc:
+        raise ConfigError(f"{field}: {str(path)!r} is not writable ({existing}: {exc.strerror or exc})") from None
