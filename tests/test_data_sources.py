@@ -106,7 +106,7 @@ def test_arithmetic_source_reads_the_packaged_files_with_their_skill_column():
     task = build_task(cfg)
     assert len(task.data.train_prompts) == NUM_TRAIN and len(task.data.test_prompts) == NUM_TEST
     assert set(task.column_values("skill")) == set(SKILLS)
-    with pytest.raises(ValueError, match="data.source = 'arithmetic' is instruction data"):
+    with pytest.raises(ValueError, match="data.source = 'arithmetic' is not labelled text data"):
         build_task(load_config("tiny", ["data.source=arithmetic"]))
 
 

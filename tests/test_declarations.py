@@ -86,7 +86,7 @@ def test_every_key_and_option_is_declared_with_a_type_a_meaning_and_a_default_it
     ("method.correction=moon", ("method.correction", "none, fedprox, scaffold, fedprox+scaffold", "'moon'")),
     ("compare.methods=['fedit','nope']", ("compare.methods[1]", "fedavg-full", "'nope'")),
     ("data.source=nope", ("data.source", "bbc-news", "'nope'")),
-    ("data.hf_name=glue", ("data.hf_name", "data.source = 'hf'", "'agnews'")),
+    ("data.hf_name=glue", ("data.hf_name", "data.source = 'hf'", "'bbc-news'")),
     ("task.kind=nope", ("task.kind", "text-classification", "matrix-regression", "'nope'")),
     ("data.header=yes", ("data.header", "auto, true, false", "'yes'")),
     ("privacy.delta=1", ("privacy.delta", "[0, 1)")),
@@ -108,7 +108,7 @@ def test_config_refuses_what_run_refuses(capsys):
 
 
 @pytest.mark.parametrize("setting, names", [
-    ("data.prompt_column=nosuch", ("data.prompt_column", "'files' or 'hf'", "'gsm8k'")),
+    ("data.prompt_column=nosuch", ("data.prompt_column", "'files' or 'hf'", "'arithmetic'")),
     ("data.source=bbc-news", ("data.source = 'bbc-news' is not instruction data", "gsm8k, files, hf",
                               "task.kind = 'text-classification'")),
     ("task.options.max_new_tokens=0", ("task.options.max_new_tokens", "[1, 131072]")),
