@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # User errors, by the module that defines them; a module not imported yet cannot have raised its error.
 _USER_ERRORS = (("fedlowrank.config", "ConfigError"), ("fedlowrank.assets", "MissingAssetError"),
-                ("fedlowrank.runtime.checkpoint", "CheckpointError"), ("fedlowrank.runtime.simulator", "DivergenceError"))
+                ("fedlowrank.runtime.checkpoint", "CheckpointError"), ("fedlowrank.runtime.run", "DivergenceError"))
 _PACKAGE = Path(__file__).resolve().parent
 
 

@@ -23,12 +23,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..methods import get_method
-from ..tasks.partition import partition_task
 from ..seeding import torch_generator
-from ..tasks import Task, build_task
+from ..tasks import Task
 from ..training.local import LocalTrainer
-from .engine import sample_clients, setup_info
+from .engine import sample_clients
+from .run import build_run
 
 
 @dataclass
@@ -119,20 +118,14 @@ def run_vectorized(cfg, task: Task | None = None, log: Callable[[str], None] | N
     if batches not in BATCHES:
         raise ValueError(f"batches must be one of {tuple(BATCHES)}, got {batches!r}")
     draw = BATCHES[batches]
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    task = task if task is not None else build_task(cfg)
+    built = build_run(cfg, task)
+    task, method, model, server = built.task, built.method, built.model.cpu(), built.server  # closed form: the CPU
     if not hasattr(task, "batched_grad"):
         raise ValueError(f"task {task.name!r} has no closed-form batched_grad; use the simulator")
-    parts = [torch.as_tensor(p, dtype=torch.long)
-             for p in partition_task(task, cfg.partition, cfg.run.seed)[0]]
-    method = get_method(cfg.method_name, **cfg.method_options)
     hook = getattr(method, "batched_round", None)
     if hook is None:
         raise ValueError(f"method {method.name!r} has no vectorised round (batched_round); use the simulator")
-    model = task.build_model()
-    info = setup_info(cfg, [len(p) for p in parts])
-    server = method.setup(model, info)
+    parts = [torch.as_tensor(p, dtype=torch.long) for p in built.parts]
     run = VectorizedRun(method.name, 0)
     stop_key, stop_above = cfg.run.stop_metric, cfg.run.stop_above
     t0 = time.perf_counter()
