@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -27,6 +28,7 @@ from .adapters.lora import SCALING_RULES
 from .device import DTYPES, check_device_spec
 
 WEIGHTINGS = ("num_examples", "uniform")
+AGGREGATES = ("mean", "median", "trimmed-mean")  # server.aggregate (runtime/robust.py)
 TASKS = ("text-classification", "matrix-regression", "image-classification", "causal-lm")
 
 
@@ -99,6 +101,10 @@ class LoRASection:
 class ServerSection:
     weighting: str = "num_examples"
     lr: float = 1.0
+    update_clip: float = math.inf  # L2 bound on each reply's update (inf = off); runtime/robust.py
+    aggregate: str = "mean"  # mean, median or trimmed-mean of the replies (runtime/robust.py)
+    trim_fraction: float = 0.1  # trimmed-mean: share of the largest and of the smallest values dropped
+    max_examples_per_node: int = 0  # Flower nodes with their own data: cap on the examples a reply weighs
 
 
 @dataclass
@@ -229,6 +235,14 @@ MEANINGS: dict[str, str] = {
     "train.dtype": "autocast of the forward pass: fp32, bf16 or fp16 (parameters and optimizer state stay fp32)",
     "server.weighting": "client weights in aggregation: num_examples or uniform",
     "server.lr": "server step β: global ← old + β·(average − old)",
+    "server.update_clip": "bound on the L2 norm of each reply's update (what it sends minus what it was sent); "
+                          "larger updates are scaled down to it on the server (inf = off)",
+    "server.aggregate": "how the server combines the replies of methods whose server step is a weighted mean: "
+                        "mean, median or trimmed-mean (coordinate-wise; robust to a few bad clients)",
+    "server.trim_fraction": "trimmed-mean: share of the largest and of the smallest values dropped per coordinate, "
+                            "in [0, 0.5)",
+    "server.max_examples_per_node": "Flower nodes with their own data (node config data-train): the most examples "
+                                    "a node's reply may weigh (0 = the largest client of the server's partition)",
     "method.name": "the method (`fedlowrank methods`); its own options are method.OPTION",
     "compare.methods": "methods that `fedlowrank compare` runs",
     "compare.seeds": "seeds that `fedlowrank compare` runs each method with",
@@ -436,6 +450,13 @@ def validate(cfg: RunConfig, method_checks: bool = True) -> None:
     _need(t.warmup_rounds >= 0, f"train.warmup_rounds must be >= 0, got {t.warmup_rounds}")
     _choice("server.weighting", cfg.server.weighting, WEIGHTINGS)
     _need(cfg.server.lr > 0, f"server.lr must be > 0, got {cfg.server.lr}")
+    _need(cfg.server.update_clip > 0, f"server.update_clip must be > 0 (inf = off), got {cfg.server.update_clip}")
+    _choice("server.aggregate", cfg.server.aggregate, AGGREGATES)
+    _need(0 <= cfg.server.trim_fraction < 0.5,
+          f"server.trim_fraction must be in [0, 0.5), got {cfg.server.trim_fraction}")
+    _need(cfg.server.max_examples_per_node >= 0,
+          f"server.max_examples_per_node must be >= 0 (0 = the largest client of the server's partition), "
+          f"got {cfg.server.max_examples_per_node}")
     _need(all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in cfg.compare.overrides.values()),
           "compare.overrides must map a method name to a list of \"section.key=value\" strings")
     if not method_checks:
@@ -449,8 +470,27 @@ def validate(cfg: RunConfig, method_checks: bool = True) -> None:
         _need(not lo.ranks or cls.supports_heterogeneous_ranks or len(set(cfg.client_ranks())) == 1,
               f"lora.ranks: method {cfg.method_name!r} does not support heterogeneous ranks")
         check_privacy(cfg, cls)
+        check_server(cfg, cls)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def check_server(cfg: RunConfig, method_cls) -> None:
+    """``server.aggregate`` other than ``mean`` replaces a weighted mean of the replies (runtime/robust.py): refuse
+    it for a method that declares no such server step (``"central"`` among its privacy modes: a fixed-weight sum
+    of the replies), with unequal ranks, or with central DP."""
+    name = cfg.server.aggregate
+    if name == "mean":
+        return
+    if "central" not in method_cls.supported_privacy_modes():
+        why = ("its server step needs individual replies (needs_individual_replies)" if method_cls.needs_individual_replies
+               else method_cls.privacy_refusal or "its server step is not a weighted mean of the replies")
+        raise ConfigError(f"server.aggregate = {name!r} replaces a weighted mean of the replies, and method "
+                          f"{method_cls.name!r} has none: {why}; use server.aggregate = 'mean'")
+    _need(len(set(cfg.client_ranks())) == 1, f"server.aggregate = {name!r} needs equal client ranks (lora.ranks): "
+                                             f"it combines equally shaped replies coordinate by coordinate")
+    _need(cfg.privacy.mode != "central", f"server.aggregate = {name!r} with privacy.mode = 'central': the noise is "
+                                         f"calibrated to a mean of clipped updates, not to a {name}; use one or the other")
 
 
 def check_model(model: str) -> None:

@@ -5,11 +5,12 @@ a :class:`RoundReplies`: for each sampled client, the bytes it was sent and sent
 reply is usable (:meth:`RoundReplies.receive` runs :func:`~.engine.check_reply`), rejected (with the reason) or
 missing (dropped, with the reason). :func:`close_round` then does the rest, identically for both:
 
-1. logs each dropped client and each rejected reply with its reason;
+1. with a robust aggregate or central DP, rejects the replies whose tensors differ in shape from the round's
+   others (:func:`.robust.matching_replies`); logs each dropped client and each rejected reply with its reason;
 2. skips the round when fewer than ``run.min_replies`` replies are usable (the global state is not touched);
-3. otherwise transforms the replies on the server (:func:`fedlowrank.privacy.runtime.central_replies`: central
-   DP's clipping and noise) and runs ``method.aggregate`` on them, sorted by client (sums in the same order
-   everywhere);
+3. otherwise transforms the replies on the server (:func:`.robust.server_replies`: ``server.update_clip``,
+   ``server.aggregate``, central DP) and runs ``method.aggregate`` on them, sorted by client (sums in the same
+   order everywhere);
 4. opens the round's metrics row (see :mod:`.simulator` for its keys).
 
 It changes nothing of the run: the :class:`RoundOutcome` (new server state, row, ledger rows, aggregated replies)
@@ -25,8 +26,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..message import Message, Reply, State
-from ..privacy.runtime import central_replies
 from .engine import check_reply
+from .robust import matching_replies, needs_matching, server_replies
 from .run import Run
 
 Warn = Callable[[str], None]
@@ -67,10 +68,11 @@ class RoundReplies:
         self.rejected.append({"client": client, "reason": reason})
 
     def receive(self, method, client: int, down: Message, reply: Message, bound: int | None,
-                up_bytes: int | None = None) -> bool:
+                up_bytes: int | None = None, cap: int | None = None) -> bool:
         """Take ``client``'s ``reply`` (as received) to ``down``: usable if :func:`~.engine.check_reply` finds
         nothing wrong (``bound``: the most examples it may claim), else rejected. ``up_bytes``: what the ledger
-        counts (default ``reply.nbytes()``). Returns whether it is usable."""
+        counts (default ``reply.nbytes()``); ``cap``: the most examples it weighs in aggregation (``None``: its
+        ``num_examples``). Returns whether it is usable."""
         up = reply.nbytes() if up_bytes is None else up_bytes
         reason = check_reply(method, down, reply, self.round, bound)
         if reason is not None:
@@ -78,7 +80,8 @@ class RoundReplies:
             return False
         self.ledger.append({"round": self.round, "client": client, "down": down.nbytes(), "up": up})
         self.downs[client] = down
-        self.usable.append(Reply(client, int(reply["num_examples"]), reply))
+        n = int(reply["num_examples"])
+        self.usable.append(Reply(client, n if cap is None else min(n, cap), reply))
         return True
 
 
@@ -105,7 +108,11 @@ def close_round(run: Run, got: RoundReplies, started: float, warn: Warn | None =
     cfg, rnd = run.cfg, got.round
     say = warn or (lambda line: None)
     replies = sorted(got.usable, key=lambda r: r.client)
-    rejected = sorted(got.rejected, key=lambda r: r["client"])
+    rejected = list(got.rejected)
+    if needs_matching(cfg):
+        replies, mismatched = matching_replies(replies)
+        rejected += mismatched
+    rejected.sort(key=lambda r: r["client"])
     for k in sorted(got.dropped):
         say(f"round {rnd}: client {k} dropped ({got.dropped[k]})")
     for r in rejected:
@@ -118,9 +125,7 @@ def close_round(run: Run, got: RoundReplies, started: float, warn: Warn | None =
             f"{cfg.run.min_replies}: round skipped, global state unchanged")
     else:
         t_agg = time.perf_counter()
-        replies, privacy = central_replies(cfg, replies, got.downs, rnd, run.history)
-        if privacy:
-            notes["privacy"] = privacy
+        replies, notes = server_replies(cfg, replies, got.downs, rnd, run.history)
         server = run.method.aggregate(run.server, replies, rnd)
         aggregation = time.perf_counter() - t_agg
         if len(replies) < sampled:

@@ -106,30 +106,46 @@ class SecAggRounds(LegacyStrategy):
         return out
 
     def aggregate_fit(self, server_round, results, failures):
-        import torch
-
-        from ...message import Message
-        from ...privacy.mechanisms import reference
+        from .strategy import _seconds
 
         s = self.strategy
         got = s.round
-        for _, fitres in results:
-            k = int(fitres.metrics["fedlowrank.client"])
+        for proxy, fitres in results:
+            k = next((c for c, node in s.nodes.items() if node == proxy.node_id), None)
+            if k not in self.downs:
+                continue  # not a client of this round
             down = self.downs.pop(k)
-            mean = parameters_to_ndarrays(fitres.parameters)
-            reply = Message(json.loads(str(fitres.metrics["fedlowrank.scalars"])))
-            for (key, dtype), delta in zip(json.loads(str(fitres.metrics["fedlowrank.keys"])), mean, strict=True):
-                t = torch.from_numpy(np.asarray(delta, dtype=np.float64))
-                ref = reference(down, key, t.shape, getattr(torch, dtype))
-                reply[key] = (t if ref is None else ref.to(torch.float64) + t).to(getattr(torch, dtype))
-            if got.receive(s.run.method, k, down, reply, s.size_bound(k)):
-                got.compute += float(fitres.metrics.get("compute-seconds", 0.0))
+            try:
+                reply = self.rebuild(fitres, down)
+                usable = got.receive(s.run.method, k, down, reply, s.size_bound(k))
+            except Exception as exc:  # noqa: BLE001 - whatever a node sent, the run goes on without it
+                got.reject(k, f"malformed reply ({type(exc).__name__}: {exc})", down.nbytes(), 0)
+                continue
+            if usable:
+                got.compute += _seconds(fitres.metrics.get("compute-seconds"))
         for k, down in self.downs.items():
             got.drop(k, "no masked update (SecAgg+ dropped it)", down.nbytes())
         got.extra = {"flower_bytes_up": int(self.grid.up), "flower_bytes_down": int(self.grid.down)}
         s.close_round()
         self.downs = {}
         return None, {}
+
+    @staticmethod
+    def rebuild(fitres, down):
+        """Client k's reply as the method sees it: its plaintext scalars, and ``down + Δ̄`` for each of its update
+        tensors (Δ̄: the unmasked mean update in ``fitres.parameters``)."""
+        import torch
+
+        from ...message import Message
+        from ...privacy.mechanisms import reference
+
+        mean = parameters_to_ndarrays(fitres.parameters)
+        reply = Message(json.loads(str(fitres.metrics["fedlowrank.scalars"])))
+        for (key, dtype), delta in zip(json.loads(str(fitres.metrics["fedlowrank.keys"])), mean, strict=True):
+            t = torch.from_numpy(np.asarray(delta, dtype=np.float64))
+            ref = reference(down, key, t.shape, getattr(torch, dtype))
+            reply[key] = (t if ref is None else ref.to(torch.float64) + t).to(getattr(torch, dtype))
+        return reply
 
     def initialize_parameters(self, client_manager):
         return None

@@ -13,10 +13,15 @@ produce the same global model:
 * broadcast: ``method.broadcast(server, k, rnd)`` for each sampled client, one ``Message`` per node, its
   records built by :func:`~fedlowrank.runtime.flower.records.to_records` (any keys, shapes and scalars);
 * aggregate: the replies, sorted by client as in the simulator, go to ``method.aggregate``; a reply that
-  fails :func:`~fedlowrank.runtime.engine.check_reply` is rejected, and a client whose node answers with an
-  error or does not answer within ``flower.round-timeout`` is dropped, each logged with its reason and
-  listed in the round's row (``rejected``, ``dropped``); the round aggregates when at least
-  ``run.min_replies`` replies remain, else it is skipped, the global state kept, and the run says so;
+  fails :func:`~fedlowrank.runtime.engine.check_reply`, is larger than the method can send
+  (``method.max_reply_bytes``, checked before anything is decoded) or cannot be decoded at all is rejected, and a
+  client whose node answers with an error or does not answer within ``flower.round-timeout`` is dropped, each
+  logged with its reason, listed in the round's row (``rejected``, ``dropped``) and counted in the round's
+  ``MetricRecord``; the round aggregates when at least ``run.min_replies`` replies remain, else it is skipped,
+  the global state kept, and the run says so. Nothing a node sends can end the run;
+* weights: a reply's ``num_examples`` is bounded by what the server can check, the client's partition of the
+  run's data; a node with its own data declares its size in its answer to the query, which bounds its replies,
+  and weighs at most ``server.max_examples_per_node`` examples (``server.weighting = "uniform"`` ignores sizes);
 * client state: each train message names the last round whose reply of that client was aggregated
   (``accepted``), so that its node commits the state it made then and drops one whose reply was not taken;
 * evaluation: on the server, on the task's global test set (``evaluate``, passed as ``evaluate_fn``);
@@ -46,6 +51,38 @@ from .records import from_records, records_nbytes, to_array, to_records
 from .settings import FlowerSettings
 
 
+class MalformedReply(ValueError):
+    """A node's reply that cannot be taken in (too large, undecodable); the message is the reason."""
+
+
+def decode_reply(content: RecordDict, limit: int) -> Message:
+    """The fedlowrank message in a reply's ``content``, whose payload may be at most ``limit`` bytes (checked before
+    anything is decoded). Raises :class:`MalformedReply` with the reason for anything else: too large, no
+    message, records or bytes that do not decode (whatever Flower's record layer or our decoder raises)."""
+    try:
+        size = records_nbytes(content)
+    except Exception as exc:  # noqa: BLE001 - any malformed record is the node's fault, never the server's
+        raise MalformedReply(f"unreadable records ({type(exc).__name__}: {exc})") from None
+    if size > limit:
+        raise MalformedReply(f"reply of {size} bytes exceeds the method's bound of {limit} bytes (not decoded)")
+    try:
+        msg = from_records(content, Message)
+    except Exception as exc:  # noqa: BLE001 - e.g. invalid JSON, a bf16 array of the wrong size, garbage .npy bytes
+        raise MalformedReply(f"undecodable reply ({type(exc).__name__}: {exc})") from None
+    return Message() if msg is None else msg
+
+
+def _count(value) -> int | None:
+    """``value`` if it is an integer (not a bool), else ``None``."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _seconds(value) -> float:
+    """A duration a node reports: ``value`` if it is a finite number >= 0, else 0."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+    return float(value) if ok else 0.0
+
+
 def state_arrays(state: State) -> ArrayRecord:
     """The tensors of a server state as an ``ArrayRecord`` (what ``Strategy.start`` threads through rounds)."""
     return ArrayRecord({k: to_array(t) for k, t in state.tensors().items()})
@@ -70,7 +107,7 @@ class MethodStrategy(Strategy):
         self.settings = settings
         self.nodes: dict[int, int] = {}  # client id (SuperNode partition-id) -> node id
         self._ignored: set[int] = set()  # node ids whose answer to the query was unusable
-        self.node_sizes: dict[int, int] = {}  # client id -> its training examples, for nodes with their own data
+        self.node_sizes: dict[int, int] = {}  # client id -> its declared training examples (nodes with own data)
         self._sent: list[tuple[FlowerMessage, int, Message, int]] = []  # (sent, client, its Message, flower bytes)
         self.round: RoundReplies | None = None  # the round in progress
         self.started = 0.0  # when it started (time.perf_counter)
@@ -82,8 +119,16 @@ class MethodStrategy(Strategy):
         return self.run.cfg.partition.num_clients
 
     def size_bound(self, client: int) -> int:
-        """The most examples ``client``'s reply may claim: its node's own data, or its partition."""
+        """The most examples ``client``'s reply may claim: what its node declared (own data), or its partition."""
         return self.node_sizes.get(client, len(self.run.parts[client]))
+
+    def weight_cap(self, client: int) -> int | None:
+        """The most examples ``client``'s reply may weigh: for a node with its own data (which the server cannot
+        check) ``server.max_examples_per_node`` (0: the largest client of the run's partition); ``None`` for a
+        partition of the run's data (its size is the server's)."""
+        if client not in self.node_sizes:
+            return None
+        return self.run.cfg.server.max_examples_per_node or max(len(p) for p in self.run.parts)
 
     # -- nodes ---------------------------------------------------------------------------------------
     def connect(self, grid: Grid) -> None:
@@ -115,16 +160,41 @@ class MethodStrategy(Strategy):
             if reply.has_error():
                 log(WARNING, "fedlowrank: node %d did not answer the partition query: %s", node, reply.error.reason)
                 continue
-            answer = reply.content[ROUTE]
-            k, m = int(answer["partition-id"]), int(answer["num-partitions"])
-            if m != self.num_clients or not 0 <= k < m or k in self.nodes:
-                log(WARNING, "fedlowrank: ignoring node %d: partition-id=%d num-partitions=%d (run has %d clients%s)",
-                    node, k, m, self.num_clients, ", partition taken" if k in self.nodes else "")
+            try:
+                k, size = self.read_answer(reply.content)
+            except MalformedReply as exc:
+                log(WARNING, "fedlowrank: ignoring node %d: %s", node, exc)
                 self._ignored.add(node)
                 continue
             self.nodes[k] = node
-            if "num-examples" in answer:  # the node brings its own data (node config data-train)
-                self.node_sizes[k] = int(answer["num-examples"])
+            if size is not None:  # the node brings its own data (node config data-train)
+                self.node_sizes[k] = size
+                cap = self.weight_cap(k)
+                if size > cap:
+                    log(WARNING, "fedlowrank: node %d (client %d) declares %d examples of its own; its replies weigh at "
+                        "most %d (server.max_examples_per_node)", node, k, size, cap)
+
+    def read_answer(self, content: RecordDict) -> tuple[int, int | None]:
+        """``(client, declared size or None)`` of a node's answer to the partition query; :class:`MalformedReply`
+        saying why it is unusable (not an answer, a partition-id or num-partitions that is missing, not an integer,
+        of another run or taken, a num-examples that is not a positive integer)."""
+        try:
+            answer = dict(content[ROUTE])
+        except Exception:  # noqa: BLE001 - whatever a node sent instead of an answer
+            raise MalformedReply(f"its answer to the partition query has no {ROUTE!r} config record") from None
+        k, m = _count(answer.get("partition-id")), _count(answer.get("num-partitions"))
+        if k is None or m is None:
+            raise MalformedReply(f"partition-id and num-partitions must be integers, got partition-id = "
+                                 f"{answer.get('partition-id')!r}, num-partitions = {answer.get('num-partitions')!r}")
+        if m != self.num_clients or not 0 <= k < m or k in self.nodes:
+            raise MalformedReply(f"partition-id={k} num-partitions={m} (run has {self.num_clients} clients"
+                                 f"{', partition taken' if k in self.nodes else ''})")
+        if "num-examples" not in answer:
+            return k, None
+        size = _count(answer["num-examples"])
+        if size is None or size < 1:
+            raise MalformedReply(f"num-examples must be a positive integer, got {answer['num-examples']!r}")
+        return k, size
 
     # -- training ------------------------------------------------------------------------------------
     def start_round(self, rnd: int, grid: Grid) -> list[tuple[int, Message, ConfigRecord]]:
@@ -170,12 +240,7 @@ class MethodStrategy(Strategy):
             if reply.has_error():
                 got.drop(k, f"node {node} answered with an error: {reply.error.reason}", down.nbytes())
                 continue
-            msg = from_records(reply.content, Message)
-            flower_up += records_nbytes(reply.content)
-            if msg is None:
-                msg = Message()
-            if got.receive(self.run.method, k, down, msg, self.size_bound(k)) and "metrics" in reply.content:
-                got.compute += float(reply.content["metrics"].get("compute-seconds", 0.0))
+            flower_up += self.take_reply(got, k, down, reply.content)
         for node, k, down, fdown in pending.values():
             got.drop(k, f"no reply from node {node} within flower.round-timeout = {self.settings.round_timeout:g} s",
                      down.nbytes())
@@ -183,6 +248,24 @@ class MethodStrategy(Strategy):
         self._sent = []
         got.extra = {"flower_bytes_up": int(flower_up), "flower_bytes_down": int(flower_down)}
         return self.close_round()
+
+    def take_reply(self, got: RoundReplies, client: int, down: Message, content: RecordDict) -> int:
+        """Decode ``client``'s reply ``content`` to ``down`` into ``got``: usable, or rejected with the reason
+        (:func:`decode_reply`, :meth:`RoundReplies.receive`); never raises. Returns its payload bytes."""
+        try:
+            size = records_nbytes(content)
+        except Exception:  # noqa: BLE001 - decode_reply says why
+            size = 0
+        try:
+            msg = decode_reply(content, self.run.method.max_reply_bytes(down))
+            usable = got.receive(self.run.method, client, down, msg, self.size_bound(client), cap=self.weight_cap(client))
+        except Exception as exc:  # noqa: BLE001 - whatever a node sent, the run goes on without it
+            reason = str(exc) if isinstance(exc, MalformedReply) else f"malformed reply ({type(exc).__name__}: {exc})"
+            got.reject(client, reason, down.nbytes(), size)
+            return size
+        if usable:
+            got.compute += _seconds(content.get("metrics", MetricRecord()).get("compute-seconds"))
+        return size
 
     def close_round(self) -> tuple[ArrayRecord | None, MetricRecord]:
         """The server step of the round whose replies are in (:meth:`ServerRun.close_round`), for plain and SecAgg+
