@@ -47,6 +47,7 @@ class RunSection:
     out_dir: str = "runs"
     threads: int = 0
     checkpoint_every: int = 0
+    checkpoint_seconds: float = 60.0  # also checkpoint after a round when this long has passed since the last one
     min_replies: int = 1
     dropout: float = 0.0
     dropout_schedule: list[list[int]] = field(default_factory=list)
@@ -56,6 +57,7 @@ class RunSection:
     device: str = "auto"
     state_memory_mb: float = 0.0  # client states kept in memory (MiB); beyond it they spill to disk (0 = no limit)
     cohort: int = 0  # clients trained together (0 = automatic: all of a round's on CUDA, 1 on the CPU)
+    vectorized: bool = False  # run with the vectorised runner (runtime/vectorized.py; `fedlowrank run --vectorized`)
 
 
 @dataclass
@@ -166,7 +168,11 @@ MEANINGS: dict[str, str] = {
     "run.out_dir": "folder in which run directories are made",
     "run.threads": "torch threads (0 = torch's default)",
     "run.device": "where to compute: auto (a CUDA GPU when there is one), cpu, cuda or cuda:N",
-    "run.checkpoint_every": "save a checkpoint every this many rounds (0 = never); resume and export read them",
+    "run.checkpoint_every": "save a checkpoint every this many rounds (0 = only as run.checkpoint_seconds says, at "
+                            "the last round and when stopped); resume and export read them",
+    "run.checkpoint_seconds": "also save a checkpoint after a round when this many seconds have passed since the last "
+                              "one, never sooner than 50 times what the last one took (checkpoints cost at most 2 % "
+                              "of the run); 0 = off",
     "run.min_replies": "fewest usable replies for a round to be aggregated; fewer and the round is skipped",
     "run.dropout": "probability that a sampled client does not reply (fault injection)",
     "run.dropout_schedule": "[round, client] pairs that do not reply (fault injection)",
@@ -178,6 +184,8 @@ MEANINGS: dict[str, str] = {
     "run.cohort": "clients trained together, one forward/backward per step over the shared backbone for methods "
                   "and tasks that support it (others: one at a time); 0 = automatic (every sampled client of a "
                   "round on CUDA, 1 on the CPU), 1 = one at a time (docs/architecture.md)",
+    "run.vectorized": "run every round's clients as one batched step (closed-form tasks such as matrix-regression, "
+                      "methods with a batched_round: ssf, fedsub, fedavg-full); `fedlowrank run --vectorized` sets it",
     "task.kind": "text-classification, causal-lm, image-classification or matrix-regression",
     "task.model": "a bundled model name or a local Hugging Face model folder",
     "task.max_length": "tokens per example (longer texts are truncated)",
@@ -378,6 +386,7 @@ def validate(cfg: RunConfig, method_checks: bool = True) -> None:
     _need(r.tracking in ("", *TRACKERS),
           f"run.tracking must be one of \"\" (off), {', '.join(TRACKERS)}; got {r.tracking!r}")
     _need(r.checkpoint_every >= 0, f"run.checkpoint_every must be >= 0 (0 = never), got {r.checkpoint_every}")
+    _need(r.checkpoint_seconds >= 0, f"run.checkpoint_seconds must be >= 0 (0 = off), got {r.checkpoint_seconds}")
     _need(r.state_memory_mb >= 0, f"run.state_memory_mb must be >= 0 (0 = keep every client state in memory), "
           f"got {r.state_memory_mb}")
     _need(r.cohort >= 0, f"run.cohort must be an integer >= 0 (0 = automatic, 1 = one client at a time, N = up to N "

@@ -95,7 +95,8 @@ def plot_run(history: list[dict[str, Any]], out_dir: Path, metric: str = "accura
             if log_y:
                 ax.set_yscale("log")
                 _readable_log_ticks(ax.yaxis)
-        bytes_axis(axes[2], max(sent), min(sent))
+        if max(sent) > 0:  # the vectorised runner sends no messages
+            bytes_axis(axes[2], max(sent), min(sent))
     axes[1].plot(rounds, [r["train_loss"] for r in history], marker="o", markersize=3, label="train loss")
     tested = [r for r in history if "loss" in r]
     if tested:

@@ -1,7 +1,9 @@
 """When a run checkpoints, and how a run and a checkpoint map to each other (the files: :mod:`.checkpoint`).
 
-A run saves a checkpoint (:class:`Checkpointer`) every ``run.checkpoint_every`` rounds and always at its last round,
-so that every finished run can be exported. A checkpoint holds the round counter, the server state, the client
+A run saves a checkpoint (:class:`Checkpointer`) after a round when ``run.checkpoint_seconds`` have passed since its
+last one (but never sooner than 50 times what the last one took, so that checkpoints cost at most 2 % of the run),
+every ``run.checkpoint_every`` rounds, at its last round (every finished run can be exported), and when it is
+stopped (:mod:`.stopping`: the state after its last finished round). A checkpoint holds the round counter, the server state, the client
 states the run holds (none on the Flower server: they stay on the nodes; the checkpoint says so), the metrics
 history and the ledger; every random stream is a function of the round counter (:mod:`fedlowrank.seeding`).
 
@@ -12,29 +14,52 @@ directory's ``config.json`` (method, config fingerprint, rounds); :func:`restore
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from .checkpoint import Checkpoint, CheckpointError, config_fingerprint, find_checkpoint, save_checkpoint
 
 
-class Checkpointer:
-    """Saves the checkpoints of the run in ``run_dir`` (``None``: never) configured by ``cfg``."""
+MAX_COST = 0.02  # the share of a run's time that checkpoints saved for run.checkpoint_seconds may take
 
-    def __init__(self, cfg, run_dir: Path | None):
-        self.cfg, self.run_dir = cfg, run_dir
+
+class Checkpointer:
+    """Saves the checkpoints of the run in ``run_dir`` (``None``: never) configured by ``cfg``.
+
+    Attributes:
+        saved_round: the round of the last checkpoint it saved (``None``: none yet).
+        seconds: the time its saves took, in all.
+    """
+
+    def __init__(self, cfg, run_dir: Path | None, clock: Callable[[], float] = time.monotonic):
+        self.cfg, self.run_dir, self.clock = cfg, run_dir, clock
+        self.saved_round: int | None = None
+        self.seconds = 0.0
+        self._last_save, self._last_cost = clock(), 0.0
 
     def due(self, rnd: int) -> bool:
-        """Whether the state after round ``rnd`` is saved."""
-        every = self.cfg.run.checkpoint_every
-        return self.run_dir is not None and (rnd == self.cfg.run.rounds or bool(every and rnd % every == 0))
+        """Whether the state after round ``rnd`` is saved (see the module docstring)."""
+        r = self.cfg.run
+        if self.run_dir is None:
+            return False
+        if rnd == r.rounds or (r.checkpoint_every and rnd % r.checkpoint_every == 0):
+            return True
+        wait = max(r.checkpoint_seconds, self._last_cost / MAX_COST)
+        return r.checkpoint_seconds > 0 and self.clock() - self._last_save >= wait
 
     def save(self, run) -> Path:
         """Save ``run`` (a :class:`~.server_run.ServerRun`) as it is now."""
         assert self.run_dir is not None
+        t0 = self.clock()
         ck = Checkpoint(run.round, run.method.name, run.server, run.store, run.history, run.ledger.rows,
                         config_fingerprint(run.cfg), run.client_states)
-        return save_checkpoint(self.run_dir, ck)
+        path = save_checkpoint(self.run_dir, ck)
+        self._last_save = self.clock()
+        self._last_cost = self._last_save - t0
+        self.seconds += self._last_cost
+        self.saved_round = run.round
+        return path
 
 
 def read_run_checkpoint(run_dir: str | Path, round: int | None = None,

@@ -18,6 +18,7 @@ import numpy as np
 from ..message import State
 from ..reporting.progress import Progress
 from ..seeding import numpy_rng
+from .stopping import interruptible
 
 
 class Evaluator:
@@ -47,13 +48,15 @@ class Evaluator:
             self.progress.eval_start(len(clients))
             for k in clients:
                 self.method.load_personal(self.model, server, states[k])
-                self.client_tests[k] = self.task.evaluate(self.model.net)
+                with interruptible():
+                    self.client_tests[k] = self.task.evaluate(self.model.net)
                 self.progress.eval_step()
             rows = list(self.client_tests.values())
             return {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
         self.progress.eval_start(1)
         self.method.load_global(self.model, server)
-        metrics = self.task.evaluate(self.model.net)
+        with interruptible():
+            metrics = self.task.evaluate(self.model.net)
         self.progress.eval_step()
         return metrics
 

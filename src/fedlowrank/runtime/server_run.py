@@ -11,6 +11,10 @@ checkpoints (:mod:`.checkpointing`), the experiment tracker (:mod:`.tracker`) an
 * :meth:`ServerRun.evaluate_round` — the new global model (or the clients' own models) on the test set, when due;
 * :meth:`ServerRun.commit_round` — the round becomes the run's: server state, client states, ledger, history,
   files, tracker, divergence check, checkpoint, progress line.
+
+:meth:`ServerRun.run` is the loop of the in-process runners (the simulator, the vectorised runner): their
+``run_round`` until the last round, stopping cleanly on SIGINT or SIGTERM (:mod:`.stopping`); :meth:`ServerRun.resume`
+continues a run from its checkpoint.
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ from ..message import State
 from ..privacy.runtime import accounting
 from ..reporting.progress import Progress
 from ..reporting.tracking import require_package
-from .checkpointing import Checkpointer
+from .checkpoint import drop_checkpoints_after
+from .checkpointing import Checkpointer, read_run_checkpoint, restore
 from .evaluation import Evaluator
 from .rounds import RoundOutcome, RoundReplies, Warn, client_rows, close_round
 from .run import DivergenceError, Run, peak_rss_mb
 from .run_files import RunFiles
-from .rundir import check_run_dir, claim_run_dir
+from .rundir import check_run_dir, claim_run_dir, lock_run_dir
+from .stopping import StopRequested, check_stop, stop_signals
 from .store import ClientStore
 from .tracker import RunTracker
 
@@ -118,8 +124,6 @@ class ServerRun(Run):
         for entry in outcome.ledger:
             self.ledger.add(**entry)
         row.update(metrics)
-        if metrics:
-            self.last_eval = metrics
         t = row["time"]
         total = time.perf_counter() - outcome.started
         t.update({"evaluation": evaluation, "other": total - t["client_compute"] - t["aggregation"] - evaluation,
@@ -128,14 +132,22 @@ class ServerRun(Run):
         row.update(accounting(self.cfg, self.info.client_sizes, self.history, row))
         row["per_client"] = client_rows(outcome.ledger, outcome.replies, self.evaluator.pop_client_tests())
         self.round = row["round"]
+        self.record_row(row, outcome.ledger, metrics)
+        return row
+
+    def record_row(self, row: dict[str, Any], ledger: list[dict[str, int]], metrics: dict[str, float],
+                   rounds: int = 1) -> None:
+        """Record the metrics row of the run's newest round (covering its last ``rounds`` rounds; ``metrics``: its
+        evaluation, if any): history, files, tracker; then stop on divergence, checkpoint when due, progress line."""
+        if metrics:
+            self.last_eval = metrics
         self.history.append(row)
-        self.files.append_round(row, outcome.ledger, self.task.pop_generations())
+        self.files.append_round(row, ledger, self.task.pop_generations())
         self.tracker.log(row)
         self.check_divergence(row)
         if self.checkpoints.due(self.round):
             self.save_checkpoint()
-        self.progress.round_end(row, metrics)
-        return row
+        self.progress.round_end(row, metrics, rounds)
 
     def check_divergence(self, row: dict[str, Any]) -> None:
         """Stop on a non-finite global parameter, a round whose every reply was non-finite, or a metric bound."""
@@ -151,6 +163,33 @@ class ServerRun(Run):
         if bound_key and bound_key in row and (not math.isfinite(row[bound_key]) or row[bound_key] > self.cfg.run.stop_above):
             raise DivergenceError(f"round {rnd}: method {name!r}: {bound_key} = {row[bound_key]} "
                                   f"beyond run.stop_above = {self.cfg.run.stop_above}")
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def run_round(self) -> Any:
+        """Run the next round (the simulator's and the vectorised runner's own; Flower's strategy drives rounds)."""
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        """Whether the run has no round left to run."""
+        return self.round >= self.cfg.run.rounds
+
+    def run(self) -> dict[str, Any]:
+        """Run the remaining rounds (:meth:`run_round`) and return the summary. Stopped by SIGINT or SIGTERM
+        (:mod:`.stopping`), it saves the state after its last finished round as a checkpoint (with a run
+        directory) and raises :class:`~.stopping.StopRequested`."""
+        try:
+            with stop_signals():
+                try:
+                    while not self.done():
+                        check_stop()
+                        self.run_round()
+                except StopRequested:
+                    if self.run_dir is not None and self.checkpoints.saved_round != self.round:
+                        self.save_checkpoint()
+                    raise
+            return self.summary()
+        finally:
+            self.close()
 
     # -- evaluation, checkpoints, the end ---------------------------------------------------------------
     def personal_eval_clients(self) -> list[int]:
@@ -179,6 +218,41 @@ class ServerRun(Run):
             out["best_accuracy"] = max(accuracies)
         self.files.write_summary(out)
         return out
+
+    @classmethod
+    def from_checkpoint(cls, run_dir: str | Path, task=None, log: Callable[[str], None] | None = None,
+                        round: int | None = None, warn: Callable[[str], None] | None = None):
+        """The run in ``run_dir`` at its newest intact checkpoint (or that of ``round``), after checking that the
+        checkpoint is of the directory's ``config.json``. Reads only: nothing in ``run_dir`` is written.
+        ``warn`` (default ``log``) gets a line when a damaged checkpoint is skipped. For the runners built as
+        ``cls(cfg, task=..., log=...)`` (:class:`~.simulator.Simulation`, :class:`~.vectorized.Vectorized`)."""
+        cfg, ck = read_run_checkpoint(run_dir, round, warn or log)
+        run = cls(cfg, task=task, log=log)
+        restore(run, ck)
+        return run
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, task=None, log: Callable[[str], None] | None = None,
+               round: int | None = None, warn: Callable[[str], None] | None = None):
+        """Rebuild the run in ``run_dir`` from its resolved config and newest intact checkpoint (or that of
+        ``round``), ready to continue, holding the directory's lock; ``metrics.jsonl`` and ``ledger.jsonl`` are
+        cut back to the checkpoint's round and later checkpoints deleted."""
+        lock = lock_run_dir(run_dir) if Path(run_dir).is_dir() else None
+        try:
+            run = cls.from_checkpoint(run_dir, task, log, round, warn)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        run.use_dir(Path(run_dir))
+        run._lock = lock
+        drop_checkpoints_after(run.run_dir, run.round)
+        if not run.client_states and (warn or log):
+            (warn or log)(f"note: the checkpoint of round {run.round} is the Flower server's; the clients' states "
+                          f"stayed on the SuperNodes, so clients start here from their initial states")
+        run.client_states = True  # from here on the runner holds them
+        run.files.rewrite(run.history, run.ledger.rows)
+        return run
 
     def close(self) -> None:
         """Close the progress bars and the tracker (a later round reopens the tracker) and release the run

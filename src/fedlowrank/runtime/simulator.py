@@ -2,15 +2,18 @@
 
 Each round: sample K of M clients from the round's stream; for each, serialise the broadcast (counted in the
 ledger), run :func:`~fedlowrank.runtime.engine.client_update` on the shared model, serialise the reply
-(counted); then ``method.aggregate``; evaluate every ``run.eval_every`` rounds. Memory grows with the
+(counted); then the server's step shared with Flower (:meth:`~.server_run.ServerRun.close_round`: server-side
+reply transforms, ``method.aggregate``), the evaluation every ``run.eval_every`` rounds, and the commit of the round
+(:meth:`~.server_run.ServerRun.commit_round`). Memory grows with the
 clients' small states, never with model copies. With ``run.cohort`` > 1 (by default on CUDA) the sampled clients
 go in groups of that many: broadcasts, then their local training together (:mod:`.cohort`; each member's model
 shares the frozen backbone), then each reply in client order as above.
 
 A run directory holds ``config.json`` (resolved), ``partition.json`` (per-client label histograms),
 ``metrics.jsonl`` (a row per round: metrics, bytes, time breakdown, ``per_client``), ``ledger.jsonl`` (a row per client
-per round: bytes up and down) and ``checkpoints/`` (every ``run.checkpoint_every`` rounds, and always at the
-last round so that every finished run can be exported); ``run.tracking`` mirrors each metrics row to TensorBoard,
+per round: bytes up and down) and ``checkpoints/`` (:mod:`.checkpointing`: every ``run.checkpoint_seconds``, every
+``run.checkpoint_every`` rounds, at the last round so that every finished run can be exported, and when the run is
+stopped by SIGINT or SIGTERM, :mod:`.stopping`); ``run.tracking`` mirrors each metrics row to TensorBoard,
 W&B or MLflow (:mod:`fedlowrank.reporting.tracking`). A run directory must be empty unless ``overwrite``, and is locked
 while a run writes it (:mod:`.rundir`); ``resume`` checks that the checkpoint is of the directory's config
 (:func:`~.checkpoint.config_fingerprint`).
@@ -19,7 +22,8 @@ A metrics row: ``round``, ``clients`` (sampled), ``replied`` (used), ``train_los
 replies), the test metrics when the round was evaluated (``accuracy``, ``loss``; for personalised methods the
 mean over the clients' own models), ``bytes_up``/``bytes_down`` (this round), ``cum_bytes_up``/
 ``cum_bytes_down``, ``time`` (``client_compute``, ``aggregation``, ``evaluation``, ``other``, ``total``, in
-seconds), ``peak_rss_mb``, optional ``dropped``, ``rejected``, ``skipped``, ``diagnostics``, and ``per_client``:
+seconds), ``peak_rss_mb``, optional ``dropped``, ``rejected``, ``skipped``, ``diagnostics``, ``privacy``, ``robust``
+(``server.update_clip``, ``server.aggregate``: :mod:`.robust`), and ``per_client``:
 one entry per sampled client, ``{"client", "train_loss", "num_examples", "bytes_up", "bytes_down"}``
 (``train_loss`` and ``num_examples`` are ``null`` for a client whose reply was dropped or rejected); in an
 evaluated round of a personalised method each evaluated client's entry also has ``"test": {"accuracy",
@@ -43,14 +47,12 @@ from ..adapters.model import AdaptedModel
 from ..message import Message, State
 from ..seeding import numpy_rng
 from ..tasks import Task
-from .checkpoint import drop_checkpoints_after
-from .checkpointing import read_run_checkpoint, restore
 from .cohort import cohort_size, cohort_update
 from .engine import client_update, sample_clients, wire
 from .rounds import RoundReplies
 from .run import DivergenceError, Ledger, build_run, peak_rss_mb
-from .rundir import lock_run_dir
 from .server_run import ServerRun
+from .stopping import interruptible
 
 __all__ = ["DivergenceError", "Ledger", "Simulation", "peak_rss_mb"]
 
@@ -79,6 +81,9 @@ class Simulation(ServerRun):
                  tamper: Callable[[int, int, Message], Message] | None = None,
                  parts: list[np.ndarray] | None = None, overwrite: bool = False,
                  log_partition: bool = True):
+        if cfg.run.vectorized:
+            raise ValueError("run.vectorized = true: this run is the vectorised runner's (runtime/vectorized.py, "
+                             "`fedlowrank run --vectorized`), not the simulator's")
         self.check(cfg, run_dir, overwrite)  # refuse before building anything
         super().__init__(build_run(cfg, task, parts), run_dir, log, overwrite, log_partition)
         self.tamper = tamper
@@ -142,7 +147,9 @@ class Simulation(ServerRun):
                 msg = self.method.broadcast(self.server, k, rnd)
                 state = self.store.get(k)
                 sent.append((k, msg.nbytes(), wire(msg), self.method.init_client(k) if state is None else state))
-            for (k, down_bytes, down, _), (reply, new_state, trainer) in zip(sent, self.train_clients(rnd, sent)):
+            with interruptible():
+                trained = self.train_clients(rnd, sent)
+            for (k, down_bytes, down, _), (reply, new_state, trainer) in zip(sent, trained):
                 got.compute += trainer.compute_seconds
                 self.progress.client_done()
                 if k in dropped:
@@ -155,48 +162,3 @@ class Simulation(ServerRun):
         outcome = self.close_round(got, started)
         metrics, evaluation = self.evaluate_round(outcome, new_states)
         return self.commit_round(outcome, metrics, evaluation, new_states)
-
-    def run(self) -> dict[str, Any]:
-        """Run the remaining rounds and return a summary."""
-        try:
-            while self.round < self.cfg.run.rounds:
-                self.run_round()
-            return self.summary()
-        finally:
-            self.close()
-
-    # -- checkpoints ----------------------------------------------------------------------------------
-    @classmethod
-    def from_checkpoint(cls, run_dir: str | Path, task: Task | None = None,
-                        log: Callable[[str], None] | None = None, round: int | None = None,
-                        warn: Callable[[str], None] | None = None) -> "Simulation":
-        """The run in ``run_dir`` at its newest intact checkpoint (or that of ``round``), after checking that the
-        checkpoint is of the directory's ``config.json``. Reads only: nothing in ``run_dir`` is written.
-        ``warn`` (default ``log``) gets a line when a damaged checkpoint is skipped."""
-        cfg, ck = read_run_checkpoint(run_dir, round, warn or log)
-        sim = cls(cfg, task=task, run_dir=None, log=log)
-        restore(sim, ck)
-        return sim
-
-    @classmethod
-    def resume(cls, run_dir: str | Path, task: Task | None = None, log: Callable[[str], None] | None = None,
-               round: int | None = None, warn: Callable[[str], None] | None = None) -> "Simulation":
-        """Rebuild the run in ``run_dir`` from its resolved config and newest intact checkpoint (or that of
-        ``round``), ready to continue, holding the directory's lock; ``metrics.jsonl`` and ``ledger.jsonl`` are
-        cut back to the checkpoint's round and later checkpoints deleted."""
-        lock = lock_run_dir(run_dir) if Path(run_dir).is_dir() else None
-        try:
-            sim = cls.from_checkpoint(run_dir, task, log, round, warn)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-        sim.use_dir(Path(run_dir))
-        sim._lock = lock
-        drop_checkpoints_after(sim.run_dir, sim.round)
-        if not sim.client_states and (warn or log):
-            (warn or log)(f"note: the checkpoint of round {sim.round} is the Flower server's; the clients' states "
-                          f"stayed on the SuperNodes, so clients start here from their initial states")
-        sim.client_states = True  # from here on the simulator holds them
-        sim.files.rewrite(sim.history, sim.ledger.rows)
-        return sim
