@@ -17,7 +17,7 @@ pytest.importorskip("flwr")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import Array, ConfigRecord, MetricRecord, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from helpers import tiny_config, tiny_task  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402

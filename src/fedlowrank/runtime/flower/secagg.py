@@ -106,7 +106,7 @@ class SecAggRounds(LegacyStrategy):
         return out
 
     def aggregate_fit(self, server_round, results, failures):
-        from .strategy import _seconds
+        from .strategy import reported_seconds
 
         s = self.strategy
         got = s.round
@@ -122,7 +122,7 @@ class SecAggRounds(LegacyStrategy):
                 got.reject(k, f"malformed reply ({type(exc).__name__}: {exc})", down.nbytes(), 0)
                 continue
             if usable:
-                got.compute += _seconds(fitres.metrics.get("compute-seconds"))
+                got.compute += reported_seconds(fitres.metrics.get("compute-seconds"))
         for k, down in self.downs.items():
             got.drop(k, "no masked update (SecAgg+ dropped it)", down.nbytes())
         got.extra = {"flower_bytes_up": int(self.grid.up), "flower_bytes_down": int(self.grid.down)}

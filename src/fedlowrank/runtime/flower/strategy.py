@@ -55,14 +55,12 @@ class MalformedReply(ValueError):
     """A node's reply that cannot be taken in (too large, undecodable); the message is the reason."""
 
 
-def decode_reply(content: RecordDict, limit: int) -> Message:
-    """The fedlowrank message in a reply's ``content``, whose payload may be at most ``limit`` bytes (checked before
-    anything is decoded). Raises :class:`MalformedReply` with the reason for anything else: too large, no
-    message, records or bytes that do not decode (whatever Flower's record layer or our decoder raises)."""
-    try:
-        size = records_nbytes(content)
-    except Exception as exc:  # noqa: BLE001 - any malformed record is the node's fault, never the server's
-        raise MalformedReply(f"unreadable records ({type(exc).__name__}: {exc})") from None
+def decode_reply(content: RecordDict, size: int, limit: int) -> Message:
+    """The fedlowrank message in a reply's ``content`` of ``size`` payload bytes (:func:`~.records.records_nbytes`),
+    which may be at most ``limit``: checked before anything is decoded. Raises :class:`MalformedReply` with the
+    reason for anything else: too large, records or bytes that do not decode (whatever Flower's record layer or our
+    decoder raises). A reply without a message decodes to an empty one (which :func:`~..engine.check_reply`
+    rejects)."""
     if size > limit:
         raise MalformedReply(f"reply of {size} bytes exceeds the method's bound of {limit} bytes (not decoded)")
     try:
@@ -77,7 +75,7 @@ def _count(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _seconds(value) -> float:
+def reported_seconds(value) -> float:
     """A duration a node reports: ``value`` if it is a finite number >= 0, else 0."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
     return float(value) if ok else 0.0
@@ -254,17 +252,18 @@ class MethodStrategy(Strategy):
         (:func:`decode_reply`, :meth:`RoundReplies.receive`); never raises. Returns its payload bytes."""
         try:
             size = records_nbytes(content)
-        except Exception:  # noqa: BLE001 - decode_reply says why
-            size = 0
+        except Exception as exc:  # noqa: BLE001 - any malformed record is the node's fault, never the server's
+            got.reject(client, f"unreadable records ({type(exc).__name__}: {exc})", down.nbytes(), 0)
+            return 0
         try:
-            msg = decode_reply(content, self.run.method.max_reply_bytes(down))
+            msg = decode_reply(content, size, self.run.method.max_reply_bytes(down))
             usable = got.receive(self.run.method, client, down, msg, self.size_bound(client), cap=self.weight_cap(client))
         except Exception as exc:  # noqa: BLE001 - whatever a node sent, the run goes on without it
             reason = str(exc) if isinstance(exc, MalformedReply) else f"malformed reply ({type(exc).__name__}: {exc})"
             got.reject(client, reason, down.nbytes(), size)
             return size
         if usable:
-            got.compute += _seconds(content.get("metrics", MetricRecord()).get("compute-seconds"))
+            got.compute += reported_seconds(content.get("metrics", MetricRecord()).get("compute-seconds"))
         return size
 
     def close_round(self) -> tuple[ArrayRecord | None, MetricRecord]:
