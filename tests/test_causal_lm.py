@@ -276,6 +276,7 @@ def test_causal_lm_config_runs_unchanged_in_flower(monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
     from test_flower import LoopGrid, assert_same_state
 
+    import fedlowrank.runtime.run as run_module
     import fedlowrank.runtime.simulator as simulator
     from fedlowrank.runtime.flower import client_app
     from fedlowrank.runtime.flower.settings import load_run_config
@@ -283,7 +284,7 @@ def test_causal_lm_config_runs_unchanged_in_flower(monkeypatch):
 
     for name in ("run_id", "node_id", "task_id"):
         monkeypatch.setattr(TaskIdentity, f"_{name}", 7)
-    monkeypatch.setattr(simulator, "build_task", lambda cfg: tiny_lm_task())
+    monkeypatch.setattr(run_module, "build_task", lambda cfg: tiny_lm_task())
     client_app._runs.clear()
     run_config = {"config": "tiny-lm", "set": "method.name=fedit", "flower.node-timeout": 0.0}
     cfg, settings = load_run_config(run_config)

@@ -7,7 +7,7 @@ from fedlowrank.cli import main
 
 def test_run_writes_metrics_ledger_and_config(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["run", "tiny", "--out", str(out), "--quiet", "--set", "run.rounds=2"]) == 0
+    assert main(["run", "tiny", "--out", str(out), "--quiet", "--set", "run.rounds=2", "--json"]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2] and "accuracy" in rows[-1]
     assert set(rows[0]["time"]) == {"client_compute", "aggregation", "evaluation", "other", "total"}

@@ -29,10 +29,10 @@ def no_work(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a task was built before the bad input was refused")
 
-    import fedlowrank.runtime.simulator as simulator
+    import fedlowrank.runtime.run as run_module
     import fedlowrank.tasks as tasks
 
-    monkeypatch.setattr(simulator, "build_task", forbidden)
+    monkeypatch.setattr(run_module, "build_task", forbidden)
     monkeypatch.setattr(tasks, "build_task", forbidden)
 
 
@@ -144,10 +144,10 @@ def test_ctrl_c_while_loading_data_exits_130_with_one_line(monkeypatch, capsys, 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    import fedlowrank.runtime.simulator as simulator
+    import fedlowrank.runtime.run as run_module
 
     monkeypatch.chdir(tmp_path)  # the run directory goes under run.out_dir = runs/, not into the checkout
-    monkeypatch.setattr(simulator, "build_task", interrupted)
+    monkeypatch.setattr(run_module, "build_task", interrupted)
     assert main(["run", "tiny", "--quiet", "--out", str(tmp_path / "run")]) == 130
     err = capsys.readouterr().err
     assert err.strip() == "interrupted"

@@ -24,6 +24,7 @@ from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from helpers import run_tiny, tiny_task  # noqa: E402
 
+import fedlowrank.runtime.run as run_module  # noqa: E402
 import fedlowrank.runtime.simulator as simulator  # noqa: E402
 from fedlowrank.config import ConfigError  # noqa: E402
 from fedlowrank.message import Message, Reply, State  # noqa: E402
@@ -91,7 +92,7 @@ def flower_process(monkeypatch):
     client side reuses the tiny task's data (its model, method and state are its own)."""
     for name in ("run_id", "node_id", "task_id"):
         monkeypatch.setattr(TaskIdentity, f"_{name}", 7)
-    monkeypatch.setattr(simulator, "build_task", lambda cfg: tiny_task())
+    monkeypatch.setattr(run_module, "build_task", lambda cfg: tiny_task())
     client_app._runs.clear()
     yield
     client_app._runs.clear()

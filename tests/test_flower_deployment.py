@@ -1,5 +1,6 @@
 """Flower deployment end to end: a real ``flower-superlink`` and two ``flower-supernode`` processes on
-127.0.0.1 (free ports, no TLS), ``flwr run examples/flower_app``; the global model must equal the in-process
+127.0.0.1 (free ports, no TLS), ``flwr run examples/flower_app`` through fedlowrank's launcher (which exits non-zero
+when the ServerApp fails; a run with an invalid config checks that); the global model must equal the in-process
 simulator's for the same config: FedIT, and SCAFFOLD (control variates in the SuperNodes' ``context.state``)
 with a SuperNode that leaves mid-round, whose round must aggregate the remaining reply (the simulator with
 the same client dropping out in that round). Every process started here (and whatever it spawned) is killed at the end, also on failure.
@@ -119,8 +120,18 @@ class Federation:
         quoted = " ".join(f"'{s}'" for s in (*SETS, *sets))
         overrides.write_text(f'config = "tiny"\nset = "{quoted}"\n"run.rounds" = {rounds}\n'
                              f'"flower.run-dir" = "{run_dir}"\n"flower.round-timeout" = {round_timeout}\n')
-        return self.start(f"{run_dir.name}-flwr-run", "flwr", "run", str(APP), "test", "--stream", "--run-config",
-                          str(overrides))
+        return self.launch_app(run_dir.name, "--run-config", str(overrides))
+
+    def launch_app(self, name: str, *args: str) -> subprocess.Popen:
+        """``flwr run`` of the app on the ``test`` connection through fedlowrank's launcher, which exits non-zero when
+        the run did not complete (``flwr run`` itself exits 0 either way)."""
+        log = self.tmp / f"{name}-flwr-run.log"
+        self.logs.append(log)
+        self.files.append(log.open("w"))
+        self.procs.append(subprocess.Popen([sys.executable, "-m", "fedlowrank.runtime.flower.launch", str(APP), "test",
+                                            *args], cwd=ROOT, env=self.env, stdout=self.files[-1],
+                                           stderr=subprocess.STDOUT))
+        return self.procs[-1]
 
     def stop(self, i: int) -> None:
         """Stop process ``i`` as an operator would (SIGTERM: a SuperNode then tells the SuperLink it leaves);
@@ -177,6 +188,10 @@ def train_messages(log: Path) -> int:
 
 def test_deployment_matches_simulator_and_survives_a_lost_node(federation, tmp_path):
     t0 = time.monotonic()
+    # a ServerApp that fails (an invalid run config) fails the launcher: exit 1, saying so
+    cli = federation.run(tmp_path / "invalid", "method.name=fedit", rounds='"x"')
+    assert cli.wait(timeout=300) == 1, federation.dump()
+    assert "ended as finished:failed" in federation.logs[-1].read_text(), federation.dump()
     # FedIT, 2 rounds: the global model equals the simulator's
     run_dir = tmp_path / "fedit"
     cli = federation.run(run_dir, "method.name=fedit", rounds=2)

@@ -319,6 +319,7 @@ def test_flower_runs_the_image_task_like_the_simulator(tmp_path, monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
     from test_flower import LoopGrid, assert_same_state
 
+    import fedlowrank.runtime.run as run_module
     import fedlowrank.runtime.simulator as simulator
     from fedlowrank.runtime.flower import client_app
     from fedlowrank.runtime.flower.settings import load_run_config
@@ -327,7 +328,7 @@ def test_flower_runs_the_image_task_like_the_simulator(tmp_path, monkeypatch):
     for name in ("run_id", "node_id", "task_id"):  # this process plays SuperLink and SuperNodes (test_flower.py)
         monkeypatch.setattr(TaskIdentity, f"_{name}", 7)
     task = image_task(domains=("clean", "invert"))
-    monkeypatch.setattr(simulator, "build_task", lambda cfg: task)
+    monkeypatch.setattr(run_module, "build_task", lambda cfg: task)
     client_app._runs.clear()
     (tmp_path / "image.toml").write_text(
         '[run]\nrounds = 2\nclients_per_round = 2\nthreads = 1\ndevice = "cpu"\n'

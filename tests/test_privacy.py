@@ -201,12 +201,12 @@ def test_privacy_on_flower_equals_the_simulator(mode, monkeypatch):
     import test_flower as harness
     from flwr.supercore.task_identity import TaskIdentity
 
-    import fedlowrank.runtime.simulator as simulator
+    import fedlowrank.runtime.run as run_module
     from fedlowrank.runtime.flower import client_app
 
     for name in ("run_id", "node_id", "task_id"):                  # as test_flower's flower_process fixture
         monkeypatch.setattr(TaskIdentity, f"_{name}", 7)
-    monkeypatch.setattr(simulator, "build_task", lambda cfg: tiny_task())
+    monkeypatch.setattr(run_module, "build_task", lambda cfg: tiny_task())
     client_app._runs.clear()
     sets = (UNIFORM, f"privacy.mode={mode}", "privacy.clip=0.05", "privacy.noise_multiplier=0.5")
     ref = run_tiny("fedit", *sets)

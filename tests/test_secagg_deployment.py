@@ -24,8 +24,7 @@ class SecAggFederation(deployment.Federation):
         quoted = " ".join(f"'{s}'" for s in (*deployment.SETS, *sets))
         overrides.write_text(f'config = "tiny"\nset = "{quoted}"\n"run.rounds" = {rounds}\n"flower.secagg" = true\n'
                              f'"flower.run-dir" = "{run_dir}"\n"flower.round-timeout" = 300.0\n')
-        return self.start(f"{run_dir.name}-flwr-run", "flwr", "run", str(deployment.APP), "test", "--stream",
-                          "--run-config", str(overrides))
+        return self.launch_app(run_dir.name, "--run-config", str(overrides))
 
 
 @pytest.fixture

@@ -17,9 +17,11 @@ def _stderr(line: str) -> None:
 
 def run(config: str | Path | dict[str, Any] | None, overrides: list[str] | tuple[str, ...] = (),
         out: str | Path | None = None, quiet: bool = True, overwrite: bool = False) -> dict[str, Any]:
-    """Run one method (``method.name``) and return its summary: ``method``, ``rounds``, the last evaluation's
-    metrics (``accuracy``, ``loss``; ``rel_error``...), ``best_accuracy``, ``bytes_up``, ``bytes_down``,
-    ``time`` (seconds by part) and ``peak_rss_mb``.
+    """Run one method (``method.name``; with ``run.vectorized``, the vectorised runner) and return its summary:
+    ``method``, ``rounds``, the last evaluation's metrics (``accuracy``, ``loss``; ``rel_error``...),
+    ``best_accuracy``, ``bytes_up``, ``bytes_down``, ``time`` (seconds by part) and ``peak_rss_mb``. Stopped by
+    Ctrl-C or SIGTERM, it saves the state after its last finished round in ``out`` and raises
+    ``KeyboardInterrupt``.
 
     Args:
         out: the run directory to write (``config.json``, ``metrics.jsonl``, checkpoints...); ``None`` writes
@@ -27,12 +29,12 @@ def run(config: str | Path | dict[str, Any] | None, overrides: list[str] | tuple
         quiet: ``False`` prints progress lines on stderr.
     """
     from .config import check_writable, load_config
-    from .runtime.simulator import Simulation
+    from .runtime.vectorized import runner_for
 
     cfg = load_config(config, overrides)
     if out is not None:
         check_writable(out, "out")
-    return Simulation(cfg, run_dir=out, log=None if quiet else _stderr, overwrite=overwrite).run()
+    return runner_for(cfg)(cfg, run_dir=out, log=None if quiet else _stderr, overwrite=overwrite).run()
 
 
 def compare(config: str | Path | dict[str, Any] | None, methods: list[str] | None = None,

@@ -1,6 +1,7 @@
 """Command line: ``fedlowrank run | compare | tune | resume | export | methods``.
 
-* ``fedlowrank run [CONFIG] [--set section.key=value ...]`` — one method, one run directory.
+* ``fedlowrank run [CONFIG] [--set section.key=value ...] [--vectorized] [--json]`` — one method, one run
+  directory (``--vectorized``: the batched runner of closed-form tasks, :mod:`fedlowrank.runtime.vectorized`).
 * ``fedlowrank compare [CONFIG] [--methods a,b] [--seeds 0,1] [--reference a] [--tuned TUNE_JSON]`` — several
   methods on the same partitions, seeds and budget (:mod:`fedlowrank.experiments.compare`); prints the setup and the
   table (means with 95% t-intervals over seeds; paired differences against the reference with their median,
@@ -11,8 +12,8 @@
   — each method's learning rate (or another numeric setting) chosen on a validation split held out of the
   clients' training data, by the best mean over the seeds' splits (collapsed runs and ties shown); writes
   ``tune.json`` for ``compare --tuned``.
-* ``fedlowrank resume RUN_DIR [--round N]`` — continue an interrupted run from its newest intact checkpoint
-  (or that of round N), bit for bit.
+* ``fedlowrank resume RUN_DIR [--round N] [--json]`` — continue an interrupted run from its newest intact
+  checkpoint (or that of round N), bit for bit.
 * ``fedlowrank export RUN_DIR [--format peft|merged] [--rank R]`` — the global model as a PEFT adapter
   (or its rank-R SVD re-factorisation) or a merged Hugging Face model.
 * ``fedlowrank methods [NAME]`` — every registered method with its paper and payloads; with NAME, also its
@@ -30,7 +31,10 @@ with the same config.
 Errors (:func:`main`): a user error — a bad config value or flag, a missing or unreadable file, an asset not
 installed, a corrupt checkpoint, a diverged run — prints one line ``error: ...`` and exits 2. Anything else is
 a bug in fedlowrank: one line ``error: internal error ...`` and exit 1. ``--debug`` shows the traceback
-instead. Ctrl-C prints one line and exits 130; a closed output pipe (``fedlowrank methods | head``) exits
+instead. Ctrl-C prints one line and exits 130, SIGTERM likewise with 143; a run or resume stopped either way first
+saves the state after its last finished round and says ``continue with: fedlowrank resume RUN_DIR``
+(:mod:`fedlowrank.runtime.stopping`). ``run`` and ``resume`` print the summary as a short table (``--json``: as
+JSON). A closed output pipe (``fedlowrank methods | head``) exits
 quietly with 141, as a shell tool killed by SIGPIPE does. Only light modules (the standard library and
 :mod:`fedlowrank.reporting.progress`) are imported at module level, so that Ctrl-C during start-up is caught too.
 """
@@ -38,10 +42,13 @@ quietly with 141, as a shell tool killed by SIGPIPE does. Only light modules (th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import textwrap
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -108,51 +115,88 @@ def _need_config(args) -> None:
 
 def cmd_run(args) -> int:
     from .config import check_writable, load_config
-    from .runtime.simulator import Simulation
+    from .runtime.vectorized import runner_for
 
     _need_config(args)
-    cfg = load_config(args.config, args.set)
-    if args.vectorized:
-        from .runtime.vectorized import run_vectorized
-
-        result = run_vectorized(cfg, log=None if args.quiet else _log)
-        print(json.dumps({"method": result.method, "rounds": result.rounds, "seconds": result.seconds,
-                          "diverged_at": result.diverged_at, **result.final}, indent=1))
-        return 0
+    cfg = load_config(args.config, [*args.set, *(["run.vectorized=true"] if args.vectorized else [])])
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
     run_dir = Path(args.out) if args.out else _run_dir(cfg, cfg.method_name)
-    sim = Simulation(cfg, run_dir=run_dir, log=None if args.quiet else _log, overwrite=args.overwrite)
-    return _finish(sim, run_dir)
+    run = runner_for(cfg)(cfg, run_dir=run_dir, log=None if args.quiet else _log, overwrite=args.overwrite)
+    return _finish(run, run_dir, args.json)
 
 
-def _finish(sim, run_dir: Path) -> int:
+def _finish(run, run_dir: Path, as_json: bool = False) -> int:
+    """Run ``run`` to its end; print its summary (a short table, or JSON with ``--json``) and plot its curves. Stopped
+    (Ctrl-C, SIGTERM), say where it stopped and how to continue; exit 128 + the signal's number."""
     try:
-        summary = sim.run()
-    except KeyboardInterrupt:
-        _log(f"interrupted in round {sim.round + 1}; continue with: fedlowrank resume {run_dir}"
-             + ("" if sim.cfg.run.checkpoint_every else " (needs run.checkpoint_every > 0)"))
-        return 130
+        summary = run.run()
+    except KeyboardInterrupt as stop:
+        _log(_stopped_line(run, run_dir, getattr(stop, "name", "SIGINT")))
+        return getattr(stop, "exit_status", 130)
     from .experiments.compare import data_name
     from .reporting.plots import plot_run
     from .tasks import headline_metric
 
-    cfg = sim.cfg
-    title = f"{sim.method.name} on {data_name(cfg)}: {run_dir.name}"
-    plots = plot_run(sim.history, run_dir, headline_metric(cfg), title)
-    if sim.log:
-        sim.log(f"plot: {plots[0]}" if plots else "no plots: matplotlib is not installed (pip install matplotlib==3.11.2)")
+    cfg = run.cfg
+    title = f"{run.method.name} on {data_name(cfg)}: {run_dir.name}"
+    plots = plot_run(run.history, run_dir, headline_metric(cfg), title)
+    if run.log:
+        run.log(f"plot: {plots[0]}" if plots else "no plots: matplotlib is not installed (pip install matplotlib==3.11.2)")
     _log(f"run directory: {run_dir}")
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1) if as_json else summary_table(summary))
     return 0
+
+
+def _stopped_line(run, run_dir: Path, signal_name: str) -> str:
+    """What a stopped run says: the round it stopped in, and how to continue it when a checkpoint allows."""
+    from .runtime.checkpoint import CheckpointError, find_checkpoint
+
+    what = "interrupted" if signal_name == "SIGINT" else f"stopped by {signal_name}"
+    where = f"{what} in round {run.round + 1} of {run.cfg.run.rounds}"
+    try:
+        _, ck = find_checkpoint(run_dir)
+    except CheckpointError:
+        return f"{where}; no checkpoint in {run_dir}, nothing to resume"
+    return f"{where}; saved the state after round {ck.round}; continue with: fedlowrank resume {run_dir}"
+
+
+def summary_table(summary: dict) -> str:
+    """A run's summary for people: one line per item, numbers to 4 significant digits."""
+    from .reporting.progress import format_bytes
+
+    t = summary["time"]
+    rows = [("method", f"{summary['method']}, {summary['rounds']} rounds")]
+    skip = {"method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy"}
+    for key, value in summary.items():
+        if key not in skip:
+            rows.append((key, f"{value:.4g}" if isinstance(value, float) else str(value)))
+    if "best_accuracy" in summary:
+        rows.append(("best accuracy", f"{summary['best_accuracy']:.4g}"))
+    rows.append(("bytes up / down", f"{format_bytes(summary['bytes_up'])} / {format_bytes(summary['bytes_down'])}"))
+    rows.append(("time", f"{t['total']:.1f} s (clients {t['client_compute']:.1f} s, aggregation {t['aggregation']:.1f} s, "
+                         f"evaluation {t['evaluation']:.1f} s, other {t['other']:.1f} s)"))
+    rows.append(("peak memory", f"{summary['peak_rss_mb']:.0f} MB"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def cmd_resume(args) -> int:
     from .runtime.simulator import Simulation
+    from .runtime.vectorized import Vectorized
 
     run_dir = Path(args.run_dir)
-    sim = Simulation.resume(run_dir, log=None if args.quiet else _log, round=args.round, warn=_log)
-    _log(f"resuming {run_dir} after round {sim.round} of {sim.cfg.run.rounds}")
-    return _finish(sim, run_dir)
+    runner = Vectorized if _vectorized_run(run_dir) else Simulation
+    run = runner.resume(run_dir, log=None if args.quiet else _log, round=args.round, warn=_log)
+    _log(f"resuming {run_dir} after round {run.round} of {run.cfg.run.rounds}")
+    return _finish(run, run_dir, args.json)
+
+
+def _vectorized_run(run_dir: Path) -> bool:
+    """Whether ``run_dir``'s config says ``run.vectorized`` (an unreadable one: resume says what is wrong)."""
+    try:
+        return json.loads((run_dir / "config.json").read_text())["run"].get("vectorized") is True
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def cmd_export(args) -> int:
@@ -320,7 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("run", help="run one method", parents=[debug], **bundled)
     common(sp)
     sp.add_argument("--vectorized", action="store_true",
-                    help="batched rounds for closed-form tasks (matrix-regression) and methods with a batched_round")
+                    help="batched rounds for closed-form tasks (matrix-regression) and methods with a batched_round "
+                         "(sets run.vectorized)")
+    sp.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     sp.set_defaults(func=cmd_run)
     sp = sub.add_parser("compare", help="compare methods on the same partition, seeds and budget", parents=[debug],
                         **bundled)
@@ -356,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--round", type=int, default=None, metavar="N",
                     help="continue from the checkpoint of round N (default: the newest intact one)")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
+    sp.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     sp.set_defaults(func=cmd_resume)
     sp = sub.add_parser("methods", help="list the methods; with NAME, one method's options, preset and lr grid",
                         parents=[debug])
@@ -386,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # User errors, by the module that defines them; a module not imported yet cannot have raised its error.
 _USER_ERRORS = (("fedlowrank.schema", "ConfigError"), ("fedlowrank.assets", "MissingAssetError"),
-                ("fedlowrank.runtime.checkpoint", "CheckpointError"), ("fedlowrank.runtime.simulator", "DivergenceError"))
+                ("fedlowrank.runtime.checkpoint", "CheckpointError"), ("fedlowrank.runtime.run", "DivergenceError"))
 _PACKAGE = Path(__file__).resolve().parent
 
 
@@ -414,19 +461,41 @@ def error_line(exc: BaseException) -> str:
     return f"error: internal error: {type(exc).__name__}: {text} (run with --debug for the traceback)"
 
 
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (``kill``, a cluster pre-empting the job) stops the command as Ctrl-C does: one line, exit 143; a run
+    in progress saves its state first (:mod:`fedlowrank.runtime.stopping`). Only in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        from .runtime.stopping import StopRequested
+
+        raise StopRequested(signum)
+
+    before = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``fedlowrank`` command; returns the exit status (see the module docstring)."""
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(argv)
-        status = args.func(args)
-        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        with _terminate_as_interrupt():
+            args = build_parser().parse_args(argv)
+            status = args.func(args)
+            sys.stdout.flush()  # a closed pipe shows here, not at exit
         return status
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if debug:
             traceback.print_exc()
-        print("interrupted", file=sys.stderr)
-        return 130
+        name = getattr(exc, "name", "SIGINT")
+        print("interrupted" if name == "SIGINT" else f"stopped by {name}", file=sys.stderr)
+        return getattr(exc, "exit_status", 130)
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly; exit at shutdown must not flush
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141

@@ -107,6 +107,25 @@ def _check_method(cfg: RunConfig) -> None:
     _need(not cfg.lora.ranks or cls.supports_heterogeneous_ranks or len(set(cfg.client_ranks())) == 1,
           f"lora.ranks: method {cfg.method_name!r} does not support heterogeneous ranks")
     check_privacy(cfg, cls)
+    check_server(cfg, cls)
+
+
+def check_server(cfg: RunConfig, method_cls) -> None:
+    """``server.aggregate`` other than ``mean`` replaces a weighted mean of the replies (runtime/robust.py): refuse
+    it for a method that declares no such server step (``"central"`` among its privacy modes: a fixed-weight sum
+    of the replies), with unequal ranks, or with central DP."""
+    name = cfg.server.aggregate
+    if name == "mean":
+        return
+    if "central" not in method_cls.supported_privacy_modes():
+        why = ("its server step needs individual replies (needs_individual_replies)" if method_cls.needs_individual_replies
+               else method_cls.privacy_refusal or "its server step is not a weighted mean of the replies")
+        raise ConfigError(f"server.aggregate = {name!r} replaces a weighted mean of the replies, and method "
+                          f"{method_cls.name!r} has none: {why}; use server.aggregate = 'mean'")
+    _need(len(set(cfg.client_ranks())) == 1, f"server.aggregate = {name!r} needs equal client ranks (lora.ranks): "
+                                             f"it combines equally shaped replies coordinate by coordinate")
+    _need(cfg.privacy.mode != "central", f"server.aggregate = {name!r} with privacy.mode = 'central': the noise is "
+                                         f"calibrated to a mean of clipped updates, not to a {name}; use one or the other")
 
 
 def check_writable(path: str | Path, field: str) -> None:

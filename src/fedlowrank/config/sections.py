@@ -25,6 +25,8 @@ from ..tasks.partition import PartitionConfig
 from ..tasks.table import HEADER_MODES
 from ..training.local import TrainConfig
 
+AGGREGATES = ("mean", "median", "trimmed-mean")  # server.aggregate (runtime/robust.py)
+
 MAX_THREADS = 1024
 MAX_TOKENS = 1 << 17
 
@@ -85,8 +87,11 @@ class RunSection(Schema):
     out_dir: str = setting("runs", "folder in which run directories are made")
     threads: int = setting(0, "torch threads (0 = torch's default)", ge=0, le=MAX_THREADS,
                            reason="more than any machine's cores; a huge count exhausts OpenMP's memory")
-    checkpoint_every: int = setting(0, "save a checkpoint every this many rounds (0 = never); resume and export read "
-                                    "them", ge=0)
+    checkpoint_every: int = setting(0, "save a checkpoint every this many rounds (0 = only as run.checkpoint_seconds "
+                                    "says, at the last round and when stopped); resume and export read them", ge=0)
+    checkpoint_seconds: float = setting(60.0, "also save a checkpoint after a round when this many seconds have "
+                                        "passed since the last one, never sooner than 50 times what the last one "
+                                        "took (checkpoints cost at most 2 % of the run); 0 = off", ge=0)
     min_replies: int = setting(1, "fewest usable replies for a round to be aggregated; fewer and the round is "
                                "skipped", ge=1)
     dropout: float = setting(0.0, "probability that a sampled client does not reply (fault injection)", ge=0, lt=1)
@@ -107,6 +112,9 @@ class RunSection(Schema):
                           "methods and tasks that support it (others: one at a time); 0 = automatic (every sampled "
                           "client of a round on CUDA, 1 on the CPU), 1 = one at a time (docs/architecture.md)", ge=0,
                           reason="0 = automatic, 1 = one client at a time, N = up to N clients together")
+    vectorized: bool = setting(False, "run every round's clients as one batched step (closed-form tasks such as "
+                               "matrix-regression, methods with a batched_round: ssf, fedsub, fedavg-full); "
+                               "`fedlowrank run --vectorized` sets it")
 
 
 @dataclass
@@ -182,6 +190,17 @@ class ServerSection(Schema):
 
     weighting: str = setting("num_examples", "client weights in aggregation", choices=("num_examples", "uniform"))
     lr: float = setting(1.0, "server step β: global ← old + β·(average − old)", gt=0)
+    update_clip: float = setting(float("inf"), "bound on the L2 norm of each reply's update (what it sends minus "
+                                 "what it was sent); larger updates are scaled down to it on the server (inf = off)",
+                                 gt=0, allow_inf=True)
+    aggregate: str = setting("mean", "how the server combines the replies of methods whose server step is a weighted "
+                             "mean: mean, median or trimmed-mean (coordinate-wise; robust to a few bad clients)",
+                             choices=AGGREGATES)
+    trim_fraction: float = setting(0.1, "trimmed-mean: share of the largest and of the smallest values dropped per "
+                                   "coordinate", ge=0, lt=0.5)
+    max_examples_per_node: int = setting(0, "Flower nodes with their own data (node config data-train): the most "
+                                         "examples a node's reply may weigh (0 = the largest client of the server's "
+                                         "partition)", ge=0)
 
 
 @dataclass

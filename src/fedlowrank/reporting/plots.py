@@ -97,7 +97,8 @@ def run_figure(history: list[dict[str, Any]], metric: str, title: str = ""):
             if log_y:
                 ax.set_yscale("log")
                 _readable_log_ticks(ax.yaxis)
-        bytes_axis(axes[2], max(sent), min(sent))
+        if max(sent) > 0:  # the vectorised runner sends no messages
+            bytes_axis(axes[2], max(sent), min(sent))
     else:
         for ax, _, _ in panels:
             ax.text(0.5, 0.5, f"no test {metric} in this run", ha="center", va="center", transform=ax.transAxes)

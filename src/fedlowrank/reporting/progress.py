@@ -75,7 +75,9 @@ def round_line(method: str, row: dict[str, Any], metrics: dict[str, float], roun
     """The one-line summary of a finished round: its metrics row (see :mod:`fedlowrank.runtime.simulator`),
     the test ``metrics`` of the round (empty when it was not evaluated), the ETA in seconds and ``counts``: the
     number of examples behind each metric that is a share of them (:func:`format_metric`)."""
-    parts = [f"[{method}] round {row['round']}/{rounds}", f"train loss {row['train_loss']:.4f}"]
+    parts = [f"[{method}] round {row['round']}/{rounds}"]
+    if row["train_loss"] == row["train_loss"]:  # no train loss (nan) when no reply was used, or none exists
+        parts.append(f"train loss {row['train_loss']:.4f}")
     tests = []
     if "loss" in metrics:
         tests.append(f"test loss {metrics['loss']:.4f}")
@@ -193,12 +195,13 @@ class Progress:
             handle.remove()
             self._close("eval")
 
-    def round_end(self, row: dict[str, Any], metrics: dict[str, float]) -> None:
+    def round_end(self, row: dict[str, Any], metrics: dict[str, float], rounds: int = 1) -> None:
         """Write the round's line (with its ETA) and move the rounds bar; ``metrics``: the round's test
-        metrics (empty when it was not evaluated)."""
+        metrics (empty when it was not evaluated); ``rounds``: how many rounds the row covers (the vectorised
+        runner writes one row per evaluation)."""
         self._close("clients")
         self._close("eval")
-        self.round_seconds.append(row["time"]["total"])
+        self.round_seconds += [row["time"]["total"] / rounds] * rounds
         line = round_line(self.method, row, metrics, self.rounds, self.eta(row["round"]), self.counts)
         self.write(line)
         bar = self._bars.get("rounds")
@@ -207,7 +210,7 @@ class Progress:
             if "loss" in metrics:
                 post["test loss"] = f"{metrics['loss']:.4f}"
             bar.set_postfix(post, refresh=False)
-            bar.update(1)
+            bar.update(rounds)
 
     def close(self) -> None:
         for name in ("steps", "eval", "clients", "rounds"):

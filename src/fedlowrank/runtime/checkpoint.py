@@ -54,7 +54,8 @@ class Checkpoint:
 # run settings that do not change what a run computes: a checkpoint stays valid when they change
 # run.cohort: how many clients share a forward pass, which changes results only by float rounding (and, with
 # dropout, which stream draws the masks); its automatic value follows the device, which a resume may change.
-NON_MATHS_KEYS = {"run": ("name", "out_dir", "threads", "checkpoint_every", "state_memory_mb", "cohort"),
+NON_MATHS_KEYS = {"run": ("name", "out_dir", "threads", "checkpoint_every", "checkpoint_seconds", "state_memory_mb",
+                          "cohort"),
                   "compare": None}
 
 

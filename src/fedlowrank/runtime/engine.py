@@ -1,7 +1,8 @@
 """Building blocks shared by every runtime (the in-process simulator and Flower).
 
-Both runtimes do the same things in the same order, through these functions only, so that a Flower run and
-a simulated run with the same seeds produce the same global model:
+Both runtimes do the same things in the same order, through these functions (and the same set-up,
+:func:`~.run.build_run`, and server step, :func:`~.rounds.close_round`), so that a Flower run and a simulated run
+with the same seeds produce the same global model:
 
 * :func:`setup_info` — the :class:`SetupInfo` a method is set up with (same on server and clients);
 * :func:`sample_clients` — uniform sampling of K of M clients without replacement, from the round's stream;

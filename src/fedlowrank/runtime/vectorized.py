@@ -1,8 +1,9 @@
 """Vectorised runner: all S participants of a round at once, for tasks whose gradients are closed-form.
 
-Same run as :class:`~fedlowrank.runtime.simulator.Simulation` — same task, partition, :class:`SetupInfo`, client
-sampling (:func:`engine.sample_clients`), minibatches (each client's :class:`LocalTrainer` stream) and
-evaluation (``method.load_global`` + ``task.evaluate``) — but each round is one call of the method's hook::
+Same run as :class:`~fedlowrank.runtime.simulator.Simulation` — the same :func:`~.run.build_run` (task, partition,
+:class:`SetupInfo`, method, model), client sampling (:func:`engine.sample_clients`), minibatches (each client's
+:class:`LocalTrainer` stream) and evaluation (``method.load_global`` + ``task.evaluate``) — but each round is one
+call of the method's hook::
 
     server = method.batched_round(model, server, clients [S], oracle, rnd)
 
@@ -11,24 +12,32 @@ from ``task.batched_grad(weights, examples[step])`` (``examples = task.batched_e
 gathered once per round), and ``oracle.steps``/``oracle.lr`` are the local
 steps K and learning rate. The runner never looks at the method's name: a method without ``batched_round`` is
 refused. Local steps are plain SGD, so ``train.optimizer`` must be ``"sgd"`` without weight decay or clipping.
-No messages exist here, so there is no communication ledger (use the simulator for bytes).
+
+It is a run like the simulator's (:class:`Vectorized` is a :class:`~.server_run.ServerRun`): the same run directory
+(``config.json``, ``partition.json``, ``metrics.jsonl``, ``summary.json``, ``checkpoints/``, plots), the same round
+lines and the same handling of SIGINT/SIGTERM and ``fedlowrank resume`` (``run.vectorized = true`` in the config
+says which runner continues it). It writes one metrics row per evaluated round (every ``run.eval_every`` rounds and
+the last), covering the rounds since the previous one, and checkpoints at those rounds. No messages exist here, so
+there is no communication ledger (use the simulator for bytes) and no train loss. A run whose stop metric
+(``run.stop_metric``) is non-finite or above ``run.stop_above`` at an evaluation, or whose global state is
+non-finite, stops there (``diverged_at``).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ..methods import get_method
-from ..tasks.partition import partition_task
 from ..seeding import torch_generator
-from ..tasks import Task, build_task
+from ..tasks import Task
 from ..training.local import LocalTrainer
-from .engine import sample_clients, setup_info
+from .engine import sample_clients
+from .run import DivergenceError, build_run, peak_rss_mb
+from .server_run import ServerRun
 
 
 @dataclass
@@ -52,8 +61,9 @@ class ClosedFormOracle:
 
 @dataclass
 class VectorizedRun:
-    """Result: ``history`` rows ``{"round", <metrics>}`` every ``eval_every`` rounds and at the end;
-    ``diverged_at`` is the first evaluated round whose stop metric was non-finite or beyond the bound."""
+    """Result of :func:`run_vectorized`: ``history`` rows ``{"round", <metrics>, ...}`` every ``eval_every`` rounds
+    and at the end; ``diverged_at`` is the first evaluated round whose stop metric was non-finite or beyond the bound
+    (or whose global state was non-finite)."""
 
     method: str
     rounds: int
@@ -106,51 +116,111 @@ def fresh_batches(task: Task, parts, train, clients: list[int], rnd: int, rounds
 BATCHES = {"fresh": fresh_batches, "trainer": trainer_batches}
 
 
-def run_vectorized(cfg, task: Task | None = None, log: Callable[[str], None] | None = None,
-                   batches: str = "fresh") -> VectorizedRun:
-    """Run ``cfg`` (a :class:`~fedlowrank.config.RunConfig`) with the vectorised rounds.
+def check_vectorizable(cfg, batches: str = "fresh") -> None:
+    """Refuse (``ValueError`` naming the setting), before any work, what the vectorised runner cannot run."""
+    from ..methods import method_class
+    from ..tasks import task_class
 
-    ``batches``: ``"fresh"`` (fast, one stream per round) or ``"trainer"`` (the simulator's exact minibatches).
-    Stops early when ``run.stop_metric`` (if set) is non-finite or above ``run.stop_above`` at an evaluation.
-    """
     check_train_config(cfg.train)
     if cfg.privacy.mode or cfg.privacy.dpsgd:
         raise ValueError("privacy: the vectorised runner has no privacy hooks; run without --vectorized")
     if batches not in BATCHES:
         raise ValueError(f"batches must be one of {tuple(BATCHES)}, got {batches!r}")
-    draw = BATCHES[batches]
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    task = task if task is not None else build_task(cfg)
-    if not hasattr(task, "batched_grad"):
-        raise ValueError(f"task {task.name!r} has no closed-form batched_grad; use the simulator")
-    parts = [torch.as_tensor(p, dtype=torch.long)
-             for p in partition_task(task, cfg.partition, cfg.run.seed)[0]]
-    method = get_method(cfg.method_name, **cfg.method_options)
-    hook = getattr(method, "batched_round", None)
-    if hook is None:
-        raise ValueError(f"method {method.name!r} has no vectorised round (batched_round); use the simulator")
-    model = task.build_model()
-    info = setup_info(cfg, [len(p) for p in parts])
-    server = method.setup(model, info)
-    run = VectorizedRun(method.name, 0)
-    stop_key, stop_above = cfg.run.stop_metric, cfg.run.stop_above
-    t0 = time.perf_counter()
-    for rnd in range(1, cfg.run.rounds + 1):
+    if not hasattr(task_class(cfg.task.kind), "batched_grad"):
+        raise ValueError(f"task.kind = {cfg.task.kind!r} has no closed-form batched_grad; use the simulator")
+    if not hasattr(method_class(cfg.method_name), "batched_round"):
+        raise ValueError(f"method {cfg.method_name!r} has no vectorised round (batched_round); use the simulator")
+
+
+class Vectorized(ServerRun):
+    """A run of ``cfg`` with vectorised rounds (see the module docstring); arguments as
+    :class:`~.simulator.Simulation`'s. ``batches``: ``"fresh"`` (fast, one stream per round) or ``"trainer"`` (the
+    simulator's exact minibatches; slow, for equivalence checks).
+
+    Attributes:
+        diverged_at: the evaluated round at which the run diverged (``None``: it did not).
+    """
+
+    def __init__(self, cfg, task: Task | None = None, run_dir: str | Path | None = None,
+                 log: Callable[[str], None] | None = None, overwrite: bool = False, batches: str = "fresh"):
+        check_vectorizable(cfg, batches)
+        self.check(cfg, run_dir, overwrite)
+        run = build_run(cfg, task)
+        run.model.cpu()  # closed-form rounds on the CPU, whatever run.device says
+        run.device = torch.device("cpu")
+        super().__init__(run, run_dir, log, overwrite)
+        self.draw = BATCHES[batches]
+        self.batched_round = self.method.batched_round
+        self.client_parts = [torch.as_tensor(p, dtype=torch.long) for p in self.parts]
+        self.diverged_at: int | None = None
+        self._block = (0, 0.0, 0.0)  # (rounds, compute seconds, start) since the last recorded row
+
+    def done(self) -> bool:
+        return self.diverged_at is not None or super().done()
+
+    def run_round(self) -> None:
+        """One vectorised round; at an evaluated round, its metrics row (covering the rounds since the last)."""
+        cfg, rnd = self.cfg, self.round + 1
+        count, compute, start = self._block
+        if count == 0:
+            start = time.perf_counter()
+            self.progress.round_start(rnd, cfg.run.clients_per_round)
+        t0 = time.perf_counter()
         clients = sample_clients(cfg.run.seed, rnd, cfg.partition.num_clients, cfg.run.clients_per_round)
-        oracle = draw(task, parts, cfg.train, clients, rnd, cfg.run.rounds, cfg.run.seed)
-        server = hook(model, server, torch.tensor(clients), oracle, rnd)
-        run.rounds = rnd
-        if rnd % cfg.run.eval_every == 0 or rnd == cfg.run.rounds:
-            method.load_global(model, server)
-            row = {"round": rnd, **task.evaluate(model.net)}
-            run.history.append(row)
-            if log:
-                log(f"[{method.name}] round {rnd}/{cfg.run.rounds} " + " ".join(f"{k}={v:.4g}" for k, v in row.items()
-                                                                           if k != "round"))
-            if stop_key and stop_key in row and (not math.isfinite(row[stop_key]) or row[stop_key] > stop_above):
-                run.diverged_at = rnd
-                break
-    run.seconds = time.perf_counter() - t0
-    run.server = server
-    return run
+        oracle = self.draw(self.task, self.client_parts, cfg.train, clients, rnd, cfg.run.rounds, cfg.run.seed)
+        self.server = self.batched_round(self.model, self.server, torch.tensor(clients), oracle, rnd)
+        self.round = rnd
+        self._block = (count + 1, compute + time.perf_counter() - t0, start)
+        if self.evaluator.due(rnd):
+            self.record_block(clients)
+
+    def record_block(self, clients: list[int]) -> None:
+        """Evaluate, and record the row of the rounds since the last row; a divergence stops the run."""
+        count, compute, start = self._block
+        self._block = (0, 0.0, 0.0)
+        t_eval = time.perf_counter()
+        metrics = self.evaluator.evaluate(self.server, {})
+        evaluation = time.perf_counter() - t_eval
+        total = time.perf_counter() - start
+        row: dict[str, Any] = {
+            "round": self.round, **metrics, "rounds": count, "clients": clients, "replied": clients,
+            "train_loss": float("nan"), "bytes_up": 0, "bytes_down": 0, "cum_bytes_up": 0, "cum_bytes_down": 0,
+            "time": {"client_compute": compute, "aggregation": 0.0, "evaluation": evaluation,
+                     "other": total - compute - evaluation, "total": total},
+            "peak_rss_mb": peak_rss_mb(),
+        }
+        try:
+            self.record_row(row, [], metrics, count)
+        except DivergenceError as exc:
+            self.diverged_at = self.round
+            if self.log:
+                self.log(f"[{self.method.name}] {exc}; the run stops here")
+
+    def summary(self) -> dict[str, Any]:
+        out = super().summary()
+        if self.diverged_at is not None:
+            out["diverged_at"] = self.diverged_at
+            self.files.write_summary(out)
+        return out
+
+
+def run_vectorized(cfg, task: Task | None = None, log: Callable[[str], None] | None = None,
+                   batches: str = "fresh", run_dir: str | Path | None = None, overwrite: bool = False) -> VectorizedRun:
+    """Run ``cfg`` (a :class:`~fedlowrank.config.RunConfig`) with the vectorised rounds (:class:`Vectorized`),
+    writing ``run_dir`` when given; returns its :class:`VectorizedRun`.
+
+    ``batches``: ``"fresh"`` (fast, one stream per round) or ``"trainer"`` (the simulator's exact minibatches).
+    Stops early when ``run.stop_metric`` (if set) is non-finite or above ``run.stop_above`` at an evaluation.
+    """
+    run = Vectorized(cfg, task, run_dir, log, overwrite, batches)
+    t0 = time.perf_counter()
+    run.run()
+    return VectorizedRun(run.method.name, run.round, run.history, run.diverged_at, time.perf_counter() - t0,
+                         run.server)
+
+
+def runner_for(cfg) -> type[ServerRun]:
+    """The runner of ``cfg``: :class:`Vectorized` with ``run.vectorized``, else the simulator."""
+    from .simulator import Simulation
+
+    return Vectorized if cfg.run.vectorized else Simulation

@@ -12,7 +12,7 @@ Flower 1.41 ships SecAgg+ for its legacy ``FitIns``/``FitRes`` records only, dri
   the reply's scalars and tensor names go in ``FitRes.metrics`` (plaintext);
 * ``aggregate_fit``: the workflow has unmasked only the *mean* update Δ̄ over the clients that finished; client k's
   reply is rebuilt as ``broadcast_k + Δ̄`` (per tensor), so that the method's uniform average equals the average of
-  the true replies up to SecAgg+'s quantisation; then :meth:`MethodStrategy.aggregate_replies` as in a plain round.
+  the true replies up to SecAgg+'s quantisation; then :meth:`MethodStrategy.close_round` as in a plain round.
 
 The round's ``flower_bytes_up`` / ``flower_bytes_down`` count every message of the protocol that round (setup, key
 shares, masked vectors, unmasking; :class:`CountingGrid`), what SecAgg+ costs beside the plaintext ledger.
@@ -65,16 +65,17 @@ class CountingGrid:
         return replies
 
 
-def secagg_reply(msg: FlowerMessage, context: Context) -> FlowerMessage:
-    """Client side of a SecAgg+ round: train as in a plain round, answer with the update as ``FitRes``."""
+def secagg_reply(msg: FlowerMessage, context: Context, run) -> FlowerMessage:
+    """Client side of a SecAgg+ round of ``run`` (the node's run, :func:`~.node.build_node_run`): train as in a
+    plain round (:func:`~.node.client_round`), answer with the update as ``FitRes``."""
     from ...message import Message
     from ...privacy.mechanisms import update_keys, update_tensor
-    from .client_app import client_round
+    from .node import client_round
 
     config = msg.content[SECAGG_ROUND]
     down = Message.from_bytes(bytes(config["fedlowrank.message"]))
     route = json.loads(str(config["fedlowrank.route"]))
-    reply, trainer = client_round(context, route, down)
+    reply, trainer = client_round(run, context, route, down)
     keys = update_keys(reply)
     updates = [update_tensor(reply, down, key).to("cpu").numpy() for key in keys]
     names = [[key, str(reply[key].dtype).removeprefix("torch.")] for key in keys]
@@ -105,38 +106,46 @@ class SecAggRounds(LegacyStrategy):
         return out
 
     def aggregate_fit(self, server_round, results, failures):
-        import torch
+        from .strategy import reported_seconds
 
-        from ...message import Message, Reply
-        from ...privacy.mechanisms import reference
-        from ..engine import check_reply
-
-        s, rnd = self.strategy, server_round
-        usable, ledger, rejected, dropped, compute = [], [], [], {}, 0.0
-        for _, fitres in results:
-            k = int(fitres.metrics["fedlowrank.client"])
+        s = self.strategy
+        got = s.round
+        for proxy, fitres in results:
+            k = next((c for c, node in s.nodes.items() if node == proxy.node_id), None)
+            if k not in self.downs:
+                continue  # not a client of this round
             down = self.downs.pop(k)
-            mean = parameters_to_ndarrays(fitres.parameters)
-            reply = Message(json.loads(str(fitres.metrics["fedlowrank.scalars"])))
-            for (key, dtype), delta in zip(json.loads(str(fitres.metrics["fedlowrank.keys"])), mean, strict=True):
-                t = torch.from_numpy(np.asarray(delta, dtype=np.float64))
-                ref = reference(down, key, t.shape, getattr(torch, dtype))
-                reply[key] = (t if ref is None else ref.to(torch.float64) + t).to(getattr(torch, dtype))
-            ledger.append({"round": rnd, "client": k, "down": down.nbytes(), "up": reply.nbytes()})
-            compute += float(fitres.metrics.get("compute-seconds", 0.0))
-            reason = check_reply(s.sim.method, down, reply, rnd, len(s.sim.parts[k]))
-            if reason is not None:
-                rejected.append({"client": k, "reason": reason})
+            try:
+                reply = self.rebuild(fitres, down)
+                usable = got.receive(s.run.method, k, down, reply, s.size_bound(k))
+            except Exception as exc:  # noqa: BLE001 - whatever a node sent, the run goes on without it
+                got.reject(k, f"malformed reply ({type(exc).__name__}: {exc})", down.nbytes(), 0)
                 continue
-            usable.append(Reply(k, int(reply["num_examples"]), reply))
+            if usable:
+                got.compute += reported_seconds(fitres.metrics.get("compute-seconds"))
         for k, down in self.downs.items():
-            dropped[k] = "no masked update (SecAgg+ dropped it)"
-            ledger.append({"round": rnd, "client": k, "down": down.nbytes(), "up": 0})
-        ledger.sort(key=lambda r: r["client"])
-        usable.sort(key=lambda r: r.client)
-        s.aggregate_replies(rnd, usable, {}, ledger, dropped, rejected, compute, self.grid.up, self.grid.down)
+            got.drop(k, "no masked update (SecAgg+ dropped it)", down.nbytes())
+        got.extra = {"flower_bytes_up": int(self.grid.up), "flower_bytes_down": int(self.grid.down)}
+        s.close_round()
         self.downs = {}
         return None, {}
+
+    @staticmethod
+    def rebuild(fitres, down):
+        """Client k's reply as the method sees it: its plaintext scalars, and ``down + Δ̄`` for each of its update
+        tensors (Δ̄: the unmasked mean update in ``fitres.parameters``)."""
+        import torch
+
+        from ...message import Message
+        from ...privacy.mechanisms import reference
+
+        mean = parameters_to_ndarrays(fitres.parameters)
+        reply = Message(json.loads(str(fitres.metrics["fedlowrank.scalars"])))
+        for (key, dtype), delta in zip(json.loads(str(fitres.metrics["fedlowrank.keys"])), mean, strict=True):
+            t = torch.from_numpy(np.asarray(delta, dtype=np.float64))
+            ref = reference(down, key, t.shape, getattr(torch, dtype))
+            reply[key] = (t if ref is None else ref.to(torch.float64) + t).to(getattr(torch, dtype))
+        return reply
 
     def initialize_parameters(self, client_manager):
         return None
@@ -154,23 +163,27 @@ class SecAggRounds(LegacyStrategy):
 def run_secagg(strategy, grid: Grid, context: Context, clipping_range: float, timeout: float) -> None:
     """Run every round of ``strategy``'s run with SecAgg+; a round the protocol halts (too few clients) is
     recorded as skipped."""
-    rounds = strategy.sim.cfg.run.rounds
+    from ..rounds import RoundReplies
+
+    rounds = strategy.run.cfg.run.rounds
     grid = CountingGrid(grid)
     legacy_strategy = SecAggRounds(strategy, grid, context.run_id)
     legacy = LegacyContext(context, config=ServerConfig(num_rounds=rounds, round_timeout=timeout),
                            strategy=legacy_strategy)
     workflow = SecAggPlusWorkflow(num_shares=1.0, reconstruction_threshold=0.67, max_weight=1.0,
                                   clipping_range=clipping_range, timeout=timeout)
-    for rnd in range(strategy.sim.round + 1, rounds + 1):
+    for rnd in range(strategy.run.round + 1, rounds + 1):
         legacy.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: rnd})
         legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(Parameters([], ""), True)
-        strategy._row = {}
+        strategy.round = strategy.outcome = None
         workflow(grid, legacy)
-        if "replied" not in strategy._row:  # the protocol halted before aggregation
+        if strategy.outcome is None:  # the protocol halted before aggregation
             log(INFO, "fedlowrank: round %d: SecAgg+ halted; round skipped, global state unchanged", rnd)
-            if "round" not in strategy._row:
-                strategy._row = {"round": rnd, "clients": [], "t_start": time.perf_counter()}
-            strategy.aggregate_replies(rnd, [], {}, [], {k: "SecAgg+ halted" for k in legacy_strategy.downs}, [],
-                                       0.0, grid.up, grid.down)
+            if strategy.round is None:
+                strategy.round, strategy.started = RoundReplies(rnd, []), time.perf_counter()
+            for k in legacy_strategy.downs:
+                strategy.round.drop(k, "SecAgg+ halted")
+            strategy.round.extra = {"flower_bytes_up": int(grid.up), "flower_bytes_down": int(grid.down)}
+            strategy.close_round()
             legacy_strategy.downs = {}
         strategy.evaluate(rnd, None)

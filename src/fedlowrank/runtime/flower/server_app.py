@@ -27,12 +27,11 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     # torch and the run are imported here, not at module level: `flwr run` imports this module to validate
     # the app, and needs neither.
-    from ..rundir import check_run_dir
-    from ..simulator import Simulation
+    from ...config import ConfigError
+    from ..run import build_run
+    from ..server_run import ServerRun
     from .settings import load_run_config
     from .strategy import MethodStrategy, state_arrays
-
-    from ...config import ConfigError
 
     try:
         cfg, settings = load_run_config(context.run_config)
@@ -40,18 +39,19 @@ def main(grid: Grid, context: Context) -> None:
         log(ERROR, "fedlowrank: error: %s", exc)
         raise
     run_dir = Path(settings.run_dir or Path(cfg.run.out_dir) / f"{cfg.run.name}-flower-{context.run_id}")
-    check_run_dir(run_dir, settings.overwrite, flag="flower.overwrite=true")
-    sim = Simulation(cfg, run_dir=run_dir, log=lambda line: log(INFO, "%s", line), overwrite=settings.overwrite)
+    ServerRun.check(cfg, run_dir, settings.overwrite, flag="flower.overwrite=true")
+    run = ServerRun(build_run(cfg), run_dir=run_dir, log=lambda line: log(INFO, "%s", line),
+                    overwrite=settings.overwrite, client_states=False)
     log(INFO, "fedlowrank: run directory %s", run_dir)
-    strategy = MethodStrategy(sim, settings)
+    strategy = MethodStrategy(run, settings)
     strategy.connect(grid)
     if settings.secagg:
         from .secagg import run_secagg
 
         run_secagg(strategy, grid, context, settings.secagg_clipping_range, settings.round_timeout)
     else:
-        strategy.start(grid, state_arrays(sim.server), num_rounds=cfg.run.rounds, timeout=settings.round_timeout,
+        strategy.start(grid, state_arrays(run.server), num_rounds=cfg.run.rounds, timeout=settings.round_timeout,
                        evaluate_fn=strategy.evaluate)
-    (run_dir / "server_state.safetensors").write_bytes(sim.server.to_bytes())
-    log(INFO, "fedlowrank: summary %s", json.dumps(sim.summary()))
-    sim.close()
+    (run_dir / "server_state.safetensors").write_bytes(run.server.to_bytes())
+    log(INFO, "fedlowrank: summary %s", json.dumps(run.summary()))
+    run.close()

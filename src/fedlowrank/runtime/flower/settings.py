@@ -14,6 +14,7 @@ Flower's run config is flat (``[tool.flwr.app.config]`` in the app's ``pyproject
 
 from __future__ import annotations
 
+import math
 import shlex
 from dataclasses import dataclass, fields
 from typing import Mapping
@@ -107,6 +108,10 @@ def check_secagg(cfg: RunConfig, settings: FlowerSettings) -> None:
     if cfg.privacy.mode == "central":
         raise ConfigError("flower.secagg with privacy.mode = 'central': the server cannot clip replies it cannot see; "
                           "use privacy.mode = 'local'")
+    if cfg.server.aggregate != "mean" or math.isfinite(cfg.server.update_clip):
+        raise ConfigError("flower.secagg with server.aggregate or server.update_clip: the server sees only the mean "
+                          "update, not the replies these bound; use server.aggregate = 'mean' and "
+                          "server.update_clip = inf")
     if cfg.run.clients_per_round < 2:
         raise ConfigError("flower.secagg needs run.clients_per_round >= 2")
     if settings.secagg_clipping_range <= 0:

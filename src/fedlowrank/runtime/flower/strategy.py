@@ -1,9 +1,11 @@
 """A Flower ``Strategy`` that drives any fedlowrank :class:`~fedlowrank.methods.base.Method`.
 
-It is the Flower-side twin of :meth:`Simulation.run_round <fedlowrank.runtime.simulator.Simulation.run_round>`
-and shares its building blocks (:mod:`fedlowrank.runtime.engine`) and its :class:`Simulation` object (task,
-partition, method, server state, ledger, history, run directory), so that a Flower run and a simulated run
-with the same config produce the same global model:
+It is the Flower-side twin of :meth:`Simulation.run_round <fedlowrank.runtime.simulator.Simulation.run_round>`:
+it drives a :class:`~fedlowrank.runtime.server_run.ServerRun` (task, partition, method, server state, ledger,
+history, run directory, evaluation, checkpoints), shares the client-side building blocks
+(:mod:`fedlowrank.runtime.engine`) and closes each round with the simulator's own server step
+(:func:`fedlowrank.runtime.rounds.close_round`), so that a Flower run and a simulated run with the same config
+produce the same global model:
 
 * sampling: :func:`~fedlowrank.runtime.engine.sample_clients` (the run's seeded stream, never Python's
   global ``random``); client ``k`` is the SuperNode whose ``partition-id`` is ``k``, learnt by a ``query``
@@ -11,10 +13,15 @@ with the same config produce the same global model:
 * broadcast: ``method.broadcast(server, k, rnd)`` for each sampled client, one ``Message`` per node, its
   records built by :func:`~fedlowrank.runtime.flower.records.to_records` (any keys, shapes and scalars);
 * aggregate: the replies, sorted by client as in the simulator, go to ``method.aggregate``; a reply that
-  fails :func:`~fedlowrank.runtime.engine.check_reply` is rejected, and a client whose node answers with an
-  error or does not answer within ``flower.round-timeout`` is dropped, each logged with its reason and
-  listed in the round's row (``rejected``, ``dropped``); the round aggregates when at least
-  ``run.min_replies`` replies remain, else it is skipped, the global state kept, and the run says so;
+  fails :func:`~fedlowrank.runtime.engine.check_reply`, is larger than the method can send
+  (``method.max_reply_bytes``, checked before anything is decoded) or cannot be decoded at all is rejected, and a
+  client whose node answers with an error or does not answer within ``flower.round-timeout`` is dropped, each
+  logged with its reason, listed in the round's row (``rejected``, ``dropped``) and counted in the round's
+  ``MetricRecord``; the round aggregates when at least ``run.min_replies`` replies remain, else it is skipped,
+  the global state kept, and the run says so. Nothing a node sends can end the run;
+* weights: a reply's ``num_examples`` is bounded by what the server can check, the client's partition of the
+  run's data; a node with its own data declares its size in its answer to the query, which bounds its replies,
+  and weighs at most ``server.max_examples_per_node`` examples (``server.weighting = "uniform"`` ignores sizes);
 * client state: each train message names the last round whose reply of that client was aggregated
   (``accepted``), so that its node commits the state it made then and drops one whose reply was not taken;
 * evaluation: on the server, on the task's global test set (``evaluate``, passed as ``evaluate_fn``);
@@ -27,9 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from logging import INFO, WARNING
-from typing import Any
 
-import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.app import MessageType
@@ -37,13 +42,43 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from ...message import Message, Reply, State
-from ...privacy.runtime import central_replies
-from ..engine import check_reply, sample_clients
-from ..simulator import Simulation, peak_rss_mb
+from ...message import Message, State
+from ..engine import sample_clients
+from ..rounds import RoundOutcome, RoundReplies
+from ..server_run import ServerRun
+from .node import ROUTE
 from .records import from_records, records_nbytes, to_array, to_records
-from .client_app import ROUTE
 from .settings import FlowerSettings
+
+
+class MalformedReply(ValueError):
+    """A node's reply that cannot be taken in (too large, undecodable); the message is the reason."""
+
+
+def decode_reply(content: RecordDict, size: int, limit: int) -> Message:
+    """The fedlowrank message in a reply's ``content`` of ``size`` payload bytes (:func:`~.records.records_nbytes`),
+    which may be at most ``limit``: checked before anything is decoded. Raises :class:`MalformedReply` with the
+    reason for anything else: too large, records or bytes that do not decode (whatever Flower's record layer or our
+    decoder raises). A reply without a message decodes to an empty one (which :func:`~..engine.check_reply`
+    rejects)."""
+    if size > limit:
+        raise MalformedReply(f"reply of {size} bytes exceeds the method's bound of {limit} bytes (not decoded)")
+    try:
+        msg = from_records(content, Message)
+    except Exception as exc:  # noqa: BLE001 - e.g. invalid JSON, a bf16 array of the wrong size, garbage .npy bytes
+        raise MalformedReply(f"undecodable reply ({type(exc).__name__}: {exc})") from None
+    return Message() if msg is None else msg
+
+
+def _count(value) -> int | None:
+    """``value`` if it is an integer (not a bool), else ``None``."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def reported_seconds(value) -> float:
+    """A duration a node reports: ``value`` if it is a finite number >= 0, else 0."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+    return float(value) if ok else 0.0
 
 
 def state_arrays(state: State) -> ArrayRecord:
@@ -51,27 +86,47 @@ def state_arrays(state: State) -> ArrayRecord:
     return ArrayRecord({k: to_array(t) for k, t in state.tensors().items()})
 
 
-class MethodStrategy(Strategy):
-    """Run the method of ``sim`` (a :class:`Simulation` built from the run's config) on Flower's grid.
+def warn(line: str) -> None:
+    """A warning of the run in the ServerApp's log (Flower's logger)."""
+    log(WARNING, "fedlowrank: %s", line)
 
-    Use :meth:`connect` once, then ``start(grid, state_arrays(sim.server), num_rounds=cfg.run.rounds,
+
+class MethodStrategy(Strategy):
+    """Run the method of ``run`` (a :class:`ServerRun` of the run's config, e.g. built by the ServerApp) on
+    Flower's grid.
+
+    Use :meth:`connect` once, then ``start(grid, state_arrays(run.server), num_rounds=cfg.run.rounds,
     timeout=settings.round_timeout, evaluate_fn=strategy.evaluate)``.
     """
 
-    def __init__(self, sim: Simulation, settings: FlowerSettings):
-        self.sim = sim
-        sim.client_states = False  # they live on the SuperNodes; the run's checkpoints say so
+    def __init__(self, run: ServerRun, settings: FlowerSettings):
+        self.run = run
+        run.client_states = False  # they live on the SuperNodes; the run's checkpoints say so
         self.settings = settings
         self.nodes: dict[int, int] = {}  # client id (SuperNode partition-id) -> node id
         self._ignored: set[int] = set()  # node ids whose answer to the query was unusable
-        self.node_sizes: dict[int, int] = {}  # client id -> its training examples, for nodes with their own data
+        self.node_sizes: dict[int, int] = {}  # client id -> its declared training examples (nodes with own data)
         self._sent: list[tuple[FlowerMessage, int, Message, int]] = []  # (sent, client, its Message, flower bytes)
-        self._row: dict[str, Any] = {}
+        self.round: RoundReplies | None = None  # the round in progress
+        self.started = 0.0  # when it started (time.perf_counter)
+        self.outcome: RoundOutcome | None = None  # the round closed, waiting for its evaluation
         self.accepted: dict[int, int] = {}  # client -> last round whose reply of it was aggregated (0: none)
 
     @property
     def num_clients(self) -> int:
-        return self.sim.cfg.partition.num_clients
+        return self.run.cfg.partition.num_clients
+
+    def size_bound(self, client: int) -> int:
+        """The most examples ``client``'s reply may claim: what its node declared (own data), or its partition."""
+        return self.node_sizes.get(client, len(self.run.parts[client]))
+
+    def weight_cap(self, client: int) -> int | None:
+        """The most examples ``client``'s reply may weigh: for a node with its own data (which the server cannot
+        check) ``server.max_examples_per_node`` (0: the largest client of the run's partition); ``None`` for a
+        partition of the run's data (its size is the server's)."""
+        if client not in self.node_sizes:
+            return None
+        return self.run.cfg.server.max_examples_per_node or max(len(p) for p in self.run.parts)
 
     # -- nodes ---------------------------------------------------------------------------------------
     def connect(self, grid: Grid) -> None:
@@ -103,31 +158,56 @@ class MethodStrategy(Strategy):
             if reply.has_error():
                 log(WARNING, "fedlowrank: node %d did not answer the partition query: %s", node, reply.error.reason)
                 continue
-            answer = reply.content[ROUTE]
-            k, m = int(answer["partition-id"]), int(answer["num-partitions"])
-            if m != self.num_clients or not 0 <= k < m or k in self.nodes:
-                log(WARNING, "fedlowrank: ignoring node %d: partition-id=%d num-partitions=%d (run has %d clients%s)",
-                    node, k, m, self.num_clients, ", partition taken" if k in self.nodes else "")
+            try:
+                k, size = self.read_answer(reply.content)
+            except MalformedReply as exc:
+                log(WARNING, "fedlowrank: ignoring node %d: %s", node, exc)
                 self._ignored.add(node)
                 continue
             self.nodes[k] = node
-            if "num-examples" in answer:  # the node brings its own data (node config data-train)
-                self.node_sizes[k] = int(answer["num-examples"])
+            if size is not None:  # the node brings its own data (node config data-train)
+                self.node_sizes[k] = size
+                cap = self.weight_cap(k)
+                if size > cap:
+                    log(WARNING, "fedlowrank: node %d (client %d) declares %d examples of its own; its replies weigh at "
+                        "most %d (server.max_examples_per_node)", node, k, size, cap)
+
+    def read_answer(self, content: RecordDict) -> tuple[int, int | None]:
+        """``(client, declared size or None)`` of a node's answer to the partition query; :class:`MalformedReply`
+        saying why it is unusable (not an answer, a partition-id or num-partitions that is missing, not an integer,
+        of another run or taken, a num-examples that is not a positive integer)."""
+        try:
+            answer = dict(content[ROUTE])
+        except Exception:  # noqa: BLE001 - whatever a node sent instead of an answer
+            raise MalformedReply(f"its answer to the partition query has no {ROUTE!r} config record") from None
+        k, m = _count(answer.get("partition-id")), _count(answer.get("num-partitions"))
+        if k is None or m is None:
+            raise MalformedReply(f"partition-id and num-partitions must be integers, got partition-id = "
+                                 f"{answer.get('partition-id')!r}, num-partitions = {answer.get('num-partitions')!r}")
+        if m != self.num_clients or not 0 <= k < m or k in self.nodes:
+            raise MalformedReply(f"partition-id={k} num-partitions={m} (run has {self.num_clients} clients"
+                                 f"{', partition taken' if k in self.nodes else ''})")
+        if "num-examples" not in answer:
+            return k, None
+        size = _count(answer["num-examples"])
+        if size is None or size < 1:
+            raise MalformedReply(f"num-examples must be a positive integer, got {answer['num-examples']!r}")
+        return k, size
 
     # -- training ------------------------------------------------------------------------------------
     def start_round(self, rnd: int, grid: Grid) -> list[tuple[int, Message, ConfigRecord]]:
-        """Sample round ``rnd``'s clients and open its row; (client, broadcast, route) for each client with a node."""
-        sim = self.sim
+        """Sample round ``rnd``'s clients and open it; (client, broadcast, route) for each client with a node."""
+        run = self.run
         self.refresh_nodes(grid)
-        clients = sample_clients(sim.cfg.run.seed, rnd, self.num_clients, sim.cfg.run.clients_per_round)
-        self._row = {"round": rnd, "clients": clients, "t_start": time.perf_counter()}
+        clients = sample_clients(run.cfg.run.seed, rnd, self.num_clients, run.cfg.run.clients_per_round)
+        self.round, self.started, self.outcome = RoundReplies(rnd, clients), time.perf_counter(), None
         out = []
         for k in clients:
             if k not in self.nodes:
-                log(WARNING, "fedlowrank: round %d: client %d has no SuperNode; counted as dropped", rnd, k)
+                self.round.drop(k, "no SuperNode for this client")
                 continue
             route = ConfigRecord({"client": k, "round": rnd, "accepted": self.accepted.get(k, 0)})
-            out.append((k, sim.method.broadcast(sim.server, k, rnd), route))
+            out.append((k, run.method.broadcast(run.server, k, rnd), route))
         return out
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -138,19 +218,14 @@ class MethodStrategy(Strategy):
             content = RecordDict({**to_records(msg), ROUTE: route})
             sent = FlowerMessage(content, dst_node_id=self.nodes[k], message_type=MessageType.TRAIN)
             self._sent.append((sent, k, msg, records_nbytes(content)))
-        log(INFO, "fedlowrank: round %d: sampled clients %s, sent to %d nodes", rnd, self._row["clients"],
+        log(INFO, "fedlowrank: round %d: sampled clients %s, sent to %d nodes", rnd, self.round.clients,
             len(self._sent))
         return [sent for sent, *_ in self._sent]
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[FlowerMessage]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        sim, rnd = self.sim, server_round
-        usable: list[Reply] = []
-        ledger: list[dict[str, int]] = []
-        dropped: dict[int, str] = {}
-        rejected: list[dict[str, Any]] = []
-        downs: dict[int, Message] = {}
-        compute = flower_up = flower_down = 0.0
+        got, rnd = self.round, server_round
+        flower_up = flower_down = 0
         # the grid gave each sent message its id; replies (and the SuperLink's error replies) name it
         pending = {sent.metadata.message_id: (sent.metadata.dst_node_id, k, down, fdown)
                    for sent, k, down, fdown in self._sent}
@@ -159,109 +234,59 @@ class MethodStrategy(Strategy):
                 log(WARNING, "fedlowrank: round %d: ignoring a reply to an unknown message", rnd)
                 continue
             node, k, down, fdown = pending.pop(reply.metadata.reply_to_message_id)
-            downs[k] = down
             flower_down += fdown
             if reply.has_error():
-                dropped[k] = f"node {node} answered with an error: {reply.error.reason}"
-                ledger.append({"round": rnd, "client": k, "down": down.nbytes(), "up": 0})
+                got.drop(k, f"node {node} answered with an error: {reply.error.reason}", down.nbytes())
                 continue
-            msg = from_records(reply.content, Message)
-            flower_up += records_nbytes(reply.content)
-            if msg is None:
-                msg = Message()
-            ledger.append({"round": rnd, "client": k, "down": down.nbytes(), "up": msg.nbytes()})
-            reason = check_reply(sim.method, down, msg, rnd, self.node_sizes.get(k, len(sim.parts[k])))
-            if reason is not None:
-                rejected.append({"client": k, "reason": reason})
-                log(WARNING, "fedlowrank: round %d: rejected the reply of client %d: %s", rnd, k, reason)
-                continue
-            usable.append(Reply(k, int(msg["num_examples"]), msg))
-            if "metrics" in reply.content:
-                compute += float(reply.content["metrics"].get("compute-seconds", 0.0))
+            flower_up += self.take_reply(got, k, down, reply.content)
         for node, k, down, fdown in pending.values():
-            dropped[k] = f"no reply from node {node} within flower.round-timeout = {self.settings.round_timeout:g} s"
-            ledger.append({"round": rnd, "client": k, "down": down.nbytes(), "up": 0})
+            got.drop(k, f"no reply from node {node} within flower.round-timeout = {self.settings.round_timeout:g} s",
+                     down.nbytes())
             flower_down += fdown
         self._sent = []
-        return self.aggregate_replies(rnd, usable, downs, ledger, dropped, rejected, compute, flower_up, flower_down)
+        got.extra = {"flower_bytes_up": int(flower_up), "flower_bytes_down": int(flower_down)}
+        return self.close_round()
 
-    def aggregate_replies(self, rnd: int, usable: list[Reply], downs: dict[int, Message], ledger: list[dict[str, int]],
-                          dropped: dict[int, str], rejected: list[dict[str, Any]], compute: float, flower_up: float,
-                          flower_down: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The server step of a round whose replies are in: ledger, central DP, ``method.aggregate`` (or a skipped
-        round), the round's row (closed by :meth:`evaluate`). Shared by plain rounds and SecAgg+ rounds."""
-        sim, cfg = self.sim, self.sim.cfg
-        for k in set(self._row["clients"]) - set(dropped) - {r["client"] for r in ledger}:
-            dropped[k] = "no SuperNode for this client"
-        for k in sorted(dropped):
-            log(WARNING, "fedlowrank: round %d: client %d dropped (%s)", rnd, k, dropped[k])
-        ledger.sort(key=lambda r: r["client"])
-        for row in ledger:
-            sim.ledger.add(row["round"], row["client"], row["down"], row["up"])
-        usable.sort(key=lambda r: r.client)  # the simulator's order: aggregation sums in this order
-        sampled, aggregation = len(self._row["clients"]), 0.0
-        skipped = len(usable) < cfg.run.min_replies
-        if skipped:
-            log(WARNING, "fedlowrank: round %d: %d usable replies of %d sampled clients, fewer than "
-                "run.min_replies = %d: round skipped, global state unchanged", rnd, len(usable), sampled,
-                cfg.run.min_replies)
-        else:
-            t_agg = time.perf_counter()
-            usable, privacy = central_replies(cfg, usable, downs, rnd, sim.history)
-            if privacy:
-                self._row["privacy"] = privacy
-            sim.server = sim.method.aggregate(sim.server, usable, rnd)
-            aggregation = time.perf_counter() - t_agg
-            self.accepted.update({r.client: rnd for r in usable})  # their nodes commit this round's state
-            if len(usable) < sampled:
-                log(WARNING, "fedlowrank: round %d: %d usable replies of %d sampled clients; run.min_replies = %d "
-                    "is met, aggregated them", rnd, len(usable), sampled, cfg.run.min_replies)
-        diagnostics = sim.method.pop_metrics()
-        losses = [float(r.message["train_loss"]) for r in usable]
-        self._row.update({
-            "replied": [r.client for r in usable], "train_loss": float(np.mean(losses)) if losses else float("nan"),
-            "bytes_up": sum(r["up"] for r in ledger), "bytes_down": sum(r["down"] for r in ledger),
-            "cum_bytes_up": sim.ledger.total_up, "cum_bytes_down": sim.ledger.total_down,
-            "flower_bytes_up": int(flower_up), "flower_bytes_down": int(flower_down),
-            "time": {"client_compute": compute, "aggregation": aggregation}, "ledger": ledger, "replies": usable,
-        })
-        if dropped:
-            self._row["dropped"] = sorted(dropped)
-        if rejected:
-            self._row["rejected"] = rejected
-        if skipped:
-            self._row["skipped"] = True
-        if diagnostics:
-            self._row["diagnostics"] = diagnostics
-        metrics = MetricRecord({"replied": len(usable), "dropped": len(dropped), "rejected": len(rejected)})
-        if losses:
-            metrics["train-loss"] = self._row["train_loss"]
-        return (None if skipped else state_arrays(sim.server)), metrics
+    def take_reply(self, got: RoundReplies, client: int, down: Message, content: RecordDict) -> int:
+        """Decode ``client``'s reply ``content`` to ``down`` into ``got``: usable, or rejected with the reason
+        (:func:`decode_reply`, :meth:`RoundReplies.receive`); never raises. Returns its payload bytes."""
+        try:
+            size = records_nbytes(content)
+        except Exception as exc:  # noqa: BLE001 - any malformed record is the node's fault, never the server's
+            got.reject(client, f"unreadable records ({type(exc).__name__}: {exc})", down.nbytes(), 0)
+            return 0
+        try:
+            msg = decode_reply(content, size, self.run.method.max_reply_bytes(down))
+            usable = got.receive(self.run.method, client, down, msg, self.size_bound(client), cap=self.weight_cap(client))
+        except Exception as exc:  # noqa: BLE001 - whatever a node sent, the run goes on without it
+            reason = str(exc) if isinstance(exc, MalformedReply) else f"malformed reply ({type(exc).__name__}: {exc})"
+            got.reject(client, reason, down.nbytes(), size)
+            return size
+        if usable:
+            got.compute += reported_seconds(content.get("metrics", MetricRecord()).get("compute-seconds"))
+        return size
+
+    def close_round(self) -> tuple[ArrayRecord | None, MetricRecord]:
+        """The server step of the round whose replies are in (:meth:`ServerRun.close_round`), for plain and SecAgg+
+        rounds; :meth:`evaluate` commits it."""
+        got = self.round
+        self.outcome = outcome = self.run.close_round(got, self.started, warn)
+        metrics = MetricRecord({"replied": len(outcome.replies), "dropped": len(got.dropped),
+                                "rejected": len(got.rejected)})
+        if outcome.replies:
+            metrics["train-loss"] = outcome.row["train_loss"]
+        return (None if outcome.skipped else state_arrays(outcome.server)), metrics
 
     # -- evaluation ----------------------------------------------------------------------------------
     def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        """``evaluate_fn`` of ``Strategy.start``: closes the round's row (global test set every
-        ``run.eval_every`` rounds and at the last), writes it to the run directory."""
-        sim, rnd = self.sim, server_round
-        if rnd == 0:
+        """``evaluate_fn`` of ``Strategy.start``: evaluates the closed round (global test set every
+        ``run.eval_every`` rounds and at the last) and commits it to the run (history, run directory)."""
+        if server_round == 0 or self.outcome is None:
             return None
-        metrics: dict[str, float] = {}
-        evaluation = 0.0
-        if rnd % sim.cfg.run.eval_every == 0 or rnd == sim.cfg.run.rounds:
-            t_eval = time.perf_counter()
-            metrics = sim.evaluate()
-            sim.last_eval = metrics
-            evaluation = time.perf_counter() - t_eval
-        row = self._row
-        ledger, usable = row.pop("ledger"), row.pop("replies")
-        total = time.perf_counter() - row.pop("t_start")
-        t = row["time"]
-        row.update(metrics)
-        t.update({"evaluation": evaluation, "other": total - t["client_compute"] - t["aggregation"] - evaluation,
-                  "total": total})
-        row["peak_rss_mb"] = peak_rss_mb()
-        sim.record_round(row, ledger, usable)
-        sim.progress.round_end(row, metrics)
+        outcome, self.outcome = self.outcome, None
+        metrics, evaluation = self.run.evaluate_round(outcome)
+        self.run.commit_round(outcome, metrics, evaluation)
+        self.accepted.update({r.client: outcome.row["round"] for r in outcome.replies})  # their nodes commit
         return MetricRecord(metrics) if metrics else None
 
     # -- no client-side evaluation: the global test set is evaluated on the server ----------------------
@@ -273,7 +298,7 @@ class MethodStrategy(Strategy):
         return None
 
     def summary(self) -> None:
-        cfg = self.sim.cfg
+        cfg = self.run.cfg
         log(INFO, "\t├── fedlowrank method: %s %s", cfg.method_name, cfg.method_options or "")
         log(INFO, "\t├── clients: %d, %d per round (run.seed = %d), run.min_replies = %d", cfg.partition.num_clients,
             cfg.run.clients_per_round, cfg.run.seed, cfg.run.min_replies)

@@ -1,0 +1,63 @@
+"""Evaluation of a run on the server: when, which models, and the per-client metrics of personalised methods.
+
+Every ``run.eval_every`` rounds and at the last round (:meth:`Evaluator.due`) the global model
+(``method.load_global``) is evaluated on the task's test set. A personalised method (``method.personalized``)
+is evaluated through its clients' own models instead (``method.load_personal`` with each client's state): the
+round's metric is their mean, and each evaluated client's metrics go to its ``per_client`` entry. Which clients:
+every client with a state, or the first ``run.personal_eval_clients`` of them in a fixed order drawn from
+``run.seed`` (the same every round). Without client states (the Flower server's run: they stay on the nodes)
+the global model is evaluated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+import numpy as np
+
+from ..message import State
+from ..reporting.progress import Progress
+from ..seeding import numpy_rng
+from .stopping import interruptible
+
+
+class Evaluator:
+    """Evaluates the models of a run (see the module docstring); ``progress`` shows the evaluation bar."""
+
+    def __init__(self, cfg, task, method, model, progress: Progress):
+        self.cfg, self.task, self.method, self.model, self.progress = cfg, task, method, model, progress
+        self.client_tests: dict[int, dict[str, float]] = {}  # the last evaluation's per-client metrics
+
+    def due(self, rnd: int) -> bool:
+        return rnd % self.cfg.run.eval_every == 0 or rnd == self.cfg.run.rounds
+
+    def personal_clients(self, with_state: Collection[int]) -> list[int]:
+        """The clients whose own model is evaluated, among those ``with_state`` (see the module docstring)."""
+        n = self.cfg.run.personal_eval_clients
+        if n == 0:
+            return sorted(with_state)
+        order = numpy_rng(self.cfg.run.seed, "personal-eval").permutation(self.cfg.partition.num_clients)
+        return sorted([int(k) for k in order if int(k) in with_state][:n])
+
+    def evaluate(self, server: State, states: Mapping[int, State]) -> dict[str, float]:
+        """The metrics of the global model ``server``, or for a personalised method with client ``states`` the mean
+        of its evaluated clients' own models (each client's in :attr:`client_tests`)."""
+        self.client_tests = {}
+        if self.method.personalized and len(states):
+            clients = self.personal_clients(states)
+            self.progress.eval_start(len(clients))
+            for k in clients:
+                self.method.load_personal(self.model, server, states[k])
+                with interruptible():
+                    self.client_tests[k] = self.task.evaluate(self.model.net)
+                self.progress.eval_step()
+            rows = list(self.client_tests.values())
+            return {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
+        self.method.load_global(self.model, server)
+        with interruptible(), self.progress.evaluating(self.model.net):
+            return self.task.evaluate(self.model.net)
+
+    def pop_client_tests(self) -> dict[int, dict[str, float]]:
+        """The per-client metrics of the last evaluation, once (a round's ``per_client`` entries take them)."""
+        tests, self.client_tests = self.client_tests, {}
+        return tests

@@ -1,0 +1,109 @@
+"""What the server does to the replies before ``method.aggregate``, in one place for both runtimes.
+
+Nothing a client sends may capture the global model. Each transform below maps the round's usable replies (sorted by
+client) to the replies the method aggregates, like central DP (:func:`fedlowrank.privacy.runtime.central_replies`),
+which runs last:
+
+1. :func:`matching_replies` (with a robust aggregate or central DP, which combine the replies coordinate by
+   coordinate): replies whose floating-point tensors differ in names, shapes or dtypes from the most common
+   signature of the round are rejected, with the reason.
+2. :func:`bound_updates` (``server.update_clip`` = C, off when ``inf``): each reply's *update* (each floating tensor
+   minus what the client was sent, :mod:`fedlowrank.privacy.mechanisms`) is scaled to L2 norm at most C; a reply
+   within the bound is left as it is, bit for bit.
+3. :func:`robust_replies` (``server.aggregate``): ``"median"`` (coordinate-wise median, Yin et al. 2018,
+   "Byzantine-Robust Distributed Learning", arXiv:1803.01498) or ``"trimmed-mean"`` (coordinate-wise mean after
+   dropping the ⌊β·n⌋ largest and smallest values, β = ``server.trim_fraction``, same paper). Every reply's floating
+   tensors are replaced by that value, so that a server step that is a weighted mean of the replies,
+   ``Σₖ pₖ·replyₖ`` with ``Σₖ pₖ = 1``, returns it (the weights no longer matter). Only methods that declare such a
+   server step (``"central"`` among :meth:`~fedlowrank.methods.base.Method.supported_privacy_modes`: a fixed-weight
+   sum of the replies) may use it; the others are refused when the config is read
+   (:func:`fedlowrank.config.checks.check_server`).
+
+``"mean"`` (the default) and ``C = inf`` change nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import torch
+
+from ..message import Message, Reply
+from ..privacy.mechanisms import clip_update, update_keys
+from ..privacy.runtime import central_replies
+
+def signature(reply: Message) -> tuple:
+    """Names, shapes and dtypes of a reply's floating-point tensors."""
+    return tuple((k, tuple(reply[k].shape), str(reply[k].dtype)) for k in update_keys(reply))
+
+
+def matching_replies(replies: list[Reply]) -> tuple[list[Reply], list[dict[str, Any]]]:
+    """``(kept, rejected)``: the replies with the round's most common :func:`signature` (ties: the first client's),
+    and ``{"client", "reason"}`` for each other one."""
+    if not replies:
+        return replies, []
+    common = Counter(signature(r.message) for r in replies).most_common(1)[0][0]
+    kept = [r for r in replies if signature(r.message) == common]
+    rejected = [{"client": r.client, "reason": "its tensors differ in names, shapes or dtypes from the other "
+                 "replies of the round"} for r in replies if signature(r.message) != common]
+    return kept, rejected
+
+
+def bound_updates(replies: list[Reply], downs: dict[int, Message], clip: float) -> tuple[list[Reply], dict[str, Any]]:
+    """Each reply with its update scaled to L2 norm at most ``clip`` (relative to ``downs[client]``, what it was
+    sent), and what to log: how many were scaled down and the largest norm."""
+    out, norms = [], []
+    for r in replies:
+        msg, norm = clip_update(r.message, downs[r.client], clip)
+        out.append(Reply(r.client, r.num_examples, msg))
+        norms.append(norm)
+    return out, {"update_clip": clip, "clipped": sum(n > clip for n in norms), "max_update_norm": max(norms)}
+
+
+def coordinate_aggregate(stacked: torch.Tensor, kind: str, trim_fraction: float) -> torch.Tensor:
+    """The coordinate-wise ``"median"`` or ``"trimmed-mean"`` of ``stacked`` [n, ...] over its first axis (float64)."""
+    n = stacked.shape[0]
+    ordered = stacked.to(torch.float64).sort(dim=0).values
+    if kind == "median":
+        return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+    cut = math.floor(trim_fraction * n)
+    return ordered[cut:n - cut].mean(dim=0)
+
+
+def robust_replies(replies: list[Reply], kind: str, trim_fraction: float) -> list[Reply]:
+    """The replies (of one :func:`signature`) with every floating tensor replaced by the coordinate-wise ``kind`` of
+    that tensor over all of them (:func:`coordinate_aggregate`); other entries unchanged."""
+    agreed = {}
+    for key in update_keys(replies[0].message):
+        tensors = [r.message[key] for r in replies]
+        agreed[key] = coordinate_aggregate(torch.stack(tensors), kind, trim_fraction).to(tensors[0].dtype)
+    out = []
+    for r in replies:
+        msg = Message(r.message)
+        msg.update(agreed)
+        out.append(Reply(r.client, r.num_examples, msg))
+    return out
+
+
+def server_replies(cfg, replies: list[Reply], downs: dict[int, Message], rnd: int,
+                   history: list[dict[str, Any]]) -> tuple[list[Reply], dict[str, Any]]:
+    """The replies ``method.aggregate`` gets (steps 2–3 of the module docstring, then central DP), and the round
+    row's entries about them (``robust``, ``privacy``)."""
+    notes: dict[str, Any] = {}
+    s = cfg.server
+    if math.isfinite(s.update_clip) and replies:
+        replies, notes["robust"] = bound_updates(replies, downs, s.update_clip)
+    if s.aggregate != "mean" and replies:
+        replies = robust_replies(replies, s.aggregate, s.trim_fraction)
+        notes.setdefault("robust", {})["aggregate"] = s.aggregate
+    replies, privacy = central_replies(cfg, replies, downs, rnd, history)
+    if privacy:
+        notes["privacy"] = privacy
+    return replies, notes
+
+
+def needs_matching(cfg) -> bool:
+    """Whether the server combines the replies coordinate by coordinate (robust aggregate, central DP)."""
+    return cfg.server.aggregate != "mean" or cfg.privacy.mode == "central"

@@ -1,0 +1,263 @@
+"""The server side of a run, shared by the simulator and the Flower ServerApp.
+
+A :class:`ServerRun` is a :class:`~.run.Run` with the collaborators the round loop calls: the client states the
+server holds (:class:`~.store.ClientStore`; none on Flower, where they stay on the nodes), the run directory's files
+(:mod:`.run_files`; the directory claimed and locked by :mod:`.rundir`), evaluation (:mod:`.evaluation`),
+checkpoints (:mod:`.checkpointing`), the experiment tracker (:mod:`.tracker`) and progress lines
+(:mod:`fedlowrank.reporting.progress`). A round ends the same way in both runtimes:
+
+* :meth:`ServerRun.close_round` — the server's step (:func:`.rounds.close_round`: skip, server-side reply
+  transforms, ``method.aggregate``, the metrics row), changing nothing yet;
+* :meth:`ServerRun.evaluate_round` — the new global model (or the clients' own models) on the test set, when due;
+* :meth:`ServerRun.commit_round` — the round becomes the run's: server state, client states, ledger, history,
+  files, tracker, divergence check, checkpoint, progress line.
+
+:meth:`ServerRun.run` is the loop of the in-process runners (the simulator, the vectorised runner): their
+``run_round`` until the last round, stopping cleanly on SIGINT or SIGTERM (:mod:`.stopping`); :meth:`ServerRun.resume`
+continues a run from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import ChainMap
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..message import State
+from ..privacy.runtime import accounting
+from ..reporting.progress import Progress
+from ..reporting.tracking import require_package
+from .checkpoint import drop_checkpoints_after
+from .checkpointing import Checkpointer, read_run_checkpoint, restore
+from .evaluation import Evaluator
+from .rounds import RoundOutcome, RoundReplies, Warn, client_rows, close_round
+from .run import DivergenceError, Run, peak_rss_mb
+from .run_files import RunFiles
+from .rundir import check_run_dir, claim_run_dir, lock_run_dir
+from .stopping import StopRequested, check_stop, stop_signals
+from .store import ClientStore
+from .tracker import RunTracker
+
+
+class ServerRun(Run):
+    """``run`` with the server's collaborators (see the module docstring).
+
+    Args:
+        run: the run (from :func:`~.run.build_run`); this object takes over its fields.
+        run_dir: where to write the run's files; ``None`` writes nothing. It must be empty or absent unless
+            ``overwrite`` (which deletes the old run's files), and is locked until :meth:`close` or the end of the
+            process. Call :meth:`check` with it before building the run, to refuse it before any work.
+        log: where progress lines go (``None`` = silent); a log with a true ``bars`` attribute
+            (:class:`~fedlowrank.reporting.progress.StderrLog` on a terminal) also gets tqdm bars.
+        log_partition: log the per-client label counts when the run directory is made.
+        client_states: whether the server holds the clients' states (``False`` on Flower; checkpoints say so).
+    """
+
+    def __init__(self, run: Run, run_dir: str | Path | None = None, log: Callable[[str], None] | None = None,
+                 overwrite: bool = False, log_partition: bool = True, client_states: bool = True):
+        super().__init__(**{f.name: getattr(run, f.name) for f in fields(Run)})
+        cfg = self.cfg
+        self.client_states = client_states
+        self.store = ClientStore(cfg.run.state_memory_mb, None if run_dir is None else Path(run_dir) / "client_states")
+        self.progress = Progress(log, self.method.name, cfg.run.rounds, counts=self.task.metric_counts)
+        self.log = self.progress.write if log is not None else None
+        self.evaluator = Evaluator(cfg, self.task, self.method, self.model, self.progress)
+        self._lock = None
+        self.use_dir(None)
+        if run_dir is not None:
+            self._lock = claim_run_dir(Path(run_dir), overwrite)
+            self.use_dir(Path(run_dir))
+            self.files.start(self, self.log if log_partition else None)
+
+    @staticmethod
+    def check(cfg, run_dir: str | Path | None, overwrite: bool = False, flag: str = "--overwrite") -> None:
+        """Refuse, before any work, what :class:`ServerRun` would: a missing tracking package, a run directory that
+        holds another run (unless ``overwrite``; ``flag`` is how the user asks for it) or is in use."""
+        if cfg.run.tracking:
+            require_package(cfg.run.tracking)
+        if run_dir is not None:
+            check_run_dir(run_dir, overwrite, flag)
+
+    def use_dir(self, run_dir: Path | None) -> None:
+        """Write the run's files, tracker and checkpoints to ``run_dir`` (``None``: nowhere)."""
+        self.run_dir = run_dir
+        self.files = RunFiles(run_dir)
+        self.tracker = RunTracker(self.cfg, run_dir)
+        self.checkpoints = Checkpointer(self.cfg, run_dir)
+
+    def warn(self, line: str) -> None:
+        if self.log is not None:
+            self.log(f"[{self.method.name}] {line}")
+
+    # -- a round's end ----------------------------------------------------------------------------------
+    def close_round(self, got: RoundReplies, started: float, warn: Warn | None = None) -> RoundOutcome:
+        """The server's step of round ``got.round`` (:func:`.rounds.close_round`); ``warn`` (default: the run's
+        log) gets the round's warnings."""
+        return close_round(self, got, started, warn or self.warn)
+
+    def evaluate_round(self, outcome: RoundOutcome,
+                       new_states: Mapping[int, State] | None = None) -> tuple[dict[str, float], float]:
+        """``(metrics, seconds)`` of the round's evaluation when it is due (else ``({}, 0)``): the model after
+        ``outcome``, with the clients' states after it (``new_states`` over the store)."""
+        if not self.evaluator.due(outcome.row["round"]):
+            return {}, 0.0
+        t_eval = time.perf_counter()
+        server = self.server if outcome.skipped else outcome.server
+        states = self.store if outcome.skipped or not new_states else ChainMap(dict(new_states), self.store)
+        metrics = self.evaluator.evaluate(server, states)
+        return metrics, time.perf_counter() - t_eval
+
+    def commit_round(self, outcome: RoundOutcome, metrics: dict[str, float], evaluation: float,
+                     new_states: Mapping[int, State] | None = None) -> dict[str, Any]:
+        """Make ``outcome`` (evaluated: ``metrics`` in ``evaluation`` seconds) the run's: the new server state and
+        the clients' ``new_states`` (unless the round was skipped), ledger, history, files, tracker; then stop on
+        divergence, checkpoint when due, write the progress line. Returns the round's row."""
+        row = outcome.row
+        if not outcome.skipped:
+            self.server = outcome.server
+            self.store.update(new_states or {})
+        for entry in outcome.ledger:
+            self.ledger.add(**entry)
+        row.update(metrics)
+        t = row["time"]
+        total = time.perf_counter() - outcome.started
+        t.update({"evaluation": evaluation, "other": total - t["client_compute"] - t["aggregation"] - evaluation,
+                  "total": total})
+        row["peak_rss_mb"] = peak_rss_mb()
+        row.update(accounting(self.cfg, self.info.client_sizes, self.history, row))
+        row["per_client"] = client_rows(outcome.ledger, outcome.replies, self.evaluator.pop_client_tests())
+        self.round = row["round"]
+        self.record_row(row, outcome.ledger, metrics)
+        return row
+
+    def record_row(self, row: dict[str, Any], ledger: list[dict[str, int]], metrics: dict[str, float],
+                   rounds: int = 1) -> None:
+        """Record the metrics row of the run's newest round (covering its last ``rounds`` rounds; ``metrics``: its
+        evaluation, if any): history, files, tracker; then stop on divergence, checkpoint when due, progress line."""
+        if metrics:
+            self.last_eval = metrics
+        self.history.append(row)
+        self.files.append_round(row, ledger, self.task.pop_generations())
+        self.tracker.log(row)
+        self.check_divergence(row)
+        if self.checkpoints.due(self.round):
+            self.save_checkpoint()
+        self.progress.round_end(row, metrics, rounds)
+
+    def check_divergence(self, row: dict[str, Any]) -> None:
+        """Stop on a non-finite global parameter, a round whose every reply was non-finite, or a metric bound."""
+        name, rnd = self.method.name, row["round"]
+        bad = [k for k, v in self.server.tensors().items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        if bad:
+            raise DivergenceError(f"round {rnd}: method {name!r}: non-finite global parameter {bad[0]!r}")
+        rejected = row.get("rejected", [])
+        if rejected and not row["replied"] and all("finite" in r["reason"] for r in rejected):
+            raise DivergenceError(f"round {rnd}: method {name!r}: every client's training diverged "
+                                  f"({rejected[0]['reason']})")
+        bound_key = self.cfg.run.stop_metric
+        if bound_key and bound_key in row and (not math.isfinite(row[bound_key]) or row[bound_key] > self.cfg.run.stop_above):
+            raise DivergenceError(f"round {rnd}: method {name!r}: {bound_key} = {row[bound_key]} "
+                                  f"beyond run.stop_above = {self.cfg.run.stop_above}")
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def run_round(self) -> Any:
+        """Run the next round (the simulator's and the vectorised runner's own; Flower's strategy drives rounds)."""
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        """Whether the run has no round left to run."""
+        return self.round >= self.cfg.run.rounds
+
+    def run(self) -> dict[str, Any]:
+        """Run the remaining rounds (:meth:`run_round`) and return the summary. Stopped by SIGINT or SIGTERM
+        (:mod:`.stopping`), it saves the state after its last finished round as a checkpoint (with a run
+        directory) and raises :class:`~.stopping.StopRequested`."""
+        try:
+            with stop_signals():
+                try:
+                    while not self.done():
+                        check_stop()
+                        self.run_round()
+                except StopRequested:
+                    if self.run_dir is not None and self.checkpoints.saved_round != self.round:
+                        self.save_checkpoint()
+                    raise
+            return self.summary()
+        finally:
+            self.close()
+
+    # -- evaluation, checkpoints, the end ---------------------------------------------------------------
+    def personal_eval_clients(self) -> list[int]:
+        """The clients whose own model a personalised method's evaluation loads (:class:`~.evaluation.Evaluator`)."""
+        return self.evaluator.personal_clients(self.store)
+
+    def evaluate(self) -> dict[str, float]:
+        """The metrics of the run's model now: the global model on the test set, or for a personalised method the
+        mean over the evaluated clients of their own models'."""
+        return self.evaluator.evaluate(self.server, self.store)
+
+    def save_checkpoint(self) -> Path:
+        return self.checkpoints.save(self)
+
+    def summary(self) -> dict[str, Any]:
+        """The run's summary (also ``summary.json``): method, rounds, bytes, time by part, peak memory, the last
+        evaluation's metrics, ``epsilon`` under DP, ``best_accuracy``."""
+        times = {k: sum(r["time"][k] for r in self.history) for k in ("client_compute", "aggregation", "evaluation", "other", "total")}
+        out = {"method": self.method.name, "rounds": self.round, "bytes_up": self.ledger.total_up,
+               "bytes_down": self.ledger.total_down, "time": times, "peak_rss_mb": peak_rss_mb()}
+        out.update(self.last_eval)
+        if self.history and "epsilon" in self.history[-1]:
+            out["epsilon"] = self.history[-1]["epsilon"]
+        accuracies = [r["accuracy"] for r in self.history if "accuracy" in r]
+        if accuracies:
+            out["best_accuracy"] = max(accuracies)
+        self.files.write_summary(out)
+        return out
+
+    @classmethod
+    def from_checkpoint(cls, run_dir: str | Path, task=None, log: Callable[[str], None] | None = None,
+                        round: int | None = None, warn: Callable[[str], None] | None = None):
+        """The run in ``run_dir`` at its newest intact checkpoint (or that of ``round``), after checking that the
+        checkpoint is of the directory's ``config.json``. Reads only: nothing in ``run_dir`` is written.
+        ``warn`` (default ``log``) gets a line when a damaged checkpoint is skipped. For the runners built as
+        ``cls(cfg, task=..., log=...)`` (:class:`~.simulator.Simulation`, :class:`~.vectorized.Vectorized`)."""
+        cfg, ck = read_run_checkpoint(run_dir, round, warn or log)
+        run = cls(cfg, task=task, log=log)
+        restore(run, ck)
+        return run
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, task=None, log: Callable[[str], None] | None = None,
+               round: int | None = None, warn: Callable[[str], None] | None = None):
+        """Rebuild the run in ``run_dir`` from its resolved config and newest intact checkpoint (or that of
+        ``round``), ready to continue, holding the directory's lock; ``metrics.jsonl`` and ``ledger.jsonl`` are
+        cut back to the checkpoint's round and later checkpoints deleted."""
+        lock = lock_run_dir(run_dir) if Path(run_dir).is_dir() else None
+        try:
+            run = cls.from_checkpoint(run_dir, task, log, round, warn)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        run.use_dir(Path(run_dir))
+        run._lock = lock
+        drop_checkpoints_after(run.run_dir, run.round)
+        if not run.client_states and (warn or log):
+            (warn or log)(f"note: the checkpoint of round {run.round} is the Flower server's; the clients' states "
+                          f"stayed on the SuperNodes, so clients start here from their initial states")
+        run.client_states = True  # from here on the runner holds them
+        run.files.rewrite(run.history, run.ledger.rows)
+        return run
+
+    def close(self) -> None:
+        """Close the progress bars and the tracker (a later round reopens the tracker) and release the run
+        directory's lock (nothing is written to it after this)."""
+        self.progress.close()
+        self.tracker.close()
+        if self._lock is not None:
+            self._lock.release()

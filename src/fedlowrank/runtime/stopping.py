@@ -1,0 +1,95 @@
+"""How a run stops when people stop it: Ctrl-C (SIGINT), or SIGTERM (a cluster pre-empting the job, ``kill``).
+
+While a run's rounds go (:func:`stop_signals`, in the main thread), both signals are caught. A run stops at once
+while it only computes (local training, evaluation: code inside :func:`interruptible`), and otherwise as soon as it
+has finished changing its state (broadcasts, aggregation, committing a round, writing files, checkpointing: a signal
+that arrives there is held until the next :func:`interruptible` or :func:`check_stop`). So it always stops in a
+consistent state, the one after its last finished round: the loop saves that state as a checkpoint and raises
+:class:`StopRequested`, which the command line turns into one line saying how to resume, and the exit status
+128 + the signal's number (130 for SIGINT, 143 for SIGTERM).
+
+Outside :func:`stop_signals` (or in another thread) nothing changes: SIGINT raises ``KeyboardInterrupt`` as usual.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequested(KeyboardInterrupt):
+    """A run was asked to stop by signal ``signum``."""
+
+    def __init__(self, signum: int):
+        self.signum = int(signum)
+        super().__init__(f"stopped by {self.name}")
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_status(self) -> int:
+        """What a shell reports for a process ended by the signal: 128 + its number."""
+        return 128 + self.signum
+
+
+class _Signals:
+    """The stop signals caught while a run goes: the first one received, and how deep in :func:`interruptible`."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.depth = 0
+
+    def handle(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signum
+        if self.depth:
+            raise StopRequested(signum)
+
+
+_caught: _Signals | None = None
+
+
+@contextmanager
+def stop_signals() -> Iterator[None]:
+    """Catch SIGINT and SIGTERM while the block runs (see the module docstring); the handlers that were there before
+    are put back afterwards. Nested uses, and uses outside the main thread, change nothing."""
+    global _caught
+    if _caught is not None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _caught = caught = _Signals()
+    before = {s: signal.signal(s, caught.handle) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        _caught = None
+
+
+def check_stop() -> None:
+    """Raise :class:`StopRequested` if a stop signal has arrived (inside :func:`stop_signals`)."""
+    if _caught is not None and _caught.received is not None:
+        raise StopRequested(_caught.received)
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """A block that only computes: a stop signal (one already received, or one arriving during it) raises
+    :class:`StopRequested` at once."""
+    caught = _caught
+    if caught is None:
+        yield
+        return
+    check_stop()
+    caught.depth += 1
+    try:
+        yield
+    finally:
+        caught.depth -= 1
