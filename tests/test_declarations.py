@@ -26,9 +26,9 @@ def no_work(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a task was built before the bad input was refused")
 
-    import fedlowrank.runtime.simulator as simulator
+    import fedlowrank.runtime.run as run_module
 
-    monkeypatch.setattr(simulator, "build_task", forbidden)
+    monkeypatch.setattr(run_module, "build_task", forbidden)
 
 
 def one_error_line(capsys, *names: str) -> str:

@@ -22,7 +22,7 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from helpers import tiny_config, tiny_task  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_flower import AGNEWS_LABELS, LoopGrid, assert_same_state, node_files, run_flower  # noqa: E402
+from test_flower import TINY_LABELS, LoopGrid, assert_same_state, node_files, run_flower  # noqa: E402
 
 import fedlowrank.runtime.run as run_module  # noqa: E402
 from fedlowrank.config import ConfigError, load_config  # noqa: E402
@@ -196,7 +196,7 @@ def test_a_declared_size_weighs_at_most_max_examples_per_node(tmp_path, caplog):
     reply is accepted but weighs at most server.max_examples_per_node (default: the server's largest client), not
     10¹² against the other node's 14."""
     paths = node_files(tmp_path, (30, 14))
-    sets = ("method.name=fedit", "partition.num_clients=2", f"data.labels={AGNEWS_LABELS}", "data.header=false")
+    sets = ("method.name=fedit", "partition.num_clients=2", f"data.labels={TINY_LABELS}", "data.header=false")
     cfg, settings = load_run_config({"config": "tiny", "set": " ".join(f"'{s}'" for s in sets)})
     run = ServerRun(build_run(cfg, tiny_task()))
     cap = max(len(p) for p in run.parts)

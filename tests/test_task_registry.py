@@ -102,7 +102,7 @@ def test_a_task_registered_in_one_file_runs_plots_compares_and_is_configured(toy
     real = plots.plot_run
     monkeypatch.setattr(plots, "plot_run", lambda history, out, metric, title: plotted.append(metric)
                         or real(history, out, metric, title))
-    assert main(["run", config, "--out", str(tmp_path / "run"), "--quiet"]) == 0
+    assert main(["run", config, "--out", str(tmp_path / "run"), "--quiet", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["rounds"] == 2 and summary["score"] == -summary["loss"] and plotted == ["score"]
 

@@ -192,7 +192,7 @@ class ServerSection(Schema):
     lr: float = setting(1.0, "server step β: global ← old + β·(average − old)", gt=0)
     update_clip: float = setting(float("inf"), "bound on the L2 norm of each reply's update (what it sends minus "
                                  "what it was sent); larger updates are scaled down to it on the server (inf = off)",
-                                 gt=0, allow_inf=True)
+                                 gt=0, allow_inf=True, reason="inf = off")
     aggregate: str = setting("mean", "how the server combines the replies of methods whose server step is a weighted "
                              "mean: mean, median or trimmed-mean (coordinate-wise; robust to a few bad clients)",
                              choices=AGGREGATES)
