@@ -38,6 +38,7 @@ import os
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 from .reporting.progress import StderrLog
@@ -84,9 +85,26 @@ def cmd_run(args) -> int:
                           "diverged_at": result.diverged_at, **result.final}, indent=1))
         return 0
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
-    run_dir = Path(args.out) if args.out else _run_dir(cfg, cfg.method_name)
-    sim = Simulation(cfg, run_dir=run_dir, log=None if args.quiet else _log, overwrite=args.overwrite)
+    with _output_dir(args, cfg, cfg.method_name) as run_dir:
+        sim = Simulation(cfg, run_dir=run_dir, log=None if args.quiet else _log, overwrite=args.overwrite)
     return _finish(sim, run_dir)
+
+
+@contextmanager
+def _output_dir(args, cfg, suffix: str):
+    """``--out``, or a new directory under ``run.out_dir`` that is removed again when the block fails before
+    anything is written into it (a refused command leaves no directory behind)."""
+    from .runtime.rundir import remove_if_empty
+
+    if args.out:
+        yield Path(args.out)
+        return
+    run_dir = _run_dir(cfg, suffix)
+    try:
+        yield run_dir
+    except BaseException:
+        remove_if_empty(run_dir)
+        raise
 
 
 def _finish(sim, run_dir: Path) -> int:
@@ -139,43 +157,46 @@ JOBS_HELP = ("run the runs in N worker processes, each with run.threads torch th
              "results as one process")
 
 
-def _claim_output(args, kind: str):
+@contextmanager
+def _claimed_output(args, kind: str):
     """The output directory of ``compare``/``tune`` (``--out`` or a new one under ``run.out_dir``), checked writable
-    and claimed (``--resume``: locked, its finished runs kept): returns (directory, lock held until the command
-    ends; each run locks its own subdirectory)."""
+    and claimed (``--resume``: locked, its finished runs kept) for the block (each run locks its own subdirectory);
+    what a failed block leaves unused is removed (:meth:`~.runtime.rundir.RunDirLock.release`)."""
     from .config import ConfigError, check_writable, load_config
-    from .runtime.rundir import claim_run_dir, lock_run_dir
+    from .runtime.rundir import claim_run_dir, continue_run_dir
 
     if args.resume and (args.overwrite or not args.out):
         raise ConfigError("--resume continues the runs in an --out directory: give --out, and not --overwrite")
     cfg = load_config(args.config, args.set, method_checks=False)  # each compared method is checked on its own
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
-    out = Path(args.out) if args.out else _run_dir(cfg, kind)
-    return out, lock_run_dir(out) if args.resume else claim_run_dir(out, args.overwrite)
-
+    with _output_dir(args, cfg, kind) as out:
+        lock = continue_run_dir(out) if args.resume else claim_run_dir(out, args.overwrite)
+        try:
+            yield out
+        finally:
+            lock.release()
 
 def cmd_compare(args) -> int:
     from .experiments.compare import results_markdown, run_comparison
 
-    out, lock = _claim_output(args, "compare")
-    results = run_comparison(args.config, args.methods, args.seeds, args.set, out, None if args.quiet else _log,
-                             reference=args.reference, tuned=args.tuned, resume=args.resume,
-                             jobs=args.jobs)
+    with _claimed_output(args, "compare") as out:
+        results = run_comparison(args.config, args.methods, args.seeds, args.set, out, None if args.quiet else _log,
+                                 reference=args.reference, tuned=args.tuned, resume=args.resume,
+                                 jobs=args.jobs)
     print(results_markdown(results))
     _log(f"results: {out / 'results.md'}" + "".join(f"\nplot: {p}" for p in results.get("plots", [])))
-    lock.release()
     return 0
 
 
 def cmd_tune(args) -> int:
     from .experiments.tune import run_tuning, tune_markdown
 
-    out, lock = _claim_output(args, "tune")
-    result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out, None if args.quiet else _log,
-                        resume=args.resume, jobs=args.jobs, param=args.param, tuned=args.tuned, extend=args.extend)
+    with _claimed_output(args, "tune") as out:
+        result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out,
+                            None if args.quiet else _log, resume=args.resume, jobs=args.jobs, param=args.param,
+                            tuned=args.tuned, extend=args.extend)
     print(tune_markdown(result))
     _log(f"tuning: {out / 'tune.json'}; use it with: fedlowrank compare ... --tuned {out / 'tune.json'}")
-    lock.release()
     return 0
 
 

@@ -1,0 +1,89 @@
+"""Nothing lost, nothing trusted blindly: refused commands leave no trace and never turn a folder into a "run",
+exports never write into a run, checkpoints restore only from verified files, killed runs' temporaries go."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import tiny_config, tiny_task
+
+from fedlowrank.cli import main
+from fedlowrank.runtime.simulator import Simulation
+
+
+def rounds_in(run_dir, name="metrics.jsonl"):
+    return [json.loads(line)["round"] for line in (run_dir / name).read_text().splitlines()]
+
+
+def user_folder(tmp_path):
+    folder = tmp_path / "V"
+    folder.mkdir()
+    (folder / "thesis.tex").write_text("precious")
+    return folder
+
+
+def untouched(folder):
+    return sorted(p.name for p in folder.iterdir()) == ["thesis.tex"] and \
+        (folder / "thesis.tex").read_text() == "precious"
+
+
+@pytest.mark.parametrize("first", [
+    ["run", "tiny", "--set", "run.rounds=1"],
+    ["run", "tiny", "--set", "run.rounds=1", "--overwrite"],
+    ["resume"],
+    ["compare", "tiny", "--methods", "fedit", "--seeds", "0"],
+])
+def test_a_refused_command_leaves_nothing_and_overwrite_still_refuses_a_user_folder(first, tmp_path, capsys):
+    folder = user_folder(tmp_path)
+    argv = [*first, str(folder)] if first == ["resume"] else [*first, "--out", str(folder)]
+    assert main([*argv, "--quiet"]) == 2
+    assert untouched(folder), sorted(p.name for p in folder.iterdir())
+    assert main(["run", "tiny", "--overwrite", "--out", str(folder), "--quiet", "--set", "run.rounds=1"]) == 2
+    assert "holds no fedlowrank run" in capsys.readouterr().err
+    assert untouched(folder)
+
+
+def test_a_refused_command_does_not_leave_the_directory_it_created(tmp_path, capsys, monkeypatch):
+    new = tmp_path / "new"
+    assert main(["compare", "tiny", "--methods", "fedit", "--seeds", "0,x", "--out", str(new), "--quiet"]) == 2
+    assert not new.exists()
+    parent = tmp_path / "runs"  # the default directories under run.out_dir
+    assert main(["compare", "tiny", "--seeds", "0,x", "--set", f"run.out_dir={parent}", "--quiet"]) == 2
+    assert main(["tune", "tiny", "--methods", "nope", "--set", f"run.out_dir={parent}", "--quiet"]) == 2
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    import fedlowrank.runtime.simulator as simulator
+
+    monkeypatch.setattr(simulator, "build_task", interrupted)
+    assert main(["run", "tiny", "--set", f"run.out_dir={parent}", "--quiet"]) == 130
+    assert main(["run", "tiny", "--out", str(new), "--quiet"]) == 130
+    assert not new.exists() and list(parent.iterdir()) == []
+
+
+def test_a_finished_run_keeps_no_lock_and_overwrite_still_replaces_it(tmp_path):
+    out = tmp_path / "run"
+    assert main(["run", "tiny", "--out", str(out), "--quiet", "--set", "run.rounds=1"]) == 0
+    assert not (out / ".lock").exists()
+    assert main(["run", "tiny", "--out", str(out), "--quiet", "--set", "run.rounds=2", "--overwrite"]) == 0
+    assert rounds_in(out) == [1, 2]
+
+
+def test_overwrite_replaces_an_interrupted_comparison(tmp_path):
+    cmp = tmp_path / "cmp"
+    assert main(["compare", "tiny", "--methods", "fedit", "--seeds", "0", "--out", str(cmp), "--quiet"]) == 0
+    (cmp / "results.json").unlink()  # as if killed before the comparison ended
+    (cmp / "results.md").unlink()
+    assert main(["compare", "tiny", "--methods", "fedit", "--seeds", "0", "--out", str(cmp), "--quiet",
+                 "--overwrite"]) == 0
+    assert (cmp / "results.json").is_file()
+
+
+def test_resume_of_a_comparison_never_writes_into_a_user_folder(tmp_path, capsys):
+    folder = user_folder(tmp_path)
+    assert main(["compare", "tiny", "--methods", "fedit", "--seeds", "0", "--out", str(folder), "--resume",
+                 "--quiet"]) == 2
+    assert "holds neither a fedlowrank run" in capsys.readouterr().err and untouched(folder)
