@@ -87,3 +87,13 @@ def test_resume_of_a_comparison_never_writes_into_a_user_folder(tmp_path, capsys
     assert main(["compare", "tiny", "--methods", "fedit", "--seeds", "0", "--out", str(folder), "--resume",
                  "--quiet"]) == 2
     assert "holds neither a fedlowrank run" in capsys.readouterr().err and untouched(folder)
+
+
+def test_overwrite_refuses_a_model_folder_whose_config_json_is_not_a_runs(tmp_path, capsys):
+    model = tmp_path / "my-bert"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "bert"}')
+    (model / "model.safetensors").write_bytes(b"weights")
+    assert main(["run", "tiny", "--overwrite", "--out", str(model), "--quiet", "--set", "run.rounds=1"]) == 2
+    assert "holds no fedlowrank run" in capsys.readouterr().err
+    assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors"]

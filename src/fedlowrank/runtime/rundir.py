@@ -9,10 +9,11 @@ refused command left behind.
 * :func:`lock_run_dir` locks a directory for a run that continues it (resume); :func:`continue_run_dir` does so for
   ``compare``/``tune --resume``, claiming the directory when it is new.
 
-**What is a run directory.** One that holds :data:`RUN_MARKER` (written by :func:`claim_run_dir` once the
-directory is claimed, i.e. it was empty or a run directory already), ``config.json``, ``results.json`` or
-``tune.json``. ``--overwrite`` deletes the contents of such a directory only; any other non-empty directory is
-refused, and nothing is written into it.
+**What is a run directory.** One that holds :data:`RUN_MARKER`, written by :func:`claim_run_dir` once it has
+claimed the directory (it was empty, or a run directory already), or ``ledger.jsonl`` (a run written before the
+marker existed). ``--overwrite`` deletes the contents of such a directory only; any other non-empty directory is
+refused, and nothing is written into it. Neither a lock file nor a common name such as ``config.json`` (every
+Hugging Face model folder has one) is evidence.
 
 **The lock** is ``fcntl.flock`` on ``<dir>/.lock``, which records the holder's PID. The holder deletes the file
 when it releases the lock; the kernel drops the lock itself when the holder's process ends (even by ``kill -9``),
@@ -30,7 +31,7 @@ from pathlib import Path
 
 LOCK_FILE = ".lock"
 RUN_MARKER = ".fedlowrank-run"
-RUN_FILES = (RUN_MARKER, "config.json", "results.json", "tune.json")  # a directory holding one of these is a run's
+RUN_FILES = (RUN_MARKER, "ledger.jsonl")  # a directory holding one of these is a run's
 _OWN_FILES = (LOCK_FILE, RUN_MARKER)  # bookkeeping, not contents of the run
 _MARKER_TEXT = ("This directory holds a fedlowrank run (or comparison, or tuning). `fedlowrank run|compare|tune "
                 "--overwrite --out DIR` replaces everything in it.\n")
