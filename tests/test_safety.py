@@ -97,3 +97,70 @@ def test_overwrite_refuses_a_model_folder_whose_config_json_is_not_a_runs(tmp_pa
     assert main(["run", "tiny", "--overwrite", "--out", str(model), "--quiet", "--set", "run.rounds=1"]) == 2
     assert "holds no fedlowrank run" in capsys.readouterr().err
     assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors"]
+
+
+# -- export: never into a run, never over anything without --overwrite, checked before any work ----------------
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished 2-round tiny FedIT run (its checkpoint at round 2)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    Simulation(tiny_config("run.rounds=2"), task=tiny_task(), run_dir=run_dir).run()
+    return run_dir
+
+
+def listing(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_export_never_writes_into_a_run_directory(finished_run, capsys):
+    before = listing(finished_run)
+    for out in (finished_run, finished_run / "checkpoints", finished_run / "checkpoints" / "x",
+                finished_run / "mine"):
+        assert main(["export", str(finished_run), "--format", "merged", "--out", str(out), "--overwrite"]) == 2, out
+        line = capsys.readouterr().err.strip()
+        assert len(line.splitlines()) == 1 and line.startswith("error: --out") and "run directory" in line, line
+    assert listing(finished_run) == before
+    assert main(["resume", str(finished_run), "--quiet"]) == 0  # nothing to run: the run is complete
+    assert main(["export", str(finished_run), "--out", str(finished_run / "export-mine")]) == 0
+
+
+def test_export_refuses_a_non_empty_out_unless_overwrite_and_replaces_only_an_export(finished_run, tmp_path,
+                                                                                    capsys):
+    out = tmp_path / "exp"
+    assert main(["export", str(finished_run), "--out", str(out)]) == 0
+    first = listing(out)
+    capsys.readouterr()
+    assert main(["export", str(finished_run), "--out", str(out), "--format", "merged"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error: --out") and "not empty" in line and "--overwrite" in line
+    assert listing(out) == first
+    assert main(["export", str(finished_run), "--out", str(out), "--format", "merged", "--overwrite"]) == 0
+    files = set(listing(out))
+    assert "model.safetensors" in files and "adapter_model.safetensors" not in files  # nothing of the old export
+    assert [p.name for p in tmp_path.iterdir()] == ["exp"]  # no temporary folder left beside it
+    folder = user_folder(tmp_path)
+    assert main(["export", str(finished_run), "--out", str(folder), "--overwrite"]) == 2
+    assert "holds no fedlowrank export" in capsys.readouterr().err and untouched(folder)
+
+
+def test_export_checks_its_out_before_any_work(finished_run, tmp_path, capsys, monkeypatch):
+    import fedlowrank.export as export
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the run was loaded before --out was checked")
+
+    monkeypatch.setattr(export, "load_global_simulation", forbidden)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for out in (blocker, blocker / "below"):
+        assert main(["export", str(finished_run), "--out", str(out)]) == 2
+        line = capsys.readouterr().err.strip()
+        assert len(line.splitlines()) == 1 and line.startswith("error: --out") and str(blocker) in line, line
+    assert blocker.read_text() == "x"
+
+
+def test_a_failed_export_leaves_no_folder(finished_run, capsys):
+    before = sorted(p.name for p in finished_run.iterdir())
+    assert main(["export", str(finished_run), "--rank", "100000"]) == 2
+    assert "--rank must be in" in capsys.readouterr().err
+    assert sorted(p.name for p in finished_run.iterdir()) == before

@@ -143,7 +143,7 @@ def cmd_export(args) -> int:
         raise ConfigError(f"--rank must be >= 1, got {args.rank}")
     suffix = args.format + (f"-r{args.rank}" if args.rank is not None else "")
     out = Path(args.out) if args.out else Path(args.run_dir) / f"export-{suffix}"
-    report = export_run(args.run_dir, out, args.format, args.rank, warn=_log)
+    report = export_run(args.run_dir, out, args.format, args.rank, warn=_log, overwrite=args.overwrite)
     _log(f"exported to {out}")
     print(json.dumps(report, indent=1))
     return 0
@@ -308,7 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--format", choices=("peft", "merged"), default="peft", help="default: peft")
     sp.add_argument("--rank", type=int, default=None,
                     help="peft only: re-factorise each target's total update to this rank by truncated SVD")
-    sp.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export-FORMAT[-rRANK])")
+    sp.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export-FORMAT[-rRANK]); never "
+                    "a run directory or inside one other than RUN_DIR/export-NAME")
+    sp.add_argument("--overwrite", action="store_true",
+                    help="replace the export already in a non-empty --out (its old files are deleted)")
     sp.set_defaults(func=cmd_export)
     sp = sub.add_parser("config", help="list every config key with its default (or CONFIG's value) and meaning",
                         parents=[debug])

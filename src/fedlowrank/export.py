@@ -29,6 +29,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -210,11 +212,53 @@ def load_peft(pristine: nn.Module, out_dir: str | Path) -> nn.Module:
     return PeftModel.from_pretrained(hf_backbone(pristine), str(out_dir)).eval()
 
 
+# -- the output folder ----------------------------------------------------------------------------------------------
+def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> None:
+    """Refuse ``--out`` (before any work) when it is, or is inside, a run directory (only a folder ``RUN/export-*``
+    directly in a run is allowed), a file or not writable, or a non-empty folder: that one is replaced with
+    ``overwrite`` when it holds an export (``export.json``), never otherwise."""
+    from .config import check_writable
+    from .runtime.rundir import is_run_dir
+
+    out = Path(out_dir).absolute()
+    if out.is_dir() and is_run_dir(out):
+        raise ValueError(f"--out {out_dir} is a run directory; export to a new folder (default: "
+                         f"{out_dir}/export-FORMAT)")
+    run = next((p for p in out.parents if is_run_dir(p)), None)
+    if run is not None and not (out.parent == run and out.name.startswith("export-")):
+        raise ValueError(f"--out {out_dir} is inside the run directory {run}; export to a folder outside it or to "
+                         f"{run}/export-NAME")
+    check_writable(out, "--out")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise ValueError(f"--out {out_dir} is not empty (holds {shown}); pass --overwrite to replace the export in "
+                         f"it, or choose another folder")
+    if held and not (out / REPORT_FILE).is_file():
+        raise ValueError(f"--out {out_dir} is not empty and holds no fedlowrank export (no {REPORT_FILE}): not "
+                         f"replacing it with --overwrite; choose another folder")
+
+
+def _install(tmp: Path, out_dir: Path, overwrite: bool) -> None:
+    """Move the finished export ``tmp`` to ``out_dir``, replacing what :func:`check_export_dir` allows there."""
+    check_export_dir(out_dir, overwrite)  # again: the folder may have changed during the export
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old.tmp-{os.getpid()}"
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out_dir)
+
+
 # -- entry point ------------------------------------------------------------------------------------------------
 def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", rank: int | None = None,
-               task=None, warn=None) -> dict[str, Any]:
+               task=None, warn=None, overwrite: bool = False) -> dict[str, Any]:
     """Export the global model of the run in ``run_dir`` to ``out_dir``; returns the report (also written to
     ``out_dir/export.json``).
+
+    The export is written to a temporary folder beside ``out_dir`` and renamed into place when complete, so a
+    failed or interrupted export leaves nothing (and, with ``overwrite``, the previous export intact).
 
     Args:
         format: ``"peft"`` (LoRA adapter) or ``"merged"`` (full model, transformers ``save_pretrained``).
@@ -222,22 +266,43 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
             when the run's update is not a LoRA; allowed for any run, e.g. to compress a LoRA).
         task: the run's task, to reuse (tests); built from the run's config when ``None``.
         warn: gets a line when the newest checkpoint is damaged and an older one is exported.
+        overwrite: replace the export already in ``out_dir`` (see :func:`check_export_dir`).
     """
+    from .runtime.rundir import make_dirs, remove_created_dirs, remove_dead_temporaries
+
     if format not in FORMATS:
         raise ValueError(f"--format must be one of {FORMATS}, got {format!r}")
     if rank is not None and format != "peft":
         raise ValueError("--rank applies to --format peft only (a merged model has no rank)")
-    sim = load_global_simulation(run_dir, task, warn)
-    model, pristine = sim.model, sim.task.build_model().net.eval()
     out_dir = Path(out_dir)
-    report: dict[str, Any] = {"run_dir": str(run_dir), "method": sim.method.name, "round": sim.round,
-                              "format": format, "out_dir": str(out_dir)}
+    check_export_dir(out_dir, overwrite)
+    sim = load_global_simulation(run_dir, task, warn)
+    created = make_dirs(out_dir.parent)
+    remove_dead_temporaries(out_dir.parent, out_dir.name)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        report = _write_export(sim, tmp, format, rank)
+        report.update(run_dir=str(run_dir), out_dir=str(out_dir))
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
+        _install(tmp, out_dir, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        remove_created_dirs(out_dir.parent, created)
+        raise
+    return report
+
+
+def _write_export(sim, out_dir: Path, format: str, rank: int | None) -> dict[str, Any]:
+    """Write the global model of ``sim`` to ``out_dir`` in ``format``, load it back and evaluate both; the report."""
+    model, pristine = sim.model, sim.task.build_model().net.eval()
+    report: dict[str, Any] = {"method": sim.method.name, "round": sim.round, "format": format}
     loaded = getattr(sim.task, "loaded", None)  # the task's LoadedModel (transformers tasks)
     if format == "merged":
         net = hf_backbone(merged_net(model, pristine))
         if not hasattr(net, "save_pretrained"):
             raise ValueError(f"--format merged needs a transformers model; this task's model is a {type(net).__name__}")
-        out_dir.mkdir(parents=True, exist_ok=True)
         net.save_pretrained(str(out_dir))
         exported = type(net).from_pretrained(str(out_dir)).eval()
     else:
@@ -257,7 +322,6 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
             alpha, rule = sim.cfg.lora.alpha, sim.cfg.lora.scaling
             factors, errors, overall = _lora_by_svd(model, pristine, rank, alpha, rule)
             report.update(svd=True, rel_error=errors, rel_error_overall=overall)
-        out_dir.mkdir(parents=True, exist_ok=True)
         report["peft"] = _save_peft(model, pristine, factors, alpha, rule, out_dir, loaded)
         exported = load_peft(pristine, out_dir)
     if loaded is not None:
@@ -274,7 +338,6 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
             report["id2label"] = {str(k): v for k, v in id2label.items()}
     report["check"] = {"run": sim.task.evaluate(model.net), "exported": sim.task.evaluate(exported)}
     report["files"] = sorted(p.name for p in out_dir.iterdir()) + [REPORT_FILE]
-    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1))
     return report
 
 

@@ -72,13 +72,24 @@ class RunDirLock:
 
 
 def _tidy(path: Path, created: Path | None) -> None:
-    """Remove the marker when it is all ``path`` holds, then ``path`` and its parents up to ``created`` (the
-    directories a lock created) while they are empty."""
+    """Remove the marker when it is all ``path`` holds, then the empty directories that made ``path`` exist."""
     try:
         if [p.name for p in path.iterdir()] == [RUN_MARKER]:
             (path / RUN_MARKER).unlink()
     except OSError:
         pass
+    remove_created_dirs(path, created)
+
+
+def make_dirs(path: Path) -> Path | None:
+    """``mkdir -p path``; returns the topmost directory this call created, or ``None``."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    return missing[-1] if missing else None
+
+
+def remove_created_dirs(path: Path, created: Path | None) -> None:
+    """Remove ``path`` and its parents up to ``created`` (what :func:`make_dirs` returned) while they are empty."""
     if created is None:
         return
     for folder in (path, *path.parents):
@@ -98,19 +109,12 @@ def _holder(lock_file: Path) -> str:
     return f" (pid {pid})" if pid else ""
 
 
-def _make_dirs(path: Path) -> Path | None:
-    """``mkdir -p path``; returns the topmost directory this call created, or ``None``."""
-    missing = [p for p in (path, *path.parents) if not p.exists()]
-    path.mkdir(parents=True, exist_ok=True)
-    return missing[-1] if missing else None
-
-
 def lock_run_dir(path: str | Path) -> RunDirLock:
     """Create ``path`` if needed and lock it; :class:`RunDirError` when another run holds the lock."""
     path = Path(path)
     created = None
     try:
-        created = _make_dirs(path)
+        created = make_dirs(path)
         while True:
             fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -210,6 +214,32 @@ def continue_run_dir(path: str | Path, flag: str = "--resume") -> RunDirLock:
         raise RunDirError(f"run directory {path} holds neither a fedlowrank run (none of {', '.join(RUN_FILES)}) "
                           f"nor only run directories: nothing to continue with {flag}; choose another directory")
     return lock_run_dir(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. another user's process
+        return True
+    return True
+
+
+def remove_dead_temporaries(folder: Path, stem: str = "") -> list[str]:
+    """Delete the temporaries ``folder/.<stem>*.tmp-<PID>`` (files or folders written, then renamed into place) whose
+    writer process is no longer alive, e.g. killed while writing; returns their names."""
+    removed = []
+    for path in Path(folder).glob(f".{stem}*.tmp-*"):
+        pid = path.name.rsplit(".tmp-", 1)[1]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path.name)
+    return sorted(removed)
 
 
 def remove_if_empty(path: str | Path) -> None:
