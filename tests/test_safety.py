@@ -164,3 +164,89 @@ def test_a_failed_export_leaves_no_folder(finished_run, capsys):
     assert main(["export", str(finished_run), "--rank", "100000"]) == 2
     assert "--rank must be in" in capsys.readouterr().err
     assert sorted(p.name for p in finished_run.iterdir()) == before
+
+
+# -- checkpoints: every file restored from is verified; resume says when it cuts the history -----------------------
+def _walk(value, change):
+    """``value`` (parsed JSON) with ``change(key, item)`` applied to every item of every object, recursively."""
+    if isinstance(value, dict):
+        return {k: change(k, _walk(v, change)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_walk(v, change) for v in value]
+    return value
+
+
+EDITS = {
+    "forged accuracy": lambda k, v: 0.999 if k == "accuracy" else v,
+    "history cut": lambda k, v: v[:1] if k == "history" else v,
+    "round moved back": lambda k, v: v - 1 if k == "round" and isinstance(v, int) and v == 3 else v,
+    "files dropped": lambda k, v: {} if k == "files" else v,
+    "wrong types": lambda k, v: "x" if k in ("history", "ledger", "files", "spilled") else v,
+    "ledger cut": lambda k, v: v[:2] if k == "ledger" else v,
+}
+
+
+@pytest.fixture(scope="module")
+def three_rounds(tmp_path_factory):
+    """A finished 3-round tiny run with a checkpoint every round (rounds 2 and 3 kept), and its summary."""
+    run_dir = tmp_path_factory.mktemp("three") / "run"
+    Simulation(tiny_config("run.rounds=3", "run.checkpoint_every=1"), task=tiny_task(), run_dir=run_dir).run()
+    return run_dir, json.loads((run_dir / "summary.json").read_text())
+
+
+def _copy(run_dir, tmp_path):
+    import shutil
+
+    shutil.copytree(run_dir, tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_edited_checkpoint_metadata_falls_back_like_a_damaged_tensor_file(three_rounds, tmp_path, capsys, edit):
+    run_dir = _copy(three_rounds[0], tmp_path)
+    newest = run_dir / "checkpoints" / "round-00003"
+    for path in newest.glob("*.json"):
+        text = json.dumps(_walk(json.loads(path.read_text()), EDITS[edit]))
+        path.write_text(text)
+    assert main(["resume", str(run_dir), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "round-00003" in err.splitlines()[0] and "using round-00002" in err.splitlines()[0], err
+    assert "cut back" in err and "Traceback" not in err
+    assert rounds_in(run_dir) == [1, 2, 3] and [r["round"] for r in map(
+        json.loads, (run_dir / "ledger.jsonl").read_text().splitlines())] == [1, 1, 2, 2, 3, 3]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["accuracy"] == three_rounds[1]["accuracy"] and summary["bytes_up"] == three_rounds[1]["bytes_up"]
+
+
+def test_a_resume_that_cuts_the_history_says_so_and_one_that_does_not_is_silent(three_rounds, tmp_path, capsys):
+    run_dir = _copy(three_rounds[0], tmp_path)
+    assert main(["resume", str(run_dir), "--quiet"]) == 0  # the run is complete: nothing to cut, nothing to run
+    err = capsys.readouterr().err
+    assert "cut back" not in err and "warning" not in err and rounds_in(run_dir) == [1, 2, 3]
+    assert main(["resume", str(run_dir), "--round", "2", "--quiet"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "cut back" in line]
+    assert len(lines) == 1 and "metrics.jsonl" in lines[0] and "round 3" in lines[0] and "round 2" in lines[0]
+    assert rounds_in(run_dir) == [1, 2, 3]
+
+
+def _dead_pid():
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+def test_resume_removes_the_temporaries_of_killed_writers_only(three_rounds, tmp_path):
+    run_dir = _copy(three_rounds[0], tmp_path)
+    root = run_dir / "checkpoints"
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # still writing
+    dead, alive = _dead_pid(), writer.pid
+    for pid in (dead, alive):
+        (root / f".round-00004.tmp-{pid}").mkdir()
+        (root / f".round-00004.tmp-{pid}" / "server.safetensors").write_bytes(b"half")
+        (root / f".latest.tmp-{pid}").write_text("round-00004")
+    try:
+        Simulation.resume(run_dir, task=tiny_task()).close()
+    finally:
+        writer.kill()
+        writer.wait()
+    left = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+    assert left == [f".latest.tmp-{alive}", f".round-00004.tmp-{alive}"]

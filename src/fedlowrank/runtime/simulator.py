@@ -55,7 +55,7 @@ from ..reporting.progress import Progress
 from ..reporting.tracking import open_tracker, require_package
 from ..tasks import Task, build_task
 from ..seeding import numpy_rng
-from .checkpoint import (Checkpoint, CheckpointError, config_fingerprint, drop_checkpoints_after, find_checkpoint,
+from .checkpoint import (Checkpoint, CheckpointError, config_fingerprint, find_checkpoint, restart_from,
                          save_checkpoint)
 from .rundir import check_run_dir, claim_run_dir, lock_run_dir
 from .cohort import cohort_size, cohort_update
@@ -427,7 +427,8 @@ class Simulation:
                round: int | None = None, warn: Callable[[str], None] | None = None) -> "Simulation":
         """Rebuild the run in ``run_dir`` from its resolved config and newest intact checkpoint (or that of
         ``round``), ready to continue, holding the directory's lock; ``metrics.jsonl`` and ``ledger.jsonl`` are
-        cut back to the checkpoint's round and later checkpoints deleted."""
+        cut back to the checkpoint's round (saying so when that drops rounds) and later checkpoints deleted
+        (:func:`~.checkpoint.restart_from`)."""
         lock = lock_run_dir(run_dir) if Path(run_dir).is_dir() else None
         try:
             sim = cls.from_checkpoint(run_dir, task, log, round, warn)
@@ -436,13 +437,11 @@ class Simulation:
                 lock.release()
             raise
         sim.run_dir, sim._lock = Path(run_dir), lock
-        drop_checkpoints_after(sim.run_dir, sim.round)
+        restart_from(sim.run_dir, sim.round, sim.history, sim.ledger.rows, warn or log)
         if not sim.client_states and (warn or log):
             (warn or log)(f"note: the checkpoint of round {sim.round} is the Flower server's; the clients' states "
                           f"stayed on the SuperNodes, so clients start here from their initial states")
         sim.client_states = True  # from here on the simulator holds them
-        for name, rows in (("metrics.jsonl", sim.history), ("ledger.jsonl", sim.ledger.rows)):
-            (sim.run_dir / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         return sim
 
     def _check_divergence(self, row: dict[str, Any]) -> None:
