@@ -171,9 +171,12 @@ def _save_peft(model: AdaptedModel, pristine: nn.Module, factors: dict[str, tupl
     """Wrap a copy of the pristine backbone (with the global head) in PEFT, load ``factors``, ``save_pretrained``.
 
     ``loaded`` (the task's :class:`~fedlowrank.models.loading.LoadedModel`, when it has one) gives the ``task_type``
-    (``CAUSAL_LM`` or ``SEQ_CLS``) and the portable ``base_model_name_or_path``. GPT-2's ``Conv1D`` targets are
-    written for peft's ``fan_in_fan_out = true`` (the factors are the same: ``A [r, in]``, ``B [out, r]``).
+    (``CAUSAL_LM`` or ``SEQ_CLS``) and ``base_model_name_or_path`` (:func:`~fedlowrank.models.loading.pretrained_id`:
+    a hub id or an absolute folder, which ``AutoPeftModelFor*`` loads). GPT-2's ``Conv1D`` targets are written for
+    peft's ``fan_in_fan_out = true`` (the factors are the same: ``A [r, in]``, ``B [out, r]``).
     """
+    from .models.loading import pretrained_id
+
     from peft import LoraConfig, get_peft_model
 
     net = copy.deepcopy(pristine)
@@ -196,7 +199,7 @@ def _save_peft(model: AdaptedModel, pristine: nn.Module, factors: dict[str, tupl
             layer.lora_B["default"].weight.copy_(B.reshape_as(layer.lora_B["default"].weight))  # conv: [out, r, 1, 1]
     if loaded is not None:  # set after wrapping: PeftModelForSequenceClassification would rewrite modules_to_save
         config.task_type = PEFT_TASK_TYPES.get(loaded.kind)  # None: a plain PeftModel (image classification)
-        config.base_model_name_or_path = loaded.source
+        config.base_model_name_or_path = pretrained_id(loaded.source)
     peft_model.save_pretrained(str(out_dir), save_embedding_layers=False)  # embeddings are never trained here
     return {"r": r, "lora_alpha": alpha, "use_rslora": rule == "rslora", "rank_pattern": config.rank_pattern,
             "target_modules": list(model.target_names), "modules_to_save": head_modules(model),
@@ -283,7 +286,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        report = _write_export(sim, tmp, format, rank)
+        report = _write_export(sim, tmp, format, rank, out_dir.name)
         report.update(run_dir=str(run_dir), out_dir=str(out_dir))
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
         _install(tmp, out_dir, overwrite)
@@ -294,8 +297,11 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
     return report
 
 
-def _write_export(sim, out_dir: Path, format: str, rank: int | None) -> dict[str, Any]:
-    """Write the global model of ``sim`` to ``out_dir`` in ``format``, load it back and evaluate both; the report."""
+def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str) -> dict[str, Any]:
+    """Write the global model of ``sim`` to ``out_dir`` in ``format``, load it back and evaluate both; the report.
+    ``name`` is the folder's name once in place (its model card's code loads it)."""
+    from .models.loading import pretrained_id
+
     model, pristine = sim.model, sim.task.build_model().net.eval()
     report: dict[str, Any] = {"method": sim.method.name, "round": sim.round, "format": format}
     loaded = getattr(sim.task, "loaded", None)  # the task's LoadedModel (transformers tasks)
@@ -332,17 +338,99 @@ def _write_export(sim, out_dir: Path, format: str, rank: int | None) -> dict[str
             (out_dir / "preprocessor_config.json").write_text(json.dumps(
                 {"image_mean": pre["mean"], "image_std": pre["std"], "rescale_factor": 1 / 255, "do_rescale": True,
                  "do_normalize": True, "size": {"height": pre["image_size"], "width": pre["image_size"]}}, indent=1))
-        report["base_model"] = loaded.source
+        report["base_model"] = pretrained_id(loaded.source)
+        report["task_model"] = loaded.source
         id2label = getattr(getattr(loaded.net, "config", None), "id2label", None)
         if loaded.kind in ("sequence-classification", "image-classification") and id2label:
             report["id2label"] = {str(k): v for k, v in id2label.items()}
     report["check"] = {"run": sim.task.evaluate(model.net), "exported": sim.task.evaluate(exported)}
+    (out_dir / "README.md").write_text(model_card(sim, report, loaded, name))
     report["files"] = sorted(p.name for p in out_dir.iterdir()) + [REPORT_FILE]
     return report
 
 
+# -- the model card -----------------------------------------------------------------------------------------------
+_PIPELINES = {"sequence-classification": "text-classification", "causal-lm": "text-generation",
+              "image-classification": "image-classification"}
+_AUTO_CLASSES = {"sequence-classification": "AutoModelForSequenceClassification", "causal-lm": "AutoModelForCausalLM",
+                 "image-classification": "AutoModelForImageClassification"}
+
+
+def _how_to_load(report: dict[str, Any], kind: str | None, folder: str) -> str:
+    """Python that loads the export as the Hugging Face stack does."""
+    auto = _AUTO_CLASSES.get(kind or "")
+    labels = len(report.get("id2label", {}))
+    if auto is None:
+        return "(not a transformers model: load it with fedlowrank)"
+    if report["format"] == "merged":
+        return f"from transformers import {auto}\nmodel = {auto}.from_pretrained({folder!r})"
+    extra = f", num_labels={labels}" if labels else ""
+    peft_auto = {"sequence-classification": "AutoPeftModelForSequenceClassification",
+                 "causal-lm": "AutoPeftModelForCausalLM"}.get(kind)
+    if peft_auto is not None:
+        return f"from peft import {peft_auto}\nmodel = {peft_auto}.from_pretrained({folder!r}{extra})"
+    return (f"from peft import PeftModel\nfrom transformers import {auto}\n"
+            f"base = {auto}.from_pretrained({report['base_model']!r}{extra})\n"
+            f"model = PeftModel.from_pretrained(base, {folder!r})")
+
+
+def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
+    """The export's ``README.md``: what was trained (method, rounds, clients, data, partition, adapter), its test
+    metrics (the run's and the export's as loaded back), the fedlowrank version, and how to load it from ``folder``."""
+    from . import __version__
+    from .models.loading import HUB_NOTES
+
+    cfg, kind = sim.cfg, getattr(loaded, "kind", None)
+    base = report.get("base_model", cfg.task.model)
+    part = cfg.partition
+    partition = part.kind + (f" (alpha = {part.alpha:g})" if part.kind == "dirichlet" else "")
+    front = ["---", f"library_name: {'peft' if report['format'] == 'peft' else 'transformers'}"]
+    if "/" in base and not Path(base).is_absolute():
+        front.append(f"base_model: {base}")
+    front += [f"pipeline_tag: {_PIPELINES[kind]}" if kind in _PIPELINES else "",
+              f"tags: [fedlowrank, federated-learning, {sim.method.name}]", "---"]
+    if report["format"] == "merged":
+        adapter = "merged into the base weights (a full model)"
+    elif report.get("svd"):
+        adapter = (f"LoRA rank {report['peft']['r']} by truncated SVD of each target's total update (relative "
+                   f"Frobenius error {report['rel_error_overall']:.3g} overall)")
+    else:
+        adapter = (f"LoRA rank {report['peft']['r']}, alpha {report['peft']['lora_alpha']:g}"
+                   + (" (rsLoRA)" if report["peft"]["use_rslora"] else "") + ", the run's own factors")
+    privacy = cfg.privacy.mode or ("dpsgd" if cfg.privacy.dpsgd else "")
+    eps = next((r[k] for r in reversed(sim.history) for k in ("epsilon", "dpsgd_epsilon") if k in r), None)
+    lines = [line for line in front if line] + [
+        f"# {sim.method.name} on {base if not Path(base).is_absolute() else Path(cfg.task.model).name}", "",
+        f"A model fine-tuned by federated learning with [fedlowrank](https://pypi.org/project/fedlowrank/) "
+        f"{__version__} and exported with `fedlowrank export --format {report['format']}`.", "",
+        "## Training", "",
+        f"* method: `{sim.method.name}`: {sim.method.description} ({sim.method.paper})",
+        f"* base model: `{base}`" + (f" (`task.model = {cfg.task.model}`)" if base != cfg.task.model else "")
+        + (f"; {HUB_NOTES[cfg.task.model]}" if cfg.task.model in HUB_NOTES else ""),
+        f"* rounds: {report['round']} of {cfg.run.rounds}; clients: {part.num_clients}, "
+        f"{cfg.run.clients_per_round} per round; seed {cfg.run.seed}",
+        f"* data: `{cfg.data.source}` ({cfg.task.kind}), split across the clients by `{partition}`",
+        f"* adapter: {adapter}",
+    ]
+    if privacy:
+        lines.append(f"* privacy: `{privacy}`" + (f", epsilon = {eps:.3g} after the last round" if eps else ""))
+    metrics = sorted(set(report["check"]["run"]) | set(report["check"]["exported"]))
+    lines += ["", "## Test metrics", "", "| metric | run | this export, loaded back |", "|---|---|---|"]
+    lines += [f"| {m} | {report['check']['run'].get(m, float('nan')):.6g} | "
+              f"{report['check']['exported'].get(m, float('nan')):.6g} |" for m in metrics]
+    if report.get("id2label"):
+        lines += ["", "Classes: " + ", ".join(f"{k} = {v}" for k, v in report["id2label"].items()) + "."]
+    files = ("The tokenizer is in this folder. " if getattr(loaded, "tokenizer", None) is not None else "") + (
+        "`preprocessor_config.json` gives the input size, mean and std. " if getattr(loaded, "preprocess", None)
+        else "")
+    lines += ["", "## How to load", "", "```python", _how_to_load(report, kind, folder), "```", "",
+              f"{files}`export.json` holds the full report.", ""]
+    return "\n".join(lines)
+
+
 __all__ = [
     "FORMATS",
+    "check_export_dir",
     "effective_weight",
     "export_run",
     "head_modules",
@@ -350,6 +438,7 @@ __all__ = [
     "load_peft",
     "merged_net",
     "merged_state_dict",
+    "model_card",
     "not_lora_reason",
     "svd_factors",
 ]
