@@ -114,8 +114,11 @@ def listing(folder):
 
 def test_export_never_writes_into_a_run_directory(finished_run, capsys):
     before = listing(finished_run)
+    link = finished_run.parent / "link-to-run"
+    if not link.exists():
+        link.symlink_to(finished_run)
     for out in (finished_run, finished_run / "checkpoints", finished_run / "checkpoints" / "x",
-                finished_run / "mine"):
+                finished_run / "mine", finished_run / "export-x" / ".." / "mine", link / "mine", link):
         assert main(["export", str(finished_run), "--format", "merged", "--out", str(out), "--overwrite"]) == 2, out
         line = capsys.readouterr().err.strip()
         assert len(line.splitlines()) == 1 and line.startswith("error: --out") and "run directory" in line, line
@@ -250,3 +253,27 @@ def test_resume_removes_the_temporaries_of_killed_writers_only(three_rounds, tmp
         writer.wait()
     left = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
     assert left == [f".latest.tmp-{alive}", f".round-00004.tmp-{alive}"]
+
+
+@pytest.mark.parametrize("damage", ["a name outside the folder", "an unlisted record", "a renamed folder"])
+def test_checkpoint_integrity_records_are_checked_field_by_field(three_rounds, tmp_path, capsys, damage):
+    import shutil
+
+    run_dir = _copy(three_rounds[0], tmp_path)
+    shutil.rmtree(run_dir / "checkpoints" / "round-00002")  # the damaged checkpoint is the only one
+    newest = run_dir / "checkpoints" / "round-00003"
+    meta = json.loads((newest / "meta.json").read_text())
+    if damage == "a name outside the folder":
+        meta["files"]["../../config.json"] = {"bytes": 1, "sha256": "0" * 64}
+    elif damage == "an unlisted record":
+        meta["files"] = {k: v for k, v in meta["files"].items() if k.endswith(".safetensors")}
+    else:
+        newest = newest.rename(run_dir / "checkpoints" / "round-00002")
+        (run_dir / "checkpoints" / "latest").write_text("round-00002")
+    (newest / "meta.json").write_text(json.dumps(meta))
+    assert main(["resume", str(run_dir), "--quiet"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: no intact checkpoint") and newest.name in line, line
+    assert {"a name outside the folder": "malformed entry '../../config.json'", "an unlisted record": "does not list",
+            "a renamed folder": "round 3 in the folder of round 00002"}[damage] in line
+    assert rounds_in(run_dir) == [1, 2, 3]  # a refused resume cuts nothing

@@ -223,7 +223,7 @@ def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> None:
     from .config import check_writable
     from .runtime.rundir import is_run_dir
 
-    out = Path(out_dir).absolute()
+    out = Path(out_dir).resolve()  # "..", symbolic links: where it really is
     if out.is_dir() and is_run_dir(out):
         raise ValueError(f"--out {out_dir} is a run directory; export to a new folder (default: "
                          f"{out_dir}/export-FORMAT)")
