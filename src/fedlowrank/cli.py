@@ -92,18 +92,19 @@ def cmd_run(args) -> int:
 
 @contextmanager
 def _output_dir(args, cfg, suffix: str):
-    """``--out``, or a new directory under ``run.out_dir`` that is removed again when the block fails before
-    anything is written into it (a refused command leaves no directory behind)."""
-    from .runtime.rundir import remove_if_empty
+    """``--out``, or a new directory under ``run.out_dir`` that is removed again, with the ``run.out_dir`` folders
+    made for it, when the block fails before anything is written into it (a refused command leaves no directory)."""
+    from .runtime.rundir import make_dirs, remove_created_dirs
 
     if args.out:
         yield Path(args.out)
         return
+    created = make_dirs(Path(cfg.run.out_dir))
     run_dir = _run_dir(cfg, suffix)
     try:
         yield run_dir
     except BaseException:
-        remove_if_empty(run_dir)
+        remove_created_dirs(run_dir, created or run_dir)
         raise
 
 

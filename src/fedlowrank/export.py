@@ -6,8 +6,8 @@ writes, in ``out_dir``:
 * ``format="peft"`` — ``adapter_config.json`` + ``adapter_model.safetensors`` (through PEFT's own
   ``save_pretrained``, so every key carries the ``base_model.model.`` prefix that ``PeftModel.from_pretrained``
   maps) with the head in ``modules_to_save``, ``task_type`` ``CAUSAL_LM`` or ``SEQ_CLS`` and
-  ``base_model_name_or_path`` = the task's portable model id (:attr:`fedlowrank.models.loading.LoadedModel.source`: a
-  bundled name, the user's folder or a hub id; never a path inside the virtual environment). GPT-2's fused
+  ``base_model_name_or_path`` = where ``from_pretrained`` finds the base (:func:`fedlowrank.models.loading.pretrained_id`:
+  a bundled model's hub id, a random tiny model's cached folder, the user's folder or hub id). GPT-2's fused
   ``Conv1D`` targets are written with ``fan_in_fan_out = true``. Exact when the run's update is a LoRA (every target a
   :class:`~fedlowrank.adapters.lora.LoRALinear` without base delta); otherwise ``rank`` is required and the
   total update of each target, ``ΔW = W_eff − W0`` ``[out, in]``, is re-factorised by truncated SVD,
@@ -17,11 +17,13 @@ writes, in ``out_dir``:
 * ``format="merged"`` — the backbone with ``W_eff`` in place of every target weight and the trained head,
   written by transformers' ``save_pretrained`` (loadable with ``AutoModel*.from_pretrained``).
 
-Both formats save the model's tokenizer beside the weights; a classification export lists its class names in
-``export.json`` (``id2label``; a merged model also has them in ``config.json``). Every export is checked by
-loading the written files back and evaluating them on the task's test set next to
-the run's global model (``report["check"]``). Nothing in the run directory is modified. ``peft`` and
-``transformers`` are imported lazily: the core does not need them.
+Both formats save the model's tokenizer beside the weights and a model card (``README.md``, :func:`model_card`); a
+classification export lists its class names in ``export.json`` (``id2label``; a merged model also has them in
+``config.json``). Every export is checked by loading the written files back and evaluating them on the task's test
+set next to the run's global model (``report["check"]``). ``out_dir`` is checked before any work
+(:func:`check_export_dir`: never a run directory or inside one other than ``RUN/export-*``, never a non-empty folder
+but an earlier export with ``overwrite``), and the export is renamed into place only when complete; nothing else in
+the run directory is modified. ``peft`` and ``transformers`` are imported lazily: the core does not need them.
 """
 
 from __future__ import annotations
@@ -175,9 +177,9 @@ def _save_peft(model: AdaptedModel, pristine: nn.Module, factors: dict[str, tupl
     a hub id or an absolute folder, which ``AutoPeftModelFor*`` loads). GPT-2's ``Conv1D`` targets are written for
     peft's ``fan_in_fan_out = true`` (the factors are the same: ``A [r, in]``, ``B [out, r]``).
     """
-    from .models.loading import pretrained_id
-
     from peft import LoraConfig, get_peft_model
+
+    from .models.loading import pretrained_id
 
     net = copy.deepcopy(pristine)
     head = dict(net.named_parameters())

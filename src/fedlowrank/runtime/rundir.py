@@ -205,7 +205,7 @@ def claim_run_dir(path: str | Path, overwrite: bool = False, flag: str = "--over
 def continue_run_dir(path: str | Path, flag: str = "--resume") -> RunDirLock:
     """Lock ``path`` to continue the runs in it (``compare``/``tune --resume``): claimed when it is absent or
     empty; refused when it holds other files than a run or run directories (e.g. runs of separate processes moved
-    into it), or another process writes it."""
+    into it: the directory is then marked as a run directory), or another process writes it."""
     path = Path(path)
     entries = [p for p in path.iterdir() if p.name not in _OWN_FILES] if path.is_dir() else []
     if not entries:
@@ -213,7 +213,10 @@ def continue_run_dir(path: str | Path, flag: str = "--resume") -> RunDirLock:
     if not (is_run_dir(path) or all(is_run_dir(p) for p in entries)):
         raise RunDirError(f"run directory {path} holds neither a fedlowrank run (none of {', '.join(RUN_FILES)}) "
                           f"nor only run directories: nothing to continue with {flag}; choose another directory")
-    return lock_run_dir(path)
+    lock = lock_run_dir(path)
+    if not (path / RUN_MARKER).exists():
+        (path / RUN_MARKER).write_text(_MARKER_TEXT)
+    return lock
 
 
 def _alive(pid: int) -> bool:
@@ -240,14 +243,6 @@ def remove_dead_temporaries(folder: Path, stem: str = "") -> list[str]:
             path.unlink(missing_ok=True)
         removed.append(path.name)
     return sorted(removed)
-
-
-def remove_if_empty(path: str | Path) -> None:
-    """Remove ``path`` when it is an empty directory (a default run directory that a refused command created)."""
-    try:
-        Path(path).rmdir()
-    except OSError:
-        pass
 
 
 def new_run_dir(parent: str | Path, stem: str) -> Path:
