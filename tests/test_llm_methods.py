@@ -12,7 +12,7 @@ from fedlowrank.adapters.targets import resolve_targets
 from fedlowrank.config import ConfigError
 from fedlowrank.export import export_run
 from fedlowrank.methods import available_methods
-from fedlowrank.models.loading import Conv1DLinear, load_model
+from fedlowrank.models.loading import Conv1DLinear, load_model, pretrained_id
 from fedlowrank.runtime.simulator import Simulation
 
 LAYER0 = "model.layers.0.self_attn."
@@ -141,7 +141,7 @@ def test_classification_export_is_seq_cls_with_class_names(tmp_path):
     Simulation(tiny_config("run.rounds=1", "run.checkpoint_every=1"), task=tiny_task(), run_dir=run_dir).run()
     report = export_run(run_dir, tmp_path / "adapter", "peft", task=tiny_task())
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert config["task_type"] == "SEQ_CLS" and config["base_model_name_or_path"] == "tiny-bert"
+    assert config["task_type"] == "SEQ_CLS" and config["base_model_name_or_path"] == pretrained_id("tiny-bert")
     assert config["modules_to_save"] == ["classifier"]
     assert report["id2label"] == {str(i): n for i, n in enumerate(tiny_task().data.label_names)}
     assert "tokenizer.json" in report["files"] or "vocab.txt" in report["files"]

@@ -120,9 +120,27 @@ def cmd_run(args) -> int:
     _need_config(args)
     cfg = load_config(args.config, [*args.set, *(["run.vectorized=true"] if args.vectorized else [])])
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
-    run_dir = Path(args.out) if args.out else _run_dir(cfg, cfg.method_name)
-    run = runner_for(cfg)(cfg, run_dir=run_dir, log=None if args.quiet else _log, overwrite=args.overwrite)
+    with _output_dir(args, cfg, cfg.method_name) as run_dir:
+        run = runner_for(cfg)(cfg, run_dir=run_dir, log=None if args.quiet else _log, overwrite=args.overwrite)
     return _finish(run, run_dir, args.json)
+
+
+@contextlib.contextmanager
+def _output_dir(args, cfg, suffix: str):
+    """``--out``, or a new directory under ``run.out_dir`` that is removed again, with the ``run.out_dir`` folders
+    made for it, when the block fails before anything is written into it (a refused command leaves no directory)."""
+    from .runtime.rundir import make_dirs, remove_created_dirs
+
+    if args.out:
+        yield Path(args.out)
+        return
+    created = make_dirs(Path(cfg.run.out_dir))
+    run_dir = _run_dir(cfg, suffix)
+    try:
+        yield run_dir
+    except BaseException:
+        remove_created_dirs(run_dir, created or run_dir)
+        raise
 
 
 def _finish(run, run_dir: Path, as_json: bool = False) -> int:
@@ -207,7 +225,7 @@ def cmd_export(args) -> int:
         raise ConfigError(f"--rank must be >= 1, got {args.rank}")
     suffix = args.format + (f"-r{args.rank}" if args.rank is not None else "")
     out = Path(args.out) if args.out else Path(args.run_dir) / f"export-{suffix}"
-    report = export_run(args.run_dir, out, args.format, args.rank, warn=_log)
+    report = export_run(args.run_dir, out, args.format, args.rank, warn=_log, overwrite=args.overwrite)
     _log(f"exported to {out}")
     print(json.dumps(report, indent=1))
     return 0
@@ -221,44 +239,47 @@ JOBS_HELP = ("run the runs in N worker processes, each with run.threads torch th
              "results as one process")
 
 
-def _claim_output(args, kind: str):
+@contextlib.contextmanager
+def _claimed_output(args, kind: str):
     """The output directory of ``compare``/``tune`` (``--out`` or a new one under ``run.out_dir``), checked writable
-    and claimed (``--resume``: locked, its finished runs kept): returns (directory, lock held until the command
-    ends; each run locks its own subdirectory)."""
+    and claimed (``--resume``: locked, its finished runs kept) for the block (each run locks its own subdirectory);
+    what a failed block leaves unused is removed (:meth:`~.runtime.rundir.RunDirLock.release`)."""
     from .config import ConfigError, check_writable, load_config
-    from .runtime.rundir import claim_run_dir, lock_run_dir
+    from .runtime.rundir import claim_run_dir, continue_run_dir
 
     _need_config(args)
     if args.resume and (args.overwrite or not args.out):
         raise ConfigError("--resume continues the runs in an --out directory: give --out, and not --overwrite")
     cfg = load_config(args.config, args.set, method_checks=False)  # each compared method is checked on its own
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
-    out = Path(args.out) if args.out else _run_dir(cfg, kind)
-    return out, lock_run_dir(out) if args.resume else claim_run_dir(out, args.overwrite)
-
+    with _output_dir(args, cfg, kind) as out:
+        lock = continue_run_dir(out) if args.resume else claim_run_dir(out, args.overwrite)
+        try:
+            yield out
+        finally:
+            lock.release()
 
 def cmd_compare(args) -> int:
     from .experiments.compare import results_markdown, run_comparison
 
-    out, lock = _claim_output(args, "compare")
-    results = run_comparison(args.config, args.methods, args.seeds, args.set, out, None if args.quiet else _log,
-                             reference=args.reference, tuned=args.tuned, resume=args.resume,
-                             jobs=args.jobs)
+    with _claimed_output(args, "compare") as out:
+        results = run_comparison(args.config, args.methods, args.seeds, args.set, out, None if args.quiet else _log,
+                                 reference=args.reference, tuned=args.tuned, resume=args.resume,
+                                 jobs=args.jobs)
     print(results_markdown(results))
     _log(f"results: {out / 'results.md'}" + "".join(f"\nplot: {p}" for p in results.get("plots", [])))
-    lock.release()
     return 0
 
 
 def cmd_tune(args) -> int:
     from .experiments.tune import run_tuning, tune_markdown
 
-    out, lock = _claim_output(args, "tune")
-    result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out, None if args.quiet else _log,
-                        resume=args.resume, jobs=args.jobs, param=args.param, tuned=args.tuned, extend=args.extend)
+    with _claimed_output(args, "tune") as out:
+        result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out,
+                            None if args.quiet else _log, resume=args.resume, jobs=args.jobs, param=args.param,
+                            tuned=args.tuned, extend=args.extend)
     print(tune_markdown(result))
     _log(f"tuning: {out / 'tune.json'}; use it with: fedlowrank compare ... --tuned {out / 'tune.json'}")
-    lock.release()
     return 0
 
 
@@ -414,7 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--format", choices=("peft", "merged"), default="peft", help="default: peft")
     sp.add_argument("--rank", type=int, default=None,
                     help="peft only: re-factorise each target's total update to this rank by truncated SVD")
-    sp.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export-FORMAT[-rRANK])")
+    sp.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export-FORMAT[-rRANK]); never "
+                    "a run directory or inside one other than RUN_DIR/export-NAME")
+    sp.add_argument("--overwrite", action="store_true",
+                    help="replace the export already in a non-empty --out (its old files are deleted)")
     sp.set_defaults(func=cmd_export)
     sp = sub.add_parser("config", help="list every config key with its value (CONFIG's, or the default), meaning and "
                         "allowed values", parents=[debug], **bundled)

@@ -6,8 +6,8 @@ writes, in ``out_dir``:
 * ``format="peft"`` — ``adapter_config.json`` + ``adapter_model.safetensors`` (through PEFT's own
   ``save_pretrained``, so every key carries the ``base_model.model.`` prefix that ``PeftModel.from_pretrained``
   maps) with the head in ``modules_to_save``, ``task_type`` ``CAUSAL_LM`` or ``SEQ_CLS`` and
-  ``base_model_name_or_path`` = the task's portable model id (:attr:`fedlowrank.models.loading.LoadedModel.source`: a
-  bundled name, the user's folder or a hub id; never a path inside the virtual environment). GPT-2's fused
+  ``base_model_name_or_path`` = where ``from_pretrained`` finds the base (:func:`fedlowrank.models.loading.pretrained_id`:
+  a bundled model's hub id, a random tiny model's cached folder, the user's folder or hub id). GPT-2's fused
   ``Conv1D`` targets are written with ``fan_in_fan_out = true``. Exact when the run's update is a LoRA (every target a
   :class:`~fedlowrank.adapters.lora.LoRALinear` without base delta); otherwise ``rank`` is required and the
   total update of each target, ``ΔW = W_eff − W0`` ``[out, in]``, is re-factorised by truncated SVD,
@@ -17,11 +17,13 @@ writes, in ``out_dir``:
 * ``format="merged"`` — the backbone with ``W_eff`` in place of every target weight and the trained head,
   written by transformers' ``save_pretrained`` (loadable with ``AutoModel*.from_pretrained``).
 
-Both formats save the model's tokenizer beside the weights; a classification export lists its class names in
-``export.json`` (``id2label``; a merged model also has them in ``config.json``). Every export is checked by
-loading the written files back and evaluating them on the task's test set next to
-the run's global model (``report["check"]``). Nothing in the run directory is modified. ``peft`` and
-``transformers`` are imported lazily: the core does not need them.
+Both formats save the model's tokenizer beside the weights and a model card (``README.md``, :func:`model_card`); a
+classification export lists its class names in ``export.json`` (``id2label``; a merged model also has them in
+``config.json``). Every export is checked by loading the written files back and evaluating them on the task's test
+set next to the run's global model (``report["check"]``). ``out_dir`` is checked before any work
+(:func:`check_export_dir`: never a run directory or inside one other than ``RUN/export-*``, never a non-empty folder
+but an earlier export with ``overwrite``), and the export is renamed into place only when complete; nothing else in
+the run directory is modified. ``peft`` and ``transformers`` are imported lazily: the core does not need them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -170,10 +174,13 @@ def _save_peft(model: AdaptedModel, pristine: nn.Module, factors: dict[str, tupl
     """Wrap a copy of the pristine backbone (with the global head) in PEFT, load ``factors``, ``save_pretrained``.
 
     ``loaded`` (the task's :class:`~fedlowrank.models.loading.LoadedModel`, when it has one) gives the ``task_type``
-    (``CAUSAL_LM`` or ``SEQ_CLS``) and the portable ``base_model_name_or_path``. GPT-2's ``Conv1D`` targets are
-    written for peft's ``fan_in_fan_out = true`` (the factors are the same: ``A [r, in]``, ``B [out, r]``).
+    (``CAUSAL_LM`` or ``SEQ_CLS``) and ``base_model_name_or_path`` (:func:`~fedlowrank.models.loading.pretrained_id`:
+    a hub id or an absolute folder, which ``AutoPeftModelFor*`` loads). GPT-2's ``Conv1D`` targets are written for
+    peft's ``fan_in_fan_out = true`` (the factors are the same: ``A [r, in]``, ``B [out, r]``).
     """
     from peft import LoraConfig, get_peft_model
+
+    from .models.loading import pretrained_id
 
     net = copy.deepcopy(pristine)
     head = dict(net.named_parameters())
@@ -195,7 +202,7 @@ def _save_peft(model: AdaptedModel, pristine: nn.Module, factors: dict[str, tupl
             layer.lora_B["default"].weight.copy_(B.reshape_as(layer.lora_B["default"].weight))  # conv: [out, r, 1, 1]
     if loaded is not None:  # set after wrapping: PeftModelForSequenceClassification would rewrite modules_to_save
         config.task_type = PEFT_TASK_TYPES.get(loaded.kind)  # None: a plain PeftModel (image classification)
-        config.base_model_name_or_path = loaded.source
+        config.base_model_name_or_path = pretrained_id(loaded.source)
     peft_model.save_pretrained(str(out_dir), save_embedding_layers=False)  # embeddings are never trained here
     return {"r": r, "lora_alpha": alpha, "use_rslora": rule == "rslora", "rank_pattern": config.rank_pattern,
             "target_modules": list(model.target_names), "modules_to_save": head_modules(model),
@@ -211,11 +218,53 @@ def load_peft(pristine: nn.Module, out_dir: str | Path) -> nn.Module:
     return PeftModel.from_pretrained(hf_backbone(pristine), str(out_dir)).eval()
 
 
+# -- the output folder ----------------------------------------------------------------------------------------------
+def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> None:
+    """Refuse ``--out`` (before any work) when it is, or is inside, a run directory (only a folder ``RUN/export-*``
+    directly in a run is allowed), a file or not writable, or a non-empty folder: that one is replaced with
+    ``overwrite`` when it holds an export (``export.json``), never otherwise."""
+    from .config import check_writable
+    from .runtime.rundir import is_run_dir
+
+    out = Path(out_dir).resolve()  # "..", symbolic links: where it really is
+    if out.is_dir() and is_run_dir(out):
+        raise ValueError(f"--out {out_dir} is a run directory; export to a new folder (default: "
+                         f"{out_dir}/export-FORMAT)")
+    run = next((p for p in out.parents if is_run_dir(p)), None)
+    if run is not None and not (out.parent == run and out.name.startswith("export-")):
+        raise ValueError(f"--out {out_dir} is inside the run directory {run}; export to a folder outside it or to "
+                         f"{run}/export-NAME")
+    check_writable(out, "--out")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise ValueError(f"--out {out_dir} is not empty (holds {shown}); pass --overwrite to replace the export in "
+                         f"it, or choose another folder")
+    if held and not (out / REPORT_FILE).is_file():
+        raise ValueError(f"--out {out_dir} is not empty and holds no fedlowrank export (no {REPORT_FILE}): not "
+                         f"replacing it with --overwrite; choose another folder")
+
+
+def _install(tmp: Path, out_dir: Path, overwrite: bool) -> None:
+    """Move the finished export ``tmp`` to ``out_dir``, replacing what :func:`check_export_dir` allows there."""
+    check_export_dir(out_dir, overwrite)  # again: the folder may have changed during the export
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old.tmp-{os.getpid()}"
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out_dir)
+
+
 # -- entry point ------------------------------------------------------------------------------------------------
 def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", rank: int | None = None,
-               task=None, warn=None) -> dict[str, Any]:
+               task=None, warn=None, overwrite: bool = False) -> dict[str, Any]:
     """Export the global model of the run in ``run_dir`` to ``out_dir``; returns the report (also written to
     ``out_dir/export.json``).
+
+    The export is written to a temporary folder beside ``out_dir`` and renamed into place when complete, so a
+    failed or interrupted export leaves nothing (and, with ``overwrite``, the previous export intact).
 
     Args:
         format: ``"peft"`` (LoRA adapter) or ``"merged"`` (full model, transformers ``save_pretrained``).
@@ -223,21 +272,45 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
             when the run's update is not a LoRA; allowed for any run, e.g. to compress a LoRA).
         task: the run's task, to reuse (tests); built from the run's config when ``None``.
         warn: gets a line when the newest checkpoint is damaged and an older one is exported.
+        overwrite: replace the export already in ``out_dir`` (see :func:`check_export_dir`).
     """
+    from .runtime.rundir import make_dirs, remove_created_dirs, remove_dead_temporaries
+
     check_choice("--format", format, FORMATS)
     if rank is not None and format != "peft":
         raise ValueError("--rank applies to --format peft only (a merged model has no rank)")
-    sim = load_global_simulation(run_dir, task, warn)
-    model, pristine = sim.model, sim.task.build_model().net.eval()
     out_dir = Path(out_dir)
-    report: dict[str, Any] = {"run_dir": str(run_dir), "method": sim.method.name, "round": sim.round,
-                              "format": format, "out_dir": str(out_dir)}
+    check_export_dir(out_dir, overwrite)
+    sim = load_global_simulation(run_dir, task, warn)
+    created = make_dirs(out_dir.parent)
+    remove_dead_temporaries(out_dir.parent, out_dir.name)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        report = _write_export(sim, tmp, format, rank, out_dir.name)
+        report.update(run_dir=str(run_dir), out_dir=str(out_dir))
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
+        _install(tmp, out_dir, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        remove_created_dirs(out_dir.parent, created)
+        raise
+    return report
+
+
+def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str) -> dict[str, Any]:
+    """Write the global model of ``sim`` to ``out_dir`` in ``format``, load it back and evaluate both; the report.
+    ``name`` is the folder's name once in place (its model card's code loads it)."""
+    from .models.loading import pretrained_id
+
+    model, pristine = sim.model, sim.task.build_model().net.eval()
+    report: dict[str, Any] = {"method": sim.method.name, "round": sim.round, "format": format}
     loaded = getattr(sim.task, "loaded", None)  # the task's LoadedModel (transformers tasks)
     if format == "merged":
         net = hf_backbone(merged_net(model, pristine))
         if not hasattr(net, "save_pretrained"):
             raise ValueError(f"--format merged needs a transformers model; this task's model is a {type(net).__name__}")
-        out_dir.mkdir(parents=True, exist_ok=True)
         net.save_pretrained(str(out_dir))
         exported = type(net).from_pretrained(str(out_dir)).eval()
     else:
@@ -257,7 +330,6 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
             alpha, rule = sim.cfg.lora.alpha, sim.cfg.lora.scaling
             factors, errors, overall = _lora_by_svd(model, pristine, rank, alpha, rule)
             report.update(svd=True, rel_error=errors, rel_error_overall=overall)
-        out_dir.mkdir(parents=True, exist_ok=True)
         report["peft"] = _save_peft(model, pristine, factors, alpha, rule, out_dir, loaded)
         exported = load_peft(pristine, out_dir)
     if loaded is not None:
@@ -268,18 +340,99 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
             (out_dir / "preprocessor_config.json").write_text(json.dumps(
                 {"image_mean": pre["mean"], "image_std": pre["std"], "rescale_factor": 1 / 255, "do_rescale": True,
                  "do_normalize": True, "size": {"height": pre["image_size"], "width": pre["image_size"]}}, indent=1))
-        report["base_model"] = loaded.source
+        report["base_model"] = pretrained_id(loaded.source)
+        report["task_model"] = loaded.source
         id2label = getattr(getattr(loaded.net, "config", None), "id2label", None)
         if loaded.kind in ("sequence-classification", "image-classification") and id2label:
             report["id2label"] = {str(k): v for k, v in id2label.items()}
     report["check"] = {"run": sim.task.evaluate(model.net), "exported": sim.task.evaluate(exported)}
+    (out_dir / "README.md").write_text(model_card(sim, report, loaded, name))
     report["files"] = sorted(p.name for p in out_dir.iterdir()) + [REPORT_FILE]
-    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1))
     return report
+
+
+# -- the model card -----------------------------------------------------------------------------------------------
+_PIPELINES = {"sequence-classification": "text-classification", "causal-lm": "text-generation",
+              "image-classification": "image-classification"}
+_AUTO_CLASSES = {"sequence-classification": "AutoModelForSequenceClassification", "causal-lm": "AutoModelForCausalLM",
+                 "image-classification": "AutoModelForImageClassification"}
+
+
+def _how_to_load(report: dict[str, Any], kind: str | None, folder: str) -> str:
+    """Python that loads the export as the Hugging Face stack does."""
+    auto = _AUTO_CLASSES.get(kind or "")
+    labels = len(report.get("id2label", {}))
+    if auto is None:
+        return "(not a transformers model: load it with fedlowrank)"
+    if report["format"] == "merged":
+        return f"from transformers import {auto}\nmodel = {auto}.from_pretrained({folder!r})"
+    extra = f", num_labels={labels}" if labels else ""
+    peft_auto = {"sequence-classification": "AutoPeftModelForSequenceClassification",
+                 "causal-lm": "AutoPeftModelForCausalLM"}.get(kind)
+    if peft_auto is not None:
+        return f"from peft import {peft_auto}\nmodel = {peft_auto}.from_pretrained({folder!r}{extra})"
+    return (f"from peft import PeftModel\nfrom transformers import {auto}\n"
+            f"base = {auto}.from_pretrained({report['base_model']!r}{extra})\n"
+            f"model = PeftModel.from_pretrained(base, {folder!r})")
+
+
+def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
+    """The export's ``README.md``: what was trained (method, rounds, clients, data, partition, adapter), its test
+    metrics (the run's and the export's as loaded back), the fedlowrank version, and how to load it from ``folder``."""
+    from . import __version__
+    from .models.loading import HUB_NOTES
+
+    cfg, kind = sim.cfg, getattr(loaded, "kind", None)
+    base = report.get("base_model", cfg.task.model)
+    part = cfg.partition
+    partition = part.kind + (f" (alpha = {part.alpha:g})" if part.kind == "dirichlet" else "")
+    front = ["---", f"library_name: {'peft' if report['format'] == 'peft' else 'transformers'}"]
+    if "/" in base and not Path(base).is_absolute():
+        front.append(f"base_model: {base}")
+    front += [f"pipeline_tag: {_PIPELINES[kind]}" if kind in _PIPELINES else "",
+              f"tags: [fedlowrank, federated-learning, {sim.method.name}]", "---"]
+    if report["format"] == "merged":
+        adapter = "merged into the base weights (a full model)"
+    elif report.get("svd"):
+        adapter = (f"LoRA rank {report['peft']['r']} by truncated SVD of each target's total update (relative "
+                   f"Frobenius error {report['rel_error_overall']:.3g} overall)")
+    else:
+        adapter = (f"LoRA rank {report['peft']['r']}, alpha {report['peft']['lora_alpha']:g}"
+                   + (" (rsLoRA)" if report["peft"]["use_rslora"] else "") + ", the run's own factors")
+    privacy = cfg.privacy.mode or ("dpsgd" if cfg.privacy.dpsgd else "")
+    eps = next((r[k] for r in reversed(sim.history) for k in ("epsilon", "dpsgd_epsilon") if k in r), None)
+    lines = [line for line in front if line] + [
+        f"# {sim.method.name} on {base if not Path(base).is_absolute() else Path(cfg.task.model).name}", "",
+        f"A model fine-tuned by federated learning with [fedlowrank](https://pypi.org/project/fedlowrank/) "
+        f"{__version__} and exported with `fedlowrank export --format {report['format']}`.", "",
+        "## Training", "",
+        f"* method: `{sim.method.name}`: {sim.method.description} ({sim.method.paper})",
+        f"* base model: `{base}`" + (f" (`task.model = {cfg.task.model}`)" if base != cfg.task.model else "")
+        + (f"; {HUB_NOTES[cfg.task.model]}" if cfg.task.model in HUB_NOTES else ""),
+        f"* rounds: {report['round']} of {cfg.run.rounds}; clients: {part.num_clients}, "
+        f"{cfg.run.clients_per_round} per round; seed {cfg.run.seed}",
+        f"* data: `{cfg.data.source}` ({cfg.task.kind}), split across the clients by `{partition}`",
+        f"* adapter: {adapter}",
+    ]
+    if privacy:
+        lines.append(f"* privacy: `{privacy}`" + (f", epsilon = {eps:.3g} after the last round" if eps else ""))
+    metrics = sorted(set(report["check"]["run"]) | set(report["check"]["exported"]))
+    lines += ["", "## Test metrics", "", "| metric | run | this export, loaded back |", "|---|---|---|"]
+    lines += [f"| {m} | {report['check']['run'].get(m, float('nan')):.6g} | "
+              f"{report['check']['exported'].get(m, float('nan')):.6g} |" for m in metrics]
+    if report.get("id2label"):
+        lines += ["", "Classes: " + ", ".join(f"{k} = {v}" for k, v in report["id2label"].items()) + "."]
+    files = ("The tokenizer is in this folder. " if getattr(loaded, "tokenizer", None) is not None else "") + (
+        "`preprocessor_config.json` gives the input size, mean and std. " if getattr(loaded, "preprocess", None)
+        else "")
+    lines += ["", "## How to load", "", "```python", _how_to_load(report, kind, folder), "```", "",
+              f"{files}`export.json` holds the full report.", ""]
+    return "\n".join(lines)
 
 
 __all__ = [
     "FORMATS",
+    "check_export_dir",
     "effective_weight",
     "export_run",
     "head_modules",
@@ -287,6 +440,7 @@ __all__ = [
     "load_peft",
     "merged_net",
     "merged_state_dict",
+    "model_card",
     "not_lora_reason",
     "svd_factors",
 ]

@@ -1,20 +1,25 @@
 """Tensor containers and their byte format.
 
-One format serves messages, states and checkpoints: the safetensors layout (8-byte little-endian header
-length, a JSON header, raw little-endian tensor bytes), written with numpy only so that the core needs no
-extra dependency. Scalars and small lists ride in the header's ``__metadata__`` as JSON. Nothing is ever
-unpickled: reading a file only parses JSON and copies raw bytes.
+One format serves messages, states and checkpoints: safetensors (8-byte little-endian header length, a JSON header,
+raw little-endian tensor bytes), written and parsed by the ``safetensors`` library. Scalars and small lists ride in
+the header's ``__metadata__`` as one JSON text (key ``"json"``) in which every number and boolean has a fixed width
+(:func:`encode_scalars`): a container's size depends on its names, dtypes, shapes and strings, never on its numeric
+values, so the communication ledger counts the same bytes for the same payload whatever the losses and metrics in it.
+
+Reading never unpickles anything, and any bytes either parse to a valid container (tensors of the dtypes below,
+boolean tensors of 0/1 bytes, scalars in a JSON object, no name both a tensor and a scalar) or raise
+:class:`FormatError`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import struct
 from typing import Any, Mapping
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, TensorSpec, deserialize, serialize
 
 Scalar = int | float | str | bool | None | list | dict
 
@@ -24,7 +29,11 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
 }
 _TORCH_OF = {v: k for k, v in _DTYPES.items()}
-_META_KEY = "__metadata__"
+# The order in which the library lays tensors out (largest alignment first, then by name): their data offsets, and
+# so the header's length, follow it.
+_LAYOUT_RANK = {code: i for i, code in enumerate(("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL"))}
+_META_KEY, _SCALARS_KEY = "__metadata__", "json"
+_INT_WIDTH, _FLOAT_WIDTH = 20, 24  # int64 ("-9223372036854775808"); a float64's repr ("-2.2250738585072014e-308")
 
 
 class FormatError(ValueError):
@@ -34,8 +43,9 @@ class FormatError(ValueError):
 class TensorDict(dict):
     """A flat mapping of names to tensors and small JSON-able scalars.
 
-    Base of :class:`fedlowrank.message.Message` and :class:`fedlowrank.state.State`. Its serialised size,
-    ``nbytes()``, equals ``len(to_bytes())`` exactly and is what the communication ledger counts.
+    Base of :class:`fedlowrank.message.Message` and :class:`fedlowrank.message.State`. Its serialised size,
+    ``nbytes()``, equals ``len(to_bytes())`` exactly, is what the communication ledger counts, and does not depend
+    on the values of its tensors or numeric scalars.
     """
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -48,8 +58,9 @@ class TensorDict(dict):
         return dumps(self.tensors(), self.scalars())
 
     def nbytes(self) -> int:
-        header = _header(self.tensors(), self.scalars())
-        return 8 + len(header) + sum(t.numel() * t.element_size() for t in self.tensors().values())
+        tensors, scalars = self.tensors(), self.scalars()
+        header = _header(tensors, encode_scalars(scalars) if scalars else None)
+        return 8 + len(header) + sum(t.numel() * t.element_size() for t in tensors.values())
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self)
@@ -67,78 +78,121 @@ class TensorDict(dict):
         return out
 
 
-def _check_scalar(name: str, value: Any) -> None:
-    if isinstance(value, float) and not math.isfinite(value):
-        return  # NaN/inf scalars are encoded as strings by json (allow_nan) and reported by validators
-    try:
-        json.dumps(value)
-    except TypeError as exc:
-        raise TypeError(f"value of {name!r} must be a tensor or a JSON scalar/list, got {type(value).__name__}") from exc
+# -- scalars: JSON with fixed-width numbers ---------------------------------------------------------------------
+def _key(key: Any, name: str) -> str:
+    """A dict key as JSON writes it (``1`` → ``"1"``, ``True`` → ``"true"``)."""
+    if isinstance(key, str):
+        return key
+    if key is None or isinstance(key, (bool, int, float)):
+        return json.dumps(key)
+    raise TypeError(f"value of {name!r}: dict key {key!r} is not a string or number")
 
 
-def _header(tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Scalar]) -> bytes:
-    entries: dict[str, Any] = {}
-    if scalars:
-        for k, v in scalars.items():
-            _check_scalar(k, v)
-        entries[_META_KEY] = {"json": json.dumps(dict(scalars), sort_keys=True)}
+def _encode(value: Any, name: str) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true " if value else "false"
+    if isinstance(value, int):
+        return int.__repr__(value).rjust(_INT_WIDTH)
+    if isinstance(value, float):
+        return json.dumps(float(value)).rjust(_FLOAT_WIDTH)  # NaN and ±Infinity as JSON (allow_nan) writes them
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_encode(v, name) for v in value) + "]"
+    if isinstance(value, dict):
+        return _encode_object(value, lambda key: name)
+    raise TypeError(f"value of {name!r} must be a tensor or a JSON scalar/list, got {type(value).__name__}")
+
+
+def _encode_object(value: Mapping, name) -> str:
+    """``{...}`` with sorted keys; ``name(key)`` is what errors call the value."""
+    items = sorted((_key(k, name(k)), k) for k in value)
+    return "{" + ",".join(f"{json.dumps(text)}:{_encode(value[k], name(k))}" for text, k in items) + "}"
+
+
+def encode_scalars(scalars: Mapping[str, Scalar]) -> str:
+    """JSON text of ``scalars`` (keys sorted) whose length does not depend on the numbers in it: every integer is
+    right-aligned in 20 characters (the width of any int64), every float in 24 (its shortest round-trip repr, or
+    ``NaN``/``Infinity``), every boolean in 5. Lists, dicts, strings and ``None`` as JSON writes them."""
+    return _encode_object(scalars, str)
+
+
+# -- bytes ------------------------------------------------------------------------------------------------------
+def _code(name: str, t: torch.Tensor) -> str:
+    """The format's dtype code of tensor ``name``; ``TypeError`` for what the format cannot hold."""
+    if name == _META_KEY:
+        raise TypeError(f"tensor name {_META_KEY!r} is reserved by the format")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"tensor {name!r}: dtype {t.dtype} is not serialisable")
+    return _DTYPES[t.dtype]
+
+
+def _header(tensors: Mapping[str, torch.Tensor], scalars_json: str | None) -> bytes:
+    """The JSON header the library writes for ``tensors`` and the scalars' text, padding included."""
+    entries: dict[str, Any] = {} if scalars_json is None else {_META_KEY: {_SCALARS_KEY: scalars_json}}
+    codes = {name: _code(name, t) for name, t in tensors.items()}
     offset = 0
-    for name in sorted(tensors):
+    for name in sorted(tensors, key=lambda n: (_LAYOUT_RANK[codes[n]], n)):
         t = tensors[name]
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"tensor {name!r}: dtype {t.dtype} is not serialisable")
         n = t.numel() * t.element_size()
-        entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        entries[name] = {"dtype": codes[name], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
-    raw = json.dumps(entries, separators=(",", ":")).encode()
-    return raw + b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
+    raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
+    return raw + b" " * (-len(raw) % 8)  # the data start is aligned to 8 bytes
 
 
 def dumps(tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Scalar] | None = None) -> bytes:
-    """Serialise tensors (+ scalars in the metadata) to safetensors bytes."""
-    header = _header(tensors, scalars or {})
-    parts: list[bytes] = [struct.pack("<Q", len(header)), header]
-    for name in sorted(tensors):
-        t = tensors[name].detach().to("cpu").contiguous()
-        if t.dtype == torch.bfloat16:
-            parts.append(t.view(torch.int16).numpy().tobytes())
-        else:
-            parts.append(t.numpy().tobytes())
-    return b"".join(parts)
+    """Serialise tensors (+ scalars in the metadata, :func:`encode_scalars`) to safetensors bytes."""
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items() if _code(name, t)}
+    specs = {name: TensorSpec(dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), data_ptr=t.data_ptr(),
+                              data_len=t.numel() * t.element_size()) for name, t in cpu.items()}
+    metadata = {_SCALARS_KEY: encode_scalars(scalars)} if scalars else None
+    return serialize(specs, metadata=metadata)  # ``cpu`` keeps every buffer alive during the call
+
+
+def _scalars(header_bytes: bytes) -> dict[str, Scalar]:
+    """The scalars in a header the library has parsed: ``__metadata__["json"]``, a JSON object, or none."""
+    try:
+        meta = json.loads(header_bytes).get(_META_KEY) or {}
+        text = meta.get(_SCALARS_KEY)
+        scalars = {} if text is None else json.loads(text)
+    except (ValueError, AttributeError, TypeError, RecursionError) as exc:
+        raise FormatError(f"tensor container metadata is malformed: {exc}") from None
+    if not isinstance(scalars, dict):
+        raise FormatError(f"tensor container scalars must be a JSON object, got {type(scalars).__name__}")
+    return scalars
 
 
 def loads(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Scalar]]:
-    """Parse safetensors bytes; raises :class:`FormatError` on anything malformed."""
+    """Parse safetensors bytes into ``(tensors, scalars)``, each in the order of their names (what iterates over a
+    container, e.g. a sum over modules, then does not depend on the file's layout); raises :class:`FormatError` on
+    anything else."""
+    data = bytes(data)
     if len(data) < 8:
         raise FormatError(f"tensor container truncated: {len(data)} bytes, need at least 8")
-    (hlen,) = struct.unpack("<Q", data[:8])
-    if hlen > len(data) - 8:
-        raise FormatError(f"tensor container truncated: header of {hlen} bytes, only {len(data) - 8} present")
     try:
-        header = json.loads(data[8 : 8 + hlen])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"tensor container header is not valid JSON: {exc}") from exc
-    if not isinstance(header, dict):
-        raise FormatError("tensor container header must be a JSON object")
-    body = memoryview(data)[8 + hlen :]
-    scalars: dict[str, Scalar] = {}
-    meta = header.pop(_META_KEY, None)
-    if meta and "json" in meta:
-        scalars = json.loads(meta["json"])
+        entries = deserialize(data)
+    except (SafetensorError, ValueError, TypeError, OverflowError, MemoryError) as exc:
+        raise FormatError(f"not a valid tensor container: {exc}") from None
+    (hlen,) = struct.unpack("<Q", data[:8])
+    scalars = _scalars(data[8 : 8 + hlen])
     tensors: dict[str, torch.Tensor] = {}
-    for name, spec in header.items():
-        try:
-            dtype = _TORCH_OF[spec["dtype"]]
-            shape = [int(s) for s in spec["shape"]]
-            start, end = (int(x) for x in spec["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(f"tensor {name!r}: malformed header entry {spec!r}") from exc
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if end > len(body) or start < 0 or end - start != math.prod(shape) * itemsize:
-            raise FormatError(f"tensor {name!r}: data offsets {start}..{end} do not fit the shape {shape} or the file")
-        np_dtype = np.int16 if dtype == torch.bfloat16 else torch.empty((), dtype=dtype).numpy().dtype
-        arr = np.frombuffer(body[start:end], dtype=np_dtype).reshape(shape).copy()
-        t = torch.from_numpy(arr)
-        tensors[name] = t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+    for name, info in sorted(entries, key=lambda entry: entry[0]):  # by name, whatever order the file has
+        dtype = _TORCH_OF.get(info["dtype"])
+        if dtype is None:
+            raise FormatError(f"tensor {name!r}: dtype {info['dtype']} is not one of {', '.join(_TORCH_OF)}")
+        raw, shape = info["data"], list(info["shape"])
+        if dtype == torch.bool and len(raw) and int(np.frombuffer(raw, dtype=np.uint8).max()) > 1:
+            raise FormatError(f"tensor {name!r}: a boolean tensor holds bytes other than 0 and 1")
+        # cloned into torch's own (aligned) memory: vectorised kernels then sum in the same order as for any tensor
+        tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape).clone() if len(raw) else \
+            torch.empty(shape, dtype=dtype)
+    both = sorted(set(tensors) & set(scalars))
+    if both:
+        raise FormatError(f"tensor container names {both[0]!r} both as a tensor and as a scalar")
     return tensors, scalars
 
+
+__all__ = ["FormatError", "Scalar", "TensorDict", "dumps", "encode_scalars", "loads"]

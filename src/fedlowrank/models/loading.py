@@ -46,8 +46,8 @@ class LoadedModel:
     Attributes:
         net: the transformers model (``*ForSequenceClassification`` or ``*ForCausalLM``), fp32, CPU, eval mode.
         tokenizer: its tokenizer (``pad_token`` always set; causal LMs pad with EOS when they have no pad).
-        source: a portable identifier of the base weights, written as ``base_model_name_or_path`` by export:
-            the bundled name, the user's folder (absolute) or the hub id.
+        source: what loads the base weights here: the bundled name, the user's folder (absolute) or the hub id
+            (export writes :func:`pretrained_id` of it as ``base_model_name_or_path``).
         kind: ``"sequence-classification"`` or ``"causal-lm"`` (export's PEFT ``task_type``).
         model_type: ``net.config.model_type`` (``"bert"``, ``"llama"``, ``"gpt2"``...).
         output_modules: names of the top-level modules outside the backbone (``classifier``/``score`` for
@@ -507,6 +507,35 @@ def load_image_model(spec: str, num_labels: int | None, label_names: list[str] |
                        provenance=provenance)
 
 
-__all__ = ["BUNDLED", "IMAGE_BUNDLED", "KINDS", "Conv1DLinear", "LoadedModel", "NOT_IMAGENET",
+# -- where others load the base weights from (export's base_model_name_or_path) ---------------------------------
+HUB_IDS = {"minilm": "sentence-transformers/all-MiniLM-L6-v2", "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+HUB_NOTES = {"smollm2-135m": "the run's base weights are the Q4_1 GGUF values dequantised (fedlowrank's bundled "
+                             "`smollm2-135m`), not the hub's bf16 originals: on the hub model the outputs differ by the "
+                             "quantisation error"}
+
+
+def _save_backbone(net: nn.Module, folder: Path) -> None:
+    """``save_pretrained`` of the backbone of a random classifier (its head is the run's own, carried by an export)."""
+    getattr(net, net.base_model_prefix).save_pretrained(str(folder))
+
+
+BACKBONE_FOLDERS: dict[str, Callable[[], str]] = {  # random models built in memory: their backbone, saved once
+    "tiny-bert": lambda: str(cached_folder("tiny-bert-backbone-v1", lambda f: _save_backbone(_tiny_bert(2, None), f))),
+    "tiny-vit": lambda: str(cached_folder("tiny-vit-backbone-v1", lambda f: _save_backbone(_tiny_vit(2, None), f))),
+}
+
+
+def pretrained_id(source: str) -> str:
+    """Where ``from_pretrained`` finds the base weights of ``task.model = source`` (a :attr:`LoadedModel.source`)
+    outside fedlowrank: the hub id of a bundled model published there (:data:`HUB_IDS`), the absolute cached folder
+    of a random test model (``tiny-*``; a classifier's backbone without its head), else ``source`` itself (the
+    user's absolute folder or hub id; ``resnet20``, which is not a transformers model)."""
+    if source in HUB_IDS:
+        return HUB_IDS[source]
+    folder = {**BUNDLED_FOLDERS, **IMAGE_FOLDERS, **BACKBONE_FOLDERS}.get(source)
+    return source if folder is None else folder()
+
+
+__all__ = ["BUNDLED", "HUB_IDS", "IMAGE_BUNDLED", "KINDS", "Conv1DLinear", "LoadedModel", "NOT_IMAGENET",
            "cache_dir", "cached_folder", "conv1d_to_linear", "dequantised_smollm2", "load_image_model", "load_model",
-           "minilm_path", "restore_conv1d", "tiny_tokenizer"]
+           "minilm_path", "pretrained_id", "restore_conv1d", "tiny_tokenizer"]

@@ -1,21 +1,25 @@
-"""Atomic checkpoints: round counter, server state, every client's state, metrics history and ledger.
+"""Atomic, verified checkpoints: round counter, server state, every client's state, metrics history and ledger.
 
 Layout under ``<run_dir>/checkpoints/``::
 
     round-00003/server.safetensors    server State (tensors; scalars in the metadata)
     round-00003/clients.safetensors   every client's State in memory, keys "<client>/<key>"
     round-00003/clients/<file>        a copy of each state the client store had spilled to disk (see .store)
-    round-00003/meta.json             round, method, config fingerprint, history, ledger rows, whether the
-                                      client states are in it, sha256 + size of every file
+    round-00003/run.json              round, method, config fingerprint, whether the client states are in it,
+                                      the spilled files by client, metrics history, ledger rows
+    round-00003/meta.json             the integrity record: format, and bytes + sha256 of every file above
     latest                            the name of the newest complete checkpoint
 
-A checkpoint is written to a temporary folder, flushed to disk, then renamed, and ``latest`` is replaced
-atomically after it: a crash while writing leaves the previous checkpoint in force. Reading verifies sizes
-and hashes and parses tensors without unpickling anything. RNG streams are pure functions of
+Everything a checkpoint restores from is a file that ``meta.json`` hashes; ``meta.json`` holds nothing else, so an
+edit anywhere (a forged metric, a shortened history, a dropped or added entry) either breaks a hash or a field
+check, and the checkpoint counts as damaged. A checkpoint is written to a temporary folder, flushed to disk, then
+renamed, and ``latest`` is replaced atomically after it: a crash while writing leaves the previous checkpoint in
+force (and a temporary ``.round-*.tmp-PID`` folder that :func:`restart_from` removes). Reading verifies sizes,
+hashes and every field, and parses tensors without unpickling anything. RNG streams are pure functions of
 ``(seed, stream, round, client)`` (see :mod:`fedlowrank.seeding`), so the round counter restores them all.
 
 :func:`find_checkpoint` picks the checkpoint to continue from: the one ``latest`` names, or, when it is
-corrupted or ``latest`` is missing, the newest intact older one (saying so); or a given round.
+damaged or ``latest`` is missing, the newest intact older one (saying so); or a given round.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from typing import Any, Callable
 from ..message import State
 from ..serialization import FormatError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: run metadata in meta.json, unverified (refused)
+RECORD = "run.json"
+TENSOR_FILES = ("server.safetensors", "clients.safetensors")
 
 
 class CheckpointError(RuntimeError):
@@ -106,22 +112,24 @@ def save_checkpoint(run_dir: Path, ck: Checkpoint, keep: int = 2) -> Path:
     # a client store that spills (``.store.ClientStore``) gives its in-memory states and its files separately
     resident = ck.clients.resident() if hasattr(ck.clients, "resident") else ck.clients
     spilled = {**ck.spilled, **(ck.clients.spilled_files() if hasattr(ck.clients, "spilled_files") else {})}
-    files = {"server.safetensors": ck.server.to_bytes(), "clients.safetensors": _flatten_clients(resident).to_bytes()}
     listed = {}
-    for fname, data in files.items():
+
+    def write(fname: str, data: bytes) -> None:
         _fsync_write(tmp / fname, data)
         listed[fname] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    write("server.safetensors", ck.server.to_bytes())
+    write("clients.safetensors", _flatten_clients(resident).to_bytes())
     if spilled:
         (tmp / "clients").mkdir()
-    for client, path in spilled.items():   # one file at a time: memory stays bounded
-        fname = f"clients/{path.name}"
-        data = path.read_bytes()
-        _fsync_write(tmp / fname, data)
-        listed[fname] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "client": int(client)}
-    meta = {"format": FORMAT_VERSION, "round": ck.round, "method": ck.method,
-            "config_fingerprint": ck.config_fingerprint, "client_states": ck.client_states,
-            "history": ck.history, "ledger": ck.ledger, "files": listed}
-    _fsync_write(tmp / "meta.json", json.dumps(meta).encode())
+    for path in spilled.values():   # one file at a time: memory stays bounded
+        write(f"clients/{path.name}", path.read_bytes())
+    record = {"round": ck.round, "method": ck.method, "config_fingerprint": ck.config_fingerprint,
+              "client_states": ck.client_states,
+              "spilled": {str(int(client)): f"clients/{path.name}" for client, path in spilled.items()},
+              "history": ck.history, "ledger": ck.ledger}
+    write(RECORD, json.dumps(record).encode())
+    _fsync_write(tmp / "meta.json", json.dumps({"format": FORMAT_VERSION, "files": listed}).encode())
     final = root / name
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -210,18 +218,66 @@ def find_checkpoint(run_dir: str | Path, round: int | None = None,
     raise CheckpointError(f"no intact checkpoint in {run_dir}: {'; '.join(skipped)}")
 
 
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _read_integrity(path: Path) -> dict[str, dict[str, Any]]:
+    """``meta.json``'s ``files``, checked: only the checkpoint's own names, each with a byte count and a sha256."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: meta.json unreadable ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"checkpoint {path}: format {found!r}, expected {FORMAT_VERSION}"
+                              + (" (written by an older fedlowrank, whose metadata cannot be verified)"
+                                 if found == 1 else ""))
+    files = meta.get("files")
+    if not isinstance(files, dict) or not set(TENSOR_FILES + (RECORD,)) <= set(files):
+        raise CheckpointError(f"checkpoint {path}: meta.json does not list {', '.join(TENSOR_FILES + (RECORD,))}")
+    for fname, spec in files.items():
+        own = fname in TENSOR_FILES + (RECORD,) or (
+            fname.startswith("clients/") and fname.count("/") == 1 and fname[8:] not in ("", ".", ".."))
+        if not (own and isinstance(spec, dict) and set(spec) == {"bytes", "sha256"} and _is_count(spec["bytes"])
+                and isinstance(spec["sha256"], str) and len(spec["sha256"]) == 64):
+            raise CheckpointError(f"checkpoint {path}: meta.json: malformed entry {fname!r}")
+    return files
+
+
+def _check_record(path: Path, record: Any, files: dict[str, Any]) -> None:
+    """The fields of ``run.json``: types, and a history and ledger that end at the checkpoint's round."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise CheckpointError(f"checkpoint {path}: {RECORD}: {what}")
+
+    need(isinstance(record, dict) and {"round", "method", "config_fingerprint", "client_states", "spilled",
+                                        "history", "ledger"} <= set(record), "missing fields")
+    rnd = record["round"]
+    need(_is_count(rnd) and rnd >= 1, f"round {rnd!r} is not a positive integer")
+    named = path.name[6:] if path.name.startswith("round-") else ""
+    need(not named.isdigit() or int(named) == rnd, f"round {rnd} in the folder of round {named}")
+    need(isinstance(record["method"], str) and isinstance(record["config_fingerprint"], str)
+         and isinstance(record["client_states"], bool), "method, config_fingerprint or client_states malformed")
+    spilled = record["spilled"]
+    need(isinstance(spilled, dict) and all(k.isdigit() and v in files and v.startswith("clients/")
+                                           for k, v in spilled.items()), "spilled files malformed")
+    history, ledger = record["history"], record["ledger"]
+    need(isinstance(history, list) and all(isinstance(r, dict) and _is_count(r.get("round")) for r in history),
+         "history malformed")
+    rounds = [r["round"] for r in history]
+    need(rounds == sorted(set(rounds)) and rounds[-1:] == [rnd], f"history rounds {rounds[:3]}... do not end at {rnd}")
+    need(isinstance(ledger, list) and all(
+        isinstance(r, dict) and all(_is_count(r.get(k)) for k in ("round", "client", "down", "up"))
+        and 1 <= r["round"] <= rnd for r in ledger), "ledger malformed")
+
+
 def load_checkpoint(path: Path) -> Checkpoint:
     """Read and verify a checkpoint folder; :class:`CheckpointError` names what is wrong."""
     path = Path(path)
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: meta.json unreadable ({exc})") from exc
-    if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r}, expected {FORMAT_VERSION}")
+    files = _read_integrity(path)
     blobs: dict[str, bytes] = {}
-    spilled: dict[int, Path] = {}
-    for fname, spec in meta["files"].items():
+    for fname, spec in files.items():
         try:
             data = (path / fname).read_bytes()
         except OSError as exc:
@@ -230,26 +286,57 @@ def load_checkpoint(path: Path) -> Checkpoint:
             raise CheckpointError(f"checkpoint {path}: {fname} is truncated ({len(data)} of {spec['bytes']} bytes)")
         if hashlib.sha256(data).hexdigest() != spec["sha256"]:
             raise CheckpointError(f"checkpoint {path}: {fname} is corrupted (sha256 mismatch)")
-        if "client" in spec:   # a spilled state: verified here, read by the client store when needed
-            spilled[int(spec["client"])] = path / fname
-        else:
+        if not fname.startswith("clients/"):  # a spilled state: verified here, read by the client store when needed
             blobs[fname] = data
+    try:
+        record = json.loads(blobs[RECORD])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {RECORD} unreadable ({exc})") from exc
+    _check_record(path, record, files)
     try:
         server = State.from_bytes(blobs["server.safetensors"])
         clients = _unflatten_clients(State.from_bytes(blobs["clients.safetensors"]))
     except FormatError as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from exc
-    return Checkpoint(meta["round"], meta["method"], server, clients, meta["history"], meta["ledger"],
-                      meta.get("config_fingerprint", ""), meta.get("client_states", True), spilled)
+    spilled = {int(k): path / v for k, v in record["spilled"].items()}
+    return Checkpoint(record["round"], record["method"], server, clients, record["history"], record["ledger"],
+                      record["config_fingerprint"], record["client_states"], spilled)
 
 
-def drop_checkpoints_after(run_dir: Path, round: int) -> None:
-    """Make the checkpoint of ``round`` the newest: delete later ones and point ``latest`` at it (resume from
-    an older round must not leave the abandoned rounds in force)."""
-    root = Path(run_dir) / "checkpoints"
+def _rounds_in(path: Path) -> int:
+    """The highest round of the JSON lines in ``path`` (0 when none can be read)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    rounds = []
+    for line in lines:
+        try:
+            rounds.append(int(json.loads(line)["round"]))
+        except (ValueError, TypeError, KeyError):
+            continue
+    return max(rounds, default=0)
+
+
+def restart_from(run_dir: Path, round: int, history: list[dict[str, Any]], ledger: list[dict[str, int]],
+                 warn: Callable[[str], None] | None = None) -> None:
+    """Make ``run_dir`` continue from its checkpoint of ``round``: delete later checkpoints and the temporaries of
+    writers that were killed, point ``latest`` at it, and rewrite ``metrics.jsonl`` and ``ledger.jsonl`` from the
+    checkpoint's ``history`` and ``ledger``; when that drops rounds they held, ``warn`` gets one line saying so."""
+    from .rundir import remove_dead_temporaries
+
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoints"
+    remove_dead_temporaries(root)
     for rnd, folder in checkpoint_folders(run_dir).items():
         if rnd > round:
             shutil.rmtree(folder)
     pointer = root / f".latest.tmp-{os.getpid()}"
     _fsync_write(pointer, f"round-{round:05d}".encode())
     os.replace(pointer, root / "latest")
+    held = max(_rounds_in(run_dir / name) for name in ("metrics.jsonl", "ledger.jsonl"))
+    if held > round and warn is not None:
+        warn(f"note: metrics.jsonl and ledger.jsonl held rounds up to round {held}; cut back to round {round}, "
+             f"the checkpoint's (the later rounds run again)")
+    for name, rows in (("metrics.jsonl", history), ("ledger.jsonl", ledger)):
+        (run_dir / name).write_text("".join(json.dumps(r) + "\n" for r in rows))

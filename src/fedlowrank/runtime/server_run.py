@@ -32,7 +32,7 @@ from ..message import State
 from ..privacy.runtime import accounting
 from ..reporting.progress import Progress
 from ..reporting.tracking import require_package
-from .checkpoint import drop_checkpoints_after
+from .checkpoint import restart_from
 from .checkpointing import Checkpointer, read_run_checkpoint, restore
 from .evaluation import Evaluator
 from .rounds import RoundOutcome, RoundReplies, Warn, client_rows, close_round
@@ -236,7 +236,8 @@ class ServerRun(Run):
                round: int | None = None, warn: Callable[[str], None] | None = None):
         """Rebuild the run in ``run_dir`` from its resolved config and newest intact checkpoint (or that of
         ``round``), ready to continue, holding the directory's lock; ``metrics.jsonl`` and ``ledger.jsonl`` are
-        cut back to the checkpoint's round and later checkpoints deleted."""
+        cut back to the checkpoint's round (saying so when that drops rounds) and later checkpoints deleted
+        (:func:`~.checkpoint.restart_from`)."""
         lock = lock_run_dir(run_dir) if Path(run_dir).is_dir() else None
         try:
             run = cls.from_checkpoint(run_dir, task, log, round, warn)
@@ -246,12 +247,11 @@ class ServerRun(Run):
             raise
         run.use_dir(Path(run_dir))
         run._lock = lock
-        drop_checkpoints_after(run.run_dir, run.round)
+        restart_from(run.run_dir, run.round, run.history, run.ledger.rows, warn or log)
         if not run.client_states and (warn or log):
             (warn or log)(f"note: the checkpoint of round {run.round} is the Flower server's; the clients' states "
                           f"stayed on the SuperNodes, so clients start here from their initial states")
         run.client_states = True  # from here on the runner holds them
-        run.files.rewrite(run.history, run.ledger.rows)
         return run
 
     def close(self) -> None:

@@ -1,0 +1,279 @@
+"""Nothing lost, nothing trusted blindly: refused commands leave no trace and never turn a folder into a "run",
+exports never write into a run, checkpoints restore only from verified files, killed runs' temporaries go."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import tiny_config, tiny_task
+
+from fedlowrank.cli import main
+from fedlowrank.runtime.simulator import Simulation
+
+
+def rounds_in(run_dir, name="metrics.jsonl"):
+    return [json.loads(line)["round"] for line in (run_dir / name).read_text().splitlines()]
+
+
+def user_folder(tmp_path):
+    folder = tmp_path / "V"
+    folder.mkdir()
+    (folder / "thesis.tex").write_text("precious")
+    return folder
+
+
+def untouched(folder):
+    return sorted(p.name for p in folder.iterdir()) == ["thesis.tex"] and \
+        (folder / "thesis.tex").read_text() == "precious"
+
+
+@pytest.mark.parametrize("first", [
+    ["run", "tiny", "--set", "run.rounds=1"],
+    ["run", "tiny", "--set", "run.rounds=1", "--overwrite"],
+    ["resume"],
+    ["compare", "tiny", "--methods", "fedit", "--seeds", "0"],
+])
+def test_a_refused_command_leaves_nothing_and_overwrite_still_refuses_a_user_folder(first, tmp_path, capsys):
+    folder = user_folder(tmp_path)
+    argv = [*first, str(folder)] if first == ["resume"] else [*first, "--out", str(folder)]
+    assert main([*argv, "--quiet"]) == 2
+    assert untouched(folder), sorted(p.name for p in folder.iterdir())
+    assert main(["run", "tiny", "--overwrite", "--out", str(folder), "--quiet", "--set", "run.rounds=1"]) == 2
+    assert "holds no fedlowrank run" in capsys.readouterr().err
+    assert untouched(folder)
+
+
+def test_a_refused_command_does_not_leave_the_directory_it_created(tmp_path, capsys, monkeypatch):
+    new = tmp_path / "new"
+    assert main(["compare", "tiny", "--methods", "fedit", "--seeds", "0,x", "--out", str(new), "--quiet"]) == 2
+    assert not new.exists()
+    parent = tmp_path / "runs"  # the default directories under run.out_dir
+    assert main(["compare", "tiny", "--seeds", "0,x", "--set", f"run.out_dir={parent}", "--quiet"]) == 2
+    assert main(["tune", "tiny", "--methods", "nope", "--set", f"run.out_dir={parent}", "--quiet"]) == 2
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    import fedlowrank.runtime.simulator as simulator
+
+    monkeypatch.setattr(simulator, "build_task", interrupted)
+    assert main(["run", "tiny", "--set", f"run.out_dir={parent}", "--quiet"]) == 130
+    assert main(["run", "tiny", "--out", str(new), "--quiet"]) == 130
+    assert not new.exists() and not parent.exists()  # nor the run.out_dir made for the default directory
+
+
+def test_a_finished_run_keeps_no_lock_and_overwrite_still_replaces_it(tmp_path):
+    out = tmp_path / "run"
+    assert main(["run", "tiny", "--out", str(out), "--quiet", "--set", "run.rounds=1"]) == 0
+    assert not (out / ".lock").exists()
+    assert main(["run", "tiny", "--out", str(out), "--quiet", "--set", "run.rounds=2", "--overwrite"]) == 0
+    assert rounds_in(out) == [1, 2]
+
+
+def test_overwrite_replaces_an_interrupted_comparison(tmp_path):
+    cmp = tmp_path / "cmp"
+    assert main(["compare", "tiny", "--methods", "fedit", "--seeds", "0", "--out", str(cmp), "--quiet"]) == 0
+    (cmp / "results.json").unlink()  # as if killed before the comparison ended
+    (cmp / "results.md").unlink()
+    assert main(["compare", "tiny", "--methods", "fedit", "--seeds", "0", "--out", str(cmp), "--quiet",
+                 "--overwrite"]) == 0
+    assert (cmp / "results.json").is_file()
+
+
+def test_resume_of_a_comparison_never_writes_into_a_user_folder(tmp_path, capsys):
+    folder = user_folder(tmp_path)
+    assert main(["compare", "tiny", "--methods", "fedit", "--seeds", "0", "--out", str(folder), "--resume",
+                 "--quiet"]) == 2
+    assert "holds neither a fedlowrank run" in capsys.readouterr().err and untouched(folder)
+
+
+def test_overwrite_refuses_a_model_folder_whose_config_json_is_not_a_runs(tmp_path, capsys):
+    model = tmp_path / "my-bert"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "bert"}')
+    (model / "model.safetensors").write_bytes(b"weights")
+    assert main(["run", "tiny", "--overwrite", "--out", str(model), "--quiet", "--set", "run.rounds=1"]) == 2
+    assert "holds no fedlowrank run" in capsys.readouterr().err
+    assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors"]
+
+
+# -- export: never into a run, never over anything without --overwrite, checked before any work ----------------
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished 2-round tiny FedIT run (its checkpoint at round 2)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    Simulation(tiny_config("run.rounds=2"), task=tiny_task(), run_dir=run_dir).run()
+    return run_dir
+
+
+def listing(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_export_never_writes_into_a_run_directory(finished_run, capsys):
+    before = listing(finished_run)
+    link = finished_run.parent / "link-to-run"
+    if not link.exists():
+        link.symlink_to(finished_run)
+    for out in (finished_run, finished_run / "checkpoints", finished_run / "checkpoints" / "x",
+                finished_run / "mine", finished_run / "export-x" / ".." / "mine", link / "mine", link):
+        assert main(["export", str(finished_run), "--format", "merged", "--out", str(out), "--overwrite"]) == 2, out
+        line = capsys.readouterr().err.strip()
+        assert len(line.splitlines()) == 1 and line.startswith("error: --out") and "run directory" in line, line
+    assert listing(finished_run) == before
+    assert main(["resume", str(finished_run), "--quiet"]) == 0  # nothing to run: the run is complete
+    assert main(["export", str(finished_run), "--out", str(finished_run / "export-mine")]) == 0
+
+
+def test_export_refuses_a_non_empty_out_unless_overwrite_and_replaces_only_an_export(finished_run, tmp_path,
+                                                                                    capsys):
+    out = tmp_path / "exp"
+    assert main(["export", str(finished_run), "--out", str(out)]) == 0
+    first = listing(out)
+    capsys.readouterr()
+    assert main(["export", str(finished_run), "--out", str(out), "--format", "merged"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error: --out") and "not empty" in line and "--overwrite" in line
+    assert listing(out) == first
+    assert main(["export", str(finished_run), "--out", str(out), "--format", "merged", "--overwrite"]) == 0
+    files = set(listing(out))
+    assert "model.safetensors" in files and "adapter_model.safetensors" not in files  # nothing of the old export
+    assert [p.name for p in tmp_path.iterdir()] == ["exp"]  # no temporary folder left beside it
+    folder = user_folder(tmp_path)
+    assert main(["export", str(finished_run), "--out", str(folder), "--overwrite"]) == 2
+    assert "holds no fedlowrank export" in capsys.readouterr().err and untouched(folder)
+
+
+def test_export_checks_its_out_before_any_work(finished_run, tmp_path, capsys, monkeypatch):
+    import fedlowrank.export as export
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the run was loaded before --out was checked")
+
+    monkeypatch.setattr(export, "load_global_simulation", forbidden)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for out in (blocker, blocker / "below"):
+        assert main(["export", str(finished_run), "--out", str(out)]) == 2
+        line = capsys.readouterr().err.strip()
+        assert len(line.splitlines()) == 1 and line.startswith("error: --out") and str(blocker) in line, line
+    assert blocker.read_text() == "x"
+
+
+def test_a_failed_export_leaves_no_folder(finished_run, capsys):
+    before = sorted(p.name for p in finished_run.iterdir())
+    assert main(["export", str(finished_run), "--rank", "100000"]) == 2
+    assert "--rank must be in" in capsys.readouterr().err
+    assert sorted(p.name for p in finished_run.iterdir()) == before
+
+
+# -- checkpoints: every file restored from is verified; resume says when it cuts the history -----------------------
+def _walk(value, change):
+    """``value`` (parsed JSON) with ``change(key, item)`` applied to every item of every object, recursively."""
+    if isinstance(value, dict):
+        return {k: change(k, _walk(v, change)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_walk(v, change) for v in value]
+    return value
+
+
+EDITS = {
+    "forged accuracy": lambda k, v: 0.999 if k == "accuracy" else v,
+    "history cut": lambda k, v: v[:1] if k == "history" else v,
+    "round moved back": lambda k, v: v - 1 if k == "round" and isinstance(v, int) and v == 3 else v,
+    "files dropped": lambda k, v: {} if k == "files" else v,
+    "wrong types": lambda k, v: "x" if k in ("history", "ledger", "files", "spilled") else v,
+    "ledger cut": lambda k, v: v[:2] if k == "ledger" else v,
+}
+
+
+@pytest.fixture(scope="module")
+def three_rounds(tmp_path_factory):
+    """A finished 3-round tiny run with a checkpoint every round (rounds 2 and 3 kept), and its summary."""
+    run_dir = tmp_path_factory.mktemp("three") / "run"
+    Simulation(tiny_config("run.rounds=3", "run.checkpoint_every=1"), task=tiny_task(), run_dir=run_dir).run()
+    return run_dir, json.loads((run_dir / "summary.json").read_text())
+
+
+def _copy(run_dir, tmp_path):
+    import shutil
+
+    shutil.copytree(run_dir, tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_edited_checkpoint_metadata_falls_back_like_a_damaged_tensor_file(three_rounds, tmp_path, capsys, edit):
+    run_dir = _copy(three_rounds[0], tmp_path)
+    newest = run_dir / "checkpoints" / "round-00003"
+    for path in newest.glob("*.json"):
+        text = json.dumps(_walk(json.loads(path.read_text()), EDITS[edit]))
+        path.write_text(text)
+    assert main(["resume", str(run_dir), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "round-00003" in err.splitlines()[0] and "using round-00002" in err.splitlines()[0], err
+    assert "cut back" in err and "Traceback" not in err
+    assert rounds_in(run_dir) == [1, 2, 3] and [r["round"] for r in map(
+        json.loads, (run_dir / "ledger.jsonl").read_text().splitlines())] == [1, 1, 2, 2, 3, 3]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["accuracy"] == three_rounds[1]["accuracy"] and summary["bytes_up"] == three_rounds[1]["bytes_up"]
+
+
+def test_a_resume_that_cuts_the_history_says_so_and_one_that_does_not_is_silent(three_rounds, tmp_path, capsys):
+    run_dir = _copy(three_rounds[0], tmp_path)
+    assert main(["resume", str(run_dir), "--quiet"]) == 0  # the run is complete: nothing to cut, nothing to run
+    err = capsys.readouterr().err
+    assert "cut back" not in err and "warning" not in err and rounds_in(run_dir) == [1, 2, 3]
+    assert main(["resume", str(run_dir), "--round", "2", "--quiet"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "cut back" in line]
+    assert len(lines) == 1 and "metrics.jsonl" in lines[0] and "round 3" in lines[0] and "round 2" in lines[0]
+    assert rounds_in(run_dir) == [1, 2, 3]
+
+
+def _dead_pid():
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+def test_resume_removes_the_temporaries_of_killed_writers_only(three_rounds, tmp_path):
+    run_dir = _copy(three_rounds[0], tmp_path)
+    root = run_dir / "checkpoints"
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # still writing
+    dead, alive = _dead_pid(), writer.pid
+    for pid in (dead, alive):
+        (root / f".round-00004.tmp-{pid}").mkdir()
+        (root / f".round-00004.tmp-{pid}" / "server.safetensors").write_bytes(b"half")
+        (root / f".latest.tmp-{pid}").write_text("round-00004")
+    try:
+        Simulation.resume(run_dir, task=tiny_task()).close()
+    finally:
+        writer.kill()
+        writer.wait()
+    left = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+    assert left == [f".latest.tmp-{alive}", f".round-00004.tmp-{alive}"]
+
+
+@pytest.mark.parametrize("damage", ["a name outside the folder", "an unlisted record", "a renamed folder"])
+def test_checkpoint_integrity_records_are_checked_field_by_field(three_rounds, tmp_path, capsys, damage):
+    import shutil
+
+    run_dir = _copy(three_rounds[0], tmp_path)
+    shutil.rmtree(run_dir / "checkpoints" / "round-00002")  # the damaged checkpoint is the only one
+    newest = run_dir / "checkpoints" / "round-00003"
+    meta = json.loads((newest / "meta.json").read_text())
+    if damage == "a name outside the folder":
+        meta["files"]["../../config.json"] = {"bytes": 1, "sha256": "0" * 64}
+    elif damage == "an unlisted record":
+        meta["files"] = {k: v for k, v in meta["files"].items() if k.endswith(".safetensors")}
+    else:
+        newest = newest.rename(run_dir / "checkpoints" / "round-00002")
+        (run_dir / "checkpoints" / "latest").write_text("round-00002")
+    (newest / "meta.json").write_text(json.dumps(meta))
+    assert main(["resume", str(run_dir), "--quiet"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: no intact checkpoint") and newest.name in line, line
+    assert {"a name outside the folder": "malformed entry '../../config.json'", "an unlisted record": "does not list",
+            "a renamed folder": "round 3 in the folder of round 00002"}[damage] in line
+    assert rounds_in(run_dir) == [1, 2, 3]  # a refused resume cuts nothing
