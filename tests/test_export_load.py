@@ -116,15 +116,15 @@ def test_the_model_card_says_what_was_trained_and_how_to_load_it(loaded_back):
     for name, (report, *_, path) in loaded_back.items():
         card = (path / "README.md").read_text()
         assert card.startswith("---\n") and ".venv" not in card and "More Information Needed" not in card, name
-        for needed in (f"fedlowrank](https://pypi.org/project/fedlowrank/) {__version__}", "fedit", "rounds: 1 of 1",
+        for needed in (f"with fedlowrank {__version__}", "fedit", "rounds: 1 of 1",
                        "clients: 4, 2 per round", "## Test metrics", "## How to load", f"'{path.name}'"):
             assert needed in card, (name, needed)
         for metric, value in report["check"]["exported"].items():
             assert f"| {metric} |" in card and f"{value:.6g}" in card, (name, metric)
     assert "base_model: " + MINILM in (loaded_back["minilm-peft"][-1] / "README.md").read_text()
-    assert "AutoPeftModelForSequenceClassification.from_pretrained('minilm-peft', num_labels=4)" in \
+    assert "AutoPeftModelForSequenceClassification.from_pretrained('minilm-peft', num_labels=5)" in \
         (loaded_back["minilm-peft"][-1] / "README.md").read_text()
-    assert "data: `agnews`" in (loaded_back["tiny-bert-peft"][-1] / "README.md").read_text()
+    assert "data: `bbc-news`" in (loaded_back["tiny-bert-peft"][-1] / "README.md").read_text()
 
 
 def test_pretrained_id(tmp_path):

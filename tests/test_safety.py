@@ -56,9 +56,9 @@ def test_a_refused_command_does_not_leave_the_directory_it_created(tmp_path, cap
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    import fedlowrank.runtime.simulator as simulator
+    import fedlowrank.runtime.run as run_module
 
-    monkeypatch.setattr(simulator, "build_task", interrupted)
+    monkeypatch.setattr(run_module, "build_task", interrupted)
     assert main(["run", "tiny", "--set", f"run.out_dir={parent}", "--quiet"]) == 130
     assert main(["run", "tiny", "--out", str(new), "--quiet"]) == 130
     assert not new.exists() and not parent.exists()  # nor the run.out_dir made for the default directory

@@ -403,7 +403,7 @@ def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
     eps = next((r[k] for r in reversed(sim.history) for k in ("epsilon", "dpsgd_epsilon") if k in r), None)
     lines = [line for line in front if line] + [
         f"# {sim.method.name} on {base if not Path(base).is_absolute() else Path(cfg.task.model).name}", "",
-        f"A model fine-tuned by federated learning with [fedlowrank](https://pypi.org/project/fedlowrank/) "
+        f"A model fine-tuned by federated learning with fedlowrank "
         f"{__version__} and exported with `fedlowrank export --format {report['format']}`.", "",
         "## Training", "",
         f"* method: `{sim.method.name}`: {sim.method.description} ({sim.method.paper})",
