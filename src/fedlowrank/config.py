@@ -25,6 +25,7 @@ from .reporting.tracking import TRACKERS
 from .training.local import OPTIMIZERS, SCHEDULES, TrainConfig
 from .adapters.lora import SCALING_RULES
 from .device import DTYPES, check_device_spec
+from .models.quantize import QUANTIZE_MODES
 
 WEIGHTINGS = ("num_examples", "uniform")
 TASKS = ("text-classification", "matrix-regression", "image-classification", "causal-lm")
@@ -63,6 +64,7 @@ class TaskSection:
     max_length: int = 64
     eval_batch_size: int = 64
     options: dict[str, Any] = field(default_factory=dict)
+    quantize: str = ""  # QLoRA: the frozen backbone in "4bit" (NF4) or "8bit" (int8); "" = as loaded
 
 
 @dataclass
@@ -177,6 +179,9 @@ MEANINGS: dict[str, str] = {
     "task.max_length": "tokens per example (longer texts are truncated)",
     "task.eval_batch_size": "examples per evaluation forward pass",
     "task.options": "options of the task (matrix-regression: num_clients, dim, outputs, samples, het, objective)",
+    "task.quantize": "QLoRA: store the frozen backbone's linear layers in 4bit (NF4) or 8bit (int8) with "
+                     "bitsandbytes (extra fedlowrank[qlora]), adapters and head unquantised; '' = off. "
+                     "causal-lm and text-classification, LoRA-family methods",
     "data.source": "bbc-news (packaged), agnews (data.path), files (data.train, data.test) or hf (data.hf_name)",
     "data.path": "folder of the agnews (train.tsv, test.tsv) or gsm8k (train.jsonl, test.jsonl) source ('' = "
                  "../shared/data/<source>)",
@@ -386,6 +391,11 @@ def validate(cfg: RunConfig, method_checks: bool = True) -> None:
         check_model(cfg.task.model)
     _need(cfg.task.max_length >= 2, f"task.max_length must be >= 2, got {cfg.task.max_length}")
     _need(cfg.task.eval_batch_size >= 1, f"task.eval_batch_size must be >= 1, got {cfg.task.eval_batch_size}")
+    _need(cfg.task.quantize in QUANTIZE_MODES,
+          f"task.quantize must be '4bit', '8bit' or '' (off); got {cfg.task.quantize!r}")
+    _need(not cfg.task.quantize or cfg.task.kind in ("causal-lm", "text-classification"),
+          f"task.quantize = {cfg.task.quantize!r} is for task.kind = 'causal-lm' or 'text-classification'; "
+          f"this run has {cfg.task.kind!r}")
     if cfg.task.kind == "image-classification":
         _choice("data.source", cfg.data.source, IMAGE_SOURCES)
     else:
