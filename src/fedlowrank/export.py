@@ -228,13 +228,15 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
     if rank is not None and format != "peft":
         raise ValueError("--rank applies to --format peft only (a merged model has no rank)")
     sim = load_global_simulation(run_dir, task, warn)
-    model, pristine = sim.model, sim.task.build_model().net.eval()
+    loaded = getattr(sim.task, "loaded", None)  # the task's LoadedModel (transformers tasks)
+    model, pristine = sim.model, sim.task.build_model().net.eval()  # the run's frozen weights (W0)
+    # the base the written files are loaded over: the unquantised backbone when task.quantize stored W0 in 4/8 bits
+    base = loaded.net.eval() if loaded is not None and loaded.quantize else pristine
     out_dir = Path(out_dir)
     report: dict[str, Any] = {"run_dir": str(run_dir), "method": sim.method.name, "round": sim.round,
                               "format": format, "out_dir": str(out_dir)}
-    loaded = getattr(sim.task, "loaded", None)  # the task's LoadedModel (transformers tasks)
     if format == "merged":
-        net = hf_backbone(merged_net(model, pristine))
+        net = hf_backbone(merged_net(model, base))
         if not hasattr(net, "save_pretrained"):
             raise ValueError(f"--format merged needs a transformers model; this task's model is a {type(net).__name__}")
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -258,8 +260,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
             factors, errors, overall = _lora_by_svd(model, pristine, rank, alpha, rule)
             report.update(svd=True, rel_error=errors, rel_error_overall=overall)
         out_dir.mkdir(parents=True, exist_ok=True)
-        report["peft"] = _save_peft(model, pristine, factors, alpha, rule, out_dir, loaded)
-        exported = load_peft(pristine, out_dir)
+        report["peft"] = _save_peft(model, base, factors, alpha, rule, out_dir, loaded)
+        exported = load_peft(base, out_dir)
     if loaded is not None:
         if loaded.tokenizer is not None:
             loaded.tokenizer.save_pretrained(str(out_dir))

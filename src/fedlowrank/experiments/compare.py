@@ -34,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..config import ConfigError, RunConfig, load_config
+from ..models.architectures import check_measures_quality
 from ..reporting.progress import format_bytes
 from .stats import CONFIDENCE, Interval, mean_interval, paired_interval, verdict
 
@@ -312,6 +313,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
 
     overrides = list(overrides)
     base = load_config(config, overrides, method_checks=False)
+    check_measures_quality(base.task.model, "compare")
     names = parse_methods(methods, base)
     seed_list = parse_seeds(seeds, base)
     reference = reference or names[0]

@@ -24,10 +24,14 @@ def adapted_copy(loaded, targets: list[str] | str | None, train_outputs: bool) -
     """A fresh copy of ``loaded.net`` (a :class:`~fedlowrank.models.loading.LoadedModel`) with its adapter targets resolved:
     ``targets`` (``lora.targets``) or the architecture's default, never the output modules
     (``loaded.output_modules``: a classifier, ``lm_head``), whose parameters are the trained head when
-    ``train_outputs`` and stay frozen otherwise."""
+    ``train_outputs`` and stay frozen otherwise. With ``loaded.quantize`` (``task.quantize``) every other
+    ``nn.Linear`` of the copy is stored in 4 or 8 bits (:func:`fedlowrank.models.quantize.quantize_linears`)."""
+    from ..models.quantize import quantize_linears
+
     net = copy.deepcopy(loaded.net)
     net.eval()
     outputs = tuple(loaded.output_modules)
+    quantize_linears(net, getattr(loaded, "quantize", ""), outputs)
     names = resolve_targets(net, targets or default_targets(loaded.model_type), outputs)
     head = [n for n, _ in net.named_parameters() if n.startswith(tuple(f"{m}." for m in outputs))] if train_outputs else []
     return AdaptedModel(net, names, head)

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..adapters.model import AdaptedModel
 from ..device import module_device
+from ..models.architectures import SPEED_AND_MEMORY_ONLY
 from ..seeding import numpy_rng
 from .base import Task, adapted_copy, join_padded
 from .instructions import InstructionData
@@ -170,6 +171,7 @@ class CausalLM(Task):
         eval_examples: size of the fixed test subset for loss and perplexity (0 = the whole test split).
         eval_generate: questions in the fixed generation subset for exact match (0 = no generation).
         max_new_tokens: generation budget per question.
+        quantize: ``task.quantize``: ``""``, or ``"4bit"``/``"8bit"`` storage of the frozen backbone (QLoRA).
         generation_batch_size: questions generated together.
         write_generations: how many generations per evaluation go to the run directory.
         eval_seed: seed of the two evaluation subsets (fixed across runs and methods unless changed).
@@ -182,7 +184,7 @@ class CausalLM(Task):
     def __init__(self, data: InstructionData, model: str = "tiny-llama", max_length: int = 256,
                  targets: list[str] | None = None, eval_batch_size: int = 8, eval_examples: int = 200,
                  eval_generate: int = 0, max_new_tokens: int = 256, generation_batch_size: int = 8,
-                 write_generations: int = 5, eval_seed: int = 0):
+                 write_generations: int = 5, eval_seed: int = 0, quantize: str = ""):
         from ..models.loading import load_model
 
         if max_length < 2:
@@ -203,7 +205,7 @@ class CausalLM(Task):
         self.max_new_tokens = max_new_tokens
         self.generation_batch_size = generation_batch_size
         self.write_generations = write_generations
-        self.loaded = load_model(model, "causal-lm")
+        self.loaded = load_model(model, "causal-lm", quantize=quantize)
         self.tokenizer = self.loaded.tokenizer
         tok = self.tokenizer
         self.train = [encode_example(tok, p, r, max_length) for p, r in zip(data.train_prompts, data.train_responses)]
@@ -221,6 +223,7 @@ class CausalLM(Task):
                              "(GSM8K-style '#### N' or a last number); set eval_generate = 0")
         self.generation_prompts = [prompt_ids(tok, data.test_prompts[i])[-max_length:] for i in self.generate_idx]
         self._generations: list[dict[str, Any]] = []
+        self._said_speed_only = False
         self.truncation = {split: {"examples": len(enc), "truncated": sum(e.truncated for e in enc),
                                    "lost_response": sum(e.lost_response for e in enc)}
                            for split, enc in (("train", self.train), ("eval", evals))}
@@ -298,6 +301,12 @@ class CausalLM(Task):
 
     @torch.no_grad()
     def evaluate(self, net: nn.Module) -> dict[str, float]:
+        if self.loaded.speed_and_memory_only:  # random weights: no metric would mean anything
+            if not self._said_speed_only:
+                log.warning("causal-lm: task.model = %r has %s; evaluation skipped", self.model_name,
+                            SPEED_AND_MEMORY_ONLY)
+                self._said_speed_only = True
+            return {}
         metrics = self._token_loss(net, self.eval_encoded)
         if len(self.generate_idx):
             outputs = generate(net, self.tokenizer, self.generation_prompts, self.max_new_tokens,

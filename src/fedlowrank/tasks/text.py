@@ -39,7 +39,7 @@ class TextClassification(Task):
     supports_cohorts = True
 
     def __init__(self, data: TextData, model: str = "minilm", max_length: int = 64,
-                 targets: list[str] | str | None = None, eval_batch_size: int = 64):
+                 targets: list[str] | str | None = None, eval_batch_size: int = 64, quantize: str = ""):
         if max_length < 2:
             raise ValueError(f"task.max_length must be >= 2, got {max_length}")
         self.data = data
@@ -48,7 +48,7 @@ class TextClassification(Task):
         self.targets = targets
         self.eval_batch_size = eval_batch_size
         self.train_labels = data.train_labels
-        self.loaded = load_model(model, "sequence-classification", data.num_labels, data.label_names)
+        self.loaded = load_model(model, "sequence-classification", data.num_labels, data.label_names, quantize)
         tok = self.loaded.tokenizer
         self.train_ids, self.train_mask = self._encode(tok, data.train_texts)
         test_ids, test_mask = self._encode(tok, data.test_texts)
