@@ -168,7 +168,8 @@ def memory_estimate(net, trainable: int, rows: int, width: int, dtype: str, back
     cfg = net.config
     act = 2 if dtype in ("bf16", "fp16") else 4
     h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    kv = cfg.num_key_value_heads * getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads) * head_dim
     tokens = rows * width
     weights = weight_bytes(net)
     cast = 2 * sum(p.numel() for p in net.parameters() if p.dtype == torch.float32) if act == 2 and \
