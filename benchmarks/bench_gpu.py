@@ -448,11 +448,9 @@ def targets(rows: list[dict]) -> list[str]:
 
 
 def save_tokenizer(folder: str) -> None:
-    from fedlowrank.models.loading import BUNDLED_FOLDERS
-    from transformers import AutoTokenizer
+    from fedlowrank.models.loading import smollm2_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(BUNDLED_FOLDERS["smollm2-135m"]())
-    tok.save_pretrained(folder)
+    smollm2_tokenizer().save_pretrained(folder)
     print(f"wrote SmolLM2's tokenizer to {folder}: {', '.join(sorted(p.name for p in Path(folder).iterdir()))}")
 
 

@@ -113,10 +113,12 @@ def parameter_count(arch: Architecture) -> int:
 def load_tokenizer(source: str, spec: str):
     """The tokenizer of an ``arch:`` spec: ``bytes``, a bundled causal LM's, or a folder's (``spec`` names it in
     errors)."""
-    from .loading import BUNDLED_FOLDERS, TOKENIZER_FILES, tiny_tokenizer
+    from .loading import BUNDLED_FOLDERS, TOKENIZER_FILES, smollm2_tokenizer, tiny_tokenizer
 
     if source == DEFAULT_TOKENIZER:
         return tiny_tokenizer()
+    if source == "smollm2-135m":
+        return smollm2_tokenizer()  # from the GGUF: no need to dequantise the model
     from transformers import AutoTokenizer
 
     if source in BUNDLED_FOLDERS and source != "minilm":

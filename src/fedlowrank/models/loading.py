@@ -183,6 +183,16 @@ def smollm2_gguf() -> Path:
     return folder / SMOLLM2_GGUF
 
 
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer (49,152 tokens, its chat template), read from the GGUF without
+    dequantising the model (seconds)."""
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf()
+    _quiet_transformers()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
 def dequantised_smollm2() -> tuple[nn.Module, Any]:
     """SmolLM2-135M-Instruct from its Q4_1 GGUF as a plain fp32 ``LlamaForCausalLM`` (dequantised by transformers,
     then rebuilt from the config without ``quantization_config`` so that it saves as safetensors) and its
@@ -534,4 +544,4 @@ def load_image_model(spec: str, num_labels: int | None, label_names: list[str] |
 
 __all__ = ["BUNDLED", "IMAGE_BUNDLED", "KINDS", "Conv1DLinear", "LoadedModel", "NOT_IMAGENET",
            "cache_dir", "cached_folder", "conv1d_to_linear", "dequantised_smollm2", "load_image_model", "load_model",
-           "minilm_path", "restore_conv1d", "tiny_tokenizer"]
+           "minilm_path", "restore_conv1d", "smollm2_tokenizer", "tiny_tokenizer"]
