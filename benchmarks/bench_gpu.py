@@ -235,7 +235,7 @@ def profile_counts(fn, device: torch.device) -> dict[str, int]:
 
 # -- figures -------------------------------------------------------------------------------------------------------
 def base_sets(args, spec: str, dtype: str, clients: int) -> list[str]:
-    return [f"task.model={spec}", f"run.device={args.device}", f"train.dtype={dtype}", "method.name=fedit",
+    return [f"task.model={spec}", f"run.device={args.device}", f"train.dtype={dtype}", f"method.name={args.method}",
             "partition.kind=iid", f"partition.num_clients={clients}", f"run.clients_per_round={clients}",
             f"partition.min_partition_size={args.steps * args.batch}", f"train.local_steps={args.steps}",
             f"train.batch_size={args.batch}", f"run.rounds={args.rounds + 1}", f"run.eval_every={args.rounds + 1}",
@@ -260,7 +260,7 @@ def simulate(cfg, task, counter: TokenCounter, device, rounds: int, profile: boo
     """Rounds of the simulator: round 1 warms up, rounds 2..rounds+1 are timed, one more is profiled."""
     sim = Simulation(cfg, task=task)
     lora = sum(p.numel() for m in sim.model.adapters().values() for n, p in m.named_parameters() if "lora_" in n)
-    times, real, padded, rises = [], [], [], []
+    times, real, padded, rises, aggregation = [], [], [], [], []
     for r in range(rounds):
         counter.reset()
         reset_peak(device)
@@ -270,10 +270,12 @@ def simulate(cfg, task, counter: TokenCounter, device, rounds: int, profile: boo
         if r == 0:
             continue
         times.append(row["time"]["total"] - row["time"]["evaluation"])
+        aggregation.append(row["time"]["aggregation"])
         real.append(counter.real)
         padded.append(counter.padded)
         rises.append(rss.rise)
     out = {"seconds": sum(times) / len(times), "real": sum(real) / len(real), "padded": sum(padded) / len(padded),
+           "aggregation": sum(aggregation) / len(aggregation),
            "largest": counter.largest, "lora_parameters": lora, "net": sim.model.net,
            "cohort": sim.cohort_size(), "peak_cuda": torch.cuda.max_memory_allocated(device) if device.type == "cuda"
            else None, "rss_rise": max(rises)}
@@ -379,9 +381,12 @@ def figure(args, name: str, spec: str, dtype: str, mode: str, tasks: dict, peaks
     del net
     real_tps, padded_tps = res["real"] / res["seconds"], res["padded"] / res["seconds"]
     tflops = 4 * n * real_tps / 1e12
-    row = {"figure": f"{name} {dtype} {mode}", "model": name, "spec": spec, "dtype": dtype, "mode": mode,
+    label = f"{name} {dtype} {mode}" + ("" if mode == "peft" or cfg.method_name == "fedit" else f" {cfg.method_name}")
+    row = {"figure": label, "model": name, "spec": spec, "dtype": dtype, "mode": mode,
            "clients": clients, "local_steps": args.steps, "batch": args.batch, "cohort": res["cohort"],
-           "rounds_timed": args.rounds, "seconds_per_round": res["seconds"], "real_tokens_per_round": res["real"],
+           "method": cfg.method_name, "rounds_timed": args.rounds, "seconds_per_round": res["seconds"],
+           "aggregation_share": res["aggregation"] / res["seconds"] if "aggregation" in res else None,
+           "real_tokens_per_round": res["real"],
            "padded_tokens_per_round": res["padded"], "real_tokens_per_s": real_tps,
            "padded_tokens_per_s": padded_tps, "matmul_parameters": n, "model_tflops": tflops,
            "peak_matmul_tflops": peaks[dtype], "mfu": tflops / peaks[dtype],
@@ -402,15 +407,17 @@ def device_name(device: torch.device) -> str:
 
 
 # -- output --------------------------------------------------------------------------------------------------------
-COLUMNS = ("figure", "s/round", "real tok/s", "padded tok/s", "MFU", "peak GiB", "estimate GiB", "ops/step",
-           "syncs/step", "launches/step")
+COLUMNS = ("figure", "s/round", "aggregation", "real tok/s", "padded tok/s", "MFU", "peak GiB", "estimate GiB",
+           "ops/step", "syncs/step", "launches/step")
 
 
 def markdown_row(r: dict) -> str:
     peak = r["peak_memory_gib"] if r["peak_memory_gib"] is not None else r["rss_rise_gib"]
     est = r["memory_estimate_gib"]["total" if r["peak_memory_gib"] is not None else "transient"]
     prof = r.get("per_client_step", {})
-    cells = [r["figure"], f"{r['seconds_per_round']:.3f}", f"{r['real_tokens_per_s']:,.0f}",
+    share = r["aggregation_share"]
+    cells = [r["figure"], f"{r['seconds_per_round']:.3f}", "–" if share is None else f"{100 * share:.1f} %",
+             f"{r['real_tokens_per_s']:,.0f}",
              f"{r['padded_tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f} %", f"{peak:.2f}", f"{est:.2f}",
              *(f"{prof[k]:.0f}" if k in prof else "–" for k in ("aten_ops", "host_syncs", "kernel_launches"))]
     return "| " + " | ".join(cells) + " |"
@@ -444,6 +451,10 @@ def targets(rows: list[dict]) -> list[str]:
           ["cohort"] >= 32)
     mfu = get("llama-3.2-1b bf16 cohort", "mfu")
     check("1B cohort ≥ 25 % MFU", None if mfu is None else mfu >= 0.25)
+    for r in rows:
+        if r.get("method") == "fedrpca" and r["mode"] != "peft":
+            check(f"{r['figure']}: FedRPCA's aggregation ≤ 5 % of the round ({100 * r['aggregation_share']:.1f} %)",
+                  r["aggregation_share"] <= 0.05)
     return lines
 
 
@@ -462,6 +473,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtypes", default="", help="comma-separated among fp32, bf16 (default: bf16,fp32 on CUDA, fp32 "
                                                  "on the CPU)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated among {', '.join(MODES)}")
+    ap.add_argument("--method", default="fedit", help="the method of the cohort/one figures (e.g. fedrpca, with "
+                                                      "--set method.rpca_device=cuda: its aggregation share)")
     ap.add_argument("--tokenizer", default="smollm2-135m",
                     help="the arch: models' tokenizer: bytes, smollm2-135m (bundled) or a folder")
     ap.add_argument("--clients", type=int, default=0, help="clients per round, all in one cohort (0: 32; CPU 4)")
