@@ -31,6 +31,14 @@ On the CPU it runs a small version (tiny-llama, 4 clients × 2 steps × 2 exampl
 
 ``TOKDIR`` holds SmolLM2's tokenizer files (``--save-tokenizer TOKDIR`` writes them here, from the bundled
 ``smollm2-135m``), so that token counts are SmolLM2's on a machine without the model package.
+
+Carrying it to a lent GPU machine (at most 64 MiB per call; ``bench_out/`` is git-ignored): the repository
+(≈ 2 MB), ``bench_out/smollm2-tokenizer`` (3.5 MB, ``--save-tokenizer``), ``bench_out/gsm8k`` (4.7 MB, a copy of
+the GSM8K jsonl files, ``--data``) and ``bench_out/whl`` with the transformers 5.23.0 and peft 0.21.2 wheels
+(14 MB; the image's transformers is older), plus ``bench_out/whl-bnb`` (bitsandbytes 0.50.2, 43 MB) for QLoRA
+figures (``--set task.quantize=4bit``). The random-weight models are built there; nothing else travels. Each
+figure set of a model and dtype is one call of a few minutes; ``run.compile`` adds its warm-up (≈ 100 s measured).
+FedRPCA's share on the GPU: ``--method fedrpca --set method.rpca_device=cuda --modes cohort``.
 """
 
 from __future__ import annotations
@@ -157,8 +165,8 @@ def matmul_parameters(net: torch.nn.Module) -> int:
 def memory_estimate(net, trainable: int, rows: int, width: int, dtype: str, backbone_dtype: torch.dtype) -> dict:
     """Bytes one training step needs, from the model's shapes (a Llama-like decoder):
 
-    * weights as stored (quantised ones packed), and under autocast of a wider backbone the cast copies autocast
-      caches for the forward (2 bytes per weight);
+    * weights as stored (quantised ones packed), and under autocast of an fp32 backbone the bf16 copies autocast
+      caches for the forward (2 bytes per fp32 weight; quantised weights are dequantised per product instead);
     * trainable parameters with gradient and AdamW's two moments: 16 bytes each (fp32);
     * activations saved for backward, per token and layer ``8h + 2·kv + 4i`` values of the compute dtype (two norm
       inputs/outputs, the q/k/v/o inputs and outputs kept by attention, the MLP's gate, up, act and product);
@@ -377,8 +385,8 @@ def figure(args, name: str, spec: str, dtype: str, mode: str, tasks: dict, peaks
     backbone = task.loaded.net
     n = matmul_parameters(backbone)
     rows, width = res["largest"]
-    est = memory_estimate(backbone, res["lora_parameters"], rows, width, dtype, next(backbone.parameters()).dtype)
-    del net
+    est = memory_estimate(net, res["lora_parameters"], rows, width, dtype, next(backbone.parameters()).dtype)
+    del net  # the trained copy (quantised weights at their stored size: task.quantize)
     real_tps, padded_tps = res["real"] / res["seconds"], res["padded"] / res["seconds"]
     tflops = 4 * n * real_tps / 1e12
     label = f"{name} {dtype} {mode}" + ("" if mode == "peft" or cfg.method_name == "fedit" else f" {cfg.method_name}")
