@@ -36,6 +36,15 @@ def test_without_bitsandbytes_quantize_is_one_line(monkeypatch):
         build_task(load_config("tiny-lm", ["task.quantize=4bit", *SETS]))
 
 
+def test_a_bitsandbytes_without_a_cpu_backend_is_one_line(monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", types.SimpleNamespace(__version__="0.45.5"))
+    with pytest.raises(ValueError, match=r"task.quantize = '8bit' needs bitsandbytes >= 0.48 \(its CPU backend "
+                                         r"quantises the backbone\); found 0.45.5"):
+        require_bitsandbytes("8bit")
+
+
 @pytest.mark.parametrize("sets,match", [
     (["task.quantize=2bit"], r"task.quantize must be '4bit', '8bit' or '' \(off\); got '2bit'"),
     (["task.quantize=4bit", "task.kind=matrix-regression"], r"task.quantize = '4bit' is for task.kind"),
