@@ -171,7 +171,9 @@ def memory_estimate(net, trainable: int, rows: int, width: int, dtype: str, back
     * activations saved for backward, per token and layer ``8h + 2·kv + 4i`` values of the compute dtype (two norm
       inputs/outputs, the q/k/v/o inputs and outputs kept by attention, the MLP's gate, up, act and product);
     * logits ``[rows, width, V]`` in the compute dtype, their fp32 copy for the cross-entropy (bf16 only), its
-      log-softmax and gradient (4 + 4 bytes).
+      log-softmax and gradient (4 + 4 bytes);
+    * the 4-D attention mask ``[rows, 1, width, width]`` transformers builds for a padded batch (compute dtype, and
+      its boolean source): small for real models, the largest part for tiny ones at long widths.
     """
     cfg = net.config
     act = 2 if dtype in ("bf16", "fp16") else 4
@@ -184,7 +186,8 @@ def memory_estimate(net, trainable: int, rows: int, width: int, dtype: str, back
         backbone_dtype == torch.float32 else 0
     parts = {"weights": weights, "autocast_copies": cast, "trainable": 16 * trainable,
              "activations": tokens * layers * (8 * h + 2 * kv + 4 * i) * act,
-             "logits": tokens * cfg.vocab_size * (act + (4 if act == 2 else 0) + 8)}
+             "logits": tokens * cfg.vocab_size * (act + (4 if act == 2 else 0) + 8),
+             "attention_mask": rows * width * width * (act + 1)}
     parts["total"] = sum(parts.values())
     parts["transient"] = parts["total"] - weights
     return parts

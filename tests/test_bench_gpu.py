@@ -48,5 +48,6 @@ def test_memory_estimate_counts_the_logits_and_activations_of_a_batch():
     two = bench_gpu.memory_estimate(net, 1000, 4, 100, "fp32", bench_gpu.torch.float32)
     assert two["logits"] == 2 * one["logits"] == 2 * 2 * 100 * 259 * 12
     assert two["activations"] == 2 * one["activations"] and one["trainable"] == 16000
+    assert one["attention_mask"] == 2 * 100 * 100 * 5
     bf16 = bench_gpu.memory_estimate(net, 1000, 2, 100, "bf16", bench_gpu.torch.float32)
     assert bf16["autocast_copies"] > 0 and bf16["logits"] == 2 * 100 * 259 * 14
