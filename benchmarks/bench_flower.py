@@ -45,8 +45,9 @@ def free_port() -> int:
 
 def job_sets(args) -> list[str]:
     sets = [f"method.name={args.method}", f"run.seed={args.seed}", f"run.rounds={args.rounds}",
-            f"partition.num_clients={args.clients}", f"run.clients_per_round={args.per_round}", "run.threads=1",
-            f"data.path={(ROOT / args.data_path).resolve()}"]
+            f"partition.num_clients={args.clients}", f"run.clients_per_round={args.per_round}", "run.threads=1"]
+    if args.data_path:
+        sets.append(f"data.path={Path(args.data_path).resolve()}")
     if not args.smoke:
         sets += ["task.model=minilm", "data.source=agnews", f"data.max_train_examples={args.max_train}",
                  f"data.max_test_examples={args.max_test}"]
@@ -121,7 +122,7 @@ def main() -> None:
     p.add_argument("--per-round", type=int, default=5)
     p.add_argument("--max-train", type=int, default=2000, help="AG News training examples (0 = all 10,001 of train.tsv)")
     p.add_argument("--max-test", type=int, default=1000)
-    p.add_argument("--data-path", default="../shared/data/agnews")
+    p.add_argument("--data-path", default="", help="a local AG News copy ('' = $FEDLOWRANK_DATA/agnews, else the hub)")
     p.add_argument("--client-cpus", type=int, default=1, help="Ray CPUs per ClientApp")
     p.add_argument("--ray-cpus", type=int, default=os.cpu_count() or 1, help="CPUs given to Ray")
     p.add_argument("--sim-threads", type=int, default=0,

@@ -1,21 +1,26 @@
 """The decisive protocols of the claims in docs/methods/*.md and docs/vision.md, one command each (issues 16, 20).
 
 A protocol is: each method's learning rate tuned on a validation split of the clients' training data
-(``fedlowrank tune``, seed 0, the grid below or the method's paper grid, extended by up to two values where the
-best sits at an edge: ``--extend 2``), then ``fedlowrank compare`` of the methods
-over paired seeds at their tuned rates, with the 95 % t-intervals of the paired differences against the reference
-and a verdict only where the interval excludes 0. Every step writes under ``--out/<protocol>/`` (``tune/``,
-``compare/``) and is resumable: running the same command again reuses every run that ended there with the same
-config (``--resume``), so an interrupted protocol continues, and runs made by separate processes combine.
+(``fedlowrank tune``, on ``--tune-seeds``, the grid below or the method's paper grid, extended by up to two values
+where the best sits at an edge: ``--extend 2``), then ``fedlowrank compare`` of the methods over paired seeds at
+their tuned rates: per paired difference against the reference its mean with the 95 % t-interval, its median,
+wins and losses, a bootstrap interval and the Wilcoxon signed-rank test, whose p < 0.05 alone gives a verdict
+(docs/comparison.md). Every step writes under ``--out/<protocol>/`` (``tune/``, ``compare/``) and is resumable:
+running the same command again reuses every run that ended there with the same config, so an interrupted protocol
+continues, and runs made by separate processes combine.
 
     python benchmarks/protocols.py --list
     python benchmarks/protocols.py rpca --out runs/protocols --jobs 2
     python benchmarks/protocols.py vision-label vision-domains --out runs/protocols --jobs 2
     python benchmarks/protocols.py ilora --smoke --out /tmp/protocols      # tiny models, 1 round: checks the script
+    python benchmarks/protocols.py florg --device cuda --seeds 24 --jobs 4 --out runs/protocols
 
 Sizes are those of the issue (about an hour per protocol with 2 processes of 1 thread on the project's 2-core CPU).
-The IID half of FedGaLore's claim (``galore-iid``) reuses ``galore-noniid``'s tuned rates, as the paper keeps one rate
-across heterogeneity levels; FedRPCA's arms share FedIT's tuned rate, as its paper does.
+``--device cuda`` runs the same protocol on a GPU at a larger budget (:func:`gpu_sets`: 3× the rounds, every test
+example; the clients of a round train together, ``run.cohort = 0``), tunes on seeds 0, 1, 2 and writes under
+``--out/<protocol>-cuda/``; ``--seeds N`` compares on seeds 0..N−1. The IID half of FedGaLore's claim
+(``galore-iid``) reuses ``galore-noniid``'s tuned rates, as the paper keeps one rate across heterogeneity levels;
+FedRPCA's arms share FedIT's tuned rate, as its paper does.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Protocol:
     sets: list[str]
     config: str = "agnews"
     seeds: str = "0,1,2"
+    tune_seeds: str = "0"  # the validation splits the rates are chosen on (on a GPU: 0, 1, 2)
     grid: str | None = None  # None: each method's paper grid (fedlowrank methods)
     grids: dict[str, str] = field(default_factory=dict)  # per-method grid where it differs
     extend: int = 2  # tune --extend: values beyond a grid edge where the best sits
@@ -114,29 +120,50 @@ def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def run_protocol(name: str, out: Path, jobs: int, smoke: bool) -> dict:
+def gpu_sets(p: Protocol) -> list[str]:
+    """The larger budget of ``--device cuda``: 3× the protocol's rounds, every test example, the clients of a round
+    trained together (``run.cohort = 0``: automatic, all of them on CUDA)."""
+    from fedlowrank.config import load_config
+
+    rounds = load_config(p.config, p.sets).run.rounds
+    return ["run.device=cuda", "run.cohort=0", f"run.rounds={3 * rounds}", "data.max_test_examples=0"]
+
+
+def run_protocol(name: str, out: Path, jobs: int, smoke: bool, device: str = "cpu", seeds: int | None = None,
+                 tune_seeds: str | None = None) -> dict:
     """Tune (unless reused), write the rates each method runs at, compare; returns compare's results."""
     p = PROTOCOLS[name]
-    config, sets, seeds = (p.config, p.sets, p.seeds) if not smoke else (
+    config, sets, compare_seeds = (p.config, p.sets, p.seeds) if not smoke else (
         "tiny" if p.config == "agnews" else p.config, p.sets + ["run.rounds=1", "train.local_steps=1"], "0,1")
     if smoke and p.config != "agnews":
         sets = sets + ["data.max_train_examples=600", "data.max_test_examples=100"]
         sets += ["task.model=tiny-vit"] if p.config == "fmnist" else []
     if smoke and p.config == "agnews":
         sets = [s for s in sets if not s.startswith(("partition.num_clients", "run.clients_per_round"))]
-    tune_dir = out / (p.tuned_in or name) / "tune"
+    suffix = ""
+    if device == "cuda":
+        sets, suffix = sets + (gpu_sets(p) if not smoke else ["run.device=cuda", "run.cohort=0"]), "-cuda"
+    tune_seeds = tune_seeds or ("0,1,2" if device == "cuda" else p.tune_seeds)
+    compare_seeds = ",".join(map(str, range(seeds))) if seeds else compare_seeds
+    home = out / (name + suffix)
+    tune_name = "tune" if tune_seeds == "0" else "tune-seeds" + tune_seeds.replace(",", "-")
+    tune_dir = out / ((p.tuned_in or name) + suffix) / tune_name
     if not p.tuned_in:
+        groups: dict[str | None, list[str]] = {}  # methods sharing a grid are tuned (and extended) in one sweep
         for m in [p.shared_lr_from] if p.shared_lr_from else p.methods:
-            grid = p.grids.get(m, p.grid)
+            groups.setdefault(p.grids.get(m, p.grid), []).append(m)
+        for grid, methods in groups.items():
             if smoke:
                 grid = ",".join((grid or "1e-3,1e-2").split(",")[:2])
-            run_tuning(config, m, grid, "0", sets, tune_dir, log, resume=True, jobs=jobs, extend=p.extend)
+            run_tuning(config, methods, grid, tune_seeds, sets, tune_dir, log, resume=True, jobs=jobs,
+                       extend=p.extend)
     tuned = tune_dir / "tune.json"
     if p.shared_lr_from:
         chosen = json.loads(tuned.read_text())["chosen"][p.shared_lr_from]
-        tuned = out / name / "shared-lr.json"
+        tuned = home / "shared-lr.json"
+        tuned.parent.mkdir(parents=True, exist_ok=True)
         tuned.write_text(json.dumps({"chosen": {m: {**chosen, "shared_from": p.shared_lr_from} for m in p.methods}}))
-    return run_comparison(config, p.methods, seeds, sets, out / name / "compare", log, reference=p.reference,
+    return run_comparison(config, p.methods, compare_seeds, sets, home / "compare", log, reference=p.reference,
                           tuned=tuned, resume=True, jobs=jobs)
 
 
@@ -147,7 +174,21 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="runs side by side (processes of run.threads = 1)")
     ap.add_argument("--list", action="store_true", help="list the protocols and their claims")
     ap.add_argument("--smoke", action="store_true", help="tiny models, 1 round, 2 seeds: checks the script runs")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the protocol at a larger budget on a GPU, clients of a round trained together, "
+                    "written under OUT/NAME-cuda")
+    ap.add_argument("--seeds", type=int, default=None, metavar="N",
+                    help="compare on seeds 0..N-1 (default: the protocol's)")
+    ap.add_argument("--tune-seeds", default=None, metavar="S",
+                    help="comma-separated seeds the rates are tuned on (default: 0; 0,1,2 with --device cuda)")
     args = ap.parse_args(argv)
+    if args.seeds is not None and args.seeds < 1:
+        ap.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
     unknown = [n for n in args.protocols if n not in PROTOCOLS]
     if args.list or not args.protocols or unknown:
         if unknown:
@@ -158,7 +199,8 @@ def main(argv=None) -> int:
         return 2 if unknown else 0
     print(provenance(argv))
     for name in args.protocols:
-        results = run_protocol(name, Path(args.out), args.jobs, args.smoke)
+        results = run_protocol(name, Path(args.out), args.jobs, args.smoke, args.device, args.seeds,
+                               args.tune_seeds)
         print(f"\n# Protocol {name}: {PROTOCOLS[name].claim}\n")
         print(results_markdown(results))
     return 0

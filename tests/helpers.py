@@ -1,8 +1,11 @@
-"""Shared test helpers: the tiny task (random 2-layer BERT, 200 AG News examples) built once per session."""
+"""Shared test helpers: the tiny task (random 2-layer BERT, 200 BBC News articles) built once per session, and the
+skip of tests that need AG News or GSM8K when neither a local copy nor the ``datasets`` cache has them."""
 
 from __future__ import annotations
 
 from functools import lru_cache
+
+import pytest
 
 from fedlowrank.config import load_config
 from fedlowrank.runtime.simulator import Simulation
@@ -32,3 +35,27 @@ def run_tiny(method: str, *sets: str, rounds: int = 2) -> Simulation:
     sim = tiny_simulation(method, *sets, rounds=rounds)
     sim.run()
     return sim
+
+
+@lru_cache(maxsize=None)
+def unavailable(source: str) -> str | None:
+    """Why the known data set ``source`` (``agnews``, ``gsm8k``) cannot be read here, or ``None`` when it can: a local
+    copy in ``$FEDLOWRANK_DATA/<source>``, else the hub's copy in the ``datasets`` cache (the tests run with
+    ``HF_HUB_OFFLINE=1``, conftest)."""
+    from fedlowrank.tasks.hub import KNOWN_SETS, HubUnavailable, known_hub_splits, local_copy
+
+    known = KNOWN_SETS[source]
+    if local_copy(known, "") is not None:
+        return None
+    try:
+        known_hub_splits(known)
+    except HubUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def require_dataset(source: str) -> None:
+    """Skip the calling test, with the loader's reason, when the known data set ``source`` is not available."""
+    reason = unavailable(source)
+    if reason:
+        pytest.skip(f"needs {source} (the tests run with HF_HUB_OFFLINE=1 unless it is set): {reason}")

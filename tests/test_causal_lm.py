@@ -26,7 +26,7 @@ SGD_ONLY = {"ssf": ["train.optimizer=sgd", "train.lr=0.05"], "fedsub": ["train.o
 
 @lru_cache(maxsize=None)
 def tiny_lm_task():
-    """The task of the bundled ``tiny-lm`` config, built once (tiny LLaMA, 48 GSM8K questions)."""
+    """The task of the bundled ``tiny-lm`` config, built once (tiny LLaMA, 48 packaged arithmetic problems)."""
     return build_task(load_config("tiny-lm"))
 
 
@@ -261,11 +261,11 @@ def test_unknown_task_option_is_named():
         build_task(tiny_lm_config("task.options.eval_generations=3"))
 
 
-def test_gsm8k_source_reads_the_shared_folder_and_names_a_wrong_path():
+def test_tiny_lm_reads_the_packaged_problems_and_gsm8k_names_a_wrong_path():
     task = tiny_lm_task()
     assert task.describe()["num_train"] == 48 and task.data.test_responses[0].split("####")[-1].strip()
     with pytest.raises(FileNotFoundError, match="data.path: 'nowhere' holds no GSM8K"):
-        build_task(tiny_lm_config("data.path=nowhere"))
+        build_task(tiny_lm_config("data.source=gsm8k", "data.path=nowhere"))
 
 
 # -- Flower ------------------------------------------------------------------------------------------------------

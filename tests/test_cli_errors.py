@@ -140,14 +140,14 @@ def test_debug_shows_the_traceback(no_work):
             main(argv)
 
 
-def test_ctrl_c_while_loading_data_exits_130_with_one_line(monkeypatch, capsys):
+def test_ctrl_c_while_loading_data_exits_130_with_one_line(monkeypatch, capsys, tmp_path):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     import fedlowrank.runtime.simulator as simulator
 
     monkeypatch.setattr(simulator, "build_task", interrupted)
-    assert main(["run", "tiny", "--quiet"]) == 130
+    assert main(["run", "tiny", "--quiet", "--out", str(tmp_path / "run")]) == 130
     err = capsys.readouterr().err
     assert err.strip() == "interrupted"
 

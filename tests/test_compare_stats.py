@@ -121,10 +121,10 @@ def test_a_per_method_partition_change_is_refused_before_any_run(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
-def test_bad_methods_seeds_and_reference_are_one_line_errors(capsys):
+def test_bad_methods_seeds_and_reference_are_one_line_errors(capsys, tmp_path):
     for argv, field in ((["--seeds", "0,x"], "--seeds"), (["--methods", ""], "--methods"),
                         (["--methods", "fedit,fedit"], "--methods"), (["--reference", "florg"], "--reference")):
-        assert main(["compare", "tiny", "--quiet", *argv]) == 2
+        assert main(["compare", "tiny", "--quiet", "--out", str(tmp_path / "c"), *argv]) == 2
         assert field in capsys.readouterr().err
 
 

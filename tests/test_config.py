@@ -76,14 +76,18 @@ def test_bundled_configs_validate_with_every_compared_method():
             load_config(name, [f"method.name={method}", *cfg.compare.overrides.get(method, [])])
 
 
-def test_agnews_path_of_the_bundled_config_works_from_any_directory(tmp_path, monkeypatch):
-    from fedlowrank.tasks.data import PROJECT_ROOT, agnews_folder
+def test_agnews_of_the_bundled_config_is_found_from_any_directory(tmp_path, monkeypatch):
+    """The bundled config names no folder: FEDLOWRANK_DATA's copy is found whatever the working directory; a
+    relative data.path is the working directory's."""
+    from fedlowrank.tasks.hub import KNOWN_SETS, local_copy
 
-    relative = load_config("agnews").data.path
-    if not (PROJECT_ROOT / relative / "train.tsv").exists():
-        pytest.skip("the shared AG News files are not beside this checkout")
-    monkeypatch.chdir(tmp_path)
-    assert agnews_folder(relative).resolve() == (PROJECT_ROOT / relative).resolve()
-    (tmp_path / "mine").mkdir()
+    assert load_config("agnews").data.path == ""
+    for name in ("train.tsv", "test.tsv"):
+        (tmp_path / "data" / "agnews").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / "agnews" / name).write_text("a\tWorld\n")
+    monkeypatch.setenv("FEDLOWRANK_DATA", str(tmp_path / "data"))
+    (tmp_path / "elsewhere" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert local_copy(KNOWN_SETS["agnews"], "") == tmp_path / "data" / "agnews"
     with pytest.raises(FileNotFoundError, match="data.path: 'mine' holds no AG News train.tsv"):
-        agnews_folder("mine")
+        local_copy(KNOWN_SETS["agnews"], "mine")

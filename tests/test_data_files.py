@@ -6,7 +6,8 @@ import pytest
 
 from fedlowrank import cli
 from fedlowrank.config import ConfigError, load_config
-from fedlowrank.tasks.data import PROJECT_ROOT, load_hf, load_text_files
+from fedlowrank.tasks.data import load_hf, load_text_files
+from fedlowrank.tasks.hub import KNOWN_SETS, local_copy
 from fedlowrank.tasks.table import read_table
 
 
@@ -146,6 +147,50 @@ def test_jsonl_numbers_are_labels_as_strings(tmp_path):
     assert table.rows[:2] == [("s0", "0"), ("s1", "1")] and table.lines[-1] == 10
 
 
+def test_empty_label_cell_is_refused_with_its_line(tmp_path):
+    path = write(tmp_path / "t.tsv", ["a\tx", "b\ty", "c\t  ", "d\tx", "e\ty"])
+    with pytest.raises(ValueError, match=r"^.*t\.tsv:3: empty label \(data.label_column = 1\); every example needs a "
+                                         r"class name$"):
+        load_text_files(path, None)
+    jsonl = write(tmp_path / "d.jsonl", [json.dumps({"text": f"s{i}", "label": "" if i == 4 else i % 2})
+                                         for i in range(6)])
+    with pytest.raises(ValueError, match=r"d\.jsonl:5: empty label \(data.label_column = 'label'\)"):
+        load_text_files(jsonl, None, "text", "label")
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_jsonl_boolean_is_refused_not_read_as_a_class_name(tmp_path, value):
+    rows = [{"text": f"s{i}", "label": i % 2} for i in range(6)]
+    rows[3]["label"] = value
+    path = write(tmp_path / "d.jsonl", [json.dumps(r) for r in rows])
+    with pytest.raises(ValueError, match=rf"^.*d\.jsonl:4: key 'label' \(data.label_column\) holds {json.dumps(value)}; "
+                                         r"expected a string or a number$"):
+        load_text_files(path, None, "text", "label")
+
+
+def test_repeated_header_row_is_refused_not_read_as_a_class(tmp_path):
+    """Two files joined with their headers: line 1 is the header and its copy further down is refused, whether the
+    columns are named or indexed."""
+    lines = ["text\tlabel"] + [f"s{i}\t{i % 2}" for i in range(6)] + ["text\tlabel"] + [f"t{i}\t{i % 2}" for i in range(6)]
+    path = write(tmp_path / "joined.tsv", lines)
+    for columns in (("text", "label"), (0, 1)):
+        with pytest.raises(ValueError, match=r"^.*joined\.tsv:8: repeats the header row of line 1 \(text \| label\); "
+                                             r"a header belongs on line 1 only$"):
+            load_text_files(path, None, *columns)
+
+
+def test_header_row_inside_a_headerless_file_is_refused(tmp_path, capsys):
+    """A headerless file followed by a file with a header (data.header = auto, indexed columns)."""
+    lines = [f"s{i}\t{'x' if i % 2 else 'y'}" for i in range(6)] + ["sentence\tlabel"] + ["t\tx", "u\ty"]
+    path = write(tmp_path / "joined.tsv", lines)
+    with pytest.raises(ValueError, match=r"^.*joined\.tsv:7: \(sentence \| label\) looks like a header row inside "
+                                         r"the data; remove it, or set data.header = false to read it as an "
+                                         r"example$"):
+        load_text_files(path, None)
+    data = load_text_files(path, None, header="false")
+    assert "label" in data.label_names  # what the user asked for
+
+
 def test_bad_json_line_is_named(tmp_path):
     path = write(tmp_path / "d.jsonl", [json.dumps({"text": "a", "label": "x"}), '{"text": "b", "label": }'])
     with pytest.raises(ValueError, match=r"d\.jsonl:2: invalid JSON \(Expecting value at column 24\)"):
@@ -209,9 +254,9 @@ def test_hf_source_without_datasets_is_one_line(monkeypatch):
 
 
 def test_agnews_files_read_as_before():
-    folder = PROJECT_ROOT / "../shared/data/agnews"
-    if not (folder / "train.tsv").exists():
-        pytest.skip("the shared AG News files are not beside this checkout")
+    folder = local_copy(KNOWN_SETS["agnews"], "")
+    if folder is None:
+        pytest.skip("needs a local AG News copy in $FEDLOWRANK_DATA/agnews (.ci/run: ../shared/data)")
     data = load_text_files(folder / "train.tsv", folder / "test.tsv", header="false")
     assert (len(data.train_texts), len(data.test_texts)) == (10_001, 7_600)
     assert data.label_names == ["Business", "Sci/Tech", "Sports", "World"]

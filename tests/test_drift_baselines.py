@@ -476,7 +476,7 @@ def test_task_arithmetic_scales_the_mean_update_by_beta():
 # -- TIES ---------------------------------------------------------------------------------------------------
 def test_ties_merge_by_hand():
     u = torch.tensor([[1.0, -2.0, 0.5, 0.0], [3.0, 1.0, -0.5, 0.2], [-1.0, 1.5, -0.1, 0.0]], dtype=torch.float64)
-    thr = torch.stack([magnitude_threshold(x, 0.5) for x in u])
+    thr = torch.stack([magnitude_threshold(x, 0.5, "paper") for x in u])  # ⌈K·d⌉ = 2 kept per client
     torch.testing.assert_close(thr, torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64))
     uniform = torch.full((3,), 1 / 3, dtype=torch.float64)
     # trimmed: [1,-2,0,0], [3,1,0,0], [-1,1.5,0,0]; signs +,+; agreeing means (1+3)/2, (1+1.5)/2
@@ -488,10 +488,10 @@ def test_ties_merge_by_hand():
 
 def test_magnitude_threshold_counts():
     x = torch.tensor([3.0, -1.0, 2.0, 0.5])
-    assert float(magnitude_threshold(x, 0.5)) == 2.0
-    assert float(magnitude_threshold(x, 1.0)) == 0.5
-    assert float(magnitude_threshold(x, 0.01)) == 3.0
-    assert float(magnitude_threshold(x, 0.3)) == 2.0  # ⌈0.3·4⌉ = 2 kept
+    assert float(magnitude_threshold(x, 0.5, "paper")) == 2.0
+    assert float(magnitude_threshold(x, 1.0, "paper")) == 0.5
+    assert float(magnitude_threshold(x, 0.01, "paper")) == 3.0
+    assert float(magnitude_threshold(x, 0.3, "paper")) == 2.0  # ⌈0.3·4⌉ = 2 kept
 
 
 @pytest.mark.parametrize("scope", ["global", "tensor"])

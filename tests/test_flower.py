@@ -326,7 +326,7 @@ def test_flower_run_directory_exports_and_resumes_in_the_simulator(tmp_path):
 
 
 # -- nodes that bring their own data (node config data-train) ------------------------------------------
-AGNEWS_LABELS = '["Business","Sci/Tech","Sports","World"]'  # the tiny task's classes, sorted as it numbers them
+TINY_LABELS = '["business","entertainment","politics","sports","tech"]'  # the tiny task's classes (BBC News), sorted
 
 
 def node_files(tmp_path, sizes=(30, 14)) -> list:
@@ -349,7 +349,7 @@ def test_nodes_with_their_own_files_equal_the_simulator_on_those_files(tmp_path,
 
     sizes = (30, 14)
     paths = node_files(tmp_path, sizes)
-    sets = (f"method.name={method}", "partition.num_clients=2", f"data.labels={AGNEWS_LABELS}", "data.header=false")
+    sets = (f"method.name={method}", "partition.num_clients=2", f"data.labels={TINY_LABELS}", "data.header=false")
     trained = []
     sim, grid, strategy = run_flower(*sets, node_data=dict(enumerate(paths)),
                                      tamper=lambda k, reply: trained.append((k, reply.content["metrics"]["num-examples"])))
@@ -383,15 +383,15 @@ def test_own_data_needs_data_labels_and_refuses_a_label_outside_them(tmp_path):
     lines = paths[1].read_text().splitlines()
     lines[4] = lines[4].rsplit("\t", 1)[0] + "\tWeather"
     paths[1].write_text("\n".join(lines) + "\n")
-    config = {"config": "tiny", "set": shlex.join((*base, f"data.labels={AGNEWS_LABELS}"))}
+    config = {"config": "tiny", "set": shlex.join((*base, f"data.labels={TINY_LABELS}"))}
     node = Context(7, 1, {"partition-id": 1, "num-partitions": 2, "data-train": str(paths[1])}, RecordDict(), config)
     with pytest.raises(ValueError, match=rf"^{paths[1]}:5: label 'Weather' is not in data.labels "
-                                         r"\(Business, Sci/Tech, Sports, World\)$"):
+                                         r"\(business, entertainment, politics, sports, tech\)$"):
         client_app.query(None, node)
 
 
 def test_own_data_file_missing_is_one_error_naming_the_node_config_key(tmp_path):
-    config = {"config": "tiny", "set": shlex.join(("partition.num_clients=2", f"data.labels={AGNEWS_LABELS}"))}
+    config = {"config": "tiny", "set": shlex.join(("partition.num_clients=2", f"data.labels={TINY_LABELS}"))}
     node = Context(7, 1, {"partition-id": 0, "num-partitions": 2, "data-train": str(tmp_path / "absent.tsv")},
                    RecordDict(), config)
     with pytest.raises(FileNotFoundError, match=rf"^node config data-train: no file {tmp_path / 'absent.tsv'}$"):

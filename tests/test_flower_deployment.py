@@ -31,8 +31,7 @@ from fedlowrank.message import State  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "flower_app"
 BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode and flwr are installed next to python
-DATA = str((ROOT / "../shared/data/agnews").resolve())
-SETS = ("partition.num_clients=2", "run.clients_per_round=2", f"data.path={DATA}")
+SETS = ("partition.num_clients=2", "run.clients_per_round=2")
 
 
 def free_port() -> int:

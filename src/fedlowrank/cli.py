@@ -3,12 +3,14 @@
 * ``fedlowrank run [CONFIG] [--set section.key=value ...]`` — one method, one run directory.
 * ``fedlowrank compare [CONFIG] [--methods a,b] [--seeds 0,1] [--reference a] [--tuned TUNE_JSON]`` — several
   methods on the same partitions, seeds and budget (:mod:`fedlowrank.experiments.compare`); prints the setup and the
-  table (means with 95% t-intervals over seeds, paired differences against the reference), writes
+  table (means with 95% t-intervals over seeds; paired differences against the reference with their median,
+  wins and losses, bootstrap interval and Wilcoxon signed-rank test, which gives the verdict), writes
   ``results.json``, ``results.md`` and accuracy-vs-round / accuracy-vs-bytes plots.
 * ``fedlowrank tune [CONFIG] [--methods a,b] [--grid 1e-3,3e-3] [--seeds 0] [--param KEY] [--tuned TUNE_JSON]
   [--extend N]``
   — each method's learning rate (or another numeric setting) chosen on a validation split held out of the
-  clients' training data; writes ``tune.json`` for ``compare --tuned``.
+  clients' training data, by the best mean over the seeds' splits (collapsed runs and ties shown); writes
+  ``tune.json`` for ``compare --tuned``.
 * ``fedlowrank resume RUN_DIR [--round N]`` — continue an interrupted run from its newest intact checkpoint
   (or that of round N), bit for bit.
 * ``fedlowrank export RUN_DIR [--format peft|merged] [--rank R]`` — the global model as a PEFT adapter
@@ -96,11 +98,12 @@ def _finish(sim, run_dir: Path) -> int:
         _log(f"interrupted in round {sim.round + 1}; continue with: fedlowrank resume {run_dir}"
              + ("" if sim.cfg.run.checkpoint_every else " (needs run.checkpoint_every > 0)"))
         return 130
+    from .experiments.compare import data_name, default_metric
     from .reporting.plots import plot_run
 
     cfg = sim.cfg
-    metric = cfg.run.stop_metric or ("accuracy" if cfg.task.kind == "text-classification" else "rel_error")
-    plots = plot_run(sim.history, run_dir, metric, f"{sim.method.name}: {run_dir.name}")
+    title = f"{sim.method.name} on {data_name(cfg)}: {run_dir.name}"
+    plots = plot_run(sim.history, run_dir, default_metric(cfg), title)
     if sim.log:
         sim.log(f"plot: {plots[0]}" if plots else "no plots: matplotlib is not installed (pip install matplotlib==3.11.2)")
     _log(f"run directory: {run_dir}")
@@ -269,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--extend", type=int, default=0, metavar="N",
                     help="while a method's best value is at an edge of the grid, try one more beyond it, at most N "
                     "times (default 0)")
-    sp.add_argument("--seeds", default=None, help="comma-separated seeds (default: run.seed)")
+    sp.add_argument("--seeds", default=None, help="comma-separated seeds whose validation splits are averaged "
+                    "(default: run.seed; two or three keep the choice from hinging on one seed)")
     sp.add_argument("--resume", action="store_true", help=RESUME_HELP)
     sp.add_argument("--jobs", type=int, default=1, metavar="N", help=JOBS_HELP)
     sp.set_defaults(func=cmd_tune)

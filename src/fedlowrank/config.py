@@ -70,7 +70,7 @@ class TaskSection:
 @dataclass
 class DataSection:
     source: str = "bbc-news"
-    path: str = ""  # folder of the agnews/gsm8k source; "" = ../shared/data/<source>
+    path: str = ""  # folder of a local copy of the agnews/gsm8k source; "" = $FEDLOWRANK_DATA/<source>, else the hub
     train: str = ""
     test: str = ""
     text_column: str = "0"
@@ -182,9 +182,10 @@ MEANINGS: dict[str, str] = {
     "task.quantize": "QLoRA: store the frozen backbone's linear layers in 4bit (NF4) or 8bit (int8) with "
                      "bitsandbytes (extra fedlowrank[qlora]), adapters and head unquantised; '' = off. "
                      "causal-lm and text-classification, LoRA-family methods",
-    "data.source": "bbc-news (packaged), agnews (data.path), files (data.train, data.test) or hf (data.hf_name)",
-    "data.path": "folder of the agnews (train.tsv, test.tsv) or gsm8k (train.jsonl, test.jsonl) source ('' = "
-                 "../shared/data/<source>)",
+    "data.source": "bbc-news (packaged), arithmetic (packaged word problems, causal-lm), agnews or gsm8k (a local "
+                   "copy, else the Hugging Face hub), files (data.train, data.test) or hf (data.hf_name)",
+    "data.path": "folder of a local copy of agnews (train.tsv, test.tsv) or gsm8k (train.jsonl, test.jsonl); '' = "
+                 "$FEDLOWRANK_DATA/<source> when it holds them, else the hub (fancyzhx/ag_news, openai/gsm8k)",
     "data.train": "training file, .tsv, .csv or .jsonl (data.source = 'files')",
     "data.test": "test file ('' = hold out data.test_fraction of the training file)",
     "data.text_column": "text column: an index, or a header name (a key for JSONL)",

@@ -1,44 +1,43 @@
-"""``fedlowrank compare``: several methods on the same partition, seeds and budget, with confidence intervals.
+"""``fedlowrank compare``: several methods on the same partition, seeds and budget, with paired statistics.
 
 For each seed every method sees the same data, the same partition (a function of ``run.seed``, the labels and
 ``[partition]``), the same client sampling (``run.seed``, round) and the same local data order
-(``run.seed``, client, round): the runs are *paired* by seed, and the partition's digest is checked to be the
-same for every method. Per method: the final and best metric over rounds, as the mean over seeds and its 95%
-Student-t interval (:mod:`fedlowrank.experiments.stats`); against the reference method, the per-seed differences, their
-mean and paired t-interval, and a verdict ("better"/"worse" only where the interval excludes 0).
+(``run.seed``, client, round): the runs are *paired* by seed, and the partition is checked to be the same for
+every method before anything trains (:meth:`fedlowrank.experiments.sweep.Sweep.check_pairing`). Per method: the
+final and best metric over rounds, as the mean over seeds and its 95% Student-t interval
+(:mod:`fedlowrank.experiments.stats`). Against the reference method, per seed, the differences and
+(:func:`paired_statistics`) their mean with its paired t-interval, their median, the method's wins and losses, a
+paired bootstrap interval of the mean and the Wilcoxon signed-rank test, whose two-sided ``p < 0.05`` alone
+gives a verdict ("better"/"worse"; else "undecided"): it does not assume normal differences, which a method that
+sometimes collapses does not have.
 
 Settings per method, later ones winning: the method's preset (:func:`fedlowrank.methods.preset_overrides`),
-``compare.overrides[method]``, the learning rate chosen by ``fedlowrank tune`` (``--tuned`` or
-``compare.tuned``), then the user's ``--set``.
+``compare.overrides[method]``, the values chosen by ``fedlowrank tune`` (``--tuned`` or ``compare.tuned``),
+then the user's ``--set``.
 
 Files (when ``out`` is given): one run directory per (method, seed), ``results.json`` (setup, per-seed values,
-means, intervals, paired differences), ``results.md`` (opens with the setup as run) and the plots.
-
-``resume``: a run directory in ``out`` whose run ended (:func:`finished_run`) is read instead of run again; any
-other is run from the start. So an interrupted comparison continues where it stopped, and runs made by
-separate processes (one ``--methods m --seeds s`` each, with the same ``--out``) are combined by one last call.
-
-``jobs``: the (method, seed) runs go to that many worker processes (:func:`run_in_processes`), each with
-``run.threads`` torch threads (when 0: the cores divided by ``jobs``), and are read back from their run
-directories; the results are the same as one process's.
+means, intervals, paired statistics), ``results.md`` (opens with the setup as run) and the plots. The runs go
+through :class:`~fedlowrank.experiments.sweep.Sweep`: ``resume`` reads each run that ended in ``out`` instead of
+running it again, ``jobs`` runs them in that many worker processes, with the same results as one process.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from ..config import ConfigError, RunConfig, load_config
 from ..models.architectures import check_measures_quality
 from ..reporting.progress import format_bytes
-from .stats import CONFIDENCE, Interval, mean_interval, paired_interval, verdict
+from .stats import (ALPHA, BOOTSTRAP_RESAMPLES, CONFIDENCE, Interval, bootstrap_interval, mean_interval, median,
+                    paired_interval, rank_verdict, verdict, wilcoxon_signed_rank, wins_losses)
+from .sweep import Log, Run, Sweep, partition_digest
 
-Log = Callable[[str], None] | None
+BOOTSTRAP_SEED = 0  # the paired bootstrap's stream: the same results give the same interval
 
 
 def default_metric(cfg: RunConfig) -> str:
@@ -49,8 +48,9 @@ def default_metric(cfg: RunConfig) -> str:
 
 
 def higher_is_better(metric: str) -> bool:
-    """``accuracy`` is maximised; every other metric of the tasks (loss, rel_error, objective) minimised."""
-    return metric == "accuracy"
+    """``accuracy`` and ``exact_match`` are maximised; every other metric of the tasks (loss, perplexity,
+    rel_error, objective) minimised."""
+    return metric in ("accuracy", "exact_match")
 
 
 def method_settings(cfg: RunConfig, name: str, user_sets: list[str] | tuple[str, ...] = (),
@@ -62,96 +62,6 @@ def method_settings(cfg: RunConfig, name: str, user_sets: list[str] | tuple[str,
     chosen = [f"{key}={value!r}" for key, value in (tuned or {}).items()]
     return [f"method.name={name}", *preset_overrides(name), *cfg.compare.overrides.get(name, []), *chosen,
             *user_sets]
-
-
-SUMMARY_KEYS = ("method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy", "epsilon")
-
-
-def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
-    """``{"summary": summary.json, "history": metrics.jsonl rows, "metrics": the final evaluation}`` of the run
-    that ended in ``run_dir``, or ``None`` when none did there (no ``summary.json``: never started or interrupted).
-
-    A run that ended with another config than ``cfg`` (its ``config.json`` has another fingerprint,
-    :func:`fedlowrank.runtime.checkpoint.config_fingerprint`) raises :class:`ConfigError`: reusing it would mix
-    two experiments."""
-    from ..config import from_dict
-    from ..runtime.checkpoint import config_fingerprint
-
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--resume: {run_dir / 'summary.json'} is unreadable ({exc}); delete {run_dir} to run "
-                          "it again") from None
-    try:
-        old = from_dict(json.loads((run_dir / "config.json").read_text()))
-        history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    except (OSError, json.JSONDecodeError, ConfigError) as exc:
-        raise ConfigError(f"--resume: the finished run in {run_dir} is unreadable ({exc}); delete it to run it "
-                          "again") from None
-    if config_fingerprint(old) != config_fingerprint(cfg):
-        raise ConfigError(f"--resume: {run_dir} holds a run of another config than this one (different settings "
-                          "or learning rate); use another --out, or delete that directory")
-    metrics = {k: v for k, v in summary.items() if k not in SUMMARY_KEYS}
-    return {"summary": summary, "history": history, "metrics": metrics}
-
-
-def check_jobs(jobs: int, out: Path | None) -> None:
-    """Refuse a ``--jobs`` that is not a positive integer, or ``> 1`` without an output directory."""
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ConfigError(f"--jobs must be an integer >= 1, got {jobs!r}")
-    if jobs > 1 and out is None:
-        raise ConfigError("--jobs > 1 needs an output directory (the worker processes write their runs there)")
-
-
-_WORKER_TASKS: dict[str, Any] = {}  # a worker process's built tasks (task_key → task), reused by its later runs
-
-
-def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: np.ndarray | None,
-             overwrite: bool) -> str | None:
-    """One run in a worker process (:func:`run_in_processes`): on the validation view of ``held_out`` when
-    given (``fedlowrank tune``), on ``parts``. Returns ``None``, or the message of a divergence."""
-    from ..runtime.simulator import DivergenceError, Simulation
-    from ..tasks import build_task
-
-    key = task_key(cfg)
-    if key not in _WORKER_TASKS:
-        _WORKER_TASKS[key] = build_task(cfg)
-    task = _WORKER_TASKS[key]
-    try:
-        Simulation(cfg, task=task if held_out is None else task.validation(held_out), run_dir=run_dir, parts=parts,
-                   overwrite=overwrite).run()
-    except DivergenceError as exc:
-        return str(exc)
-    return None
-
-
-def run_in_processes(runs: list[tuple[str, RunConfig, Path, list[np.ndarray], np.ndarray | None]], jobs: int,
-                     overwrite: bool, log: Log = None) -> dict[str, str]:
-    """Run ``(label, cfg, run_dir, parts, held_out)`` in ``jobs`` worker processes (spawned: no state shared with
-    this one), ``run.threads`` torch threads each (0: ``os.cpu_count() // jobs``, at least 1); every run writes its
-    run directory, to be read back with :func:`finished_run`. Returns ``{label: divergence message}`` of the runs
-    that diverged; any other error of a worker is raised here."""
-    import multiprocessing
-    import os
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    diverged: dict[str, str] = {}
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_run_one, cfg if cfg.run.threads else
-                               dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, threads=threads)),
-                               run_dir, parts, held_out, overwrite): label
-                   for label, cfg, run_dir, parts, held_out in runs}
-        for i, future in enumerate(as_completed(futures), 1):
-            label = futures[future]
-            message = future.result()
-            if message is not None:
-                diverged[label] = message
-            if log:
-                log(f"{label}: {'diverged' if message else 'done'} ({i}/{len(runs)} runs)")
-    return diverged
 
 
 def parse_methods(text: str | list[str] | None, cfg: RunConfig) -> list[str]:
@@ -193,28 +103,19 @@ def read_tuned(path: str | Path, field: str = "compare.tuned") -> dict[str, dict
         raise ConfigError(f"{field}: {path} is not a tune.json written by fedlowrank tune ({exc})") from None
 
 
-def partition_digest(parts: list[np.ndarray]) -> str:
-    """A short hash of the client index arrays (equal digests = the same partition)."""
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(np.int64(len(p)).tobytes() + np.asarray(p, dtype=np.int64).tobytes())
-    return h.hexdigest()[:16]
-
-
-def task_key(cfg: RunConfig) -> str:
-    """What a built task depends on: the seed and the [task] and [data] sections."""
-    return json.dumps([cfg.run.seed, dataclasses.asdict(cfg.task), dataclasses.asdict(cfg.data)], sort_keys=True)
-
-
 def data_source(cfg: RunConfig) -> str:
     """Where the data came from, in words."""
     d = cfg.data
     if cfg.task.kind == "matrix-regression":
         return "synthetic (" + ", ".join(f"{k} = {v}" for k, v in cfg.task.options.items()) + ")"
-    if d.source == "agnews":
-        from ..tasks.data import agnews_folder
+    if d.source in ("agnews", "gsm8k"):
+        from ..tasks.hub import describe
 
-        return f"AG News files in {agnews_folder(d.path)}"
+        return describe(d.source, d.path)
+    if d.source == "arithmetic":
+        return "arithmetic word problems packaged with fedlowrank (train.jsonl, test.jsonl)"
+    if d.source == "bbc-news":
+        return f"BBC News, packaged (test: a {d.test_fraction:g} stratified split)"
     if d.source == "files":
         return f"files {d.train}" + (f" and {d.test}" if d.test else f" (test: a {d.test_fraction:g} stratified split)")
     if d.source == "hf":
@@ -227,6 +128,20 @@ def data_source(cfg: RunConfig) -> str:
                  "hf-images": f"Hugging Face image set {d.hf_name}"}[d.source]
         return where + (f", domains {', '.join(opts['domains'])}" if opts.get("domains") else "")
     return f"{d.source} (test: a {d.test_fraction:g} stratified split)"
+
+
+def data_name(cfg: RunConfig) -> str:
+    """The data set's short name, for plot titles: ``AG News``, ``GSM8K``, ``Fashion-MNIST``, a file or folder
+    name, a Hugging Face dataset name."""
+    d = cfg.data
+    if cfg.task.kind == "matrix-regression":
+        return "synthetic matrix regression"
+    named = {"agnews": "AG News", "gsm8k": "GSM8K", "bbc-news": "BBC News", "fashion-mnist": "Fashion-MNIST"}
+    if d.source in named:
+        return named[d.source]
+    if d.source in ("hf", "hf-images"):
+        return d.hf_name
+    return Path(d.train).name or d.source
 
 
 def setup_of(cfg: RunConfig, task_description: dict[str, Any], seeds: list[int]) -> dict[str, Any]:
@@ -245,7 +160,7 @@ def setup_of(cfg: RunConfig, task_description: dict[str, Any], seeds: list[int])
         partition["min_partition_size"] = p.min_partition_size
     return {
         "task": cfg.task.kind, "model": task_description.get("model"),
-        "data_source": data_source(cfg), "num_train": task_description.get("num_train"),
+        "data_name": data_name(cfg), "data_source": data_source(cfg), "num_train": task_description.get("num_train"),
         "num_test": task_description.get("num_test"), "partition": partition,
         "clients_per_round": cfg.run.clients_per_round, "rounds": cfg.run.rounds, "eval_every": cfg.run.eval_every,
         "local_steps": t.local_steps, "local_epochs": t.local_epochs, "batch_size": t.batch_size, "seeds": seeds,
@@ -278,10 +193,11 @@ def setup_lines(setup: dict[str, Any]) -> list[str]:
     ]
 
 
-def _title(setup: dict[str, Any]) -> str:
+def plot_title(setup: dict[str, Any]) -> str:
+    """``AG News (all-MiniLM-L6-v2), dirichlet (alpha = 0.1, ...), 10 clients, 6 seeds``."""
     seeds = setup["seeds"]
     model = f" ({setup['model']})" if setup["model"] else ""
-    return (f"{setup['task']}{model}, {describe_partition(setup['partition'])}, "
+    return (f"{setup.get('data_name', setup['task'])}{model}, {describe_partition(setup['partition'])}, "
             f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''}")
 
 
@@ -307,10 +223,6 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         reference: the method the others are compared with, per seed (default: the first method).
         tuned: a ``tune.json`` whose chosen learning rates are applied (default: ``compare.tuned``).
     """
-    from ..tasks.partition import partition_task
-    from ..runtime.simulator import DivergenceError, Simulation
-    from ..tasks import build_task
-
     overrides = list(overrides)
     base = load_config(config, overrides, method_checks=False)
     check_measures_quality(base.task.model, "compare")
@@ -326,79 +238,43 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         raise ConfigError(f"compare.tuned: {tuned} chose no value for {', '.join(missing)} "
                           f"(tuned: {', '.join(chosen) or 'none'})")
     settings = {n: method_settings(base, n, overrides, chosen.get(n)) for n in names}
-    configs = {n: {s: load_config(config, [*settings[n], f"run.seed={s}"]) for s in seed_list} for n in names}
     metric = default_metric(base)
     out = Path(out) if out is not None else None
-    check_jobs(jobs, out)
+    sweep = Sweep(out, jobs, resume, log)
+    runs = [Run(n, f"[{n}] seed {s}", load_config(config, [*settings[n], f"run.seed={s}"]),
+                out / f"{n}-seed{s}" if out else None, metric) for n in names for s in seed_list]
+    sweep.check_pairing(sorted(runs, key=lambda r: r.method != reference))  # data and partitions before training
+    outcomes = sweep.run(runs, stop_on_divergence=True)
 
-    tasks: dict[str, Any] = {}
-    parts: dict[tuple[str, int], list[np.ndarray]] = {}
-    # data and partitions first (the reference's first): the pairing is checked before any training
-    for name in [reference, *(n for n in names if n != reference)]:
-        for seed in seed_list:
-            cfg = configs[name][seed]
-            key = task_key(cfg)
-            if key not in tasks:
-                tasks[key] = build_task(cfg)
-            task = tasks[key]
-            parts[name, seed] = partition_task(task, cfg.partition, seed)[0]
-            if partition_digest(parts[name, seed]) != partition_digest(parts[reference, seed]):
-                raise ConfigError(f"compare: seed {seed}: {name!r} would train on another partition than "
-                                  f"{reference!r} (a per-method setting changes [data] or [partition]); paired "
-                                  "differences need the same partition")
-    if jobs > 1:
-        pending = [(f"[{n}] seed {s}", configs[n][s], out / f"{n}-seed{s}", parts[n, s], None)
-                   for n in names for s in seed_list
-                   if not (resume and finished_run(out / f"{n}-seed{s}", configs[n][s]))]
-        diverged = run_in_processes(pending, jobs, resume, log)
-        if diverged:
-            label, message = next(iter(diverged.items()))
-            raise DivergenceError(f"{label}: {message}")
     histories: dict[str, list[list[dict[str, Any]]]] = {}
-    rows: list[dict[str, Any]] = []
-    setup: dict[str, Any] | None = None
+    per_method: dict[str, list[dict[str, Any]]] = {}
+    for run, outcome in zip(runs, outcomes):
+        values = _metric_values(outcome.history, metric)
+        if not values:
+            raise ConfigError(f"run.stop_metric: the task reports no {metric!r} "
+                              f"(it reports {', '.join(sorted(outcome.metrics)) or 'nothing'})")
+        summary = outcome.summary
+        histories.setdefault(run.method, []).append(outcome.history)
+        per_method.setdefault(run.method, []).append({
+            "seed": run.cfg.run.seed, "final": values[-1], "best": max(values) if higher_is_better(metric) else min(values),
+            "bytes_up": summary["bytes_up"], "bytes_down": summary["bytes_down"], "time": summary["time"]["total"],
+            "epsilon": summary.get("epsilon"), "partition": partition_digest(sweep.partition(run.cfg)),
+            "sampling": hashlib.sha256(json.dumps([r["clients"] for r in outcome.history]).encode()).hexdigest()[:16],
+            **({"run_dir": str(run.run_dir)} if out else {})})
+    setup = setup_of(runs[0].cfg, sweep.task(runs[0].cfg).describe(), seed_list)
+    rows = []
     for name in names:
-        runs = []
-        for seed in seed_list:
-            cfg = configs[name][seed]
-            task = tasks[task_key(cfg)]
-            run_dir = out / f"{name}-seed{seed}" if out else None
-            done = finished_run(run_dir, cfg) if (resume or jobs > 1) and run_dir is not None else None
-            if done is not None:
-                if log:
-                    log(f"[{name}] seed {seed}: reusing the finished run in {run_dir}")
-                summary, history, final = done["summary"], done["history"], done["metrics"]
-            else:
-                # the methods share each seed's partition: its label counts are logged once, with the first method
-                sim = Simulation(cfg, task=task, run_dir=run_dir, log=log, parts=parts[name, seed],
-                                 log_partition=name == names[0], overwrite=resume)
-                summary, history, final = sim.run(), sim.history, sim.last_eval
-            values = _metric_values(history, metric)
-            if not values:
-                raise ConfigError(f"run.stop_metric: the task reports no {metric!r} "
-                                  f"(it reports {', '.join(sorted(final)) or 'nothing'})")
-            if setup is None:
-                setup = setup_of(cfg, task.describe(), seed_list)
-            histories.setdefault(name, []).append(history)
-            runs.append({"seed": seed, "final": values[-1], "best": max(values) if higher_is_better(metric)
-                         else min(values), "bytes_up": summary["bytes_up"], "bytes_down": summary["bytes_down"],
-                         "time": summary["time"]["total"], "epsilon": summary.get("epsilon"),
-                         "partition": partition_digest(parts[name, seed]),
-                         "sampling": hashlib.sha256(json.dumps([r["clients"] for r in history]).encode())
-                         .hexdigest()[:16],
-                         **({"run_dir": str(out / f"{name}-seed{seed}")} if out else {})})
-        cfg0 = configs[name][seed_list[0]]
+        cfg0, method_runs = next(r.cfg for r in runs if r.method == name), per_method[name]
         rows.append({
             "method": name, "lr": cfg0.train.lr, "head_lr": cfg0.train.head_lr, "optimizer": cfg0.train.optimizer,
-            "weighting": cfg0.server.weighting, "settings": settings[name][1:], "runs": runs,
-            "final": mean_interval([r["final"] for r in runs]).to_dict(),
-            "best": mean_interval([r["best"] for r in runs]).to_dict(),
-            "bytes_up": float(np.mean([r["bytes_up"] for r in runs])),
-            "bytes_down": float(np.mean([r["bytes_down"] for r in runs])),
-            "time": float(np.mean([r["time"] for r in runs])),
-            "epsilon": max((r["epsilon"] for r in runs if r["epsilon"] is not None), default=None),
+            "weighting": cfg0.server.weighting, "settings": settings[name][1:], "runs": method_runs,
+            "final": mean_interval([r["final"] for r in method_runs]).to_dict(),
+            "best": mean_interval([r["best"] for r in method_runs]).to_dict(),
+            "bytes_up": float(np.mean([r["bytes_up"] for r in method_runs])),
+            "bytes_down": float(np.mean([r["bytes_down"] for r in method_runs])),
+            "time": float(np.mean([r["time"] for r in method_runs])),
+            "epsilon": max((r["epsilon"] for r in method_runs if r["epsilon"] is not None), default=None),
         })
-    assert setup is not None
     ref = next(r for r in rows if r["method"] == reference)
     paired = []
     for row in rows:
@@ -406,20 +282,69 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
             continue
         entry: dict[str, Any] = {"method": row["method"], "reference": reference}
         for key in ("final", "best"):
-            diffs, iv = paired_interval([r[key] for r in row["runs"]], [r[key] for r in ref["runs"]])
-            entry[key] = {"differences": diffs, **iv.to_dict(), "verdict": verdict(iv, higher_is_better(metric))}
+            entry[key] = paired_statistics([r[key] for r in row["runs"]], [r[key] for r in ref["runs"]],
+                                           higher_is_better(metric))
         paired.append(entry)
     results = {"metric": metric, "higher_is_better": higher_is_better(metric), "confidence": CONFIDENCE,
-               "setup": setup, "seeds": seed_list, "reference": reference, "tuned": str(tuned) if tuned else None,
-               "rows": rows, "paired": paired}
+               "alpha": ALPHA, "setup": setup, "seeds": seed_list, "reference": reference,
+               "tuned": str(tuned) if tuned else None, "rows": rows, "paired": paired}
     if out is not None:
         from .plots import plot_comparison
 
         out.mkdir(parents=True, exist_ok=True)
-        results["plots"] = [str(p) for p in plot_comparison(histories, out, metric, _title(setup))]
+        results["plots"] = [str(p) for p in plot_comparison(histories, out, metric, plot_title(setup))]
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "results.md").write_text(results_markdown(results))
     return results
+
+
+def paired_statistics(values: list[float], reference: list[float], higher_is_better: bool) -> dict[str, Any]:
+    """Per seed ``values − reference`` and what is reported of them: the mean with its paired t-interval
+    (``mean``, ``half_width``, ``low``, ``high``...) and the t-interval's verdict (``t_verdict``); the ``median``;
+    ``wins``/``losses``/``ties`` of the method; the paired bootstrap interval of the mean (``bootstrap``, seed
+    ``BOOTSTRAP_SEED``); the Wilcoxon signed-rank test (``signed_rank``) and the ``verdict`` it gives
+    (:func:`~fedlowrank.experiments.stats.rank_verdict`)."""
+    diffs, iv = paired_interval(values, reference)
+    test = wilcoxon_signed_rank(diffs)
+    boot = bootstrap_interval(diffs, BOOTSTRAP_SEED)
+    return {"differences": diffs, **iv.to_dict(), "t_verdict": verdict(iv, higher_is_better),
+            "median": median(diffs), **wins_losses(diffs, higher_is_better),
+            "bootstrap": None if boot is None else {"low": boot[0], "high": boot[1], "seed": BOOTSTRAP_SEED,
+                                                    "resamples": BOOTSTRAP_RESAMPLES, "confidence": CONFIDENCE},
+            "signed_rank": test.to_dict(), "verdict": rank_verdict(test, higher_is_better)}
+
+
+def paired_explanation(results: dict[str, Any]) -> list[str]:
+    """What the paired table shows and the verdict rule, in words (results.md, docs/comparison.md)."""
+    ref, n, conf = results["reference"], len(results["seeds"]), f"{results['confidence']:.0%}"
+    alpha = results.get("alpha", ALPHA)
+    lines = [f"Per seed, method − {ref} on the same partition, client sampling and data order. Shown: the mean ± "
+             f"half-width of the paired {conf} t-interval; the median; the {conf} paired bootstrap percentile "
+             f"interval of the mean ({BOOTSTRAP_RESAMPLES:,} resamples of the seeds, seed {BOOTSTRAP_SEED}); the "
+             f"seeds where the method did better than {ref} (wins), the same (ties) or worse (losses); the two-sided "
+             "p-value of the Wilcoxon signed-rank test (exact up to 100 non-zero differences; a seed where the two "
+             "methods tie exactly is dropped from it, equal magnitudes share their mean rank).",
+             "",
+             f"Verdict: \"better\" or \"worse\" only where the signed-rank test gives p < {alpha:g} (in the direction "
+             "of the larger rank sum), else \"undecided\". The test does not assume normal differences, only that "
+             "without a real difference each seed's difference would be as likely positive as negative; a method "
+             "that sometimes collapses cannot win it with one or two large differences. The t-interval measures the "
+             "mean effect; where it alone excludes 0 the verdict cell says so: the mean rests on few seeds."]
+    if n <= 5:
+        lines += ["", f"With {n} seed{'s' if n > 1 else ''} no verdict is possible: the smallest two-sided "
+                      f"signed-rank p-value is 2/2ⁿ = {min(1.0, 2 / 2 ** n):g}; 6 or more seeds are needed."]
+    return lines
+
+
+def paired_cells(stats: dict[str, Any]) -> str:
+    """The median, bootstrap, wins–ties–losses, p and verdict cells of one paired row of results.md."""
+    boot = stats.get("bootstrap")
+    test = stats["signed_rank"]
+    p = f"{test['p']:.3g}" + ("" if test["exact"] else " (normal approx.)")
+    verdict_cell = stats["verdict"] + (f" (t-interval alone: {stats['t_verdict']})"
+                                       if stats["t_verdict"] != stats["verdict"] else "")
+    return " | ".join([f"{stats['median']:+.4f}", f"[{boot['low']:+.4f}, {boot['high']:+.4f}]" if boot else "–",
+                       f"{stats['wins']}–{stats['ties']}–{stats['losses']}", p, verdict_cell])
 
 
 def results_markdown(results: dict[str, Any]) -> str:
@@ -454,14 +379,14 @@ def results_markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {r['method']} | {_interval(r['final']).format()} | {_interval(r['best']).format()} | "
                      f"{format_bytes(r['bytes_up'])} | {format_bytes(r['bytes_down'])} | {r['time']:.1f} |{eps}")
     if results["paired"]:
-        lines += ["", f"## Paired differences against {ref}", "",
-                  f"Per seed, method − {ref} on the same partition and data order; mean ± half-width of the paired "
-                  f"{conf} t-interval. Verdict: \"better\"/\"worse\" only where the interval excludes 0, else "
-                  "\"undecided\" (always with one seed).", "",
-                  f"| method | Δ final {metric} | verdict | Δ best {metric} | verdict | Δ final per seed |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", f"## Paired differences against {ref}", "", *paired_explanation(results), "",
+                  f"| method | Δ {metric} | mean ± {conf} t | median | {conf} bootstrap | wins–ties–losses | "
+                  "signed-rank p | verdict |", "|---|---|---|---|---|---|---|---|"]
         for p in results["paired"]:
-            per_seed = ", ".join(f"{s}: {d:+.4f}" for s, d in zip(results["seeds"], p["final"]["differences"]))
-            lines.append(f"| {p['method']} | {_interval(p['final']).format()} | {p['final']['verdict']} | "
-                         f"{_interval(p['best']).format()} | {p['best']['verdict']} | {per_seed} |")
+            for key in ("final", "best"):
+                lines.append(f"| {p['method']} | {key} | {_interval(p[key]).format()} | {paired_cells(p[key])} |")
+        lines += ["", f"Δ final {metric} per seed:", "", "| method | " + " | ".join(
+            f"seed {s}" for s in results["seeds"]) + " |", "|---|" + "---|" * n]
+        for p in results["paired"]:
+            lines.append(f"| {p['method']} | " + " | ".join(f"{d:+.4f}" for d in p["final"]["differences"]) + " |")
     return "\n".join(lines) + "\n"

@@ -1,7 +1,14 @@
-"""Plots of a comparison: each method's metric vs round and vs bytes, mean over seeds with its interval."""
+"""Plots of a comparison: each method's metric vs round and vs bytes, the mean over seeds with its interval.
+
+Only measured points are drawn: a marker at each round evaluated in every seed (``run.eval_every``; rounds in
+between have no value), joined by a thin line. With two or more seeds each marker carries an error bar, the 95%
+t-interval of the mean over seeds, in the method's colour; the methods' bars are shifted apart a little along the
+round axis so that they never hide one another (no shaded bands, whose overlaps make colours no legend names).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -10,65 +17,92 @@ import numpy as np
 from ..reporting.plots import bytes_axis, pyplot
 from .stats import mean_interval
 
+DODGE = 0.12  # with error bars: shift between neighbouring methods on the round axis, in evaluation intervals
 
-def _band(y: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """Mean over seeds (rows of ``y [seeds, points]``) and the half-width of its 95% t-interval per point."""
-    intervals = [mean_interval(col.tolist()) for col in y.T]
-    mean = np.array([iv.mean for iv in intervals])
-    return mean, (None if y.shape[0] < 2 else np.array([iv.half_width for iv in intervals]))
+
+@dataclass
+class Curve:
+    """One method's curve: ``x [points]`` (evaluated rounds, or mean cumulative bytes sent), ``mean [points]``
+    over seeds and ``half [points]`` (half-width of the 95% t-interval; ``None`` with one seed)."""
+
+    x: np.ndarray
+    mean: np.ndarray
+    half: np.ndarray | None
+
+
+def comparison_curves(histories: dict[str, list[list[dict[str, Any]]]], metric: str,
+                      xkey: str) -> dict[str, Curve]:
+    """Per method, its curve against ``xkey`` (``"round"`` or ``"bytes"``: cumulative bytes up + down, mean over
+    seeds) at the rounds where every seed reported ``metric``. ``histories[method]``: one list of
+    ``metrics.jsonl`` rows per seed. Methods with no such round are left out."""
+    curves = {}
+    for method, runs in histories.items():
+        rows = [{r["round"]: r for r in run if metric in r} for run in runs]
+        rounds = sorted(set.intersection(*(set(r) for r in rows))) if rows else []
+        if not rounds:
+            continue
+        y = np.array([[r[t][metric] for t in rounds] for r in rows], dtype=float)
+        intervals = [mean_interval(col.tolist()) for col in y.T]
+        if xkey == "round":
+            x = np.array(rounds, dtype=float)
+        else:
+            x = np.array([[r[t]["cum_bytes_up"] + r[t]["cum_bytes_down"] for t in rounds] for r in rows]).mean(0)
+        curves[method] = Curve(x, np.array([iv.mean for iv in intervals]),
+                               None if len(rows) < 2 else np.array([iv.half_width for iv in intervals]))
+    return curves
+
+
+def comparison_figure(histories: dict[str, list[list[dict[str, Any]]]], metric: str, xkey: str, title: str = ""):
+    """The figure of ``metric`` vs ``xkey`` (see :func:`comparison_curves`); ``None`` without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    from matplotlib.ticker import MaxNLocator
+
+    curves = comparison_curves(histories, metric, xkey)
+    seeds = max((len(runs) for runs in histories.values()), default=0)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    step = min((float(np.diff(c.x).min()) for c in curves.values() if len(c.x) > 1), default=1.0)
+    for i, (method, c) in enumerate(curves.items()):
+        shift = (i - (len(curves) - 1) / 2) * DODGE * step if xkey == "round" and c.half is not None else 0.0
+        x = c.x + shift
+        line, = ax.plot(x, c.mean, marker="o", markersize=4, linewidth=1.0, label=method)
+        if c.half is not None:
+            ax.errorbar(x, c.mean, yerr=c.half, fmt="none", ecolor=line.get_color(), elinewidth=1.0, capsize=3)
+    ax.margins(y=0.08)
+    if metric == "accuracy":  # a wide interval (few seeds) must not stretch the axis beyond [0, 1]
+        low, high = ax.get_ylim()
+        ax.set_ylim(max(low, 0.0), min(high, 1.0))
+    if xkey == "bytes":
+        xs = np.concatenate([c.x for c in curves.values()]) if curves else np.array([1.0])
+        bytes_axis(ax, float(xs.max()), float(xs.min()))
+        ax.set_xlabel("bytes sent, up + down" + (f" (mean over {seeds} seeds)" if seeds > 1 else ""))
+    else:
+        last = max((float(c.x.max()) for c in curves.values()), default=1.0)
+        ax.set_xlim(0, last + 0.5 * step)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("round (markers: evaluated rounds)")
+    ax.set_ylabel(metric)
+    what = (f"mean over {seeds} seeds; bars: 95% t-interval of the mean" if seeds > 1 else "one seed")
+    ax.set_title((title + "\n" if title else "") + f"{metric} vs {xkey}: {what}", fontsize=9)
+    ax.grid(alpha=0.3, which="both" if xkey == "bytes" else "major")
+    if curves:  # outside the axes: it never covers a curve
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    fig.tight_layout()
+    return fig
 
 
 def plot_comparison(histories: dict[str, list[list[dict[str, Any]]]], out_dir: Path, metric: str = "accuracy",
                     title: str = "") -> list[Path]:
-    """``<metric>`` vs round and vs cumulative bytes (up + down): per method the mean over seeds and, with two or
-    more seeds, a band of the 95% t-interval of that mean.
-
-    ``histories[method]`` is a list (one per seed) of per-round rows from ``metrics.jsonl``; ``title`` goes on
-    both plots. Returns the written files (none when matplotlib is missing).
-    """
+    """``<metric>_vs_round.png`` and ``<metric>_vs_bytes.png`` in ``out_dir`` (:func:`comparison_figure`), with
+    ``title`` on both. Returns the written files (none when matplotlib is missing)."""
     plt = pyplot()
     if plt is None:
         return []
-    from matplotlib.ticker import MaxNLocator
-
     written = []
-    for xkey, xlabel, fname in (("round", "round", f"{metric}_vs_round.png"),
-                                ("bytes", "bytes sent, up + down (mean over seeds)", f"{metric}_vs_bytes.png")):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        x_lo, x_hi = np.inf, 0.0
-        for method, runs in histories.items():
-            rows = [[r for r in run if metric in r] for run in runs]
-            if not rows or not rows[0]:
-                continue
-            n = min(len(r) for r in rows)
-            y = np.array([[r[i][metric] for i in range(n)] for r in rows])
-            if xkey == "round":
-                x = np.array([rows[0][i]["round"] for i in range(n)], dtype=float)
-            else:
-                x = np.array([[r[i]["cum_bytes_up"] + r[i]["cum_bytes_down"] for i in range(n)] for r in rows]).mean(0)
-            x_lo, x_hi = min(x_lo, float(x.min())), max(x_hi, float(x.max()))
-            mean, half = _band(y)
-            line, = ax.plot(x, mean, marker="o", markersize=3, label=method)
-            if half is not None and len(x) > 1:
-                ax.fill_between(x, mean - half, mean + half, alpha=0.2, color=line.get_color(), linewidth=0)
-            elif half is not None:  # one evaluated round: the interval as an error bar
-                ax.errorbar(x, mean, yerr=half, color=line.get_color(), capsize=3)
-        if xkey == "bytes":
-            bytes_axis(ax, x_hi, x_lo)
-        else:
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if metric == "accuracy":  # a wide interval (few seeds) must not stretch the axis beyond [0, 1]
-            low, high = ax.get_ylim()
-            ax.set_ylim(max(low, 0.0), min(high, 1.0))
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(metric)
-        seeds = len(next(iter(histories.values()), []))
-        band = "; shaded: 95% t-interval of the mean over seeds" if seeds > 1 else ""
-        ax.set_title((title + "\n" if title else "") + f"{metric} vs {xkey}{band}", fontsize=9)
-        ax.grid(alpha=0.3, which="both" if xkey == "bytes" else "major")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / fname
+    for xkey in ("round", "bytes"):
+        fig = comparison_figure(histories, metric, xkey, title)
+        path = out_dir / f"{metric}_vs_{xkey}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(path)

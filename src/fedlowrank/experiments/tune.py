@@ -8,22 +8,24 @@ examples (:meth:`fedlowrank.tasks.Task.validation`) and never on the test set. S
 drawn like the training data, and it cannot depend on the test set.
 
 For each method, each value of the grid (``--grid``; for ``train.lr`` by default the method's paper grid,
-:func:`fedlowrank.methods.lr_grid`) and each seed: one run at ``param = value`` with the method's settings as
-``compare`` applies them; the score of a value is the mean over seeds of the final model's validation metric
-(the task's ``validation_metric``: accuracy, maximised, for classification; held-out loss, minimised, for
-regression); ties go to the first value of the grid. A diverged run scores worst. ``tune.json`` holds every
-(method, value, seed, score) and the choice; ``compare --tuned tune.json`` (or ``compare.tuned``) runs each
-method at its chosen values. ``--param privacy.clip --tuned lr/tune.json`` tunes a second parameter with each
-method at its tuned learning rate; the choice then carries both. With ``resume``, a run directory in ``out``
-whose run ended with the same config is read instead of run again (:func:`fedlowrank.experiments.compare.finished_run`);
-any other is run from the start. Tuning into a directory that already holds a ``tune.json`` keeps the methods
-that tuning chose and this one does not re-tune (:func:`earlier_choices`), so a method's grid can be extended, or a
-method added, without losing the others' choices.
+:func:`fedlowrank.methods.lr_grid`) and each seed (``--seeds``; two or three keep the choice from hinging on one
+seed's partition): one run at ``param = value`` with the method's settings as ``compare`` applies them. The score
+of a value is the mean over seeds of the final model's validation metric (the task's ``validation_metric``:
+accuracy, maximised, for classification; held-out loss, minimised, otherwise), shown with each seed's score and
+their spread. The choice (:func:`choose`): the best mean; a value with a diverged run has no mean and is never
+chosen; among equal means (within ``TIE_TOLERANCE``) the value tried first, and the tie is logged and named in
+``tune.md``. A run that diverged, or whose validation accuracy is no higher than always predicting the validation
+split's most frequent class (:func:`chance_level`), is marked collapsed. ``tune.json`` holds every (method, value,
+seed, score, collapse) and the choice; ``compare --tuned tune.json`` (or ``compare.tuned``) runs each method at
+its chosen values. ``--param privacy.clip --tuned lr/tune.json`` tunes a second parameter with each method at its
+tuned learning rate; the choice then carries both. The runs go through
+:class:`~fedlowrank.experiments.sweep.Sweep` (``resume``, ``jobs``). Tuning into a directory that already holds a
+``tune.json`` keeps the methods that tuning chose and this one does not re-tune (:func:`earlier_choices`), so a
+method's grid can be extended, or a method added, without losing the others' choices.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -31,26 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from .compare import (Log, check_jobs, finished_run, higher_is_better, method_settings, parse_methods, parse_seeds,
-                         read_tuned, run_in_processes, setup_lines, setup_of, task_key)
+from .compare import higher_is_better, method_settings, parse_methods, parse_seeds, read_tuned, setup_lines, setup_of
+from .sweep import Log, Outcome, Run, Sweep, split_validation  # noqa: F401  (split_validation: tune's split)
 from ..config import ConfigError, load_config
 from ..models.architectures import check_measures_quality
 from ..runtime.checkpoint import config_fingerprint
-from ..seeding import numpy_rng
 
 LR = "train.lr"  # the parameter tuned by default
-
-
-def split_validation(parts: list[np.ndarray], fraction: float, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """Hold out ``floor(fraction · n_k)`` of client k's examples (at most ``n_k − 1``), chosen by the seeded
-    stream ``("validation", k)``. Returns the clients' training indices and the sorted validation indices."""
-    train_parts, held = [], []
-    for k, p in enumerate(parts):
-        n_hold = min(int(math.floor(fraction * len(p))), len(p) - 1)
-        order = numpy_rng(seed, "validation", k).permutation(len(p))
-        held.append(p[order[:n_hold]])
-        train_parts.append(np.sort(p[order[n_hold:]]))
-    return train_parts, np.sort(np.concatenate(held)) if held else np.array([], dtype=np.int64)
+TIE_TOLERANCE = 1e-12  # mean scores closer than this are a tie
 
 
 def parse_grid(text: str | list[float] | None) -> list[float] | None:
@@ -66,6 +56,35 @@ def parse_grid(text: str | list[float] | None) -> list[float] | None:
     return grid
 
 
+def chance_level(labels: np.ndarray | None, held_out: np.ndarray) -> float | None:
+    """The accuracy of always predicting the most frequent class of the validation examples (``None`` without
+    labels or examples): a run that scores no more has learnt nothing the validation split can see."""
+    if labels is None or len(held_out) == 0:
+        return None
+    return float(np.bincount(np.asarray(labels)[held_out]).max() / len(held_out))
+
+
+def collapse(outcome: Outcome, metric: str, chance: float | None) -> str | None:
+    """``"diverged"``, ``"at chance"`` (validation accuracy at most :func:`chance_level`) or ``None``."""
+    if outcome.diverged is not None:
+        return "diverged"
+    score = outcome.metrics.get(metric, math.nan)
+    if metric == "accuracy" and chance is not None and score <= chance + TIE_TOLERANCE:
+        return "at chance"
+    return None
+
+
+def choose(scores: dict[float, float], higher: bool) -> tuple[float | None, list[float]]:
+    """The value with the best finite mean score (the first tried among equal ones) and every value tied with it
+    (within ``TIE_TOLERANCE``; just the choice when none ties)."""
+    finite = {v: x for v, x in scores.items() if math.isfinite(x)}
+    if not finite:
+        return None, []
+    best = (max if higher else min)(finite.values())
+    tied = [v for v, x in finite.items() if abs(x - best) <= TIE_TOLERANCE]
+    return tied[0], tied
+
+
 def run_tuning(config: str | Path | None, methods: str | list[str] | None = None,
                grid: str | list[float] | None = None, seeds: str | list[int] | None = None,
                overrides: list[str] | tuple[str, ...] = (), out: str | Path | None = None,
@@ -74,14 +93,12 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
     """Tune ``param`` (default ``train.lr``) per method on the validation split; returns what ``tune.json`` holds
     (written to ``out`` with one run directory per (method, value, seed) when ``out`` is given; ``resume`` reuses
     the runs that ended there; ``jobs > 1`` runs them in that many processes,
-    :func:`fedlowrank.experiments.compare.run_in_processes`). ``tuned``: a ``tune.json`` whose choices each method runs at
+    :class:`fedlowrank.experiments.sweep.Sweep`). ``tuned``: a ``tune.json`` whose choices each method runs at
     while ``param`` is tuned (a learning rate tuned first, then ``privacy.clip`` at it); each method's chosen
     ``sets`` hold both, for ``compare --tuned``. ``extend``: while a method's best value is at an edge of what was
-    tried, try one more value beyond it (:func:`beyond_edge`), at most ``extend`` times."""
+    tried, try one more value beyond it (:func:`beyond_edge`), at most ``extend`` times; each time, the next value
+    of every method that needs one is run in the same sweep."""
     from ..methods import lr_grid
-    from ..tasks.partition import partition_task
-    from ..runtime.simulator import DivergenceError, Simulation
-    from ..tasks import build_task
 
     overrides = list(overrides)
     base = load_config(config, overrides, method_checks=False)
@@ -96,135 +113,98 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
     fixed_grid = parse_grid(grid)
     if fixed_grid is None and param != LR:
         raise ConfigError(f"--grid: give the values of {param} to try (only train.lr has default grids)")
-    grids = {n: fixed_grid or lr_grid(n) for n in names}
+    grids = {n: list(fixed_grid or lr_grid(n)) for n in names}
     earlier = read_tuned(tuned, "--tuned") if tuned else {}
     missing = [n for n in names if tuned and n not in earlier]
     if missing:
         raise ConfigError(f"--tuned: {tuned} chose no value for {', '.join(missing)} (tuned: {', '.join(earlier)})")
     at = {n: {k: v for k, v in earlier.get(n, {}).items() if k != param} for n in names}
-    configs: dict[tuple[str, float, int], Any] = {}
+    out = Path(out) if out is not None else None
+    short = "lr" if param == LR else param  # run directories: fedit-lr0.001-seed0, fedit-privacy.clip0.3-seed0
 
     def config_of(name: str, value: float, seed: int):
-        if (name, value, seed) not in configs:
-            configs[name, value, seed] = load_config(config, [*method_settings(base, name, overrides,
-                                                                               {**at[name], param: value}),
-                                                              f"run.seed={seed}"])
-        return configs[name, value, seed]
+        return load_config(config, [*method_settings(base, name, overrides, {**at[name], param: value}),
+                                    f"run.seed={seed}"])
 
-    for n in names:  # every config is checked before anything runs
-        for v in grids[n]:
-            for s in seed_list:
-                config_of(n, v, s)
-    out = Path(out) if out is not None else None
+    configs = {(n, v): [config_of(n, v, s) for s in seed_list] for n in names for v in grids[n]}  # all checked first
     base_fingerprint = config_fingerprint(base)
     kept = earlier_choices(out / "tune.json", names, base_fingerprint, seed_list, param) if out is not None else {}
+    sweep = Sweep(out, jobs, resume, log)
+    first_cfg = configs[names[0], grids[names[0]][0]][0]
+    metric = sweep.task(first_cfg).validation_metric
+    higher = higher_is_better(metric)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
 
-    tasks: dict[str, Any] = {}
-    splits: dict[str, tuple[list[np.ndarray], np.ndarray]] = {}
+    def runs_of(name: str, value: float) -> list[Run]:
+        """The runs of ``param = value`` for ``name``, one per seed (configs made once)."""
+        if (name, value) not in configs:
+            configs[name, value] = [config_of(name, value, s) for s in seed_list]
+        return [Run(name, f"tune [{name}] {short}={value:g} seed={cfg.run.seed}", cfg,
+                    out / f"{name}-{short}{value:g}-seed{cfg.run.seed}" if out else None, metric, validation=True)
+                for cfg in configs[name, value]]
 
-    def split_of(cfg) -> tuple[Any, list[np.ndarray], np.ndarray]:
-        """(task, the clients' training indices, the validation indices) of ``cfg``'s task, partition and seed."""
-        key = task_key(cfg)
-        if key not in tasks:
-            tasks[key] = build_task(cfg)
-        split_key = key + json.dumps([dataclasses.asdict(cfg.partition), cfg.data.validation_fraction])
-        if split_key not in splits:
-            parts = partition_task(tasks[key], cfg.partition, cfg.run.seed)[0]
-            splits[split_key] = split_validation(parts, cfg.data.validation_fraction, cfg.run.seed)
-        return (tasks[key], *splits[split_key])
+    records: dict[tuple[str, float], list[dict[str, Any]]] = {}
 
-    short = "lr" if param == LR else param  # run directories: fedit-lr0.001-seed0, fedit-privacy.clip0.3-seed0
+    def run_cells(keys: list[tuple[str, float]]) -> None:
+        """Run the (method, value) cells ``keys`` in one sweep; record each run's validation score."""
+        flat = [(key, run) for key in keys for run in runs_of(*key)]
+        sweep.check_pairing([run for _, run in flat])
+        for (key, run), outcome in zip(flat, sweep.run([run for _, run in flat])):
+            _, held_out = sweep.split(run.cfg)
+            chance = chance_level(sweep.task(run.cfg).train_labels, held_out)
+            records.setdefault(key, []).append({
+                "method": run.method, "param": param, "value": key[1], "lr": run.cfg.train.lr,
+                "seed": run.cfg.run.seed, "metric": metric,
+                "score": math.nan if outcome.diverged else outcome.metrics.get(metric, math.nan),
+                "num_validation": int(len(held_out)),
+                "validation": {"diverged": outcome.diverged} if outcome.diverged else outcome.metrics,
+                "chance": chance, "collapsed": collapse(outcome, metric, chance)})
 
-    def run_dir_of(name: str, value: float, seed: int) -> Path | None:
-        return out / f"{name}-{short}{value:g}-seed{seed}" if out else None
+    def mean_score(key: tuple[str, float]) -> float:
+        """The mean over seeds (nan if a run diverged or reported no score)."""
+        values = [r["score"] for r in records[key]]
+        return float(np.mean(values)) if all(math.isfinite(v) for v in values) else math.nan
 
-    check_jobs(jobs, out)
-    diverged: dict[str, str] = {}
-
-    def run_ahead(cells: list[tuple[str, float]]) -> None:
-        """With ``jobs > 1``: run the (method, value) cells' unfinished runs in worker processes first."""
-        if jobs == 1:
-            return
-        pending = []
-        for name, value in cells:
-            for seed in seed_list:
-                cfg, run_dir = config_of(name, value, seed), run_dir_of(name, value, seed)
-                if not (resume and finished_run(run_dir, cfg)):
-                    _, train_parts, held_out = split_of(cfg)
-                    pending.append((f"tune [{name}] {short}={value:g} seed={seed}", cfg, run_dir, train_parts,
-                                    held_out))
-        diverged.update(run_in_processes(pending, jobs, resume, log))
-
-    runs: list[dict[str, Any]] = []
-    setup: dict[str, Any] | None = None
-
-    def score_of(name: str, value: float) -> tuple[float, str]:
-        """The mean validation score over the seeds of ``param = value`` (nan if a run diverged), and the metric."""
-        nonlocal setup
-        values = []
-        for seed in seed_list:
-            cfg = config_of(name, value, seed)
-            task, train_parts, held_out = split_of(cfg)
-            view = task.validation(held_out)
-            metric = view.validation_metric
-            if setup is None:  # sizes of the first seed's split (each run records its own)
-                setup = {**setup_of(cfg, task.describe(), seed_list), "num_validation": int(len(held_out)),
-                         "validation_fraction": cfg.data.validation_fraction, "metric": metric}
-                setup["num_test"] = None  # the test set is not used
-            run_dir = run_dir_of(name, value, seed)
-            label = f"tune [{name}] {short}={value:g} seed={seed}"
-            done = finished_run(run_dir, cfg) if (resume or jobs > 1) and run_dir is not None else None
-            try:
-                if label in diverged:
-                    raise DivergenceError(diverged[label])
-                if done is not None:
-                    if log and jobs == 1:
-                        log(f"{label}: reusing the finished run in {run_dir}")
-                    validation = done["metrics"]
-                else:
-                    sim = Simulation(cfg, task=view, run_dir=run_dir, log=log, parts=train_parts, overwrite=resume)
-                    sim.run()
-                    validation = dict(sim.last_eval)
-                score = validation.get(metric, math.nan)
-            except DivergenceError as exc:
-                score, validation = math.nan, {"diverged": str(exc)}
-            values.append(score)
-            runs.append({"method": name, "param": param, "value": value, "lr": cfg.train.lr, "seed": seed,
-                         "metric": metric, "score": score, "num_validation": int(len(held_out)),
-                         "validation": validation})
-            if log:
-                log(f"{label}: validation {metric} = {score:.4f}")
-        return (float(np.mean(values)) if all(math.isfinite(v) for v in values) else math.nan), metric
-
-    def best(scores: dict[float, float], metric: str) -> float | None:
-        finite = {v: x for v, x in scores.items() if math.isfinite(x)}
-        return (max if higher_is_better(metric) else min)(finite, key=finite.get) if finite else None
-
-    run_ahead([(n, v) for n in names for v in grids[n]])
-    chosen: dict[str, dict[str, Any]] = {}
-    for name in names:
-        scores: dict[float, float] = {}
-        for value in grids[name]:
-            scores[value], metric = score_of(name, value)
-        for _ in range(extend):
-            pick, tried = best(scores, metric), sorted(scores)
+    run_cells(list(configs))
+    scores = {n: {v: mean_score((n, v)) for v in grids[n]} for n in names}
+    for _ in range(extend):  # one more value past the edge for every method whose best sits at one, together
+        beyond = []
+        for name in names:
+            pick, _ = choose(scores[name], higher)
+            tried = sorted(scores[name])
             if pick is None or len(tried) < 2 or pick not in (tried[0], tried[-1]):
-                break
+                continue
             value = beyond_edge(tried, pick == tried[-1])
             if log:
                 log(f"tune [{name}]: the best {short} {pick:g} is at an edge of {', '.join(f'{v:g}' for v in tried)}; "
                     f"trying {value:g}")
-            run_ahead([(name, value)])
-            scores[value], metric = score_of(name, value)
-        grids[name] = list(scores)
-        pick = best(scores, metric)
+            beyond.append((name, value))
+        if not beyond:
+            break
+        run_cells(beyond)
+        for name, value in beyond:
+            scores[name][value] = mean_score((name, value))
+            grids[name].append(value)
+
+    chosen: dict[str, dict[str, Any]] = {}
+    runs: list[dict[str, Any]] = []
+    for name in names:
+        pick, tied = choose(scores[name], higher)
         if pick is None:
             raise ValueError(f"tune: every {param} of {name!r} diverged ({', '.join(map(str, grids[name]))})")
-        chosen[name] = {"param": param, "value": pick, "sets": {**at[name], param: pick}, "score": scores[pick],
-                        "scores": {f"{v:g}": x for v, x in scores.items()}}
-    assert setup is not None
+        if len(tied) > 1 and log:
+            log(f"tune [{name}]: {len(tied)} values tie at the best validation {metric} {scores[name][pick]:.4f} "
+                f"({', '.join(f'{v:g}' for v in tied)}); chose {pick:g}, the first tried: the grid does not decide")
+        chosen[name] = {"param": param, "value": pick, "sets": {**at[name], param: pick}, "score": scores[name][pick],
+                        "scores": {f"{v:g}": x for v, x in scores[name].items()},
+                        "spread": {f"{v:g}": spread([r["score"] for r in records[name, v]]) for v in grids[name]},
+                        "tied": tied if len(tied) > 1 else []}
+        runs += [r for v in grids[name] for r in records[name, v]]
+    held_out = sweep.split(first_cfg)[1]
+    setup = {**setup_of(first_cfg, sweep.task(first_cfg).validation(held_out).describe(), seed_list),
+             "num_validation": int(len(held_out)), "validation_fraction": first_cfg.data.validation_fraction,
+             "metric": metric, "num_test": None}  # sizes of the first seed's split (each run records its own)
     result = {"setup": setup, "seeds": seed_list, "base": base_fingerprint, "param": param,
               "tuned": str(tuned) if tuned else None,
               "grid": {**kept.get("grid", {}), **{n: grids[n] for n in names}},
@@ -235,6 +215,15 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
         (out / "tune.json").write_text(json.dumps(result, indent=1))
         (out / "tune.md").write_text(tune_markdown(result))
     return result
+
+
+def spread(scores: list[float]) -> dict[str, float | None]:
+    """``min``, ``max`` and sample ``sd`` (ddof = 1; ``None`` with one seed) of a value's finite scores."""
+    finite = [x for x in scores if math.isfinite(x)]
+    if not finite:
+        return {"min": None, "max": None, "sd": None}
+    return {"min": min(finite), "max": max(finite),
+            "sd": float(np.std(finite, ddof=1)) if len(finite) > 1 else None}
 
 
 def beyond_edge(tried: list[float], upper: bool) -> float:
@@ -285,18 +274,46 @@ def earlier_choices(path: Path, names: list[str], base_fingerprint: str, seeds: 
 
 
 def tune_markdown(result: dict[str, Any]) -> str:
-    """``tune.md``: the setup as run and, per method, each tried value's mean validation score."""
+    """``tune.md``: the setup as run, the choice rule and, per method and value, the mean validation score with
+    each seed's score (collapsed runs marked) and their spread."""
     setup = result["setup"]
     param = result.get("param", LR)
+    seeds = result.get("seeds", setup["seeds"])
     direction = "higher" if higher_is_better(setup["metric"]) else "lower"
     lines = ["# Tuning", "", "## Setup (as run)", "", *setup_lines(setup),
              f"- validation: {setup['validation_fraction']:g} of each client's examples held out (not trained on); "
              "the test set is not used", *([f"- each method at the values chosen in {result['tuned']}"]
                                            if result.get("tuned") else []), "",
-             f"Score: the final model's validation {setup['metric']}, mean over the seeds ({direction} is better; "
-             "nan = diverged).", "", f"| method | {param} | score | chosen |", "|---|---|---|---|"]
+             f"Score: the final model's validation {setup['metric']}, mean over the {len(seeds)} seed"
+             f"{'s' if len(seeds) > 1 else ''} ({direction} is better). Choice: per method, the value with the best "
+             "mean score; a value where a run diverged has no mean (nan) and is never chosen; among equal means the "
+             "value tried first, and the tie is named below the table. Per seed, a collapsed run is marked: "
+             "diverged, or at chance (validation accuracy no higher than always predicting the most frequent class "
+             "of the validation examples).", "",
+             f"| method | {param} | mean score | per seed ({', '.join(map(str, seeds))}) | sd over seeds | chosen |",
+             "|---|---|---|---|---|---|"]
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in result["runs"]:
+        runs.setdefault((r["method"], f"{r.get('value', r.get('lr')):g}"), []).append(r)
+    ties = []
     for name, c in result["chosen"].items():
         pick = c.get("value", c.get("lr"))
         for value, score in c["scores"].items():
-            lines.append(f"| {name} | {value} | {score:.4f} | {'✓' if float(value) == pick else ''} |")
+            per_seed = ", ".join(_seed_cell(r) for r in runs.get((name, value), []))
+            sd = (c.get("spread") or {}).get(value, {}).get("sd")
+            lines.append(f"| {name} | {value} | {score:.4f} | {per_seed or '–'} | "
+                         f"{'–' if sd is None else f'{sd:.4f}'} | {'✓' if float(value) == pick else ''} |")
+        if len(c.get("tied") or []) > 1:
+            ties.append(f"- {name}: {', '.join(f'{v:g}' for v in c['tied'])} tie at the best mean score "
+                        f"{c['score']:.4f}; {pick:g}, tried first, was chosen: the grid does not decide between them.")
+    if ties:
+        lines += ["", "Ties:", "", *ties]
     return "\n".join(lines) + "\n"
+
+
+def _seed_cell(run: dict[str, Any]) -> str:
+    """A run's score in the tuning table: ``0.8125``, ``0.2575 (at chance)`` or ``diverged``."""
+    if run.get("collapsed") == "diverged" or "diverged" in run.get("validation", {}):
+        return "diverged"
+    mark = f" ({run['collapsed']})" if run.get("collapsed") else ""
+    return f"{run['score']:.4f}{mark}"

@@ -11,9 +11,16 @@ Clients train A and B at their own rank from the factors they received. The serv
     even (FeDeRA's default):               B̄ = U_r S_r^{1/2} / √s,     Ā = S_r^{1/2} V_rᵀ / √s
 
 Both give ``s B̄ Ā = U_r S_r V_rᵀ`` exactly; they differ in what the clients' optimiser starts from (the official
-A has orthonormal rows). Client k receives the leading ``r_k`` directions rescaled to its own scale
-(:mod:`~fedlowrank.methods.hetlora`), i.e. exactly the rank-``r_k`` truncated SVD of ``ΔW`` (FedGaLore spec §5.4,
-ILoRA spec §5); the FedLLM-Factory variant (``√S`` on one side only) is not offered. Equal-rank rule: the public
+A has orthonormal rows). Client k, at rank ``r_k`` and scale ``s_k``, receives the leading ``r_k`` directions, i.e.
+exactly the rank-``r_k`` truncated SVD of ``ΔW`` (FedGaLore spec §5.4, ILoRA spec §5), split the same way at its
+own scale:
+
+    official:  B_k = U_{r_k} S_{r_k} / s_k,   A_k = V_{r_k}ᵀ      (the public code's ``distribute_weight_fast``)
+    even:      B_k = U_{r_k} (S_{r_k}/s_k)^{1/2},   A_k = (S_{r_k}/s_k)^{1/2} V_{r_k}ᵀ
+
+that is B̄'s and Ā's leading slices with the rescaling ``s / s_k`` all on B (official), or its square root on each
+(even, :func:`~fedlowrank.methods.ranks.download_factors`). The FedLLM-Factory variant (``√S`` on one side only) is
+not offered. Equal-rank rule: the public
 code averages A and B factor-wise (FedAvg, as FedIT) when every client has the same rank; ``equal_ranks =
 "fedavg"`` does that, the default ``"svd"`` keeps the paper's SVD redistribution at every rank mix. Server step β:
 ``ΔW = (1 − β) s B̄_old Ā_old + β Σ pₖ sₖ Bₖ Aₖ`` (the old adapter is one more stacked block).
@@ -27,9 +34,9 @@ from dataclasses import dataclass
 
 from ..adapters.lora import lora_scale
 from ..linalg.lowrank import factored_svd, stack_factors
-from ..message import Reply, State
+from ..message import Message, Reply, State
 from . import register
-from .ranks import HeteroRankLoRA, module_names, zero_pad
+from .ranks import HeteroRankLoRA, download_factors, module_names, zero_pad
 
 SPLITS = ("official", "even")
 EQUAL_RANKS = ("svd", "fedavg")
@@ -58,6 +65,16 @@ class FlexLoRA(HeteroRankLoRA):
             if value not in allowed:
                 raise ValueError(f"method.{option} must be one of {allowed}, got {value!r}")
         super().__post_init__()
+
+    def broadcast(self, server: State, client: int, rnd: int) -> Message:
+        """Client ``client``'s leading-``r_k`` slices of B̄ and Ā at its scale (see the module docstring)."""
+        if self.split != "official":
+            return super().broadcast(server, client, rnd)
+        sliced = {**download_factors(server, self.lora_keys(server, ("B",)), self.info, client, exponent=1.0),
+                  **download_factors(server, self.lora_keys(server, ("A",)), self.info, client, exponent=0.0)}
+        msg = Message({k: sliced[k] for k in self.lora_keys(server)})
+        msg.update(self.global_tensors(server, self.head_keys(server)))
+        return self.correction_broadcast(server, msg)
 
     def aggregate(self, server: State, replies: list[Reply], rnd: int) -> State:
         server = State(server)

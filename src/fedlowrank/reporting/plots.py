@@ -21,12 +21,15 @@ def pyplot():
 
 
 def bytes_axis(ax, x_max: float, x_min: float) -> None:
-    """Log-scaled bytes axis labelled ``10 kB``, ``1 MB``...; minor ticks labelled only within one decade."""
-    from matplotlib.ticker import EngFormatter, NullFormatter
+    """Log-scaled bytes axis labelled ``10 kB``, ``1 MB``...; within one decade also ``20 kB``, ``30 kB``,
+    ``50 kB`` (labels that do not run into each other)."""
+    from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter
 
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(EngFormatter(unit="B"))
     narrow = x_min > 0 and x_max / x_min < 10
+    if narrow:
+        ax.xaxis.set_minor_locator(LogLocator(base=10, subs=(2.0, 3.0, 5.0)))
     ax.xaxis.set_minor_formatter(EngFormatter(unit="B") if narrow else NullFormatter())
     ax.tick_params(axis="x", which="both", labelsize=8)
 
@@ -34,22 +37,24 @@ def bytes_axis(ax, x_max: float, x_min: float) -> None:
 def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] | None = None,
                           client_names: list[str] | None = None, what: str = "label") -> Path | None:
     """Stacked bars of each client's counts of each value split on (``what``: label, a column, clusters;
-    ``client_names``, e.g. each client's image domain, label the bars under their numbers)."""
+    ``client_names``, e.g. each client's image domain, label the bars under their numbers); the legend sits
+    right of the bars, never on them."""
     plt = pyplot()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(max(4, 0.35 * hist.shape[0] + 2), 3.5))
+    fig, ax = plt.subplots(figsize=(max(4, 0.35 * hist.shape[0] + 2) + 1.5, 3.5))
     names = label_names or [str(c) for c in range(hist.shape[1])]
     bottom = np.zeros(hist.shape[0])
     for c in range(hist.shape[1]):
         ax.bar(np.arange(hist.shape[0]), hist[:, c], bottom=bottom, label=names[c])
         bottom += hist[:, c]
     ax.set_xlabel("client")
-    if client_names:
-        ax.set_xticks(np.arange(hist.shape[0]), [f"{k}\n{n}" for k, n in enumerate(client_names)], fontsize=7)
+    ax.set_xticks(np.arange(hist.shape[0]), [f"{k}\n{n}" for k, n in enumerate(client_names)] if client_names
+                  else [str(k) for k in range(hist.shape[0])], fontsize=7 if client_names else None)
     ax.set_ylabel("examples")
     ax.set_title(f"split on: {what}", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=1 if hist.shape[1] <= 12 else 2, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -65,37 +70,41 @@ def _readable_log_ticks(axis) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
-def plot_run(history: list[dict[str, Any]], out_dir: Path, metric: str = "accuracy", title: str = "") -> list[Path]:
-    """One run's curves in ``out_dir/curves.png``: its test metric vs round, train and test loss vs round, and
-    the test metric vs cumulative bytes sent (up + down).
+def run_figure(history: list[dict[str, Any]], metric: str, title: str = ""):
+    """One run's curves: its test ``metric`` vs round, train and test loss vs round, and the test metric vs
+    cumulative bytes sent (up + down); ``None`` without matplotlib.
 
-    ``history`` is the run's per-round rows (``metrics.jsonl``); ``metric`` is drawn on a log scale when it is
-    not ``accuracy`` and spans a factor of 10 or more (e.g. ``rel_error``). Returns the written files (none
-    when matplotlib is missing).
-    """
+    ``history`` is the run's per-round rows (``metrics.jsonl``). Test values are drawn only at the rounds that
+    were evaluated (a marker each, joined by a line); train loss at every round. ``metric`` (the task's metric,
+    chosen by the caller) is drawn on a log scale when it is not ``accuracy`` and spans a factor of 10 or more
+    (e.g. ``rel_error``). A panel with nothing to draw says so instead of staying blank."""
     plt = pyplot()
     if plt is None:
-        return []
+        return None
     from matplotlib.ticker import MaxNLocator
 
     evaluated = [r for r in history if metric in r]
     rounds = [r["round"] for r in history]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = ((axes[0], "round", "round"), (axes[2], "bytes sent, up + down", "bytes sent"))
     if evaluated:
         x = [r["round"] for r in evaluated]
         y = np.array([r[metric] for r in evaluated], dtype=float)
         sent = [r["cum_bytes_up"] + r["cum_bytes_down"] for r in evaluated]
         log_y = metric != "accuracy" and bool(np.all(y > 0)) and y.max() >= 10 * y.min()
-        for ax, xs, xlabel, name in ((axes[0], x, "round", "round"),
-                                     (axes[2], sent, "bytes sent, up + down", "bytes sent")):
+        for (ax, xlabel, name), xs in zip(panels, (x, sent)):
             ax.plot(xs, y, marker="o", markersize=3)
-            ax.set_title(f"test {metric} vs {name}")
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel(metric)
             if log_y:
                 ax.set_yscale("log")
                 _readable_log_ticks(ax.yaxis)
         bytes_axis(axes[2], max(sent), min(sent))
+    else:
+        for ax, _, _ in panels:
+            ax.text(0.5, 0.5, f"no test {metric} in this run", ha="center", va="center", transform=ax.transAxes)
+    for ax, xlabel, name in panels:
+        ax.set_title(f"test {metric} vs {name}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(metric)
     axes[1].plot(rounds, [r["train_loss"] for r in history], marker="o", markersize=3, label="train loss")
     tested = [r for r in history if "loss" in r]
     if tested:
@@ -112,6 +121,17 @@ def plot_run(history: list[dict[str, Any]], out_dir: Path, metric: str = "accura
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_run(history: list[dict[str, Any]], out_dir: Path, metric: str, title: str = "") -> list[Path]:
+    """One run's curves (:func:`run_figure`) in ``out_dir/curves.png``; ``metric``: the task's test metric (the
+    caller's, e.g. :func:`fedlowrank.experiments.compare.default_metric`). Returns the written files (none when
+    matplotlib is missing)."""
+    plt = pyplot()
+    if plt is None:
+        return []
+    fig = run_figure(history, metric, title)
     path = out_dir / "curves.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -5,14 +5,19 @@ round was evaluated, the bytes sent, the round's time and an ETA (mean round tim
 
     [fedit] round 3/10 | train loss 0.6931 | test loss 0.6812, accuracy 0.5312 | up 7.4 KB, down 7.2 KB | 1.2 s, ETA 0:00:08
 
+A metric that is a share of a known number of examples (``counts``, e.g. a causal LM's ``exact_match`` over its
+generated answers) is written as a count: ``exact match 3/16 (18.8 %)``.
+
 On a terminal (and with tqdm installed, the ``progress`` extra) bars show the rounds, the clients of the
-round, the current client's local steps and the evaluation; log lines are written above them.
+round, the current client's local steps and the evaluation (the forward passes of the evaluated model, or the
+clients' models of a personalised method); log lines are written above them.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 
 def _tqdm():
@@ -56,14 +61,25 @@ def format_bytes(n: float) -> str:
     return f"{n / 1e6:.2f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
 
 
-def round_line(method: str, row: dict[str, Any], metrics: dict[str, float], rounds: int, eta: float) -> str:
+def format_metric(name: str, value: float, counts: dict[str, int] | None = None) -> str:
+    """``accuracy 0.8125``; a metric that is a share of ``counts[name]`` examples as ``exact match 3/16
+    (18.8 %)``."""
+    total = (counts or {}).get(name)
+    if total:
+        return f"{name.replace('_', ' ')} {round(value * total)}/{total} ({100 * value:.1f} %)"
+    return f"{name} {value:.4g}"
+
+
+def round_line(method: str, row: dict[str, Any], metrics: dict[str, float], rounds: int, eta: float,
+               counts: dict[str, int] | None = None) -> str:
     """The one-line summary of a finished round: its metrics row (see :mod:`fedlowrank.runtime.simulator`),
-    the test ``metrics`` of the round (empty when it was not evaluated) and the ETA in seconds."""
+    the test ``metrics`` of the round (empty when it was not evaluated), the ETA in seconds and ``counts``: the
+    number of examples behind each metric that is a share of them (:func:`format_metric`)."""
     parts = [f"[{method}] round {row['round']}/{rounds}", f"train loss {row['train_loss']:.4f}"]
     tests = []
     if "loss" in metrics:
         tests.append(f"test loss {metrics['loss']:.4f}")
-    tests += [f"{k} {v:.4g}" for k, v in metrics.items() if k != "loss"]
+    tests += [format_metric(k, v, counts) for k, v in metrics.items() if k != "loss"]
     if tests:
         parts.append(", ".join(tests))
     if len(row["replied"]) < len(row["clients"]):
@@ -82,11 +98,15 @@ class Progress:
         rounds: the run's total number of rounds.
         bars: draw tqdm bars on stderr (ignored when tqdm is missing or ``log`` is ``None``); default: the
             ``bars`` attribute of ``log`` (see :class:`StderrLog`), else no bars.
+        counts: for each test metric that is a share of a number of examples, that number (round lines write
+            it as a count, :func:`format_metric`).
     """
 
-    def __init__(self, log: Callable[[str], None] | None, method: str, rounds: int, bars: bool | None = None):
+    def __init__(self, log: Callable[[str], None] | None, method: str, rounds: int, bars: bool | None = None,
+                 counts: dict[str, int] | None = None):
         self.log = log
         self.method, self.rounds = method, rounds
+        self.counts = dict(counts or {})
         wanted = getattr(log, "bars", False) if bars is None else bars
         self._tqdm = _tqdm() if (log is not None and wanted) else None
         self.round_seconds: list[float] = []
@@ -107,12 +127,13 @@ class Progress:
         return sum(self.round_seconds) / len(self.round_seconds) * max(self.rounds - rounds_done, 0)
 
     # -- bars ----------------------------------------------------------------------------------------
-    def _open(self, name: str, total: int, position: int, desc: str, initial: int = 0) -> None:
+    def _open(self, name: str, total: int | None, position: int, desc: str, initial: int = 0,
+              unit: str = "it") -> None:
         if self._tqdm is None:
             return
         self._close(name)
         self._bars[name] = self._tqdm(total=total, initial=initial, position=position, desc=desc, file=sys.stderr,
-                                      leave=name == "rounds", dynamic_ncols=True)
+                                      leave=name == "rounds", dynamic_ncols=True, unit=unit)
 
     def _close(self, name: str) -> None:
         bar = self._bars.pop(name, None)
@@ -148,11 +169,29 @@ class Progress:
         self._advance("clients")
 
     def eval_start(self, num_models: int) -> None:
+        """The evaluation bar over ``num_models`` models (a personalised method's clients)."""
         self._close("clients")
-        self._open("eval", num_models, 1, "evaluate")
+        self._open("eval", num_models, 1, "evaluate", unit="model")
 
     def eval_step(self) -> None:
         self._advance("eval")
+
+    @contextmanager
+    def evaluating(self, net) -> Iterator[None]:
+        """Within the block, an evaluation bar counts the forward passes of ``net`` (a ``torch.nn.Module``: one
+        per batch scored, one per generated token): it moves during a long evaluation whatever the task does.
+        Without bars, nothing is hooked."""
+        if self._tqdm is None:
+            yield
+            return
+        self._close("clients")
+        self._open("eval", None, 1, "evaluate", unit="forward")
+        handle = net.register_forward_hook(lambda *_: self._advance("eval"))
+        try:
+            yield
+        finally:
+            handle.remove()
+            self._close("eval")
 
     def round_end(self, row: dict[str, Any], metrics: dict[str, float]) -> None:
         """Write the round's line (with its ETA) and move the rounds bar; ``metrics``: the round's test
@@ -160,7 +199,7 @@ class Progress:
         self._close("clients")
         self._close("eval")
         self.round_seconds.append(row["time"]["total"])
-        line = round_line(self.method, row, metrics, self.rounds, self.eta(row["round"]))
+        line = round_line(self.method, row, metrics, self.rounds, self.eta(row["round"]), self.counts)
         self.write(line)
         bar = self._bars.get("rounds")
         if bar is not None:

@@ -145,7 +145,7 @@ class Simulation:
         self.round = 0
         self.last_eval: dict[str, float] = {}
         self.client_eval: dict[int, dict[str, float]] = {}  # personalised methods: each client's test metrics
-        self.progress = Progress(log, self.method.name, cfg.run.rounds)
+        self.progress = Progress(log, self.method.name, cfg.run.rounds, counts=self.task.metric_counts)
         self.log = self.progress.write if log is not None else None
         self.tracker = None
         self.tamper = tamper
@@ -203,11 +203,9 @@ class Simulation:
                 self.progress.eval_step()
             rows = list(self.client_eval.values())
             return {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
-        self.progress.eval_start(1)
         self.method.load_global(self.model, self.server)
-        metrics = self.task.evaluate(self.model.net)
-        self.progress.eval_step()
-        return metrics
+        with self.progress.evaluating(self.model.net):
+            return self.task.evaluate(self.model.net)
 
     def dropped_clients(self, rnd: int, clients: list[int]) -> set[int]:
         """Sampled clients that do not reply this round: ``run.dropout_schedule`` pairs ``[round, client]`` and,

@@ -31,17 +31,16 @@ def task_class(kind: str) -> type[Task]:
 def build_task(cfg) -> Task:
     """The task of a :class:`~fedlowrank.config.RunConfig` (data loaded and tokenised once)."""
     if cfg.task.kind == "text-classification":
-        from .data import agnews_folder, load_bbc_news, load_hf, load_text_files, subsample, use_label_names
+        from .data import load_agnews, load_bbc_news, load_hf, load_text_files, subsample, use_label_names
         from .table import column_spec
 
         d = cfg.data
-        if d.source == "gsm8k":
-            raise ValueError("data.source = 'gsm8k' is instruction data (no labels); use task.kind = 'causal-lm'")
+        if d.source in ("arithmetic", "gsm8k"):
+            raise ValueError(f"data.source = {d.source!r} is instruction data (no labels); use task.kind = 'causal-lm'")
         if d.source == "bbc-news":
             data = load_bbc_news(d.test_fraction, cfg.run.seed)
         elif d.source == "agnews":
-            folder = agnews_folder(d.path)
-            data = load_text_files(folder / "train.tsv", folder / "test.tsv", header="false", label_names=d.labels)
+            data = load_agnews(d.path, d.labels)
         elif d.source == "files":
             columns = [column_spec(c) for c in (d.text_column, d.label_column)]
             data = load_text_files(d.train, d.test or None, *columns, d.test_fraction, cfg.run.seed, d.header,

@@ -218,6 +218,7 @@ class CausalLM(Task):
         numeric = [i for i in range(n_test) if extract_answer(data.test_responses[i]) is not None]
         pick = numpy_rng(eval_seed, "eval-generate-subset").permutation(len(numeric))[:eval_generate]
         self.generate_idx = np.sort(np.asarray(numeric, dtype=np.int64)[pick]) if eval_generate else np.zeros(0, int)
+        self.metric_counts = {"exact_match": len(self.generate_idx)}
         if eval_generate and not numeric:
             raise ValueError("task.options.eval_generate: no test response has a final number to match "
                              "(GSM8K-style '#### N' or a last number); set eval_generate = 0")

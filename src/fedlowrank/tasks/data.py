@@ -1,4 +1,5 @@
-"""Text-classification data sources: packaged BBC News, AG News files, any TSV/CSV/JSONL, Hugging Face by name.
+"""Text-classification data sources: packaged BBC News, AG News (a local copy or the hub), any TSV/CSV/JSONL,
+Hugging Face by name.
 
 Files are read by the strict :func:`~fedlowrank.tasks.table.read_table`; labels are then checked (at least two
 training classes, no test label unseen in training, a stratified split that leaves every class in training).
@@ -15,9 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from ..seeding import numpy_rng
+from .hub import KNOWN_SETS, hub_splits, known_hub_splits, local_copy
 from .table import read_table
 
-SOURCES = ("bbc-news", "agnews", "gsm8k", "files", "hf")
+SOURCES = ("bbc-news", "agnews", "arithmetic", "gsm8k", "files", "hf")
 
 
 @dataclass
@@ -75,34 +77,33 @@ def load_bbc_news(test_fraction: float = 0.2, seed: int = 0) -> TextData:
     return _stratified_split(texts, labels, test_fraction, seed)
 
 
-PROJECT_ROOT = Path(__file__).resolve().parents[3]  # the checkout (editable install): src/fedlowrank/tasks/…
-
-
-def checkout_folder(path: str | Path, files: tuple[str, ...], what: str, hint: str) -> Path:
-    """``data.path`` holding ``files``: as given when it exists; a relative path that does not exist from the
-    working directory is taken from the project checkout (the bundled configs say ``../shared/data/...``)."""
-    folder = Path(path)
-    if not folder.is_absolute() and not folder.exists() and (PROJECT_ROOT / folder).exists():
-        folder = PROJECT_ROOT / folder
-    if not all((folder / f).exists() for f in files):
-        raise FileNotFoundError(f"data.path: {str(path)!r} holds no {what} {' and '.join(files)} (looked in "
-                                f"{Path(path).resolve()} and {(PROJECT_ROOT / path).resolve()}); {hint}")
-    return folder
-
-
-def agnews_folder(path: str | Path) -> Path:
-    """``data.path`` of the AG News source, ``../shared/data/agnews`` when empty (see :func:`checkout_folder`)."""
-    return checkout_folder(path or "../shared/data/agnews", ("train.tsv", "test.tsv"), "AG News",
-                           "AG News is not packaged: set data.path to a folder holding train.tsv and test.tsv "
-                           "(text<TAB>label, no header), see docs/install.md")
+def load_agnews(path: str = "", label_names: list[str] | None = None) -> TextData:
+    """AG News (World, Sports, Business, Sci/Tech): a local copy's ``train.tsv`` and ``test.tsv`` (``data.path``,
+    else ``$FEDLOWRANK_DATA/agnews``) or the hub's ``fancyzhx/ag_news`` (:mod:`~fedlowrank.tasks.hub`). With
+    ``label_names`` (``data.labels``) the ids index those names."""
+    known = KNOWN_SETS["agnews"]
+    folder = local_copy(known, path)
+    if folder is not None:
+        return load_text_files(folder / "train.tsv", folder / "test.tsv", header="false", label_names=label_names)
+    data = _hub_text_data(*known_hub_splits(known), known.hub_id, "text", "label")
+    return use_label_names(data, label_names, known.hub_id) if label_names else data
 
 
 def _read_labelled(path: Path, text_column: str | int, label_column: str | int,
                    header: str) -> tuple[list[str], list[str], list[str]]:
-    """Texts, labels (stripped) and each example's ``file:line`` from a data file."""
+    """Texts, labels (stripped, never empty) and each example's ``file:line`` from a data file."""
     table = read_table(path, [text_column, label_column], header, ("data.text_column", "data.label_column"),
                        label_position=1)
-    return table.column(0), [x.strip() for x in table.column(1)], [f"{path}:{n}" for n in table.lines]
+    labels, where = [x.strip() for x in table.column(1)], [f"{path}:{n}" for n in table.lines]
+    _refuse_empty_labels(labels, where, f"data.label_column = {label_column!r}")
+    return table.column(0), labels, where
+
+
+def _refuse_empty_labels(labels: list[str], where: list[str], field: str) -> None:
+    """Refuse an empty label (``where[i]`` says where example ``i`` comes from, ``field`` what holds labels)."""
+    for label, at in zip(labels, where):
+        if not label:
+            raise ValueError(f"{at}: empty label ({field}); every example needs a class name")
 
 
 def _check_labels(train_labels: list[str], test_labels: list[str], train_where: str, test_where: list[str]) -> None:
@@ -200,31 +201,37 @@ def load_node_file(path: str | Path, text_column: str | int, label_column: str |
 
 
 def load_hf(name: str, text_column: str, label_column: str, train_split: str = "train",
-            test_split: str = "test") -> TextData:  # pragma: no cover - needs the network
-    """A Hugging Face dataset by name (needs ``datasets`` and a network connection or its cache)."""
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError("data.source = 'hf' needs the package `datasets`: pip install datasets "
-                         "(or use data.source = 'files' with a .tsv/.csv/.jsonl export)") from None
-    try:
-        ds = datasets.load_dataset(name)
-    except Exception as exc:  # offline, unknown name, bad config: one line naming the field
-        raise ValueError(f"data.hf_name = {name!r}: cannot load it ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
-    for split in (train_split, test_split):
-        if split not in ds:
-            raise ValueError(f"data.hf_name = {name!r} has no split {split!r}; splits: {', '.join(ds)}")
-    tr, te = ds[train_split], ds[test_split]
+            test_split: str = "test") -> TextData:
+    """A Hugging Face dataset by name (``datasets``: its cache or the hub); see :func:`_hub_text_data`."""
+    train, test = hub_splits(name, "data.source = 'hf'", splits=(train_split, test_split))
+    return _hub_text_data(train, test, name, text_column, label_column)
+
+
+def _hub_text_data(train, test, name: str, text_column: str, label_column: str) -> TextData:
+    """Texts and labels of two ``datasets`` splits. A class-label column gives its class names (AG News: World,
+    Sports, Business, Sci/Tech, as in a TSV copy); other labels are strings. Checked like files: no missing or
+    empty label, at least two training classes, no test label unseen in training."""
     for field, column in (("data.text_column", text_column), ("data.label_column", label_column)):
-        if column not in tr.column_names:
-            raise ValueError(f"{field} = {column!r} is not a column of {name!r}; columns: {', '.join(tr.column_names)}")
-    xtr, ltr = [str(x) for x in tr[text_column]], [str(y) for y in tr[label_column]]
-    xte, lte = [str(x) for x in te[text_column]], [str(y) for y in te[label_column]]
-    _check_labels(ltr, lte, f"{name!r} split {train_split!r}", [f"{name!r} split {test_split!r} row {i}"
-                                                                for i in range(len(lte))])
-    ytr, yte, names = _encode_labels(ltr, lte)
-    return TextData(xtr, ytr, xte, yte, names)
+        if column not in train.column_names:
+            raise ValueError(f"{field} = {column!r} is not a column of {name!r}; columns: "
+                             f"{', '.join(train.column_names)}")
+    names = getattr(train.features[label_column], "names", None)
+
+    def read(split, which: str) -> tuple[list[str], list[str], list[str]]:
+        where = [f"{name!r} split {which!r} row {i}" for i in range(len(split))]
+        labels = []
+        for y, at in zip(split[label_column], where):
+            if y is None or (names is not None and not 0 <= y < len(names)):
+                raise ValueError(f"{at}: no label ({label_column!r} = {y!r}); every example needs a class")
+            labels.append(names[y] if names is not None else str(y).strip())
+        _refuse_empty_labels(labels, where, f"data.label_column = {label_column!r}")
+        return [str(x) for x in split[text_column]], labels, where
+
+    xtr, ltr, _ = read(train, "train")
+    xte, lte, wte = read(test, "test")
+    _check_labels(ltr, lte, f"{name!r} split 'train'", wte)
+    ytr, yte, label_names = _encode_labels(ltr, lte)
+    return TextData(xtr, ytr, xte, yte, label_names)
 
 
 def subsample(data: TextData, max_train: int, max_test: int, seed: int) -> TextData:

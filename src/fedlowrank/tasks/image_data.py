@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..seeding import numpy_rng, torch_generator
+from .hub import hub_splits
 
 IMAGE_SOURCES = ("fashion-mnist", "image-folder", "hf-images")
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -158,19 +159,9 @@ def load_image_folder(train: str | Path, test: str | Path | None = None, test_fr
 # -- Hugging Face image sets ----------------------------------------------------------------------------------
 def load_hf_images(name: str, image_column: str = "image", label_column: str = "label") -> ImageData:
     """A ``datasets`` image set with ``train`` and ``test`` splits (needs the hub or its local cache)."""
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError("data.source = 'hf-images' needs the `datasets` package") from None
-    try:
-        ds = datasets.load_dataset(name)
-    except Exception as exc:  # network, unknown name: one line
-        raise ValueError(f"data.hf_name = {name!r}: cannot load it ({str(exc).strip().splitlines()[0]})") from None
-    for split in ("train", "test"):
-        if split not in ds:
-            raise ValueError(f"data.hf_name = {name!r} has no {split!r} split (has {', '.join(ds)})")
-    feature = ds["train"].features[label_column]
-    label_names = list(getattr(feature, "names", None) or sorted(set(ds["train"][label_column])))
+    train, test = hub_splits(name, "data.source = 'hf-images'")
+    feature = train.features[label_column]
+    label_names = list(getattr(feature, "names", None) or sorted(set(train[label_column])))
 
     def convert(split) -> tuple[np.ndarray, np.ndarray]:
         first = split[0][image_column]
@@ -182,7 +173,7 @@ def load_hf_images(name: str, image_column: str = "image", label_column: str = "
             labels = [label_names.index(v) for v in labels]
         return np.ascontiguousarray(images), np.asarray(labels, dtype=np.int64)
 
-    return ImageData(*convert(ds["train"]), *convert(ds["test"]), [str(n) for n in label_names])
+    return ImageData(*convert(train), *convert(test), [str(n) for n in label_names])
 
 
 def subsample_images(data: ImageData, max_train: int, max_test: int, seed: int) -> ImageData:

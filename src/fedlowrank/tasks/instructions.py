@@ -1,5 +1,6 @@
-"""Instruction data (prompt → response pairs) for the causal-LM task: GSM8K's folder, any TSV/CSV/JSONL with a
-prompt and a response column (read by :func:`~fedlowrank.tasks.table.read_table`), or a Hugging Face dataset.
+"""Instruction data (prompt → response pairs) for the causal-LM task: the packaged arithmetic word problems, GSM8K,
+any TSV/CSV/JSONL with a prompt and a response column (read by :func:`~fedlowrank.tasks.table.read_table`), or a
+Hugging Face dataset.
 
 Every loader returns an :class:`InstructionData`; extra columns (``partition.partition_by``) are kept per training
 example for partitioners.
@@ -13,10 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from ..seeding import numpy_rng
-from .data import checkout_folder
+from .hub import KNOWN_SETS, hub_splits, known_hub_splits, local_copy
 from .table import column_spec, read_table
-
-GSM8K_FOLDER = "../shared/data/gsm8k"
 
 
 @dataclass
@@ -65,43 +64,53 @@ def load_instruction_files(train: str | Path, test: str | Path | None, prompt: s
     return InstructionData(cols[0], cols[1], test_cols[0], test_cols[1], {c: v for c, v in zip(extra, cols[2:])})
 
 
-def load_gsm8k(path: str | Path = "", extra: list[str] | None = None) -> InstructionData:
-    """GSM8K's ``train.jsonl`` and ``test.jsonl`` (``question``/``answer``) in ``path`` (default: the shared
-    copy, ``../shared/data/gsm8k`` from the working directory or the project checkout)."""
-    folder = checkout_folder(path or GSM8K_FOLDER, ("train.jsonl", "test.jsonl"), "GSM8K",
-                             "set data.path to a folder holding GSM8K's train.jsonl and test.jsonl")
-    return load_instruction_files(folder / "train.jsonl", folder / "test.jsonl", "question", "answer", extra)
+def load_gsm8k(path: str = "", extra: list[str] | None = None) -> InstructionData:
+    """GSM8K (``question``/``answer``): a local copy's ``train.jsonl`` and ``test.jsonl`` (``data.path``, else
+    ``$FEDLOWRANK_DATA/gsm8k``) or the hub's ``openai/gsm8k``, config ``main`` (:mod:`~fedlowrank.tasks.hub`)."""
+    known = KNOWN_SETS["gsm8k"]
+    folder = local_copy(known, path)
+    if folder is not None:
+        return load_instruction_files(folder / "train.jsonl", folder / "test.jsonl", "question", "answer", extra)
+    return _hub_instruction_data(*known_hub_splits(known), known.hub_id, "question", "answer", extra)
+
+
+def load_arithmetic(extra: list[str] | None = None) -> InstructionData:
+    """The packaged arithmetic word problems (:mod:`~fedlowrank.tasks.arithmetic`: 400 train, 100 test;
+    ``question``/``answer``, column ``skill``)."""
+    from .arithmetic import PACKAGED
+
+    return load_instruction_files(PACKAGED / "train.jsonl", PACKAGED / "test.jsonl", "question", "answer", extra)
 
 
 def load_instruction_hf(name: str, prompt: str, response: str, extra: list[str] | None = None,
                         data_files: dict[str, str] | None = None, train_split: str = "train",
                         test_split: str = "test") -> InstructionData:
-    """A Hugging Face dataset by name (hub, needs the network) or a builder with local ``data_files``
-    (``load_dataset("json", data_files={"train": ..., "test": ...})``). Needs the ``datasets`` extra."""
-    try:
-        import datasets
-    except ImportError as exc:
-        raise RuntimeError("data.source = 'hf' needs the package `datasets` "
-                           "(pip install 'fedlowrank[datasets]', i.e. datasets==5.2.0)") from exc
-    ds = datasets.load_dataset(name, data_files=data_files)
-    for split in (train_split, test_split):
-        if split not in ds:
-            raise ValueError(f"data.hf_name = {name!r} has no split {split!r}; splits: {', '.join(ds)}")
-    tr, te = ds[train_split], ds[test_split]
+    """A Hugging Face dataset by name (``datasets``: its cache or the hub) or a builder with local ``data_files``
+    (``load_dataset("json", data_files={"train": ..., "test": ...})``)."""
+    train, test = hub_splits(name, "data.source = 'hf'", data_files=data_files, splits=(train_split, test_split))
+    return _hub_instruction_data(train, test, name, prompt, response, extra)
+
+
+def _hub_instruction_data(train, test, name: str, prompt: str, response: str,
+                          extra: list[str] | None) -> InstructionData:
+    """Prompts, responses and the ``extra`` columns (training split) of two ``datasets`` splits."""
     for column, where in ((prompt, "data.prompt_column"), (response, "data.response_column"),
                           *((c, "partition.partition_by") for c in extra or [])):
-        if column not in tr.column_names:
-            raise ValueError(f"{where} = {column!r} is not a column of {name!r}; columns: {', '.join(tr.column_names)}")
-    return InstructionData([str(x) for x in tr[prompt]], [str(x) for x in tr[response]],
-                           [str(x) for x in te[prompt]], [str(x) for x in te[response]],
-                           {c: [str(x) for x in tr[c]] for c in extra or []})
+        if column not in train.column_names:
+            raise ValueError(f"{where} = {column!r} is not a column of {name!r}; columns: "
+                             f"{', '.join(train.column_names)}")
+    return InstructionData([str(x) for x in train[prompt]], [str(x) for x in train[response]],
+                           [str(x) for x in test[prompt]], [str(x) for x in test[response]],
+                           {c: [str(x) for x in train[c]] for c in extra or []})
 
 
 def load_instructions(d, partition_by: str, seed: int) -> InstructionData:
     """The instruction data of a config's ``[data]`` section (``d``), subsampled to ``data.max_*_examples``;
     ``partition_by`` (a column name, or ``""``) is read as well."""
     extra = [partition_by] if partition_by else []
-    if d.source == "gsm8k":
+    if d.source == "arithmetic":
+        data = load_arithmetic(extra)
+    elif d.source == "gsm8k":
         data = load_gsm8k(d.path, extra)
     elif d.source == "files":
         data = load_instruction_files(d.train, d.test or None, d.prompt_column, d.response_column, extra,
@@ -111,7 +120,7 @@ def load_instructions(d, partition_by: str, seed: int) -> InstructionData:
         data = load_instruction_hf(d.hf_name, d.prompt_column, d.response_column, extra, files)
     else:
         raise ValueError(f"data.source = {d.source!r} is not instruction data; for task.kind = 'causal-lm' use "
-                         "gsm8k, files or hf")
+                         "arithmetic, gsm8k, files or hf")
 
     def pick(n: int, k: int, stream: str) -> np.ndarray:
         if k <= 0 or k >= n:

@@ -2,8 +2,9 @@
 
 :func:`read_table` returns the asked columns of every row, or raises ``ValueError`` naming the file, the
 1-based line and the config field at fault: a non-UTF-8 byte, invalid JSON, a missing key, a ragged row, an
-unknown column, an index out of range, two fields selecting one column, an empty or header-only file. No row is
-ever dropped; blank lines are skipped. The rules are documented in ``docs/data.md``.
+unknown column, an index out of range, two fields selecting one column, an empty or header-only file, a header row
+repeated further down, a JSON value that is not a string or a number. No row is ever dropped; blank lines are
+skipped. The rules are documented in ``docs/data.md``.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def _read_jsonl(path: Path, text: str, columns: list[str | int], names: list[str
                 raise ValueError(f"{path}:{number}: no key {key!r} ({name}); keys on this line: "
                                  f"{', '.join(record) or 'none'}")
             value = record[key]
-            if value is None or isinstance(value, (list, dict)):
+            if value is None or isinstance(value, (bool, list, dict)):
                 raise ValueError(f"{path}:{number}: key {key!r} ({name}) holds {json.dumps(value)[:40]}; "
                                  "expected a string or a number")
             cells.append(value if isinstance(value, str) else str(value))
@@ -185,7 +186,22 @@ def _read_delimited(path: Path, text: str, columns: list[str | int], names: list
     body = records[1:] if has_header else records
     if not body:
         raise ValueError(f"{path}: holds only a header row (line {first_line}), no examples")
+    _refuse_header_rows(path, body, index, head, first_line, header == "auto")
     return Table(path, [tuple(cells[i] for i in index) for _, cells in body], [n for n, _ in body], head)
+
+
+def _refuse_header_rows(path: Path, body: list[tuple[int, list[str]]], index: list[int], head: list[str] | None,
+                        first_line: int, auto: bool) -> None:
+    """Refuse a data row that is a header: a copy of the header ``head`` (files joined with their headers), or, in a
+    file read without one under ``data.header = auto``, a row whose selected cells are all usual column names."""
+    for number, cells in body:
+        if head is not None and [c.strip() for c in cells] == head:
+            raise ValueError(f"{path}:{number}: repeats the header row of line {first_line} ({' | '.join(head)}); "
+                             "a header belongs on line 1 only")
+        selected = [cells[i].strip() for i in index]
+        if head is None and auto and all(c.lower() in COLUMN_NAMES for c in selected):
+            raise ValueError(f"{path}:{number}: ({' | '.join(selected)}) looks like a header row inside the data; "
+                             "remove it, or set data.header = false to read it as an example")
 
 
 def _refuse_duplicates(path: Path, selected: list, names: list[str]) -> None:

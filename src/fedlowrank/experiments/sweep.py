@@ -1,0 +1,355 @@
+"""One sweep of federated runs, shared by ``fedlowrank compare`` and ``fedlowrank tune``.
+
+A sweep is a list of :class:`Run` (a method at one config and seed, with its run directory). :class:`Sweep`
+builds each task once (per :func:`task_key`), each seed's partition once, and for tuning each client's validation
+split (:func:`split_validation`); checks the pairing before anything trains (:meth:`Sweep.check_pairing`: every
+run of one seed trains on the same partition, and evaluates on the same validation split); then runs them
+(:meth:`Sweep.run`):
+
+* one after another in this process (with the runs' progress lines), or in ``jobs`` worker processes
+  (:func:`run_in_processes`), each run writing its run directory, read back with :func:`finished_run`; the results
+  are the same either way;
+* with ``resume``, a run directory whose run ended with the same config is read instead of run again, so an
+  interrupted sweep continues where it stopped and runs made by separate processes into one ``out`` combine;
+* progress lines: ``run k of N: LABEL (ETA 0:04:10 for 3 runs)`` as a run starts in this process, ``run k of N
+  done: LABEL: METRIC`` as it ends (with the ETA when the runs end in worker processes); the ETA is the wall time
+  per run so far × the runs left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..config import ConfigError, RunConfig
+from ..reporting.progress import format_eta
+from ..seeding import numpy_rng
+
+Log = Callable[[str], None] | None
+
+SUMMARY_KEYS = ("method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy", "epsilon")
+
+
+def task_key(cfg: RunConfig) -> str:
+    """What a built task depends on: the seed and the [task] and [data] sections."""
+    return json.dumps([cfg.run.seed, dataclasses.asdict(cfg.task), dataclasses.asdict(cfg.data)], sort_keys=True)
+
+
+def partition_digest(parts: list[np.ndarray]) -> str:
+    """A short hash of the client index arrays (equal digests = the same partition)."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(np.int64(len(p)).tobytes() + np.asarray(p, dtype=np.int64).tobytes())
+    return h.hexdigest()[:16]
+
+
+def split_validation(parts: list[np.ndarray], fraction: float, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Hold out ``floor(fraction · n_k)`` of client k's examples (at most ``n_k − 1``), chosen by the seeded
+    stream ``("validation", k)``. Returns the clients' training indices and the sorted validation indices."""
+    train_parts, held = [], []
+    for k, p in enumerate(parts):
+        n_hold = min(int(math.floor(fraction * len(p))), len(p) - 1)
+        order = numpy_rng(seed, "validation", k).permutation(len(p))
+        held.append(p[order[:n_hold]])
+        train_parts.append(np.sort(p[order[n_hold:]]))
+    return train_parts, np.sort(np.concatenate(held)) if held else np.array([], dtype=np.int64)
+
+
+def check_jobs(jobs: int, out: Path | None) -> None:
+    """Refuse a ``--jobs`` that is not a positive integer, or ``> 1`` without an output directory."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"--jobs must be an integer >= 1, got {jobs!r}")
+    if jobs > 1 and out is None:
+        raise ConfigError("--jobs > 1 needs an output directory (the worker processes write their runs there)")
+
+
+def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
+    """``{"summary": summary.json, "history": metrics.jsonl rows, "metrics": the final evaluation}`` of the run
+    that ended in ``run_dir``, or ``None`` when none did there (no ``summary.json``: never started or interrupted).
+
+    A run that ended with another config than ``cfg`` (its ``config.json`` has another fingerprint,
+    :func:`fedlowrank.runtime.checkpoint.config_fingerprint`) raises :class:`ConfigError`: reusing it would mix
+    two experiments."""
+    from ..config import from_dict
+    from ..runtime.checkpoint import config_fingerprint
+
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--resume: {run_dir / 'summary.json'} is unreadable ({exc}); delete {run_dir} to run "
+                          "it again") from None
+    try:
+        old = from_dict(json.loads((run_dir / "config.json").read_text()))
+        history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    except (OSError, json.JSONDecodeError, ConfigError) as exc:
+        raise ConfigError(f"--resume: the finished run in {run_dir} is unreadable ({exc}); delete it to run it "
+                          "again") from None
+    if config_fingerprint(old) != config_fingerprint(cfg):
+        raise ConfigError(f"--resume: {run_dir} holds a run of another config than this one (different settings "
+                          "or learning rate); use another --out, or delete that directory")
+    metrics = {k: v for k, v in summary.items() if k not in SUMMARY_KEYS}
+    return {"summary": summary, "history": history, "metrics": metrics}
+
+
+_WORKER_TASKS: dict[str, Any] = {}  # a worker process's built tasks (task_key → task), reused by its later runs
+
+
+def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: np.ndarray | None,
+             overwrite: bool) -> str | None:
+    """One run in a worker process (:func:`run_in_processes`): on the validation view of ``held_out`` when
+    given (``fedlowrank tune``), on ``parts``. Returns ``None``, or the message of a divergence."""
+    from ..runtime.simulator import DivergenceError, Simulation
+    from ..tasks import build_task
+
+    key = task_key(cfg)
+    if key not in _WORKER_TASKS:
+        _WORKER_TASKS[key] = build_task(cfg)
+    task = _WORKER_TASKS[key]
+    try:
+        Simulation(cfg, task=task if held_out is None else task.validation(held_out), run_dir=run_dir, parts=parts,
+                   overwrite=overwrite).run()
+    except DivergenceError as exc:
+        return str(exc)
+    return None
+
+
+def run_in_processes(runs: list[tuple[str, RunConfig, Path, list[np.ndarray], np.ndarray | None]], jobs: int,
+                     overwrite: bool, done: Callable[[str, str | None], None] | None = None) -> dict[str, str]:
+    """Run ``(label, cfg, run_dir, parts, held_out)`` in ``jobs`` worker processes (spawned: no state shared with
+    this one), ``run.threads`` torch threads each (0: ``os.cpu_count() // jobs``, at least 1); every run writes its
+    run directory, to be read back with :func:`finished_run`. ``done(label, divergence message or None)`` is called
+    as each run ends. Returns ``{label: divergence message}`` of the runs that diverged; any other error of a
+    worker is raised here."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    diverged: dict[str, str] = {}
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_run_one, cfg if cfg.run.threads else
+                               dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, threads=threads)),
+                               run_dir, parts, held_out, overwrite): label
+                   for label, cfg, run_dir, parts, held_out in runs}
+        for future in as_completed(futures):
+            label = futures[future]
+            message = future.result()
+            if message is not None:
+                diverged[label] = message
+            if done is not None:
+                done(label, message)
+    return diverged
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of a sweep: ``method`` at ``cfg`` (its seed is ``cfg.run.seed``), writing ``run_dir`` (``None``:
+    nothing written); named ``label`` in progress lines, which show its final ``metric``. ``validation``: each
+    client holds out ``data.validation_fraction`` of its examples, and the model is evaluated on them instead of
+    the test set (``fedlowrank tune``)."""
+
+    method: str
+    label: str
+    cfg: RunConfig
+    run_dir: Path | None
+    metric: str
+    validation: bool = False
+
+
+@dataclass
+class Outcome:
+    """What a run left: its metrics rows (``metrics.jsonl``), its final evaluation (``metrics``: test set, or the
+    validation split), ``summary.json`` (``None`` when it diverged), the divergence message, and whether an
+    earlier run directory was read instead of running it (``reused``)."""
+
+    history: list[dict[str, Any]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    summary: dict[str, Any] | None = None
+    diverged: str | None = None
+    reused: bool = False
+
+
+class Sweep:
+    """Runs that share tasks, partitions and validation splits (see the module docstring).
+
+    Args:
+        out: the directory the runs write under (``None``: nothing written; then ``jobs`` must be 1).
+        jobs: worker processes (1: this process).
+        resume: read each run that ended in its run directory with the same config instead of running it.
+        log: where progress lines go (``None``: silent).
+    """
+
+    def __init__(self, out: Path | None, jobs: int = 1, resume: bool = False, log: Log = None):
+        check_jobs(jobs, out)
+        self.out, self.jobs, self.resume, self.log = out, jobs, resume, log
+        self._tasks: dict[str, Any] = {}
+        self._partitions: dict[str, list[np.ndarray]] = {}
+        self._splits: dict[str, tuple[list[np.ndarray], np.ndarray]] = {}
+        self._logged_partitions: set[str] = set()
+        self._paired: dict[int, tuple[Run, str]] = {}  # per seed: the first run checked and its data's digest
+
+    # -- data ------------------------------------------------------------------------------------------------
+    def task(self, cfg: RunConfig):
+        """The task of ``cfg``, built once per :func:`task_key`."""
+        from ..tasks import build_task
+
+        key = task_key(cfg)
+        if key not in self._tasks:
+            self._tasks[key] = build_task(cfg)
+        return self._tasks[key]
+
+    def partition(self, cfg: RunConfig) -> list[np.ndarray]:
+        """The clients' index arrays of ``cfg``'s task, ``[partition]`` and seed."""
+        from ..tasks.partition import partition_task
+
+        key = task_key(cfg) + json.dumps(dataclasses.asdict(cfg.partition), sort_keys=True)
+        if key not in self._partitions:
+            self._partitions[key] = partition_task(self.task(cfg), cfg.partition, cfg.run.seed)[0]
+        return self._partitions[key]
+
+    def split(self, cfg: RunConfig) -> tuple[list[np.ndarray], np.ndarray]:
+        """(the clients' training indices, the validation indices) of ``cfg``'s partition
+        (:func:`split_validation` with ``data.validation_fraction``)."""
+        key = task_key(cfg) + json.dumps([dataclasses.asdict(cfg.partition), cfg.data.validation_fraction],
+                                         sort_keys=True)
+        if key not in self._splits:
+            self._splits[key] = split_validation(self.partition(cfg), cfg.data.validation_fraction, cfg.run.seed)
+        return self._splits[key]
+
+    def data_of(self, run: Run) -> tuple[Any, list[np.ndarray], np.ndarray | None]:
+        """(the task the run sees, its clients' training indices, the validation indices or ``None``)."""
+        if not run.validation:
+            return self.task(run.cfg), self.partition(run.cfg), None
+        train_parts, held_out = self.split(run.cfg)
+        return self.task(run.cfg).validation(held_out), train_parts, held_out
+
+    def check_pairing(self, runs: list[Run]) -> None:
+        """Refuse, before they train, runs of one seed that would train on different partitions (or evaluate on
+        different validation splits): the first run of each seed checked by this sweep is the one the others, in
+        this call and later ones, must match."""
+        for run in runs:
+            _, parts, held_out = self.data_of(run)
+            digest = partition_digest(parts + ([held_out] if held_out is not None else []))
+            first, first_digest = self._paired.setdefault(run.cfg.run.seed, (run, digest))
+            if digest != first_digest:
+                raise ConfigError(f"seed {run.cfg.run.seed}: {run.method!r} would train on another partition than "
+                                  f"{first.method!r} (a per-method setting changes [data] or [partition]); paired "
+                                  "runs need the same partition")
+
+    # -- runs --------------------------------------------------------------------------------------------------
+    def run(self, runs: list[Run], stop_on_divergence: bool = False) -> list[Outcome]:
+        """Run (or, with ``resume``, read) every run; returns their outcomes in the order of ``runs``. A diverged
+        run's outcome carries its message; with ``stop_on_divergence`` it raises
+        :class:`~fedlowrank.runtime.simulator.DivergenceError` instead (at once in this process; after the others
+        have ended with ``jobs > 1``)."""
+        from ..runtime.simulator import DivergenceError
+
+        outcomes: dict[int, Outcome] = {}
+        pending: list[int] = []
+        for i, run in enumerate(runs):
+            done = finished_run(run.run_dir, run.cfg) if self.resume and run.run_dir is not None else None
+            if done is None:
+                pending.append(i)
+                continue
+            outcomes[i] = Outcome(done["history"], done["metrics"], done["summary"], reused=True)
+            self._say(f"run {i + 1} of {len(runs)}: {run.label}: reusing the finished run in {run.run_dir}")
+        clock = _Clock(len(pending))
+        if self.jobs > 1 and pending:
+            self._say(f"{len(pending)} of {len(runs)} runs go to {self.jobs} worker processes")
+            outcomes.update(self._run_in_processes(runs, pending, clock))
+            for i in pending:
+                if outcomes[i].diverged is not None and stop_on_divergence:
+                    raise DivergenceError(f"{runs[i].label}: {outcomes[i].diverged}")
+        else:
+            for i in pending:
+                self._say(f"run {i + 1} of {len(runs)}: {runs[i].label}{clock.suffix()}")
+                outcomes[i] = self._run_here(runs[i], stop_on_divergence)
+                clock.tick()
+                self._say(f"run {i + 1} of {len(runs)} done: {runs[i].label}: {_result(runs[i], outcomes[i])}")
+        return [outcomes[i] for i in range(len(runs))]
+
+    def _say(self, line: str) -> None:
+        if self.log is not None:
+            self.log(line)
+
+    def _run_here(self, run: Run, stop_on_divergence: bool) -> Outcome:
+        from ..runtime.simulator import DivergenceError, Simulation
+
+        task, parts, _ = self.data_of(run)
+        digest = partition_digest(parts)
+        sim = Simulation(run.cfg, task=task, run_dir=run.run_dir, log=self.log, parts=parts,
+                         log_partition=digest not in self._logged_partitions, overwrite=self.resume)
+        self._logged_partitions.add(digest)  # the label counts of a partition are logged once, with its first run
+        try:
+            summary = sim.run()
+        except DivergenceError as exc:
+            if stop_on_divergence:
+                raise
+            return Outcome(list(sim.history), {}, None, diverged=str(exc))
+        return Outcome(sim.history, dict(sim.last_eval), summary)
+
+    def _run_in_processes(self, runs: list[Run], pending: list[int], clock: "_Clock") -> dict[int, Outcome]:
+        by_label = {runs[i].label: i for i in pending}
+        work = []
+        for i in pending:
+            _, parts, held_out = self.data_of(runs[i])
+            work.append((runs[i].label, runs[i].cfg, runs[i].run_dir, parts, held_out))
+        outcomes: dict[int, Outcome] = {}
+
+        def done(label: str, message: str | None) -> None:
+            clock.tick()
+            i = by_label[label]
+            outcomes[i] = Outcome(diverged=message) if message is not None else self._read(runs[i])
+            self._say(f"run {i + 1} of {len(runs)} done: {label}: {_result(runs[i], outcomes[i])}{clock.suffix()}")
+
+        run_in_processes(work, self.jobs, self.resume, done)
+        return outcomes
+
+    @staticmethod
+    def _read(run: Run) -> Outcome:
+        assert run.run_dir is not None
+        done = finished_run(run.run_dir, run.cfg)
+        if done is None:
+            raise ConfigError(f"{run.label}: its worker process ended without a finished run in {run.run_dir}")
+        return Outcome(done["history"], done["metrics"], done["summary"])
+
+
+def _result(run: Run, outcome: Outcome) -> str:
+    """``accuracy 0.8125`` or ``diverged (message)``, for a run's last progress line."""
+    if outcome.diverged is not None:
+        return f"diverged ({outcome.diverged})"
+    value = outcome.metrics.get(run.metric)
+    where = "validation " if run.validation else ""
+    return f"{where}{run.metric} {value:.4f}" if isinstance(value, (int, float)) else f"no {run.metric} reported"
+
+
+class _Clock:
+    """The ETA of the rest of a sweep: wall time since it started per run ended × runs left."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+
+    def tick(self) -> None:
+        self.done += 1
+
+    def eta(self) -> float:
+        if self.done == 0:
+            return math.nan
+        return (time.perf_counter() - self.start) / self.done * (self.total - self.done)
+
+    def suffix(self) -> str:
+        """`` (ETA 0:04:10 for 3 runs)`` once a run has ended and while runs are left, else nothing."""
+        left = self.total - self.done
+        if self.done == 0 or left == 0:
+            return ""
+        return f" (ETA {format_eta(self.eta())} for {left} run{'s' if left > 1 else ''})"

@@ -1,0 +1,104 @@
+"""The sweep shared by ``compare`` and ``tune``: progress lines with an ETA, tuning on several seeds (spread and
+collapsed runs shown, ties named), and ``--extend`` running every method's next value in one sweep."""
+
+import json
+import math
+import re
+
+import pytest
+
+from fedlowrank.experiments import sweep as sweep_module
+from fedlowrank.experiments.compare import run_comparison
+from fedlowrank.experiments.tune import choose, run_tuning, tune_markdown
+from fedlowrank.runtime.simulator import DivergenceError, Simulation
+
+
+def test_compare_says_run_k_of_n_with_an_eta(tmp_path):
+    lines: list[str] = []
+    run_comparison("tiny", "fedit,ffa-lora", "0,1", ["run.rounds=1"], tmp_path / "c", lines.append)
+    starts = [line for line in lines if re.match(r"run \d of 4: ", line)]
+    assert [s.split(" (")[0] for s in starts] == ["run 1 of 4: [fedit] seed 0", "run 2 of 4: [fedit] seed 1",
+                                                  "run 3 of 4: [ffa-lora] seed 0", "run 4 of 4: [ffa-lora] seed 1"]
+    assert "ETA" not in starts[0]  # no run has ended yet
+    assert re.search(r"\(ETA \d+:\d\d:\d\d for 3 runs\)$", starts[1]) and starts[3].endswith("for 1 run)")
+    done = [line for line in lines if " done: " in line]
+    assert len(done) == 4 and re.fullmatch(r"run 4 of 4 done: \[ffa-lora\] seed 1: accuracy \d\.\d{4}", done[-1])
+    again: list[str] = []
+    run_comparison("tiny", "fedit,ffa-lora", "0,1", ["run.rounds=1"], tmp_path / "c", again.append, resume=True)
+    assert again[0] == f"run 1 of 4: [fedit] seed 0: reusing the finished run in {tmp_path / 'c' / 'fedit-seed0'}"
+    assert not any(" done: " in line for line in again)
+
+
+def _fake_runs(monkeypatch, accuracy):
+    """Simulation.run replaced by ``accuracy(lr, seed, method)`` (a number, or an exception to raise)."""
+    def fake_run(self):
+        value = accuracy(self.cfg.train.lr, self.cfg.run.seed, self.cfg.method_name)
+        if isinstance(value, Exception):
+            raise value
+        self.last_eval = {"accuracy": value}
+        return {}
+
+    monkeypatch.setattr(Simulation, "run", fake_run)
+
+
+def test_tuning_on_several_seeds_shows_spread_and_collapsed_runs(monkeypatch, tmp_path):
+    """Three seeds: 1e-3 is best on average; 1e-2 collapses to chance on seed 1, 1e-1 diverges on seed 2 and so has
+    no mean. tune.md shows each seed's score, the collapses and the spread."""
+    table = {1e-3: [0.80, 0.70, 0.75], 1e-2: [0.85, 0.0, 0.80], 1e-1: [0.9, 0.9, DivergenceError("loss is nan")]}
+    _fake_runs(monkeypatch, lambda lr, seed, _: table[lr][seed])
+    res = run_tuning("tiny", "fedit", "1e-3,1e-2,1e-1", "0,1,2", ["run.rounds=1"], tmp_path / "t")
+    pick = res["chosen"]["fedit"]
+    assert pick["value"] == 1e-3 and pick["score"] == pytest.approx(0.75)
+    assert math.isnan(pick["scores"]["0.1"]) and pick["scores"]["0.01"] == pytest.approx(0.55)
+    assert pick["spread"]["0.001"] == pytest.approx({"min": 0.70, "max": 0.80, "sd": 0.05})
+    marks = {(r["value"], r["seed"]): r["collapsed"] for r in res["runs"]}
+    assert marks[1e-2, 1] == "at chance" and marks[1e-1, 2] == "diverged"
+    assert sum(m is not None for m in marks.values()) == 2
+    chance = [r["chance"] for r in res["runs"] if r["seed"] == 1][0]
+    assert 0.25 <= chance < 0.85  # the most frequent class's share of the validation examples
+    md = (tmp_path / "t" / "tune.md").read_text()
+    assert "| fedit | 0.01 | 0.5500 | 0.8500, 0.0000 (at chance), 0.8000 |" in md
+    assert "| fedit | 0.1 | nan | 0.9000, 0.9000, diverged |" in md
+    assert "| fedit | 0.001 | 0.7500 | 0.8000, 0.7000, 0.7500 | 0.0500 | ✓ |" in md
+    assert "mean over the 3 seeds" in md and "never chosen" in md
+
+
+def test_ties_are_said(monkeypatch, capsys):
+    _fake_runs(monkeypatch, lambda lr, seed, _: 0.25 if lr < 0.05 else 0.1)
+    lines: list[str] = []
+    res = run_tuning("tiny", "fedit", "1e-3,1e-2,1e-1", "0", ["run.rounds=1"], log=lines.append)
+    assert res["chosen"]["fedit"]["value"] == 1e-3 and res["chosen"]["fedit"]["tied"] == [1e-3, 1e-2]
+    assert any("2 values tie at the best validation accuracy 0.2500 (0.001, 0.01); chose 0.001" in line
+               for line in lines)
+    assert "- fedit: 0.001, 0.01 tie at the best mean score 0.2500" in tune_markdown(res)
+    assert choose({1.0: 0.5, 2.0: 0.7}, True) == (2.0, [2.0]) and choose({1.0: math.nan}, True) == (None, [])
+
+
+def test_extend_runs_every_methods_next_value_in_one_sweep(monkeypatch):
+    """Both methods' best sits at the lower edge: each extension step runs both methods' next values together,
+    and each method gets the values a method-by-method extension would give."""
+    peaks = {"fedit": -4.5, "ffa-lora": -3.7}
+    _fake_runs(monkeypatch, lambda lr, seed, method: 1 - (math.log10(lr) - peaks[method]) ** 2)
+    batches: list[list[str]] = []
+    run = sweep_module.Sweep.run
+
+    def recording(self, runs, stop_on_divergence=False):
+        batches.append([r.label for r in runs])
+        return run(self, runs, stop_on_divergence)
+
+    monkeypatch.setattr(sweep_module.Sweep, "run", recording)
+    res = run_tuning("tiny", "fedit,ffa-lora", "3e-4,1e-3,3e-3", "0", ["run.rounds=1"], extend=5)
+    assert res["grid"] == {"fedit": [3e-4, 1e-3, 3e-3, 1e-4, 3e-5, 1e-5], "ffa-lora": [3e-4, 1e-3, 3e-3, 1e-4]}
+    assert batches[1] == ["tune [fedit] lr=0.0001 seed=0", "tune [ffa-lora] lr=0.0001 seed=0"]
+    assert batches[2:] == [["tune [fedit] lr=3e-05 seed=0"], ["tune [fedit] lr=1e-05 seed=0"]]
+    assert [(r["method"], r["value"]) for r in res["runs"]] == [
+        ("fedit", v) for v in res["grid"]["fedit"]] + [("ffa-lora", v) for v in res["grid"]["ffa-lora"]]
+    assert res["chosen"]["fedit"]["value"] == 3e-5 and res["chosen"]["ffa-lora"]["value"] == 3e-4
+
+
+def test_tune_json_records_collapse_for_every_run(monkeypatch, tmp_path):
+    _fake_runs(monkeypatch, lambda lr, seed, _: 0.9)
+    run_tuning("tiny", "fedit", "1e-3", "0,1", ["run.rounds=1"], tmp_path / "t")
+    saved = json.loads((tmp_path / "t" / "tune.json").read_text())
+    assert [(r["seed"], r["collapsed"]) for r in saved["runs"]] == [(0, None), (1, None)]
+    assert all(0 < r["chance"] < 0.9 for r in saved["runs"])
