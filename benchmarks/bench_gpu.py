@@ -25,7 +25,8 @@ On a GPU (the issue's targets, H100)::
     python benchmarks/bench_gpu.py --models smollm2-135m --dtypes bf16,fp32 --tokenizer TOKDIR --out OUT
     python benchmarks/bench_gpu.py --models llama-3.2-1b --dtypes bf16 --modes cohort,one --tokenizer TOKDIR --out OUT
 
-On the CPU it runs a small version (tiny-llama, 4 clients × 2 steps × 2 examples, fp32) and prints the proxies::
+On the CPU it runs a small version (tiny-llama on the packaged arithmetic problems, 4 clients × 2 steps × 2
+examples, fp32) and prints the proxies::
 
     python benchmarks/bench_gpu.py --device cpu --out /tmp/bench-gpu-cpu
 
@@ -252,7 +253,7 @@ def base_sets(args, spec: str, dtype: str, clients: int) -> list[str]:
             f"train.batch_size={args.batch}", f"run.rounds={args.rounds + 1}", f"run.eval_every={args.rounds + 1}",
             "run.checkpoint_every=0", f"run.seed={args.seed}", f"run.threads={args.threads}",
             f"task.max_length={args.max_length}", f"data.max_train_examples={args.max_train}",
-            "task.options.eval_examples=8", "task.options.eval_generate=0",
+            "task.options.eval_examples=8", "task.options.eval_generate=0", f"data.source={args.source}",
             *([f"data.path={args.data}"] if args.data else [])]
 
 
@@ -494,7 +495,9 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds after the warm-up round")
     ap.add_argument("--max-length", type=int, default=384)
     ap.add_argument("--max-train", type=int, default=0, help="GSM8K training examples kept (0: 64 per client)")
-    ap.add_argument("--data", default="", help="GSM8K folder (data.path; default the config's)")
+    ap.add_argument("--source", default="", help="data.source: gsm8k (a local copy: --data or $FEDLOWRANK_DATA; "
+                                                 "default on CUDA) or arithmetic (packaged; default on the CPU)")
+    ap.add_argument("--data", default="", help="GSM8K folder (data.path; default $FEDLOWRANK_DATA/gsm8k)")
     ap.add_argument("--compile-mode", default="reduce-overhead", help="run.compile value of one-compiled")
     ap.add_argument("--set", action="append", default=[], help="extra config override for every figure "
                                                                "(e.g. train.gradient_checkpointing=true)")
@@ -507,6 +510,7 @@ def parse_args(argv=None):
     device = resolve_device(args.device)
     cpu = device.type != "cuda"
     args.models = args.models or ("tiny-llama" if cpu else "smollm2-135m,llama-3.2-1b")
+    args.source = args.source or ("arithmetic" if cpu else "gsm8k")
     args.dtypes = args.dtypes or ("fp32" if cpu else "bf16,fp32")
     args.clients = args.clients or (4 if cpu else 32)
     args.steps = args.steps or (2 if cpu else 5)
@@ -526,7 +530,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.set_num_threads(args.threads)
     print(provenance(argv))
     print(f"device {device_name(device)}; seed {args.seed}; {args.clients} clients × {args.steps} steps × "
-          f"{args.batch} GSM8K examples per round; {args.rounds} timed rounds after one warm-up")
+          f"{args.batch} {args.source} examples per round; {args.rounds} timed rounds after one warm-up")
     lines: list[str] = []
 
     def say(text: str) -> None:

@@ -13,7 +13,8 @@ import bench_gpu  # noqa: E402
 def test_cpu_mode_writes_a_json_line_and_a_markdown_row_per_figure(tmp_path, capsys):
     out = tmp_path / "bench"
     rows = bench_gpu.main(["--device", "cpu", "--models", "tiny-llama", "--clients", "2", "--steps", "1",
-                           "--batch", "1", "--rounds", "1", "--max-length", "256", "--out", str(out),
+                           "--batch", "1", "--rounds", "1", "--max-length", "256", "--source", "arithmetic",
+                           "--out", str(out),
                            "--set", "train.gradient_checkpointing=true"])
     printed = capsys.readouterr().out
     figures = [r["figure"] for r in rows]
