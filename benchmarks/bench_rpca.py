@@ -18,6 +18,13 @@ per matrix, seeded. Prints, with the command, seed, load and versions:
     python benchmarks/bench_rpca.py                      # 20 clients, 1 thread
     python benchmarks/bench_rpca.py --clients 50 --reference 4   # reference on 4 matrices, extrapolated to 24
     python benchmarks/bench_rpca.py --reference 2 --repeats 5 --skip-server     # the solvers, quickly
+    python benchmarks/bench_rpca.py --round-share main --share-rounds 3          # share of a real round (below)
+
+``--round-share CONFIG`` runs FedRPCA on a bundled config (``main``, ``agnews``: MiniLM, 5 clients × 5 steps per
+round) in the simulator and reports, per round, the clients' compute and the server's aggregation, whose share of
+the round is the target (≤ 5 %), for the paper's ADMM (the run's own ``rpca_solver = "admm"``) and, on the same
+server state and replies in the same process, for ``rpca_solver = "adaptive"`` and FedIT's plain average (before
+and after as ratios), with the largest relative difference of the two solvers' global states.
 """
 
 from __future__ import annotations
@@ -55,6 +62,10 @@ def parse_args(argv=None):
     p.add_argument("--tol", type=float, default=1e-7, help="tolerance of the timed solver runs (FedRPCA's default)")
     p.add_argument("--tight", type=float, default=1e-12, help="tolerance of the optimum runs (0 = skip them)")
     p.add_argument("--skip-server", action="store_true", help="skip the aggregate timings")
+    p.add_argument("--round-share", default="", help="a bundled config (main, agnews): FedRPCA's aggregation share "
+                                                     "of real rounds instead of the synthetic timings")
+    p.add_argument("--share-rounds", type=int, default=3)
+    p.add_argument("--set", action="append", default=[], help="config override of --round-share (section.key=value)")
     return p.parse_args(argv)
 
 
@@ -171,11 +182,68 @@ def server_step(args) -> None:
           f"nnz S {diag['rpca/nnz_S_mean']:.2f}, rank L {diag['rpca/rank_L_mean']:.1f})")
 
 
+def round_share(args) -> None:
+    """FedRPCA on a real config: per round the clients' compute, the aggregation with the paper's ADMM (the run's),
+    and on the same server state and replies the adaptive solver's and FedIT's."""
+    import copy
+
+    from common import setup_line
+
+    from fedlowrank.config import load_config
+    from fedlowrank.methods.fedit import FedIT
+    from fedlowrank.runtime.simulator import Simulation
+
+    cfg = load_config(args.round_share, ["method.name=fedrpca", f"run.rounds={args.share_rounds}",
+                                         f"run.threads={args.threads}", f"run.seed={args.seed}", *args.set])
+    cfg.run.eval_every = 10 ** 6  # no evaluation: a round is client compute and aggregation
+    sim = Simulation(cfg)
+    exact = sim.method
+    adaptive = copy.copy(exact)  # shares the set-up state; reports into its own metrics
+    adaptive.rpca_solver = "adaptive"
+    run_exact = exact.aggregate
+    timed: dict[str, float] = {}
+    diff: list[float] = []
+
+    def aggregate(server, replies, rnd):
+        t = time.perf_counter()
+        FedIT.aggregate(adaptive, server, replies, rnd)                 # FedIT's plain average of the same replies
+        timed["fedit"] = time.perf_counter() - t
+        t = time.perf_counter()
+        other = adaptive.aggregate(server, replies, rnd)
+        timed["adaptive"] = time.perf_counter() - t
+        adaptive.pop_metrics()
+        t = time.perf_counter()
+        out = run_exact(server, replies, rnd)
+        timed["admm"] = time.perf_counter() - t
+        diff.append(max(float((other[k] - out[k]).norm() / out[k].norm()) for k in out.tensors()
+                        if float(out[k].norm()) > 0))
+        return out
+
+    exact.aggregate = aggregate
+    print(setup_line(cfg, sim.task))
+    for _ in range(args.share_rounds):
+        row = sim.run_round()
+        t = row["time"]
+        base = t["total"] - t["aggregation"] - t["evaluation"]      # the round without its aggregation
+        d = row.get("diagnostics", {})
+        share = {k: v / (base + v) for k, v in timed.items()}
+        print(f"round {row['round']}: clients {t['client_compute']:.2f} s, round without aggregation {base:.2f} s; "
+              f"aggregation admm {timed['admm']:.2f} s = {100 * share['admm']:.1f} % of the round "
+              f"(iterations mean {d.get('rpca/iterations_mean', float('nan')):.0f}, max "
+              f"{d.get('rpca/iterations_max', float('nan')):.0f}), adaptive {timed['adaptive']:.2f} s = "
+              f"{100 * share['adaptive']:.1f} % (adaptive/admm {timed['adaptive'] / timed['admm']:.2f}; global state "
+              f"max rel diff {diff[-1]:.1e}), fedit {timed['fedit']:.4f} s = {100 * share['fedit']:.2f} %; "
+              f"load {', '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     print(provenance(argv))
     print(f"seed {args.seed}")
+    if args.round_share:
+        round_share(args)
+        return
     n = args.rank * args.width
     shapes = {f"{i}.{f}": (n,) for i in range(args.modules) for f in ("A", "B")}
     deltas = synthetic_updates(shapes, args.clients, args.noise, args.seed)

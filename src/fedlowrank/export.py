@@ -304,11 +304,13 @@ def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str) 
     ``name`` is the folder's name once in place (its model card's code loads it)."""
     from .models.loading import pretrained_id
 
-    model, pristine = sim.model, sim.task.build_model().net.eval()
-    report: dict[str, Any] = {"method": sim.method.name, "round": sim.round, "format": format}
     loaded = getattr(sim.task, "loaded", None)  # the task's LoadedModel (transformers tasks)
+    model, pristine = sim.model, sim.task.build_model().net.eval()  # the run's frozen weights (W0)
+    # the base the written files are loaded over: the unquantised backbone when task.quantize stored W0 in 4/8 bits
+    base = loaded.net.eval() if loaded is not None and loaded.quantize else pristine
+    report: dict[str, Any] = {"method": sim.method.name, "round": sim.round, "format": format}
     if format == "merged":
-        net = hf_backbone(merged_net(model, pristine))
+        net = hf_backbone(merged_net(model, base))
         if not hasattr(net, "save_pretrained"):
             raise ValueError(f"--format merged needs a transformers model; this task's model is a {type(net).__name__}")
         net.save_pretrained(str(out_dir))
@@ -330,8 +332,8 @@ def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str) 
             alpha, rule = sim.cfg.lora.alpha, sim.cfg.lora.scaling
             factors, errors, overall = _lora_by_svd(model, pristine, rank, alpha, rule)
             report.update(svd=True, rel_error=errors, rel_error_overall=overall)
-        report["peft"] = _save_peft(model, pristine, factors, alpha, rule, out_dir, loaded)
-        exported = load_peft(pristine, out_dir)
+        report["peft"] = _save_peft(model, base, factors, alpha, rule, out_dir, loaded)
+        exported = load_peft(base, out_dir)
     if loaded is not None:
         if loaded.tokenizer is not None:
             loaded.tokenizer.save_pretrained(str(out_dir))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.quantize import is_quantized, quantized_output
 
 TARGET_TYPES = (nn.Linear, nn.Conv2d)
 
@@ -114,7 +115,10 @@ class AdaptedLinear(nn.Module):
         return None
 
     def frozen_output(self, x: torch.Tensor) -> torch.Tensor:
-        """The frozen layer's output, with ``W0 + base_delta`` and the base's bias."""
+        """The frozen layer's output, with ``W0 + base_delta`` and the base's bias (a quantised ``W0``:
+        :func:`fedlowrank.models.quantize.quantized_output`, which keeps no dense weight for the backward)."""
+        if is_quantized(self.base):
+            return quantized_output(self.base, x, self.base_delta)
         if isinstance(self.base, nn.Conv2d):
             b = self.base
             return F.conv2d(x, self.frozen_weight().reshape(b.weight.shape), b.bias, b.stride, b.padding, b.dilation)
@@ -275,7 +279,13 @@ class AdaptedModel(nn.Module):
                 setattr(parent, attr, module)
 
     def set_trainable(self, params: dict[str, nn.Parameter]) -> None:
-        """Freeze everything, then unfreeze exactly ``params``."""
+        """Freeze everything, then unfreeze exactly ``params``, which must be parameters of the network (a
+        quantised backbone's weight is not one: ``task.quantize`` keeps the backbone frozen)."""
+        own = {id(p) for p in self.net.parameters()}
+        foreign = [n for n, p in params.items() if id(p) not in own]
+        if foreign:
+            raise ValueError(f"{foreign[0]!r} is not a trainable parameter of the model: with task.quantize the "
+                             f"backbone's weights are frozen in 4/8 bits; use a LoRA-family method")
         for p in self.net.parameters():
             p.requires_grad_(False)
         for p in params.values():

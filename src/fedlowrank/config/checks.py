@@ -62,6 +62,10 @@ def _check_task_and_data(cfg: RunConfig) -> None:
     _need(cfg.run.stop_metric in ("", *task.metrics),
           f"run.stop_metric must be one of {', '.join(task.metrics)} for task.kind = {kind!r} ('' = "
           f"{task.primary_metric}); got {cfg.run.stop_metric!r}")
+    if cfg.task.quantize and not task.supports_quantize:
+        kinds = [name for name, cls in available_tasks().items() if cls.supports_quantize]
+        raise ConfigError(f"task.quantize = {cfg.task.quantize!r} is for task.kind = {' or '.join(map(repr, kinds))}; "
+                          f"this run has {kind!r}")
     options = task.checked_options(cfg)
     cfg.task.options = {k: getattr(options, k) for k in cfg.task.options}
     check_data_keys(cfg)

@@ -20,6 +20,7 @@ from ..device import check_device_spec
 from ..privacy.settings import PrivacySection
 from ..reporting.tracking import TRACKERS
 from ..schema import Declared, Schema, Setting, declared, distinct, setting
+from ..models.quantize import QUANTIZE_MODES
 from ..tasks import task_kinds
 from ..tasks.partition import PartitionConfig
 from ..tasks.table import HEADER_MODES
@@ -130,6 +131,9 @@ class TaskSection(Schema):
     max_length: int = setting(64, "tokens per example (longer texts are truncated; text classification pads to it)",
                               ge=2, le=MAX_TOKENS, reason="longer than any bundled model's context")
     eval_batch_size: int = setting(64, "examples per evaluation forward pass", ge=1)
+    quantize: str = setting("", "QLoRA: store the frozen backbone's linear layers in 4bit (NF4) or 8bit (int8) with "
+                            "bitsandbytes (extra fedlowrank[qlora]), adapters and head unquantised; '' = off. "
+                            "causal-lm and text-classification, LoRA-family methods", choices=QUANTIZE_MODES)
     options: dict[str, Any] = setting({}, "options of the task: task.options.<key> (listed below for the "
                                       "configured task)")
 

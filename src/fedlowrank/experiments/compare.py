@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, RunConfig, load_config
+from ..models.architectures import check_measures_quality
 from ..reporting.progress import format_bytes
 from ..tasks import headline_metric, higher_is_better
 from .stats import (ALPHA, BOOTSTRAP_RESAMPLES, CONFIDENCE, Interval, bootstrap_interval, mean_interval, median,
@@ -212,6 +213,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
     """
     overrides = list(overrides)
     base = load_config(config, overrides, method_checks=False)
+    check_measures_quality(base.task.model, "compare")
     names = parse_methods(methods, base)
     seed_list = parse_seeds(seeds, base)
     reference = reference or names[0]

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, load_config
+from ..models.architectures import check_measures_quality
 from ..runtime.checkpoint import config_fingerprint
 from ..tasks import higher_is_better
 from .compare import method_settings, parse_methods, parse_seeds, read_tuned, setup_lines, setup_of
@@ -102,6 +103,7 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
 
     overrides = list(overrides)
     base = load_config(config, overrides, method_checks=False)
+    check_measures_quality(base.task.model, "tune")
     names = parse_methods(methods, base)
     seed_list = parse_seeds(seeds if seeds is not None else [base.run.seed], base)
     fixed = [s for s in overrides if s.split("=", 1)[0].strip() == param]

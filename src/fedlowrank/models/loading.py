@@ -7,7 +7,13 @@
   and random models for tests: ``tiny-bert``, ``tiny-llama`` and ``tiny-gpt2`` (built once, cached as real
   Hugging Face folders with their own byte-level tokenizer and chat template);
 * a **local Hugging Face folder** (weights + config + tokenizer files, as ``save_pretrained`` writes them);
-* a **Hugging Face hub id**, tried as is (nothing here sets ``HF_HUB_OFFLINE``).
+* a **Hugging Face hub id**, tried as is (nothing here sets ``HF_HUB_OFFLINE``);
+* an **architecture with random weights**, ``arch:NAME[@TOKENIZER]`` (causal LMs; :mod:`.architectures`): for
+  speed and memory only.
+
+``quantize`` (``task.quantize``) is recorded on the result and applied to each copy a task builds
+(:func:`fedlowrank.tasks.base.adapted_copy`, :mod:`.quantize`); the loaded network itself stays unquantised, the
+base that export writes adapters for.
 
 Image classification (``kind = "image-classification"``, see :func:`load_image_model`) takes ``tiny-vit`` (random,
 tests), ``tiny-clip`` (a random CLIP folder, tests), ``resnet20`` (a CIFAR-style
@@ -33,6 +39,7 @@ import torch
 from torch import nn
 
 from ..schema import check_choice
+from .architectures import build_architecture, is_architecture
 
 KINDS = ("sequence-classification", "causal-lm", "image-classification")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
@@ -62,6 +69,8 @@ class LoadedModel:
     output_modules: tuple[str, ...]
     preprocess: dict[str, Any] | None = None  # images: image_size, num_channels, mean, std (per channel)
     provenance: dict[str, Any] | None = None  # images: how the backbone was pretrained (fmnist-vit's record)
+    quantize: str = ""  # task.quantize: "" or the 4bit/8bit storage of the frozen backbone in each built copy
+    speed_and_memory_only: bool = False  # random weights (arch:): evaluation is skipped, compare/tune refuse it
 
 
 def cache_dir() -> Path:
@@ -175,6 +184,16 @@ def smollm2_gguf() -> Path:
     return folder / SMOLLM2_GGUF
 
 
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer (49,152 tokens, its chat template), read from the GGUF without
+    dequantising the model (seconds)."""
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf()
+    _quiet_transformers()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
 def dequantised_smollm2() -> tuple[nn.Module, Any]:
     """SmolLM2-135M-Instruct from its Q4_1 GGUF as a plain fp32 ``LlamaForCausalLM`` (dequantised by transformers,
     then rebuilt from the config without ``quantization_config`` so that it saves as safetensors) and its
@@ -262,20 +281,29 @@ def _output_modules(net: nn.Module) -> tuple[str, ...]:
 
 
 def load_model(spec: str, kind: str, num_labels: int | None = None,
-               label_names: list[str] | None = None) -> LoadedModel:
+               label_names: list[str] | None = None, quantize: str = "") -> LoadedModel:
     """Load ``task.model = spec`` for a task of ``kind`` (one of :data:`KINDS`).
 
     Args:
-        spec: a bundled name (:data:`BUNDLED`), a local Hugging Face folder, or a hub id.
+        spec: a bundled name (:data:`BUNDLED`), a local Hugging Face folder, a hub id, or ``arch:NAME[@TOKENIZER]``
+            (a causal LM with random weights, :mod:`.architectures`).
         kind: ``"sequence-classification"`` (a new head of ``num_labels`` classes, initialised after
             ``torch.manual_seed(0)``) or ``"causal-lm"``.
         label_names: class names, written to the config's ``id2label``/``label2id``.
+        quantize: ``task.quantize`` (``""``, ``"4bit"``, ``"8bit"``): checked here (bitsandbytes present and
+            working), applied by the task to the copies it builds.
 
     Raises:
         ValueError: one line naming ``task.model`` (unknown name, folder without tokenizer, hub unreachable,
             a tokenizer larger than the model's embedding table).
     """
     check_choice("model kind", kind, KINDS)
+    if quantize:
+        from .quantize import require_bitsandbytes
+
+        if kind == "image-classification":
+            raise ValueError(f"task.quantize = {quantize!r} is for text models (causal-lm, text-classification)")
+        require_bitsandbytes(quantize)
     if kind == "image-classification":
         return load_image_model(spec, num_labels, label_names)
     if kind == "sequence-classification" and not num_labels:
@@ -288,6 +316,10 @@ def load_model(spec: str, kind: str, num_labels: int | None = None,
         from transformers import AutoTokenizer
 
         net, tokenizer = _tiny_bert(num_labels, id2label), AutoTokenizer.from_pretrained(minilm_path())
+    elif is_architecture(spec):
+        if kind != "causal-lm":
+            raise ValueError(f"task.model = {spec!r} is a causal LM architecture; use task.kind = 'causal-lm'")
+        net, tokenizer = build_architecture(spec)
     elif spec in BUNDLED_FOLDERS:
         net, tokenizer = _from_pretrained(spec, BUNDLED_FOLDERS[spec](), kind, num_labels, id2label)
     elif _looks_like_path(spec):
@@ -305,7 +337,10 @@ def load_model(spec: str, kind: str, num_labels: int | None = None,
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"task.model = {spec!r} is neither a bundled model ({', '.join(BUNDLED)}), nor a "
                              f"local folder, nor reachable on the Hugging Face hub ({reason})") from None
-    return _finish(spec, kind, net, tokenizer)
+    loaded = _finish(spec, kind, net, tokenizer)
+    loaded.quantize = quantize
+    loaded.speed_and_memory_only = is_architecture(spec)
+    return loaded
 
 
 class Conv1DLinear(nn.Linear):
@@ -538,4 +573,4 @@ def pretrained_id(source: str) -> str:
 
 __all__ = ["BUNDLED", "HUB_IDS", "IMAGE_BUNDLED", "KINDS", "Conv1DLinear", "LoadedModel", "NOT_IMAGENET",
            "cache_dir", "cached_folder", "conv1d_to_linear", "dequantised_smollm2", "load_image_model", "load_model",
-           "minilm_path", "pretrained_id", "restore_conv1d", "tiny_tokenizer"]
+           "minilm_path", "pretrained_id", "restore_conv1d", "smollm2_tokenizer", "tiny_tokenizer"]

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ..seeding import torch_generator
@@ -107,10 +108,11 @@ def fresh_batches(task: Task, parts, train, clients: list[int], rnd: int, rounds
     trainer = LocalTrainer(task, parts[clients[0]], train, clients[0], rnd, rounds, seed)
     n = sizes.pop()
     b = min(train.batch_size, n)
-    own = torch.stack([parts[k] for k in clients])                                          # [S, n]
+    own = np.stack([parts[k].numpy() for k in clients])                                    # [S, n]
     local = torch.rand(trainer.num_steps, len(clients), n, generator=torch_generator(seed, "vectorized-batches", rnd))
-    picks = local.argsort(-1)[..., :b]                                                      # [K, S, b]
-    return ClosedFormOracle(task, own.expand(trainer.num_steps, -1, -1).gather(-1, picks), trainer.lr)
+    picks = np.argsort(local.numpy(), axis=-1, kind="stable")[..., :b]                      # [K, S, b]
+    rows = own[np.arange(len(clients))[:, None], picks]                                     # [K, S, b]
+    return ClosedFormOracle(task, torch.from_numpy(rows), trainer.lr)
 
 
 BATCHES = {"fresh": fresh_batches, "trainer": trainer_batches}

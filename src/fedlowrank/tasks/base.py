@@ -26,10 +26,14 @@ def adapted_copy(loaded, targets: list[str] | str | None, train_outputs: bool) -
     """A fresh copy of ``loaded.net`` (a :class:`~fedlowrank.models.loading.LoadedModel`) with its adapter targets resolved:
     ``targets`` (``lora.targets``) or the architecture's default, never the output modules
     (``loaded.output_modules``: a classifier, ``lm_head``), whose parameters are the trained head when
-    ``train_outputs`` and stay frozen otherwise."""
+    ``train_outputs`` and stay frozen otherwise. With ``loaded.quantize`` (``task.quantize``) every other
+    ``nn.Linear`` of the copy is stored in 4 or 8 bits (:func:`fedlowrank.models.quantize.quantize_linears`)."""
+    from ..models.quantize import quantize_linears
+
     net = copy.deepcopy(loaded.net)
     net.eval()
     outputs = tuple(loaded.output_modules)
+    quantize_linears(net, getattr(loaded, "quantize", ""), outputs)
     names = resolve_targets(net, targets or default_targets(loaded.model_type), outputs)
     head = [n for n, _ in net.named_parameters() if n.startswith(tuple(f"{m}." for m in outputs))] if train_outputs else []
     return AdaptedModel(net, names, head)
@@ -77,6 +81,8 @@ class Task:
         validation_metric: the key of :meth:`evaluate_examples` that learning-rate tuning selects on.
         supports_cohorts: whether :meth:`join_batches`, :meth:`output` and :meth:`output_loss` are defined, so
             that several clients' steps can share one forward pass (:mod:`fedlowrank.runtime.cohort`).
+        supports_quantize: whether the task builds its backbone through :meth:`adapted_copy` with
+            ``task.quantize`` (QLoRA, :mod:`fedlowrank.models.quantize`).
         Options: the task's options (``task.options.*``), a :class:`~fedlowrank.schema.Schema` with prefix
             ``task.options``; :meth:`from_config` gets them checked.
         data_sources: for each ``data.source`` the task reads, the other ``[data]`` keys it uses; a key it does
@@ -100,6 +106,7 @@ class Task:
     maximize: tuple[str, ...] = ()
     validation_metric: str = "loss"
     supports_cohorts: bool = False
+    supports_quantize: bool = False
     Options: type[Schema] = NoOptions
     data_sources: dict[str, tuple[str, ...]] = {}
     data_description: str = "data"

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..adapters.model import AdaptedModel
 from ..device import module_device
+from ..models.architectures import SPEED_AND_MEMORY_ONLY
 from ..schema import Schema, setting
 from ..seeding import numpy_rng
 from . import register_task
@@ -192,6 +193,7 @@ class CausalLM(Task):
         eval_batch_size: examples per evaluation forward pass.
         eval_examples, eval_generate, max_new_tokens, generation_batch_size, write_generations, eval_seed: the
             options (``task.options``), declared with their meanings and bounds in :class:`CausalLMOptions`.
+        quantize: ``task.quantize``: ``""``, or ``"4bit"``/``"8bit"`` storage of the frozen backbone (QLoRA).
     """
 
     name = "causal-lm"
@@ -199,6 +201,7 @@ class CausalLM(Task):
     primary_metric = "loss"
     maximize = ("exact_match",)
     supports_cohorts = True
+    supports_quantize = True
     Options = CausalLMOptions
     data_description = "instruction data"
     data_sources = {"arithmetic": ("max_train_examples", "max_test_examples"),
@@ -215,7 +218,7 @@ class CausalLM(Task):
 
         data = load_instructions(cfg.data, cfg.partition.partition_by, cfg.run.seed)
         return cls(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None, cfg.task.eval_batch_size,
-                   **cfg.task.options)
+                   quantize=cfg.task.quantize, **cfg.task.options)
 
     def __init__(self, data: InstructionData, model: str = "tiny-llama", max_length: int = 256,
                  targets: list[str] | None = None, eval_batch_size: int = 8,
@@ -224,7 +227,7 @@ class CausalLM(Task):
                  max_new_tokens: int = CausalLMOptions.max_new_tokens,
                  generation_batch_size: int = CausalLMOptions.generation_batch_size,
                  write_generations: int = CausalLMOptions.write_generations,
-                 eval_seed: int = CausalLMOptions.eval_seed):
+                 eval_seed: int = CausalLMOptions.eval_seed, quantize: str = ""):
         from ..models.loading import load_model
 
         CausalLMOptions(eval_examples=eval_examples, eval_generate=eval_generate, max_new_tokens=max_new_tokens,
@@ -238,7 +241,7 @@ class CausalLM(Task):
         self.max_new_tokens = max_new_tokens
         self.generation_batch_size = generation_batch_size
         self.write_generations = write_generations
-        self.loaded = load_model(model, "causal-lm")
+        self.loaded = load_model(model, "causal-lm", quantize=quantize)
         check_max_length(self.loaded, max_length)
         self.tokenizer = self.loaded.tokenizer
         tok = self.tokenizer
@@ -258,6 +261,7 @@ class CausalLM(Task):
                              "(GSM8K-style '#### N' or a last number); set eval_generate = 0")
         self.generation_prompts = [prompt_ids(tok, data.test_prompts[i])[-max_length:] for i in self.generate_idx]
         self._generations: list[dict[str, Any]] = []
+        self._said_speed_only = False
         self.truncation = {split: {"examples": len(enc), "truncated": sum(e.truncated for e in enc),
                                    "lost_response": sum(e.lost_response for e in enc)}
                            for split, enc in (("train", self.train), ("eval", evals))}
@@ -335,6 +339,12 @@ class CausalLM(Task):
 
     @torch.no_grad()
     def evaluate(self, net: nn.Module) -> dict[str, float]:
+        if self.loaded.speed_and_memory_only:  # random weights: no metric would mean anything
+            if not self._said_speed_only:
+                log.warning("causal-lm: task.model = %r has %s; evaluation skipped", self.model_name,
+                            SPEED_AND_MEMORY_ONLY)
+                self._said_speed_only = True
+            return {}
         metrics = self._token_loss(net, self.eval_encoded)
         if len(self.generate_idx):
             outputs = generate(net, self.tokenizer, self.generation_prompts, self.max_new_tokens,

@@ -11,7 +11,8 @@ whose weight is ``Xᵀ: [m, d]`` (layout ``[out, in]``), initialised to 0 (so Re
 the project therefore trains X through the ordinary contract. The training set is the N·n rows in client
 order; :attr:`natural_partition` gives each row's client, so ``partition.kind = "natural"`` reproduces the
 paper's clients. For tasks like this one whose gradients are closed-form, :meth:`batched_examples` and
-:meth:`batched_grad` serve :mod:`fedlowrank.runtime.vectorized`.
+:meth:`batched_grad` serve :mod:`fedlowrank.runtime.vectorized`; they compute with NumPy on the tensors' memory
+(CPU), whose BLAS multiplies these small stacks two to three times faster than torch's per call.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class MatrixRegression(Task):
         self.B = torch.from_numpy(B.reshape(o.num_clients * o.samples, o.outputs)).to(self.dtype)  # [N·n, m]
         self.x_star = torch.from_numpy(x_star)                                                  # [d, m] float64
         self.natural_partition = np.repeat(np.arange(o.num_clients), o.samples)
+        self._A_np, self._B_np = self.A.numpy(), self.B.numpy()                                 # the same memory
         self._eye = torch.eye(o.dim, dtype=self.dtype)                                         # [d, d]: net(I) = X
         self._x_star_norm = float(self.x_star.norm())
         self._f_star = self.objective(self.x_star)
@@ -144,9 +146,9 @@ class MatrixRegression(Task):
     def batched_examples(self, batches: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The rows of a round's minibatches, gathered once: ``batches [K, S, b]`` → per step ``k`` the pair
         ``(A_b [S, b, d], B_b [S, b, m])`` that :meth:`batched_grad` takes."""
-        rows = batches.reshape(-1)
-        A = self.A.index_select(0, rows).view(*batches.shape, -1)      # [K, S, b, d]
-        B = self.B.index_select(0, rows).view(*batches.shape, -1)      # [K, S, b, m]
+        rows = batches.numpy()
+        A = torch.from_numpy(self._A_np[rows])                         # [K, S, b, d]
+        B = torch.from_numpy(self._B_np[rows])                         # [K, S, b, m]
         return list(zip(A.unbind(0), B.unbind(0)))
 
     def batched_grad(self, weights: dict[str, torch.Tensor],
@@ -154,12 +156,17 @@ class MatrixRegression(Task):
         """Minibatch gradients of S clients at once: ``W [S, m, d]`` and one step of :meth:`batched_examples`
         ``(A_b [S, b, d], B_b [S, b, m])`` → ``∇_W [S, m, d]``.
 
-        ``g = (A_b Wᵀ − B_b)ᵀ A_b / b + λ W`` (the gradient of :meth:`loss` in the ``[out, in]`` layout).
+        ``g = (A_b Wᵀ − B_b)ᵀ A_b / b + λ W`` (the gradient of :meth:`loss` in the ``[out, in]`` layout), with
+        NumPy's stacked matmul on CPU tensors (no autograd).
         """
-        W = weights[TARGET]
-        A, B = examples
-        R = torch.baddbmm(B, A, W.mT, beta=-1.0)                       # A Wᵀ − B: [S, b, m]
-        return {TARGET: torch.baddbmm(W, R.mT, A, beta=self.ridge, alpha=1.0 / A.shape[1])}
+        W = weights[TARGET].detach().numpy()
+        A, B = (t.numpy() for t in examples)
+        R = A @ W.transpose(0, 2, 1)                                   # A Wᵀ: [S, b, m]
+        R -= B
+        G = R.transpose(0, 2, 1) @ A                                   # [S, m, d]
+        G *= 1.0 / A.shape[1]
+        G += self.ridge * W
+        return {TARGET: torch.from_numpy(G)}
 
     def weight(self, net: nn.Module) -> torch.Tensor:
         """The model's X ``[d, m]`` (float64), the values of ``net(I_d)`` whatever adapter is attached: the frozen

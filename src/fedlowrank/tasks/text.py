@@ -46,6 +46,7 @@ class TextClassification(Task):
     maximize = ("accuracy",)
     validation_metric = "accuracy"
     supports_cohorts = True
+    supports_quantize = True
     data_description = "labelled text data"
     data_sources = {"bbc-news": (*_EVERY_SOURCE, "test_fraction"), "agnews": (*_EVERY_SOURCE, "path"),
                     "files": (*_EVERY_SOURCE, "train", "test", "test_fraction"), "hf": (*_EVERY_SOURCE, "hf_name")}
@@ -75,17 +76,18 @@ class TextClassification(Task):
     @classmethod
     def with_data(cls, cfg, data: TextData) -> "TextClassification":
         """The task of ``cfg`` on ``data`` (a Flower node's own file, or what :meth:`from_config` read)."""
-        return cls(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None, cfg.task.eval_batch_size)
+        return cls(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None, cfg.task.eval_batch_size,
+                   cfg.task.quantize)
 
     def __init__(self, data: TextData, model: str = "minilm", max_length: int = 64,
-                 targets: list[str] | str | None = None, eval_batch_size: int = 64):
+                 targets: list[str] | str | None = None, eval_batch_size: int = 64, quantize: str = ""):
         self.data = data
         self.model_name = model
         self.max_length = max_length
         self.targets = targets
         self.eval_batch_size = eval_batch_size
         self.train_labels = data.train_labels
-        self.loaded = load_model(model, "sequence-classification", data.num_labels, data.label_names)
+        self.loaded = load_model(model, "sequence-classification", data.num_labels, data.label_names, quantize)
         check_max_length(self.loaded, max_length)  # every text is padded to max_length
         tok = self.loaded.tokenizer
         self.train_ids, self.train_mask = self._encode(tok, data.train_texts)

@@ -1,0 +1,581 @@
+"""LLM federated fine-tuning speed and memory on one GPU (issue "Real-size LLMs on one GPU, fast", item 10).
+
+FedIT (LoRA r = 8 on q_proj/v_proj, AdamW) on GSM8K with a random-weight architecture (``arch:``: speed and memory
+only, no quality figure), ``--clients`` clients × ``--steps`` local steps × ``--batch`` examples per round, in three
+modes over the same clients and minibatches:
+
+* ``cohort``: the round's clients as one cohort (``run.cohort = clients``: one forward/backward per step);
+* ``one``: one client at a time (``run.cohort = 1``); ``one-compiled`` adds ``run.compile`` where it exists;
+* ``peft``: a plain peft + torch loop (``get_peft_model`` on the same backbone, a fresh AdamW per client, the same
+  batches, ``task.loss``, ``train.dtype`` autocast), the reference "one at a time" is measured against.
+
+Each figure is a JSON line (``--out``/bench_gpu.jsonl and stdout) and a row of a Markdown table
+(``--out``/bench_gpu.md): round seconds (mean over the rounds after the first, evaluation excluded), tokens/s real
+(attention-mask ones) and padded (positions computed, a cohort's joint padding included), MFU = 4·N·real tokens/s
+÷ the measured dense matmul peak of the dtype (N = the parameters that multiply each token: every weight but the
+input embeddings, the tied output layer counted once; 2N forward, 2N backward to the activations, frozen weights
+get no gradient; attention scores left out), peak memory (CUDA: ``max_memory_allocated``; CPU: the rise of the
+process's peak RSS over the round) beside an estimate (:func:`memory_estimate`), and from one profiled extra round
+the dispatched aten ops, host syncs (``aten::_local_scalar_dense``) and CUDA kernel launches per client step.
+Options the installed fedlowrank lacks (``run.compile``, ``task.length_buckets``, ``run.gpu_memory_fraction``,
+``train.gradient_checkpointing``: branch ``gpu``) are skipped with one line each.
+
+On a GPU (the issue's targets, H100)::
+
+    python benchmarks/bench_gpu.py --models smollm2-135m --dtypes bf16,fp32 --tokenizer TOKDIR --out OUT
+    python benchmarks/bench_gpu.py --models llama-3.2-1b --dtypes bf16 --modes cohort,one --tokenizer TOKDIR --out OUT
+
+On the CPU it runs a small version (tiny-llama on the packaged arithmetic problems, 4 clients × 2 steps × 2
+examples, fp32) and prints the proxies::
+
+    python benchmarks/bench_gpu.py --device cpu --out /tmp/bench-gpu-cpu
+
+``TOKDIR`` holds SmolLM2's tokenizer files (``--save-tokenizer TOKDIR`` writes them here, from the bundled
+``smollm2-135m``), so that token counts are SmolLM2's on a machine without the model package.
+
+Carrying it to a lent GPU machine (at most 64 MiB per call; ``bench_out/`` is git-ignored): the repository
+(≈ 2 MB), ``bench_out/smollm2-tokenizer`` (3.5 MB, ``--save-tokenizer``), ``bench_out/gsm8k`` (4.7 MB, a copy of
+the GSM8K jsonl files, ``--data``) and ``bench_out/whl`` with the transformers 5.23.0 and peft 0.21.2 wheels
+(14 MB; the image's transformers is older), plus ``bench_out/whl-bnb`` (bitsandbytes 0.50.2, 43 MB) for QLoRA
+figures (``--set task.quantize=4bit``). The random-weight models are built there; nothing else travels. Each
+figure set of a model and dtype is one call of a few minutes; ``run.compile`` adds its warm-up (≈ 100 s measured).
+FedRPCA's share on the GPU: ``--method fedrpca --set method.rpca_device=cuda --modes cohort``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import provenance  # noqa: E402
+
+import torch  # noqa: E402
+
+from fedlowrank.config import RunConfig, load_config  # noqa: E402
+from fedlowrank.device import autocast, resolve_device  # noqa: E402
+from fedlowrank.models.quantize import weight_bytes  # noqa: E402
+from fedlowrank.runtime.simulator import Simulation  # noqa: E402
+from fedlowrank.tasks import build_task  # noqa: E402
+from fedlowrank.training.local import LocalTrainer  # noqa: E402
+
+MODES = ("cohort", "one", "one-compiled", "peft")
+GPU_MODELS = {"smollm2-135m": "arch:smollm2-135m", "llama-3.2-1b": "arch:llama-3.2-1b",
+              "qwen2.5-0.5b": "arch:qwen2.5-0.5b", "llama-3.1-8b": "arch:llama-3.1-8b"}
+OPTIONAL_KEYS = ("run.compile", "task.length_buckets", "run.gpu_memory_fraction", "train.gradient_checkpointing")
+SYNC_OPS = ("aten::_local_scalar_dense",)  # .item(), float(t), bool(t): each waits for the device
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
+GIB = 2 ** 30
+
+
+def has_key(key: str) -> bool:
+    """Whether the installed fedlowrank has config key ``section.key``."""
+    section, name = key.split(".")[:2]
+    sections = {f.name: f.default_factory() for f in dataclasses.fields(RunConfig)}
+    if section not in sections:
+        return False
+    obj = sections[section]
+    return not dataclasses.is_dataclass(obj) or name in {f.name for f in dataclasses.fields(obj)}
+
+
+def usable_sets(sets: list[str], say) -> list[str]:
+    """``sets`` less those naming a config key the installed fedlowrank lacks (one line each)."""
+    out = []
+    for s in sets:
+        key = s.split("=", 1)[0].strip()
+        if has_key(key):
+            out.append(s)
+        else:
+            say(f"skip: {key} is not a config key of the installed fedlowrank (branch gpu adds it); "
+                f"measured without {s!r}")
+    return out
+
+
+# -- what a round processed ----------------------------------------------------------------------------------------
+class TokenCounter:
+    """Wraps a task's ``batch`` and ``join_batches`` to count the tokens each round computes."""
+
+    def __init__(self, task):
+        self.task = task
+        self._batch, self._join = task.batch, task.join_batches
+        task.batch, task.join_batches = self.batch, self.join_batches
+        self.reset()
+
+    def reset(self) -> None:
+        self.real = self.padded = self.steps = 0
+        self.largest = (0, 0)  # (rows, width) of the largest batch a forward saw
+
+    def _see(self, ids: torch.Tensor) -> None:
+        if ids.numel() > self.largest[0] * self.largest[1]:
+            self.largest = tuple(ids.shape)
+
+    def batch(self, indices):
+        out = self._batch(indices)
+        self.real += int(out["attention_mask"].sum())
+        self.padded += out["input_ids"].numel()
+        self.steps += 1
+        self._see(out["input_ids"])
+        return out
+
+    def join_batches(self, batches):
+        joint, rows = self._join(batches)
+        self.padded += joint["input_ids"].numel() - sum(b["input_ids"].numel() for b in batches)
+        self._see(joint["input_ids"])
+        return joint, rows
+
+
+def measured_peak_tflops(device: torch.device, dtype: str, seconds: float = 1.0) -> float:
+    """Dense ``n × n`` matmul throughput (TFLOP/s) of ``dtype`` on ``device``: n = 8192 on CUDA, 512 on the CPU."""
+    n = 8192 if device.type == "cuda" else 512
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    a, b = torch.randn(n, n, device=device, dtype=dt), torch.randn(n, n, device=device, dtype=dt)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        a @ b
+    sync()
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+        if reps % 10 == 0:
+            sync()
+    sync()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def matmul_parameters(net: torch.nn.Module) -> int:
+    """N of MFU: parameters that multiply each token (all but the input embeddings; a tied output layer once)."""
+    seen, total = set(), 0
+    emb = net.get_input_embeddings().weight
+    out = net.get_output_embeddings()
+    tied = out is not None and out.weight is emb
+    for p in net.parameters():
+        if id(p) not in seen and (p is not emb or tied):
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+def memory_estimate(net, trainable: int, rows: int, width: int, dtype: str, backbone_dtype: torch.dtype) -> dict:
+    """Bytes one training step needs, from the model's shapes (a Llama-like decoder):
+
+    * weights as stored (quantised ones packed), and under autocast of an fp32 backbone the bf16 copies autocast
+      caches for the forward (2 bytes per fp32 weight; quantised weights are dequantised per product instead);
+    * trainable parameters with gradient and AdamW's two moments: 16 bytes each (fp32);
+    * activations saved for backward, per token and layer ``8h + 2·kv + 4i`` values of the compute dtype (two norm
+      inputs/outputs, the q/k/v/o inputs and outputs kept by attention, the MLP's gate, up, act and product);
+    * logits ``[rows, width, V]`` in the compute dtype, their fp32 copy for the cross-entropy (bf16 only), its
+      log-softmax and gradient (4 + 4 bytes);
+    * the 4-D attention mask ``[rows, 1, width, width]`` transformers builds for a padded batch (compute dtype, and
+      its boolean source): small for real models, the largest part for tiny ones at long widths.
+    """
+    cfg = net.config
+    act = 2 if dtype in ("bf16", "fp16") else 4
+    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads) * head_dim
+    tokens = rows * width
+    weights = weight_bytes(net)
+    cast = 2 * sum(p.numel() for p in net.parameters() if p.dtype == torch.float32) if act == 2 and \
+        backbone_dtype == torch.float32 else 0
+    parts = {"weights": weights, "autocast_copies": cast, "trainable": 16 * trainable,
+             "activations": tokens * layers * (8 * h + 2 * kv + 4 * i) * act,
+             "logits": tokens * cfg.vocab_size * (act + (4 if act == 2 else 0) + 8),
+             "attention_mask": rows * width * width * (act + 1)}
+    parts["total"] = sum(parts.values())
+    parts["transient"] = parts["total"] - weights
+    return parts
+
+
+class PeakRSS:
+    """The rise of this process's peak RSS over a block (Linux: ``/proc/self/clear_refs`` resets the peak)."""
+
+    def __enter__(self):
+        try:  # hand freed heap back to the system first, else the round reuses it without raising the peak
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+        self.ok = os.path.exists("/proc/self/clear_refs")
+        if self.ok:
+            try:
+                Path("/proc/self/clear_refs").write_text("5")
+            except OSError:
+                self.ok = False
+        self.start = self._status("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        self.rise = (self._status("VmHWM") - self.start) if self.ok else float("nan")
+
+    @staticmethod
+    def _status(key: str) -> float:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return float(line.split()[1]) * 1024
+        return float("nan")
+
+
+def profile_counts(fn, device: torch.device) -> dict[str, int]:
+    """Run ``fn`` under the torch profiler: top-level aten ops, host syncs and CUDA kernel launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+    ops = syncs = launches = 0
+    for e in prof.events():
+        name = e.name
+        if name.startswith("aten::"):
+            parent = e.cpu_parent
+            if parent is None or not parent.name.startswith("aten::"):
+                ops += 1
+            if name in SYNC_OPS:
+                syncs += 1
+        elif name in LAUNCHES:
+            launches += 1
+    return {"aten_ops": ops, "host_syncs": syncs, "kernel_launches": launches}
+
+
+# -- figures -------------------------------------------------------------------------------------------------------
+def base_sets(args, spec: str, dtype: str, clients: int) -> list[str]:
+    return [f"task.model={spec}", f"run.device={args.device}", f"train.dtype={dtype}", f"method.name={args.method}",
+            "partition.kind=iid", f"partition.num_clients={clients}", f"run.clients_per_round={clients}",
+            f"partition.min_partition_size={args.steps * args.batch}", f"train.local_steps={args.steps}",
+            f"train.batch_size={args.batch}", f"run.rounds={args.rounds + 1}", f"run.eval_every={args.rounds + 1}",
+            "run.checkpoint_every=0", f"run.seed={args.seed}", f"run.threads={args.threads}",
+            f"task.max_length={args.max_length}", f"data.max_train_examples={args.max_train}",
+            "task.options.eval_examples=8", "task.options.eval_generate=0", f"data.source={args.source}",
+            *([f"data.path={args.data}"] if args.data else [])]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def simulate(cfg, task, counter: TokenCounter, device, rounds: int, profile: bool) -> dict[str, Any]:
+    """Rounds of the simulator: round 1 warms up, rounds 2..rounds+1 are timed, one more is profiled."""
+    sim = Simulation(cfg, task=task)
+    lora = sum(p.numel() for m in sim.model.adapters().values() for n, p in m.named_parameters() if "lora_" in n)
+    times, real, padded, rises, aggregation = [], [], [], [], []
+    for r in range(rounds):
+        counter.reset()
+        reset_peak(device)
+        with PeakRSS() as rss:
+            row = sim.run_round()
+        sync(device)
+        if r == 0:
+            continue
+        times.append(row["time"]["total"] - row["time"]["evaluation"])
+        aggregation.append(row["time"]["aggregation"])
+        real.append(counter.real)
+        padded.append(counter.padded)
+        rises.append(rss.rise)
+    out = {"seconds": sum(times) / len(times), "real": sum(real) / len(real), "padded": sum(padded) / len(padded),
+           "aggregation": sum(aggregation) / len(aggregation),
+           "largest": counter.largest, "lora_parameters": lora, "net": sim.model.net,
+           "cohort": sim.cohort_size(), "peak_cuda": torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+           else None, "rss_rise": max(rises)}
+    if profile:
+        counter.reset()
+        out["profile"] = profile_counts(sim.run_round, device)
+        out["profile_steps"] = counter.steps
+    return out
+
+
+def plain_peft(args, cfg, task, counter: TokenCounter, device, dtype: str, rounds: int, profile: bool) -> dict:
+    """The same clients and batches through peft's LoRA and a fresh torch AdamW per client."""
+    from peft import LoraConfig, get_peft_model
+
+    from fedlowrank.adapters.targets import default_targets
+    from fedlowrank.tasks.partition import partition_task
+
+    parts = partition_task(task, cfg.partition, cfg.run.seed)[0]
+    net = copy.deepcopy(task.loaded.net)
+    lora_cfg = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
+                          target_modules=cfg.lora.targets or default_targets(task.loaded.model_type))
+    model = get_peft_model(net, lora_cfg).to(device)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    clients = list(range(cfg.run.clients_per_round))
+
+    def one_round(rnd: int) -> None:
+        for k in clients:
+            for n, m in model.named_modules():
+                if hasattr(m, "reset_lora_parameters") and "default" in getattr(m, "lora_A", {}):
+                    m.reset_lora_parameters("default", True)
+            opt = torch.optim.AdamW(trainable, lr=cfg.train.lr)
+            trainer = LocalTrainer(task, parts[k], cfg.train, k, rnd, cfg.run.rounds, cfg.run.seed)
+            batches = trainer.batches()
+            for _ in range(trainer.num_steps):
+                batch = next(batches)
+                with autocast(device, dtype):
+                    loss = task.loss(model, batch)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        sync(device)
+
+    times, real, padded, rises = [], [], [], []
+    for r in range(1, rounds + 1):
+        counter.reset()
+        reset_peak(device)
+        with PeakRSS() as rss:
+            t0 = time.perf_counter()
+            one_round(r)
+            t = time.perf_counter() - t0
+        if r == 1:
+            continue
+        times.append(t)
+        real.append(counter.real)
+        padded.append(counter.padded)
+        rises.append(rss.rise)
+    out = {"seconds": sum(times) / len(times), "real": sum(real) / len(real), "padded": sum(padded) / len(padded),
+           "largest": counter.largest, "lora_parameters": sum(p.numel() for p in trainable), "net": model,
+           "cohort": 1, "peak_cuda": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+           "rss_rise": max(rises)}
+    if profile:
+        counter.reset()
+        out["profile"] = profile_counts(lambda: one_round(rounds + 1), device)
+        out["profile_steps"] = counter.steps
+    return out
+
+
+def figure(args, name: str, spec: str, dtype: str, mode: str, tasks: dict, peaks: dict, device, say) -> dict | None:
+    clients = args.clients
+    sets = base_sets(args, spec, dtype, clients) + list(args.set)
+    if mode == "cohort":
+        sets.append(f"run.cohort={clients}")
+    elif mode in ("one", "one-compiled"):
+        sets.append("run.cohort=1")
+    if mode == "one-compiled":
+        if not has_key("run.compile"):
+            say(f"skip: {name} {dtype} one-compiled: run.compile is not a config key of the installed fedlowrank "
+                f"(branch gpu adds it)")
+            return None
+        sets.append(f"run.compile={args.compile_mode}")
+    sets = usable_sets(sets, say)
+    cfg = load_config("gsm8k", sets)
+    key = (spec, dtype)
+    if key not in tasks:
+        tasks[key] = build_task(cfg)
+        TokenCounter(tasks[key])
+    task = tasks[key]
+    counter = task.batch.__self__
+    if dtype not in peaks:
+        peaks[dtype] = measured_peak_tflops(device, dtype)
+    t0 = time.perf_counter()
+    if mode == "peft":
+        res = plain_peft(args, cfg, task, counter, device, dtype, args.rounds + 1, not args.no_profile)
+    else:
+        res = simulate(cfg, task, counter, device, args.rounds + 1, not args.no_profile)
+    wall = time.perf_counter() - t0
+    net = res.pop("net")
+    backbone = task.loaded.net
+    n = matmul_parameters(backbone)
+    rows, width = res["largest"]
+    est = memory_estimate(net, res["lora_parameters"], rows, width, dtype, next(backbone.parameters()).dtype)
+    del net  # the trained copy (quantised weights at their stored size: task.quantize)
+    real_tps, padded_tps = res["real"] / res["seconds"], res["padded"] / res["seconds"]
+    tflops = 4 * n * real_tps / 1e12
+    label = f"{name} {dtype} {mode}" + ("" if mode == "peft" or cfg.method_name == "fedit" else f" {cfg.method_name}")
+    row = {"figure": label, "model": name, "spec": spec, "dtype": dtype, "mode": mode,
+           "clients": clients, "local_steps": args.steps, "batch": args.batch, "cohort": res["cohort"],
+           "method": cfg.method_name, "rounds_timed": args.rounds, "seconds_per_round": res["seconds"],
+           "aggregation_share": res["aggregation"] / res["seconds"] if "aggregation" in res else None,
+           "real_tokens_per_round": res["real"],
+           "padded_tokens_per_round": res["padded"], "real_tokens_per_s": real_tps,
+           "padded_tokens_per_s": padded_tps, "matmul_parameters": n, "model_tflops": tflops,
+           "peak_matmul_tflops": peaks[dtype], "mfu": tflops / peaks[dtype],
+           "peak_memory_gib": None if res["peak_cuda"] is None else res["peak_cuda"] / GIB,
+           "rss_rise_gib": res["rss_rise"] / GIB, "largest_batch": [rows, width],
+           "memory_estimate_gib": {k: v / GIB for k, v in est.items()}, "wall_seconds": wall,
+           "sets": sets, "device": device_name(device), "load": list(os.getloadavg()), "seed": args.seed}
+    if "profile" in res:
+        steps = max(res["profile_steps"], 1)
+        row["per_client_step"] = {k: v / steps for k, v in res["profile"].items()}
+    return row
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return "cpu"
+
+
+# -- output --------------------------------------------------------------------------------------------------------
+COLUMNS = ("figure", "s/round", "aggregation", "real tok/s", "padded tok/s", "MFU", "peak GiB", "estimate GiB",
+           "ops/step", "syncs/step", "launches/step")
+
+
+def markdown_row(r: dict) -> str:
+    peak = r["peak_memory_gib"] if r["peak_memory_gib"] is not None else r["rss_rise_gib"]
+    est = r["memory_estimate_gib"]["total" if r["peak_memory_gib"] is not None else "transient"]
+    prof = r.get("per_client_step", {})
+    share = r["aggregation_share"]
+    cells = [r["figure"], f"{r['seconds_per_round']:.3f}", "–" if share is None else f"{100 * share:.1f} %",
+             f"{r['real_tokens_per_s']:,.0f}",
+             f"{r['padded_tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f} %", f"{peak:.2f}", f"{est:.2f}",
+             *(f"{prof[k]:.0f}" if k in prof else "–" for k in ("aten_ops", "host_syncs", "kernel_launches"))]
+    return "| " + " | ".join(cells) + " |"
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """The issue's targets (H100) against the figures measured in this run."""
+    by = {r["figure"]: r for r in rows}
+    lines = []
+
+    def check(what: str, ok) -> None:
+        lines.append(f"- {what}: {'not measured' if ok is None else ('met' if ok else 'NOT met')}")
+
+    def get(fig: str, key: str):
+        return by[fig][key] if fig in by else None
+
+    s = "smollm2-135m bf16"
+    check("SmolLM2 bf16 cohort ≥ 150k real tokens/s",
+          None if get(f"{s} cohort", "real_tokens_per_s") is None else get(f"{s} cohort", "real_tokens_per_s") >= 150e3)
+    peak = get(f"{s} cohort", "peak_memory_gib")
+    check("SmolLM2 bf16 cohort peak ≤ 12 GiB", None if peak is None else peak <= 12)
+    one, peft = get(f"{s} one", "seconds_per_round"), get(f"{s} peft", "seconds_per_round")
+    check("SmolLM2 bf16 one at a time ≤ 1.1× plain peft", None if one is None or peft is None else one <= 1.1 * peft)
+    comp = get(f"{s} one-compiled", "real_tokens_per_s")
+    check("SmolLM2 bf16 one at a time compiled ≥ 40k real tokens/s", None if comp is None else comp >= 40e3)
+    fp32 = get("smollm2-135m fp32 cohort", "real_tokens_per_s")
+    bf16 = get(f"{s} cohort", "real_tokens_per_s")
+    check("SmolLM2 cohort bf16 ≥ fp32 speed", None if fp32 is None or bf16 is None else bf16 >= fp32)
+    peak = get("llama-3.2-1b bf16 cohort", "peak_memory_gib")
+    check("1B cohort of 32 within 40 GiB", None if peak is None else peak <= 40 and by["llama-3.2-1b bf16 cohort"]
+          ["cohort"] >= 32)
+    mfu = get("llama-3.2-1b bf16 cohort", "mfu")
+    check("1B cohort ≥ 25 % MFU", None if mfu is None else mfu >= 0.25)
+    for r in rows:
+        if r.get("method") == "fedrpca" and r["mode"] != "peft":
+            check(f"{r['figure']}: FedRPCA's aggregation ≤ 5 % of the round ({100 * r['aggregation_share']:.1f} %)",
+                  r["aggregation_share"] <= 0.05)
+    return lines
+
+
+def save_tokenizer(folder: str) -> None:
+    from fedlowrank.models.loading import smollm2_tokenizer
+
+    smollm2_tokenizer().save_pretrained(folder)
+    print(f"wrote SmolLM2's tokenizer to {folder}: {', '.join(sorted(p.name for p in Path(folder).iterdir()))}")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--models", default="", help=f"comma-separated among {', '.join(GPU_MODELS)}, or any task.model "
+                                                 f"(default: smollm2-135m,llama-3.2-1b on CUDA, tiny-llama on the CPU)")
+    ap.add_argument("--dtypes", default="", help="comma-separated among fp32, bf16 (default: bf16,fp32 on CUDA, fp32 "
+                                                 "on the CPU)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated among {', '.join(MODES)}")
+    ap.add_argument("--method", default="fedit", help="the method of the cohort/one figures (e.g. fedrpca, with "
+                                                      "--set method.rpca_device=cuda: its aggregation share)")
+    ap.add_argument("--tokenizer", default="smollm2-135m",
+                    help="the arch: models' tokenizer: bytes, smollm2-135m (bundled) or a folder")
+    ap.add_argument("--clients", type=int, default=0, help="clients per round, all in one cohort (0: 32; CPU 4)")
+    ap.add_argument("--steps", type=int, default=0, help="local steps (0: 5; CPU 2)")
+    ap.add_argument("--batch", type=int, default=0, help="examples per step (0: 4; CPU 2)")
+    ap.add_argument("--rounds", type=int, default=2, help="timed rounds after the warm-up round")
+    ap.add_argument("--max-length", type=int, default=384)
+    ap.add_argument("--max-train", type=int, default=0, help="GSM8K training examples kept (0: 64 per client)")
+    ap.add_argument("--source", default="", help="data.source: gsm8k (a local copy: --data or $FEDLOWRANK_DATA; "
+                                                 "default on CUDA) or arithmetic (packaged; default on the CPU)")
+    ap.add_argument("--data", default="", help="GSM8K folder (data.path; default $FEDLOWRANK_DATA/gsm8k)")
+    ap.add_argument("--compile-mode", default="reduce-overhead", help="run.compile value of one-compiled")
+    ap.add_argument("--set", action="append", default=[], help="extra config override for every figure "
+                                                               "(e.g. train.gradient_checkpointing=true)")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled extra round")
+    ap.add_argument("--out", default="", help="folder for bench_gpu.jsonl and bench_gpu.md")
+    ap.add_argument("--save-tokenizer", default="", help="write SmolLM2's tokenizer files to this folder and stop")
+    args = ap.parse_args(argv)
+    device = resolve_device(args.device)
+    cpu = device.type != "cuda"
+    args.models = args.models or ("tiny-llama" if cpu else "smollm2-135m,llama-3.2-1b")
+    args.source = args.source or ("arithmetic" if cpu else "gsm8k")
+    args.dtypes = args.dtypes or ("fp32" if cpu else "bf16,fp32")
+    args.clients = args.clients or (4 if cpu else 32)
+    args.steps = args.steps or (2 if cpu else 5)
+    args.batch = args.batch or (2 if cpu else 4)
+    args.max_train = args.max_train or 64 * args.clients
+    if cpu and args.max_length == 384:
+        args.max_length = 768  # the byte-level tokenizer of tiny-llama: ≈ 3× SmolLM2's token counts
+    return args, device
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args, device = parse_args(argv)
+    if args.save_tokenizer:
+        save_tokenizer(args.save_tokenizer)
+        return []
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(provenance(argv))
+    print(f"device {device_name(device)}; seed {args.seed}; {args.clients} clients × {args.steps} steps × "
+          f"{args.batch} {args.source} examples per round; {args.rounds} timed rounds after one warm-up")
+    lines: list[str] = []
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / "bench_gpu.jsonl" if out else None
+    rows, tasks, peaks = [], {}, {}
+    for name in args.models.split(","):
+        spec = GPU_MODELS.get(name, name)
+        if spec.startswith("arch:") and args.tokenizer:
+            spec = f"{spec}@{args.tokenizer}"
+        for dtype in args.dtypes.split(","):
+            for mode in args.modes.split(","):
+                if mode not in MODES:
+                    raise SystemExit(f"--modes: {mode!r} is not one of {', '.join(MODES)}")
+                try:
+                    row = figure(args, name, spec, dtype, mode, tasks, peaks, device, say)
+                except torch.cuda.OutOfMemoryError as exc:
+                    say(f"{name} {dtype} {mode}: CUDA out of memory ({str(exc).splitlines()[0]})")
+                    torch.cuda.empty_cache()
+                    continue
+                if row is None:
+                    continue
+                rows.append(row)
+                text = json.dumps(row)
+                print(text, flush=True)
+                if jsonl:
+                    with jsonl.open("a") as fh:
+                        fh.write(text + "\n")
+    table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS), *map(markdown_row, rows)]
+    notes = [f"device {device_name(device)}; " + provenance(argv).replace("\n", "; "),
+             "peak GiB: CUDA max_memory_allocated; on the CPU the rise of the peak RSS over a round (estimate: its "
+             "transient part). ops/syncs/launches per client step from one profiled round."]
+    goals = targets(rows) if device.type == "cuda" else ["- not checked: a CPU run (the proxies above); the targets "
+                                                         "are an H100's"]
+    md = "\n".join([*table, "", *notes, "", "Targets (issue, H100):", *goals, *lines]) + "\n"
+    print("\n" + md)
+    if out:
+        (out / "bench_gpu.md").write_text(md)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
