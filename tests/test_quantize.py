@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedlowrank.config import ConfigError, load_config
+from fedlowrank.models.loading import pretrained_id
 from fedlowrank.models.quantize import QuantizedLinear, quantize_linears, require_bitsandbytes, weight_bytes
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks import build_task
@@ -102,7 +103,7 @@ def test_qlora_trains_and_exports_a_plain_adapter_over_the_unquantised_base(tmp_
     lora = [p for n, p in sim.model.net.named_parameters() if "lora_" in n]
     assert lora and all(p.dtype == torch.float32 for p in lora)
     report = export_run(tmp_path / "run", tmp_path / "peft", "peft", task=task)
-    assert not report["svd"] and report["peft"]["base_model_name_or_path"] == "tiny-llama"
+    assert not report["svd"] and report["peft"]["base_model_name_or_path"] == pretrained_id("tiny-llama")
     run_loss, exported_loss = report["check"]["run"]["loss"], report["check"]["exported"]["loss"]
     assert run_loss != exported_loss and abs(run_loss - exported_loss) < 0.05 * run_loss  # NF4 vs fp32 base
     from fedlowrank.export import load_peft
