@@ -1,4 +1,4 @@
-"""Server time per round of the LoRA-family baselines at MiniLM shapes (issue 3 target: ≤ 10% of a round's
+"""Server time per round of the LoRA-family baselines at MiniLM shapes (target: ≤ 10% of a round's
 client compute, about 20 clients × 5 steps × 0.4 s = 40 s on this machine, so ≤ 4 s).
 
 The model is a stand-in with MiniLM's adapted shapes: ``--modules`` (12 = 6 layers × query/value) linear layers

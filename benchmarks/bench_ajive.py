@@ -1,4 +1,4 @@
-"""AJIVE server latency (FedGaLore Table 7; spec §10.2 item 11), one thread, float64.
+"""AJIVE server latency (the FedGaLore paper's Table 7, arXiv:2602.01746 App. E), one thread, float64.
 
 Views are FedGaLore's: client i's second moment lifted to ``X_i = S_i Qᵀ: [n, n]`` (``S_i: [n, r]``, a shared
 orthonormal ``Q: [n, r]``), fixed joint rank r, no rank resampling. Three routes:
@@ -6,7 +6,7 @@ orthonormal ``Q: [n, r]``), fixed joint rank r, no rank resampling. Three routes
 * ``dense-full``  — AJIVE on the dense n×n views with exact SVDs (what a literal implementation does);
 * ``dense-rsvd``  — the same with randomized SVDs (the paper's GPU implementation uses rSVD);
 * ``compact``     — AJIVE on the n×r matrices ``S_i`` (what :mod:`fedlowrank.methods.fedgalore` runs; exact,
-  spec §2.9): the largest difference to the dense result is printed next to it.
+  since the views share Q): the largest difference to the dense result is printed next to it.
 
 Then the per-round server cost for MiniLM-L6 (6 layers, query/value 384×384, and with all ``dense`` blocks
 too: 384×1536 / 1536×384 canonical d_u = 1536) with 5 clients and r = 8.

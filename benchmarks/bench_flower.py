@@ -1,6 +1,6 @@
 """The same FedIT job in fedlowrank's simulator and in Flower's simulation engine (Ray), measured in one run.
 
-Default job (issue 9): MiniLM on AG News, 10 clients, 5 per round, 5 rounds::
+Default job: MiniLM on AG News, 10 clients, 5 per round, 5 rounds::
 
     .venv/bin/python benchmarks/bench_flower.py
     .venv/bin/python benchmarks/bench_flower.py --smoke        # tiny random BERT, 2 rounds (seconds of work)

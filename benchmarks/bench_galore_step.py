@@ -1,4 +1,4 @@
-"""GaLore-AdamW optimiser step vs plain AdamW on MiniLM-L6's query/value weights (issue 7 "Speed"), one thread.
+"""GaLore-AdamW optimiser step vs plain AdamW on MiniLM-L6's query/value weights, one thread.
 
 The optimisers are timed alone, on 12 weight-shaped fp32 tensors ``[384, 384]`` (MiniLM-L6: 6 layers × query,
 value) with synthetic Gaussian gradients (a pool of 8 gradient sets, reused), not on the model's forward and

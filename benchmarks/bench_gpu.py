@@ -1,4 +1,4 @@
-"""LLM federated fine-tuning speed and memory on one GPU (issue "Real-size LLMs on one GPU, fast", item 10).
+"""LLM federated fine-tuning speed and memory on one GPU.
 
 FedIT (LoRA r = 8 on q_proj/v_proj, AdamW) on GSM8K with a random-weight architecture (``arch:``: speed and memory
 only, no quality figure), ``--clients`` clients × ``--steps`` local steps × ``--batch`` examples per round, in three
@@ -18,9 +18,9 @@ get no gradient; attention scores left out), peak memory (CUDA: ``max_memory_all
 process's peak RSS over the round) beside an estimate (:func:`memory_estimate`), and from one profiled extra round
 the dispatched aten ops, host syncs (``aten::_local_scalar_dense``) and CUDA kernel launches per client step.
 Options the installed fedlowrank lacks (``run.compile``, ``task.length_buckets``, ``run.gpu_memory_fraction``,
-``train.gradient_checkpointing``: branch ``gpu``) are skipped with one line each.
+``train.gradient_checkpointing``) are skipped with one line each.
 
-On a GPU (the issue's targets, H100)::
+On a GPU (the targets are set for an H100)::
 
     python benchmarks/bench_gpu.py --models smollm2-135m --dtypes bf16,fp32 --tokenizer TOKDIR --out OUT
     python benchmarks/bench_gpu.py --models llama-3.2-1b --dtypes bf16 --modes cohort,one --tokenizer TOKDIR --out OUT
@@ -436,7 +436,7 @@ def markdown_row(r: dict) -> str:
 
 
 def targets(rows: list[dict]) -> list[str]:
-    """The issue's targets (H100) against the figures measured in this run."""
+    """The targets (H100) against the figures measured in this run."""
     by = {r["figure"]: r for r in rows}
     lines = []
 

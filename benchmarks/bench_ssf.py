@@ -1,4 +1,4 @@
-"""SSF performance and communication on the federated matrix regression (specs/ssf.md §10.1, §10.2 item 13).
+"""SSF performance and communication on the federated matrix regression (arXiv:2604.25467 §5.2).
 
 1. Speed: one vectorised run of each method (default SSF at r = 20, het = 2, T = 25,000 rounds, S = 10 of
    N = 20, K = 5, b = 20, η_l = 1e-3), wall and CPU seconds. Target: SSF at r = 20 in ≤ 60 s.

@@ -1,4 +1,4 @@
-"""The decisive protocols of the claims in docs/methods/*.md and docs/vision.md, one command each (issues 16, 20).
+"""The decisive protocols of the claims in docs/methods/*.md and docs/vision.md, one command each.
 
 A protocol is: each method's learning rate tuned on a validation split of the clients' training data
 (``fedlowrank tune``, on ``--tune-seeds``, the grid below or the method's paper grid, extended by up to two values
@@ -15,7 +15,7 @@ continues, and runs made by separate processes combine.
     python benchmarks/protocols.py ilora --smoke --out /tmp/protocols      # tiny models, 1 round: checks the script
     python benchmarks/protocols.py florg --device cuda --seeds 24 --jobs 4 --out runs/protocols
 
-Sizes are those of the issue (about an hour per protocol with 2 processes of 1 thread on the project's 2-core CPU).
+Sizes: about an hour per protocol with 2 processes of 1 thread on a 2-core CPU.
 ``--device cuda`` runs the same protocol on a GPU at a larger budget (:func:`gpu_sets`: 3× the rounds, every test
 example; the clients of a round train together, ``run.cohort = 0``), tunes on seeds 0, 1, 2 and writes under
 ``--out/<protocol>-cuda/``; ``--seeds N`` compares on seeds 0..N−1. The IID half of FedGaLore's claim
@@ -50,7 +50,7 @@ DOMAINS = ["partition.kind=domains", 'task.options={classes = [5, 6, 7, 8, 9], d
 # the stand-in backbone fmnist-vit on Fashion-MNIST classes 5–9; AdamW for every method (ILoRA's AdamW columns)
 VISION = ["run.rounds=20", "run.clients_per_round=10", "train.local_steps=5", "run.eval_every=10", "run.threads=1",
           "train.optimizer=adamw"]
-# ILoRA's Table 2; FedIT with mixed ranks is its zero-padded form, HetLoRA (the ILoRA spec's recommendation)
+# ILoRA's Table 2; FedIT with mixed ranks is its zero-padded form, HetLoRA (Table 14's "Zero-padding")
 VISION_METHODS = ["ilora", "ilora-s", "hetlora", "flora", "lora-fair", "ffa-lora"]
 
 
@@ -76,7 +76,7 @@ PROTOCOLS = {
                       ["florg", "florg-no-procrustes", "fedit"], TEXT + TEN + NONIID, grid="1e-3,3e-3,1e-2",
                       grids={"florg-no-procrustes": "3e-4,1e-3,3e-3"}, reference="florg", extend=2,
                       seeds="0,1,2,3,4,5"),  # 3 seeds left FLoRG − FedIT undecided; about 6 were estimated to decide
-    # the issue's grid; no-Procrustes (8–27 min a run: its factor grows to r' = 384 rows) fell with the rate from
+    # the FLoRG grid; no-Procrustes (8–27 min a run: its factor grows to r' = 384 rows) fell with the rate from
     # 1e-3 (0.318) to 3e-3 (0.253), so its grid moved one step down; its 1e-2 run was stopped after 2 rounds
     "galore-noniid": Protocol("FedGaLore's IID → non-IID drop is smaller than FedAvg-Full's and FedGaLore-'s "
                               "(α = 0.1 half)", ["fedgalore", "fedgalore-minus", "fedavg-full"], TEXT + TEN + NONIID,

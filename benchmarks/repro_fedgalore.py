@@ -1,4 +1,4 @@
-"""FedGaLore reproduction at CPU scale (issue 7; spec fedgalore.md §10.1 claims 1–3): the IID → non-IID drop.
+"""FedGaLore reproduction at CPU scale (arXiv:2602.01746, Table 3 and Fig. 1): the IID → non-IID drop.
 
 Grid: data source × partition (IID and Dirichlet α) × seed × method, MiniLM on AG News (or BBC News), M clients
 with K per round. The paper's claim: FedGaLore's drop Δ = acc(IID) − acc(non-IID) is close to FedAvg-Full's and
@@ -6,9 +6,10 @@ well below the LoRA baselines'; FedGaLore- (no state sync) degrades more under h
 run (final and best accuracy, bytes up per client-round, seconds), then per source × α: IID, non-IID and Δ per
 method as mean ± std over seeds (Δ computed per seed).
 
-Learning rates follow spec §10 / A14: FFT-like ``--lr-full`` for fedavg-full and FedGaLore(-), ``--lr-lora`` for
-the LoRA methods; ``--method-set METHOD:section.key=value`` adds per-method overrides (e.g.
-``--method-set ffa-lora:train.optimizer=sgd --method-set ffa-lora:train.lr=0.03`` for Table 1's SGD).
+Learning rates (the paper "matches" one rate, which SGD baselines cannot train at): FFT-like ``--lr-full`` for
+fedavg-full and FedGaLore(-), ``--lr-lora`` for the LoRA methods; ``--method-set METHOD:section.key=value`` adds
+per-method overrides (e.g. ``--method-set ffa-lora:train.optimizer=sgd --method-set ffa-lora:train.lr=0.03`` for
+Table 1's SGD).
 Registered names: fedavg-full fedit ffa-lora flora lora-fair fr-lora fedgalore-minus fedgalore (absent ones are
 skipped with a note).
 
@@ -19,7 +20,7 @@ The CPU-scale grid whose results are in docs/methods/fedgalore.md (42 runs of 50
         --lr-full 1e-4 --lr-lora 5e-3 --head-lr 1e-2 \\
         --methods fedavg-full,fedit,ffa-lora,flora,lora-fair,fedgalore-minus,fedgalore
 
-The issue's full grid (many hours on 2 cores; NOT run here):
+The full grid (many hours on 2 cores; NOT run here):
 
     python benchmarks/repro_fedgalore.py --sources agnews,bbc-news --alphas 0.5,0.1 --seeds 0,1,2 \\
         --clients 20 --per-round 5 --rounds 20 --local-epochs 2
@@ -28,7 +29,7 @@ A smoke run (seconds, tiny random BERT, 2 rounds):
 
     python benchmarks/repro_fedgalore.py --smoke
 
-``--toy``: the state-synchronisation ablation (spec §10.1 item 3: state_sync ∈ {none, avg, avg_svd, ajive},
+``--toy``: the state-synchronisation ablation (App. F: state_sync ∈ {none, avg, avg_svd, ajive},
 both init modes, both ṽ re-projection rules) on the project's synthetic federated matrix regression
 (``task.kind = matrix-regression``: X [100 × 10], i.e. one 10×100 left block, feature-mean heterogeneity ``het``;
 metric ‖X − X*‖/‖X*‖), in about a minute:

@@ -1,4 +1,4 @@
-"""FedRPCA reproduction at CPU scale (issue 4; spec fedrpca.md §10): AG News + MiniLM, accuracy, convergence speed
+"""FedRPCA reproduction at CPU scale (arXiv:2506.01194, §5): AG News + MiniLM, accuracy, convergence speed
 and the structure diagnostics, against the paper's baselines on the same budget.
 
 Grid: clients × Dirichlet α × seed × method, every client in every round (paper §5), uniform client weights
@@ -8,26 +8,28 @@ rank 4 on query/value. Methods (benchmark name → registered method and options
     fedavg (fedit) · fedprox (μ) · scaffold · ta (task-arithmetic, β = 2) · ties (keep 0.1) · fedrpca (adaptive β)
     fedrpca+fedprox · fedrpca+scaffold (paper Fig. 5) · fedrpca-b2 / -b3 / -b4 (fixed β, Fig. 8)
 
-Printed per run: final and best accuracy, R@90 = first round whose accuracy is ≥ 0.9 × the run's final accuracy
-(spec A12; also rounds to ``--abs-target``), mean client-compute and server (aggregation) seconds per round and
-their ratio; for FedRPCA the per-round means of E, β, ADMM iterations and the cosine similarities of the columns
-of M, L and S (claims C1, C2: cos L > cos M > cos S ≈ 0, E rising over rounds). Then the table of final accuracy,
-mean ± std over seeds, FedRPCA's margin over the best baseline, and R@90.
+Printed per run: final and best accuracy, R@90 = first round whose accuracy is ≥ 0.9 × the run's final accuracy (our
+measure of "convergence speed", which the paper does not define; also rounds to ``--abs-target``), mean client-compute
+and server (aggregation) seconds per round and their ratio; for FedRPCA the per-round means of E, β, ADMM iterations
+and the cosine similarities of the columns of M, L and S (paper Figs. 1 and 4: cos L > cos M > cos S ≈ 0, E rising
+over rounds). Then the table of final accuracy, mean ± std over seeds, FedRPCA's margin over the best baseline, and
+R@90.
 
 The CPU-scale grid whose results are in docs/methods/fedrpca.md (36 runs of about 110 s on one core):
 
     python benchmarks/repro_fedrpca.py --clients 20 --alphas 0.5,0.1 --seeds 0,1,2 --rounds 5 --max-train 0 \\
         --max-test 500 --max-length 32 --batch-size 8 --local-epochs 0 --lr 5e-3 --set train.local_steps=5
 
-The issue's full grid (many hours of MiniLM training on 2 cores; not run here):
+The full grid (many hours of MiniLM training on 2 cores; not run here):
 
     python benchmarks/repro_fedrpca.py --clients 20,50 --alphas 0.5,0.1 --seeds 0,1,2 --rounds 30 \\
         --methods fedavg,fedprox,scaffold,ta,ties,fedrpca
 
-At α = 0.1 a Dirichlet draw over 20 or 50 clients leaves some client with fewer than ``--batch-size`` examples
-unless the data are large: with 2,000 or 4,000 AG News examples no draw in 100 succeeds (seeds 0–2), with
-8,000 only some seeds do at 20 clients and none at 50. Use ``--max-train 0`` (all 10,001 examples of ``../shared/data/agnews/train.tsv``) for α = 0.1, as
-``fedlowrank compare agnews`` does; one local epoch then means hundreds of steps per client.
+At α = 0.1 a Dirichlet draw over 20 or 50 clients leaves some client with fewer than ``--batch-size`` examples unless
+the data are large: with 2,000 or 4,000 AG News examples no draw in 100 succeeds (seeds 0–2), with 8,000 only some
+seeds do at 20 clients and none at 50. Use ``--max-train 0`` (all 10,001 examples of a local AG News copy:
+docs/data.md) for α = 0.1, as ``fedlowrank compare agnews`` does; one local epoch then means hundreds of steps per
+client.
 
 A smoke run (seconds, tiny random BERT, 4 clients, 2 rounds):
 

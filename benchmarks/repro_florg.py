@@ -1,10 +1,11 @@
-"""FLoRG reproduction at CPU scale (issue 5; spec florg.md §10): accuracy grid and communication to target.
+"""FLoRG reproduction at CPU scale (arXiv:2602.17095, Tables 1–2): accuracy grid and communication to target.
 
 Grid: Dirichlet ρ × rank r × seed × method, AG News + MiniLM, every client in every round. Methods: FLoRG with
 and without Procrustes (``florg``, ``florg-noproc``) against FedIT, FeDeRA, FFA-LoRA, FedSA-LoRA, FedEx-LoRA
 (registry names ``fedit federa ffa-lora fedsa-lora fedex-lora``; methods not registered are skipped with a note).
-Every other setting is passed to the project's config with ``--set`` (e.g. ``--set train.optimizer=sgd`` for the
-spec's C6 check that Procrustes cannot matter under SGD when r' ≤ r).
+Every other setting is passed to the project's config with ``--set`` (e.g. ``--set train.optimizer=sgd`` for the check
+that Procrustes cannot matter under SGD when r' ≤ r: the loss depends on AᵀA only, so SGD is rotation-equivariant and
+the paper's Table 3 gap must come from Adam or the truncation).
 
 Prints, per run, the final / best accuracy and the bytes counted by the runtime's ledger; then the accuracy table
 (mean over seeds) and the communication table (paper Table 2): bytes up + down until the first evaluated round
@@ -17,7 +18,7 @@ The CPU-scale slice whose results are in docs/methods/florg.md (24 runs of about
         --max-test 500 --max-length 32 --batch-size 8 --local-steps 5 --lr 5e-3 --targets 0.7,0.8 \\
         --methods florg,florg-noproc,fedit,federa,ffa-lora,fedex-lora
 
-The issue's full grid (hours of MiniLM training on 2 cores; not run here):
+The full grid (hours of MiniLM training on 2 cores; not run here):
 
     python benchmarks/repro_florg.py --rhos 1,0.5,0.1 --ranks 2,4,8 --seeds 0,1 --clients 20 --rounds 20 \\
         --methods florg,florg-noproc,fedit,federa,ffa-lora,fedsa-lora,fedex-lora --targets 0.8,0.85
@@ -159,7 +160,8 @@ def main(argv=None) -> int:
 
 
 def kernel_study(k: int = 64, r: int = 4, N: int = 8, seed: int = 0) -> int:
-    """Truncation error and drift of one server step vs the client spread ε (spec Prop-3, Prop-4, C1, C2).
+    """Truncation error and drift of one server step vs the client spread ε (the Gram sum is exact, eq. 4, but the
+    rank-r truncation that follows is not, and Procrustes, Theorem 1, keeps the drift small).
 
     ``Aᵗ ~ N(0, 1)^{r×k}``, ``Aₙ = Aᵗ + ε·N(0, 1)``, uniform weights. Printed: FLoRG's relative Gram error
     ``‖Gram(Aᵗ⁺¹) − Q‖/‖Q − AᵗᵀAᵗ‖``, the best rank-r eigen-truncation's, FedIT's relative aggregation error
@@ -193,7 +195,7 @@ def kernel_study(k: int = 64, r: int = 4, N: int = 8, seed: int = 0) -> int:
 
 
 def server_cost(args) -> int:
-    """Seconds per layer of one FLoRG server step by each route (spec C11), median of 5, float64."""
+    """Seconds per layer of one FLoRG server step by each route (the paper's Table 8), median of 5, float64."""
     from fedlowrank.linalg.gram import aggregate_gram
 
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""Reproduction grid of the ILoRA paper's text-classification claims at CPU scale (issue 6; spec §10).
+"""Reproduction grid of the ILoRA paper's text-classification claims at CPU scale (arXiv:2511.16069, §6.4).
 
 Grid (every axis is an option): datasets {agnews, bbc-news} × client-rank sets {2,4,8} and {2,8,16} (dealt
 round-robin, server rank = max) × Dirichlet α {1.0, 0.5, 0.1} × seeds {0,1,2} × methods. Defaults follow the

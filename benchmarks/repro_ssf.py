@@ -1,7 +1,7 @@
 """Reproduction of the SSF paper's federated matrix-regression study (Tables 2–4, Figures 1–3, LR search) and,
 optionally, SSF on a network (AG News, MiniLM, Dirichlet α = 0.1).
 
-Grid (paper, spec §4.1/§6.1): het ∈ {0.1, 0.5, 2.0}; r ∈ {1, 5, 10, 20, 50}; T = 25,000; S = 10 of N = 20;
+Grid (paper §5.1, Table 1): het ∈ {0.1, 0.5, 2.0}; r ∈ {1, 5, 10, 20, 50}; T = 25,000; S = 10 of N = 20;
 K = 5; b = 20; η_g = 1; x⁰ = 0; FedSub refresh every 5 rounds; data seed 0 for every run (X* shared); run
 seeds vary client sampling, minibatches and projectors. Methods: Full-SCAFFOLD (``fedavg-full``,
 correction = scaffold), Full-FedAvg (``fedavg-full``), SSF (``ssf``), FedSub (``fedsub``), all through
@@ -73,12 +73,13 @@ def toy_config(method: dict, het: float, rank: int, lr: float, rounds: int, seed
 
 
 def final_error(run) -> float:
-    """Final RelErr; NaN when the run diverged (spec §6.1)."""
+    """Final RelErr; NaN when the run diverged (as the paper's "NaN (diverged)" entries)."""
     return NAN if run.diverged_at is not None else float(run.final["rel_error"])
 
 
 def lr_search(args, log) -> dict[float, float]:
-    """Full-SCAFFOLD, RelErr after ``search_rounds``; diverged = +inf; ties toward the smaller step (spec A8)."""
+    """Full-SCAFFOLD, RelErr after ``search_rounds``; diverged = +inf; ties toward the smaller step (the paper does
+    not say)."""
     chosen = {}
     for het in args.het:
         scores = {}

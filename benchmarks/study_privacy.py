@@ -1,4 +1,4 @@
-"""Client-level DP study (issue 19): FedIT, FFA-LoRA, FLoRG and FedSA-LoRA at ε ∈ {1, 3, 8} (δ = 1/N) on AG News
+"""Client-level DP study: FedIT, FFA-LoRA, FLoRG and FedSA-LoRA at ε ∈ {1, 3, 8} (δ = 1/N) on AG News
 with MiniLM, paired seeds, the clipping norm C tuned per (method, ε) on a validation split: does freezing A help
 under DP, as FFA-LoRA claims?
 

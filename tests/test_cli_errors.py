@@ -237,7 +237,7 @@ def test_task_metrics_are_what_evaluate_returns():
 
     task = MatrixRegression(num_clients=2, dim=4, outputs=2, samples=3, objective=True)
     assert tuple(task.evaluate(task.build_model().net)) == MatrixRegression.metrics
-    task = MatrixRegression(num_clients=2, dim=4, outputs=2, samples=3)   # F(X) only when asked (issue #18)
+    task = MatrixRegression(num_clients=2, dim=4, outputs=2, samples=3)   # F(X) only when asked
     assert tuple(task.evaluate(task.build_model().net)) == MatrixRegression.metrics[:1]
 
 

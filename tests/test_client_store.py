@@ -1,4 +1,4 @@
-"""The client-state store with a memory budget (issue #18 item 4): exact round trips through the disk, bounded
+"""The client-state store with a memory budget: exact round trips through the disk, bounded
 memory, and resume with spilled states bit-identical to a run that keeps every state in memory."""
 
 from __future__ import annotations

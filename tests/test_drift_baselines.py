@@ -297,14 +297,14 @@ def test_scaffold_mean_gradient_refresh_is_option_two_under_plain_sgd():
 
 def test_scaffold_with_clipping_clips_the_raw_gradient_and_mean_stays_option_two():
     """With ``max_grad_norm`` on, the step is ``clip(g) + c − cᵢ`` (the correction is not clipped), so the mean of
-    the clipped gradients is still exactly option II under plain SGD (before the fix the corrected gradient was
-    clipped and the two refreshes diverged)."""
+    the clipped gradients is still exactly option II under plain SGD (clipping the corrected gradient would make the two
+    refreshes diverge)."""
     cfg = TrainConfig(local_steps=3, batch_size=8, optimizer="sgd", lr=0.2, momentum=0.0, max_grad_norm=0.2)
     _, mean = run(get_method("scaffold", cv_grad="mean"), rounds=3, num_clients=3, per_round=2, cfg=cfg)
     _, literal = run(get_method("scaffold", cv_grad="option2"), rounds=3, num_clients=3, per_round=2, cfg=cfg)
     assert max(float(v.abs().max()) for k, v in mean[-1][3].items() if k.startswith("scaffold.c/")) > 1e-2
     for (_, _, _, server_m, states_m), (_, _, _, server_l, states_l) in zip(mean, literal):
-        for key in server_m:                   # before the fix the controls differed by up to 0.27 here
+        for key in server_m:                   # clipping c − cᵢ too makes these differ by up to 0.27
             torch.testing.assert_close(server_m[key], server_l[key], atol=1e-6, rtol=1e-4)
         for k in states_m:
             for key in states_m[k]:

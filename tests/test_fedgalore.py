@@ -203,8 +203,8 @@ def test_state_sync_estimators():
 
 
 def test_uploaded_second_moment_is_bias_corrected_after_a_cold_round_and_raw_is_the_buffer():
-    """Spec A6 erratum: after a cold round of T steps the client uploads ṽ/(1 − β₂ᵀ) (default) and ``raw`` uploads
-    the optimiser's buffer bit for bit (the behaviour before the fix); a warm round's buffer already has the
+    """After a cold round of T steps the client uploads ṽ/(1 − β₂ᵀ) (default) and ``raw`` uploads the optimiser's
+    buffer bit for bit (the literal reading of Alg. 1 l.9); a warm round's buffer already has the
     scale of E[g̃²], so both upload it unchanged."""
     sets = ("train.local_steps=5", RECTANGULAR)
     for v_sync in ("bias_corrected", "raw"):

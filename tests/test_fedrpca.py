@@ -84,7 +84,7 @@ def test_adaptive_update_is_mean_L_plus_beta_mean_S_of_the_reference_rpca():
         beta = float(Mbar.norm() / Sbar.norm())
         expected = (Lbar + beta * Sbar).view(server[key].shape)
         assert float((update(server, new, key) - expected).norm()) <= 2e-6 * float(expected.norm()), key
-        assert float((beta * Sbar).norm()) == pytest.approx(float(Mbar.norm()))        # spec §2.3 identity
+        assert float((beta * Sbar).norm()) == pytest.approx(float(Mbar.norm()))        # β = 1/E ⇒ ‖β·S̄‖ = ‖M̄‖
         assert diag[f"rpca/{key}/beta"] == pytest.approx(beta, rel=1e-6)
         assert diag[f"rpca/{key}/iterations"] == int(ref.iterations)
     # the head is plainly averaged

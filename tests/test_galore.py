@@ -1,4 +1,4 @@
-"""GaLore optimiser and projectors: reduction to torch's optimisers, re-projection, seeded bases (spec §11.1–4)."""
+"""GaLore optimiser and projectors: reduction to torch's optimisers, re-projection, seeded bases."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_full_rank_identity_projector_equals_torch(operator, shape):
 
 @pytest.mark.parametrize("shape", [(8, 5), (4, 9)])
 def test_projection_shapes_and_project_back(shape):
-    """Buffers are [d_u, r]; one SGD step moves W by exactly −η α_g uncanon(G_c Q Qᵀ) (spec §11.1)."""
+    """Buffers are [d_u, r]; one SGD step moves W by exactly −η α_g uncanon(G_c Q Qᵀ)."""
     m, n = shape
     side = projection_side(m, n)
     d_u, d_p = (m, n) if side == "right" else (n, m)
@@ -107,7 +107,7 @@ def test_reprojection_keeps_v_nonnegative_and_literal_reading_does_not():
 
 
 def test_refresh_to_same_basis_changes_nothing():
-    """Re-projection with Q_new = Q_old leaves the buffers unchanged (spec §11.3)."""
+    """Re-projection with Q_new = Q_old leaves the buffers unchanged."""
     grads = _grads((9, 6), 5)
     Q = seeded_basis(11, 0, 1, 6, 2)
     v0 = torch.rand(9, 2, generator=torch_generator(0, "v"))
@@ -153,7 +153,7 @@ def test_svd_and_rsvd_bases_span_the_top_singular_space():
 
 
 def test_warm_start_disables_v_bias_correction():
-    """With a warm ṽ the first Adam step uses c₂ = 1 (spec A6); the literal reading keeps 1 − β₂."""
+    """With a warm ṽ the first Adam step uses c₂ = 1; the literal reading keeps 1 − β₂."""
     G = torch.randn(4, 4, generator=torch_generator(9, "g"))
     v0 = torch.full((4, 4), 0.5)
     steps = {}
@@ -219,7 +219,7 @@ def _first_step_after_sync(v_sync: str, T: int = 5, beta2: float = 0.999) -> tup
 
 
 def test_synced_second_moment_gives_warm_adamw_sized_first_steps():
-    """Spec A6 erratum: the bias-corrected ṽ/(1 − β₂ᵀ) makes the first step after a sync the size of a warm AdamW
+    """The bias-corrected ṽ/(1 − β₂ᵀ) makes the first step after a sync the size of a warm AdamW
     step (|ũ| = 1 per coordinate under a constant gradient, as the cold round's); the raw EMA makes it
     1/√(β₂(1 − β₂ᵀ) + 1 − β₂) ≈ 1/√((T + 1)(1 − β₂)) ≈ 12.9× larger at T = 5."""
     cold, fixed = _first_step_after_sync("bias_corrected")
@@ -239,7 +239,7 @@ def test_second_moment_of_a_warm_block_is_its_buffer():
 
 @pytest.mark.parametrize("mode", ["reproject", "keep"])
 def test_moments_at_refresh(mode):
-    """At a refresh to a new basis, ``reproject`` (default, spec §2.4) maps m̃ ← m̃C and ṽ ← ṽ(C⊙C); ``keep``
+    """At a refresh to a new basis, ``reproject`` (default, FedGaLore App. A.1) maps m̃ ← m̃C and ṽ ← ṽ(C⊙C); ``keep``
     (galore-torch) leaves both buffers as they are in the new basis."""
     p = torch.nn.Parameter(torch.zeros(6, 6))
     opt = GaLore([p], lr=0.1, operator="adam", rank=2, tau=2, svd_refreshes=0, moments_at_refresh=mode)

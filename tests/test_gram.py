@@ -1,4 +1,5 @@
-"""Gram adapter and Gram kernels (FLoRG): dense references and the invariants of spec §2.7 / appendix."""
+"""Gram adapter and Gram kernels (FLoRG): dense references, exact Gram aggregation (eq. 4), Procrustes (Theorem 1) and its
+invariants."""
 
 from __future__ import annotations
 

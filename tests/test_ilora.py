@@ -1,4 +1,5 @@
-"""ILoRA, ILoRA-S and FedIT+QR (methods/ilora.py, methods/fedit_qr.py): the invariants of spec §10."""
+"""ILoRA, ILoRA-S and FedIT+QR (methods/ilora.py, methods/fedit_qr.py): exact concatenated aggregation,
+equal-rank reductions, the QR initialisation, control variates and the heterogeneous base."""
 
 import numpy as np
 import pytest
@@ -321,7 +322,7 @@ def test_tiny_run_with_fedprox_trains_and_replies_pass_the_runtime_checks(name, 
     assert sim.history[0]["train_loss"] != sim.history[1]["train_loss"]
 
 
-# -- the heterogeneous base (issue #16 item 2) -----------------------------------------------------------
+# -- the heterogeneous base -------------------------------------------------------------------------------
 def client_start_weights(method, model, server, k):
     method.load_message(model, wire(method.broadcast(server, k, 2)))
     return effective_weights(model)

@@ -1,4 +1,4 @@
-"""Image classification (issue #20): Fashion-MNIST reader, image folders, preprocessing, feature-shift domains and
+"""Image classification: Fashion-MNIST reader, image folders, preprocessing, feature-shift domains and
 their partition, every method on a tiny ViT, resume, export, convolutions as [out, in·kh·kw] targets (SSF on a
 ResNet-20), and the project-pretrained stand-in backbone."""
 

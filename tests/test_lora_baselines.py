@@ -1,4 +1,4 @@
-"""LoRA-family baselines (issue 3): exact aggregation, equal-rank reductions, FFA's frozen A, FedSA's private B,
+"""LoRA-family baselines: exact aggregation, equal-rank reductions, FFA's frozen A, FedSA's private B,
 ledger payloads against the papers' formulas, refusals, and an end-to-end smoke run of each method.
 
 Rounds are played by hand on the tiny task's model with a fake trainer (seeded noise on every trainable

@@ -1,4 +1,5 @@
-"""The synthetic federated matrix-regression task (specs/ssf.md §6.1) and the vectorised runner on it."""
+"""The synthetic federated matrix-regression task (SSF paper, arXiv:2604.25467 §5.1) and the
+vectorised runner on it."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ def test_user_overrides_win_over_the_preset():
 
 def test_papers_settings():
     """FLoRG (eq. 4), FedRPCA (eqs. 4, 10, 11) and SCAFFOLD (Alg. 1) weight clients uniformly; FFA-LoRA and
-    LoRA-FAIR ran with SGD in FedGaLore's study; the grids of issue #16's protocols."""
+    LoRA-FAIR ran with SGD in FedGaLore's study; the grids of benchmarks/protocols.py."""
     for name in ("florg", "florg-no-procrustes", "fedrpca", "scaffold"):
         assert 'server.weighting="uniform"' in preset_overrides(name)
     for name in ("ffa-lora", "lora-fair", "scaffold", "ssf", "fedsub"):

@@ -1,4 +1,4 @@
-"""Checkpoints and exact resume, bad replies, dropout, divergence (issue: runs you can trust)."""
+"""Checkpoints and exact resume, bad replies, dropout, divergence."""
 
 import json
 

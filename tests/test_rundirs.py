@@ -1,4 +1,4 @@
-"""Run directories (issue 17): one run per directory, locked while written, resume only from a checkpoint of the
+"""Run directories: one run per directory, locked while written, resume only from a checkpoint of the
 directory's own config, fall-back past a damaged checkpoint, and a final checkpoint that every run can export."""
 
 import json
@@ -106,7 +106,7 @@ def test_resume_refuses_a_checkpoint_of_another_config(tmp_path, capsys):
     assert main(["resume", str(tmp_path / "a"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "another config" in err and str(config) in err and "round-00002" in err
-    raw["train"]["lr"], raw["run"]["rounds"] = tiny_config().train.lr, 1  # the "after round 2 of 1" of issue 17
+    raw["train"]["lr"], raw["run"]["rounds"] = tiny_config().train.lr, 1  # a checkpoint "after round 2 of 1"
     config.write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match="not of the same run"):
         Simulation.resume(tmp_path / "a", task=tiny_task())

@@ -1,4 +1,5 @@
-"""SSF and FedSub (methods/ssf.py): the invariants of specs/ssf.md §2.6 and §10.2 items 12–14.
+"""SSF and FedSub (methods/ssf.py): r = d ≡ SCAFFOLD, c = mean cᵢ, the complement untouched by a round, the
+4rm payload, and exact convergence with full-batch gradients.
 
 Runs use the small matrix-regression task through the real simulator (every message on the wire, counted by
 the ledger) and through the vectorised runner, which must give the same iterates.

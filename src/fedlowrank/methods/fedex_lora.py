@@ -4,7 +4,7 @@ Foundation Models", ACL 2025).
 Clients train A and B from the global factors. The server averages the factors separately (FedIT) and folds
 the exact residual into the frozen weight, so the global model is exactly the average of the clients' models:
 
-    B̄ = Σ pₖ Bₖ,  Ā = Σ pₖ Aₖ,  W0 ← W0 + s (Σ pₖ Bₖ Aₖ − B̄ Ā)          (FLoRG spec §5 item 5)
+    B̄ = Σ pₖ Bₖ,  Ā = Σ pₖ Aₖ,  W0 ← W0 + s (Σ pₖ Bₖ Aₖ − B̄ Ā)
 
 Implemented through the server's exact global update ``G = W_global − W0: [out, in]`` (dense):
 ``G ← G + β Σ pₖ (s_k Bₖ Aₖ − s_k B⁰ₖ A⁰ₖ)``, where ``(B⁰ₖ, A⁰ₖ)`` is what client k started from, and client k

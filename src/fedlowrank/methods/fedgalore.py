@@ -1,25 +1,26 @@
 """FedGaLore (Peng et al., "Rethinking LoRA for Data Heterogeneous Federated Learning: Subspace and State
-Alignment") and its ablation FedGaLore- (no state synchronisation).
+Alignment", arXiv:2602.01746, §5 and Algorithm 1) and its ablation FedGaLore- (no state synchronisation, §6).
 
 Clients train the dense target weights ``W_b: [m, n]`` with GaLore (:class:`~fedlowrank.training.galore.GaLore`,
-spec §2.2–2.6): rank-r projected AdamW, basis refreshed every τ steps, SVD bases for the first S refreshes and
-seeded random orthonormal bases after. The head is trained densely by the same operator. The server FedAvgs
-the weights (Alg. 1 l.11, reusing :class:`FedAvgFull`) and synchronises the projected second moments
+Alg. 1 l.2–10, App. A.1): rank-r projected AdamW, basis refreshed every τ steps, SVD bases for the first S refreshes
+and seeded random orthonormal bases after. The head is trained densely by the same operator. The server FedAvgs the
+weights (Alg. 1 l.11, reusing :class:`FedAvgFull`) and synchronises the projected second moments
 ``S_i = can(ṽ_i): [d_u, r]`` (Alg. 1 l.12, eq. 11): when every client ended in the same basis ``Q`` the views
-``S_i Qᵀ`` are handled on the compact ``[d_u, r]`` matrices (exact, spec §2.9); otherwise the dense
-``[d_u, d_p]`` views are used and the result is re-factored to ``S̄ Q_syncᵀ`` with ``Q_sync`` its top-r right
-singular vectors. ``state_sync`` (App. F): ``ajive`` (``S̄ = Σ p̃_i (U_J U_Jᵀ S_ic + 1μ_iᵀ)``), ``avg``
-(``Σ p̃_i S_i``), ``avg_svd`` (the average truncated to rank ``sync_rank``) or ``none``.
+``S_i Qᵀ`` are handled on the compact ``[d_u, r]`` matrices (exact: ``QᵀQ = I``, so centering, the left singular
+vectors and the singular values of ``S_i Qᵀ`` are those of ``S_i``); otherwise the dense ``[d_u, d_p]`` views are used
+and the result is re-factored to ``S̄ Q_syncᵀ`` with ``Q_sync`` its top-r right singular vectors. ``state_sync``
+(App. F): ``ajive`` (``S̄ = Σ p̃_i (U_J U_Jᵀ S_ic + 1μ_iᵀ)``), ``avg`` (``Σ p̃_i S_i``), ``avg_svd`` (the average
+truncated to rank ``sync_rank``) or ``none``.
 
 Round k: the server sends the weights, the head, the round seed ``s_k`` and, from round 2 on, ``S̄`` with its
 basis (a seed and refresh index, or ``Q_sync`` itself). The client starts its buffers from it (``init_mode``
 ``carry``: keep the sync basis until t = τ; ``svd``: re-project into the SVD basis of the first gradient).
 
-Scale of the synced ṽ (spec A6 and its erratum): a warm ṽ is used with Adam's v factor 1, so it must be on the
-scale of E[g̃²]. A client that started from ṽ = 0 and ran T steps holds only ``(1 − β₂ᵀ)·E[g̃²]`` ≈ T(1 − β₂)·E[g̃²];
-``v_sync = "bias_corrected"`` (default) uploads ``ṽ/(1 − β₂ᵀ)`` (:meth:`GaLore.second_moment`), so the next round's
-first steps have a warm AdamW step's size. ``"raw"`` uploads the raw EMA (our behaviour before the fix), whose next
-round's first steps are ≈ 1/√(T(1 − β₂)) too large.
+Scale of the synced ṽ (the paper leaves Adam's bias correction of a warm ṽ open, App. A.1): a warm ṽ is used with
+Adam's v factor 1, so it must be on the scale of E[g̃²]. A client that started from ṽ = 0 and ran T steps holds only
+``(1 − β₂ᵀ)·E[g̃²]`` ≈ T(1 − β₂)·E[g̃²]; ``v_sync = "bias_corrected"`` (default) uploads ``ṽ/(1 − β₂ᵀ)``
+(:meth:`GaLore.second_moment`), so the next round's first steps have a warm AdamW step's size. ``"raw"`` uploads the
+raw EMA (the literal reading of Alg. 1 l.9), whose next round's first steps are ≈ 1/√(T(1 − β₂)) too large.
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ SEGMENTS_KEY, DECAY_KEY = "galore_segments", "galore_decay"
 @register
 @dataclass
 class FedGaLore(FedAvgFull):
-    """FedGaLore (module docstring); the defaults are spec §4.2's. ``v_reproject = "linear"`` (the paper's, with
-    the clamp) diverges in our runs (docs/methods/fedgalore.md); ``upload = "segments"`` sends the exact structured
-    update of spec §2.7.
+    """FedGaLore (module docstring). The paper gives no τ, S, α_g or ε (App. G lists the rest); the defaults here
+    and why are in docs/methods/fedgalore.md, "Choices where the paper is silent". ``v_reproject = "linear"`` (the
+    paper's, with the clamp) diverges in our runs; ``upload = "segments"`` sends the exact structured form of the
+    paper's "rank-r factorized" update (§5: one [d_u, r] coefficient matrix per basis segment and the decay D_T).
     """
 
     name = "fedgalore"
@@ -67,8 +69,8 @@ class FedGaLore(FedAvgFull):
     needs_individual_replies = True
 
     rank: int = setting(0, "GaLore rank r (0 = lora.rank, the baselines' rank)", ge=0)
-    tau: int = setting(0, "basis refresh period τ in local steps (0 = ⌈T/4⌉: the spec's ⌈T_epoch/2⌉ at two local "
-                       "epochs, so that T > S·τ)", ge=0)
+    tau: int = setting(0, "basis refresh period τ in local steps (0 = ⌈T/4⌉: half an epoch at two local epochs, "
+                       "so that T > S·τ)", ge=0)
     svd_refreshes: int = setting(2, "S, the data-driven (SVD) refreshes before the seeded random ones (-1 = always "
                                  "SVD, 0 = always random)", ge=-1)
     scale: float = setting(4.0, "α_g, GaLore's scale of the projected update", gt=0)
@@ -89,10 +91,10 @@ class FedGaLore(FedAvgFull):
     upload: str = setting("dense", "what a client uploads: the trained W (dense, as FedAvg-Full) or segments (D_T "
                           "and, per basis segment, a [d_u, r] coefficient matrix plus the basis when not seeded)",
                           choices=UPLOADS)
-    moments_at_refresh: str = setting("reproject", "Adam's moments at a basis refresh: reproject (§2.4) or keep "
+    moments_at_refresh: str = setting("reproject", "Adam's moments at a basis refresh: reproject (App. A.1) or keep "
                                       "(unchanged in the new basis, as galore-torch)", choices=MOMENTS_AT_REFRESH)
     v_sync: str = setting("bias_corrected", "the ṽ a client uploads: bias_corrected (ṽ/(1 − β₂ᵀ) after a cold "
-                          "start, on the scale of E[g̃²]; spec A6 erratum) or raw (the EMA, ≈ T(1 − β₂)·E[g̃²])",
+                          "start, on the scale of E[g̃²], which a warm ṽ needs) or raw (the EMA, ≈ T(1 − β₂)·E[g̃²])",
                           choices=V_SYNC)
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
@@ -150,7 +152,7 @@ class FedGaLore(FedAvgFull):
                              f"train.optimizer 'adam' or 'adamw', got {cfg.optimizer!r}")
         steps = trainer.num_steps
         tau = self.tau or max(1, math.ceil(steps / 4))
-        # at most (T−1)//τ SVD refreshes, so that the round ends in a seeded (rebuildable) basis (spec A9: T > S·τ)
+        # at most (T−1)//τ SVD refreshes, so that the round ends in a seeded (rebuildable) basis: T > S·τ
         svd_refreshes = self.svd_refreshes if self.svd_refreshes < 0 else min(self.svd_refreshes, (steps - 1) // tau)
         built: list[GaLore] = []
 
@@ -198,9 +200,10 @@ class FedGaLore(FedAvgFull):
         return reply, state
 
     def segment_payload(self, opt: GaLore, params, names: list[str], svd_refreshes: int) -> Message:
-        """The structured upload (spec §2.7): per block and basis segment k the coefficients
-        ``<block>.galore_seg<k>.C: [d_u, r]`` and, for an SVD basis only, ``<block>.galore_seg<k>.Q: [d_p, r]``;
-        ``galore_segments`` = the segments' refresh indices, ``galore_decay`` = D_T (same for every block)."""
+        """The structured upload (the exact "rank-r factorized" update of §5): per block and basis segment k the
+        coefficients ``<block>.galore_seg<k>.C: [d_u, r]`` and, for an SVD basis only,
+        ``<block>.galore_seg<k>.Q: [d_p, r]``; ``galore_segments`` = the segments' refresh indices, ``galore_decay`` =
+        D_T (same for every block)."""
         out = Message()
         for n in names:
             decay, segments = opt.block_segments(params[f"{n}.weight"])

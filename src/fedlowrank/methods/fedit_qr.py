@@ -1,4 +1,4 @@
-"""FedIT+QR: the ILoRA paper's aggregation ablation (Tables 4, 5, 11; spec §5 and A13).
+"""FedIT+QR: the ILoRA paper's aggregation ablation (Zhou, Liu, Shang, arXiv:2511.16069, Tables 4, 5, 11).
 
 ILoRA's QR initialisation and per-client QR offset (:class:`~fedlowrank.methods.ilora.QRInitLoRA`), the
 trainer's optimizer (AdamW by default), no control variates, and FedIT's factor-wise averaging with zero padding

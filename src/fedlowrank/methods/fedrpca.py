@@ -1,4 +1,5 @@
-"""FedRPCA (Jhunjhunwala et al., "FedRPCA: Enhancing Federated LoRA Aggregation Using Robust PCA").
+"""FedRPCA (Jhunjhunwala et al., "FedRPCA: Enhancing Federated LoRA Aggregation Using Robust PCA",
+arXiv:2506.01194).
 
 Clients train LoRA A, B and the head exactly as in FedIT (any ``correction``: FedProx / SCAFFOLD compose on the
 client, paper Fig. 5). The server, for each LoRA matrix separately (A and B of every module), stacks the K
@@ -9,14 +10,14 @@ picks the paper's ADMM or a faster one with the same optimum, ``rpca_device`` wh
 
     X^{t+1} = X^t + L·p + β·S·p          p = client weights (uniform 1/K in the paper: server.weighting)
 
-With ``M = L + S + R`` (R the ADMM residual) this is ``FedAvg + (β − 1)·S·p − R·p``, which is how it is
-computed, so that β = 1 with ``fold_residual`` (``L ← M − S``) is FedAvg bit for bit. β is adaptive by
-default (§4, App. B.3): ``E = ‖S·p‖/‖M·p‖`` per matrix and ``β = 1/Ē`` with Ē the mean E over a scope:
-``beta_scope = "per_factor"`` (default; App. B.3's ``β_A = 1/E_A``, ``β_B = 1/E_B``, E averaged across all layers
-as in Fig. 7), ``"per_matrix"`` (each matrix its own β; our reading before issue #16) or ``"global"`` (one β);
-β = 1 when ``‖S·p‖ ≤ 1e-12·‖M·p‖`` (S = 0) or ``M·p = 0``. One client, identical client
-updates and an all-zero matrix are all common knowledge (``L = M``, ``S = 0``): the FedAvg update. The head is averaged (``head_agg = "fedavg"``) or decomposed as
-its own matrices (``"rpca"``). Control variates of SCAFFOLD are averaged plainly.
+With ``M = L + S + R`` (R the ADMM residual) this is ``FedAvg + (β − 1)·S·p − R·p``, which is how it is computed, so
+that β = 1 with ``fold_residual`` (``L ← M − S``) is FedAvg bit for bit. β is adaptive by default (§4, App. B.3):
+``E = ‖S·p‖/‖M·p‖`` per matrix and ``β = 1/Ē`` with Ē the mean E over a scope: ``beta_scope = "per_factor"`` (default;
+App. B.3's ``β_A = 1/E_A``, ``β_B = 1/E_B``, E averaged across all layers as in Fig. 7), ``"per_matrix"`` (each matrix
+its own β) or ``"global"`` (one β); β = 1 when ``‖S·p‖ ≤ 1e-12·‖M·p‖`` (S = 0) or ``M·p = 0``. One client, identical
+client updates and an all-zero matrix are all common knowledge (``L = M``, ``S = 0``): the FedAvg update. The head is
+averaged (``head_agg = "fedavg"``) or decomposed as its own matrices (``"rpca"``). Control variates of SCAFFOLD are
+averaged plainly.
 
 Diagnostics (``report``), per round: means over matrices of ADMM iterations, relative residual, rank(L),
 non-zero fraction of S, E, β (also split A/B), and the mean pairwise cosine similarity of the clients'
@@ -42,7 +43,7 @@ from .fedit import FedIT
 GRANULARITIES = ("per_matrix", "per_module_concat", "global")
 BETA_SCOPES = ("per_factor", "per_matrix", "global")
 HEAD_AGGS = ("fedavg", "rpca")
-EPS = 1e-12          # ‖S·p‖ ≤ EPS·‖M·p‖ counts as S = 0 for the adaptive β (spec §2.5)
+EPS = 1e-12          # ‖S·p‖ ≤ EPS·‖M·p‖ counts as S = 0 for the adaptive β (β = 1/E would blow up)
 
 
 def mean_pairwise_cosine(rows: torch.Tensor) -> torch.Tensor:
@@ -59,7 +60,7 @@ class FedRPCA(FedIT):
     """FedRPCA's server (module docstring). ``rpca_solver = "adaptive"`` reaches the same PCP optimum nearer at
     the same ``rpca_tol`` in ~0.4× the time (:func:`fedlowrank.linalg.rpca.robust_pca`); the default stays the
     paper's solver: reproduction runs report its iterates, iteration counts and cap, and the faster solver does
-    not reach the issue's 0.2 s/round at one CPU thread either (docs/methods/fedrpca.md, "Solvers and device").
+    not reach 0.2 s per MiniLM round at one CPU thread either (docs/methods/fedrpca.md, "Solvers and device").
     """
 
     name = "fedrpca"
@@ -210,7 +211,8 @@ class FedRPCA(FedIT):
         """β of every matrix from the ``E = ‖S·p‖/‖M·p‖`` of the matrices (0 when ``M·p = 0``): fixed, or
         adaptive ``1/Ē`` with Ē the mean of the ``E > 0`` in its :meth:`beta_group`.
 
-        Adaptive: β = 1 where ``Ē ≤ 1e-12`` (S = 0 or M·p = 0; spec §2.5), then the optional clip.
+        Adaptive: β = 1 where ``Ē ≤ 1e-12`` (S = 0 or M·p = 0: β = 1/Ē is undefined), then the optional
+        clip.
         """
         if not isinstance(self.beta, str):
             return {g: float(self.beta) for g in E}

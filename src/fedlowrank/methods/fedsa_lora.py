@@ -5,11 +5,11 @@ Clients train both factors. Only ``A_k: [r, in]`` (and the head) is uploaded and
 ``"<module>.lora_B"``), and persists across rounds (zero, LoRA's init, before the client's first round).
 No message ever carries a B, and the server never sees one.
 
-Choices: the head is shared and averaged like A (FLoRG spec §5 [REC]; the original code keeps the classifier
-local too). There is no single global model: :meth:`load_global` loads the shared part only (``Ā``, the head,
-``B = 0``, i.e. the pretrained target weights) and :meth:`load_personal` loads client k's personalised model
-``(Ā, B_k)`` for per-client evaluation (FLoRG spec A12: the metric is the mean over clients of that).
-SCAFFOLD is refused: its upload ``Δc`` of B would leak the private factor.
+Choices: the head is shared and averaged like A (FLoRG's experiments, arXiv:2602.17095 §4.1, do not say; the original
+code keeps the classifier local too). There is no single global model: :meth:`load_global` loads the shared part only
+(``Ā``, the head, ``B = 0``, i.e. the pretrained target weights) and :meth:`load_personal` loads client k's
+personalised model ``(Ā, B_k)`` for per-client evaluation (the metric is the mean over clients of that). SCAFFOLD is
+refused: its upload ``Δc`` of B would leak the private factor.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Kaiming-uniform, stream ``"ffa-lora-A"``); it never travels and never changes. O
 init) and the head are trained, uploaded and averaged: ``B̄ = Σ pₖ Bₖ``. The aggregate is exact,
 ``s B̄ A = Σ pₖ s Bₖ A``, because A is shared. (FedGaLore's Table 1 runs it with SGD: ``train.optimizer``.)
 
-Heterogeneous ranks (ILoRA spec §5 [rec]): one ``A_full: [r_max, in]`` from the shared seed; client k uses
+Heterogeneous ranks (not in the paper): one ``A_full: [r_max, in]`` from the shared seed; client k uses
 ``A_full[:r_k]`` with scale ``s_k``. Upload ``B̄ = Σ pₖ (s_k/s) pad(B_k)``, download ``B_k = (s/s_k) B̄[:, :r_k]``,
 so ``s B̄ A_full = Σ pₖ s_k B_k A_full[:r_k]`` exactly and client k starts from the leading r_k directions.
 """

@@ -10,10 +10,9 @@ Clients train A and B at their own rank from the factors they received. The serv
     official (default, the public code):  B̄ = U_r S_r / s,            Ā = V_rᵀ
     even (FeDeRA's default):               B̄ = U_r S_r^{1/2} / √s,     Ā = S_r^{1/2} V_rᵀ / √s
 
-Both give ``s B̄ Ā = U_r S_r V_rᵀ`` exactly; they differ in what the clients' optimiser starts from (the official
-A has orthonormal rows). Client k, at rank ``r_k`` and scale ``s_k``, receives the leading ``r_k`` directions, i.e.
-exactly the rank-``r_k`` truncated SVD of ``ΔW`` (FedGaLore spec §5.4, ILoRA spec §5), split the same way at its
-own scale:
+Both give ``s B̄ Ā = U_r S_r V_rᵀ`` exactly; they differ in what the clients' optimiser starts from (the official A
+has orthonormal rows). Client k, at rank ``r_k`` and scale ``s_k``, receives the leading ``r_k`` directions, i.e.
+exactly the rank-``r_k`` truncated SVD of ``ΔW``, split the same way at its own scale:
 
     official:  B_k = U_{r_k} S_{r_k} / s_k,   A_k = V_{r_k}ᵀ      (the public code's ``distribute_weight_fast``)
     even:      B_k = U_{r_k} (S_{r_k}/s_k)^{1/2},   A_k = (S_{r_k}/s_k)^{1/2} V_{r_k}ᵀ

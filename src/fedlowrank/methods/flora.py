@@ -2,8 +2,7 @@
 Adaptations", NeurIPS 2024): stacking, merging, fresh adapters every round.
 
 Each round every client trains a fresh LoRA (A Kaiming-uniform from its own seeded stream, B = 0) of its own rank
-``r_k`` on top of its merged base. The server stacks the replies (FLoRG spec §5, ILoRA spec §5; weights and
-scales folded in)
+``r_k`` on top of its merged base. The server stacks the replies (weights and scales folded in)
 
     B_s = [B_1 … B_K]: [out, Σr_k],   A_s = [β p_1 s_1 A_1; …; β p_K s_K A_K]: [Σr_k, in],   B_s A_s = β Σ pₖ sₖ Bₖ Aₖ
 

@@ -1,5 +1,5 @@
-"""FR-LoRA as FedGaLore's Table 1 and spec §5.2 describe it (Yan et al., "Federated Residual Low-Rank
-Adaptation of Large Language Models", ICLR 2025): local AdamW (``train.optimizer``), lifted ΔW aggregation.
+"""FR-LoRA as the FedGaLore paper's Table 1 and §6 run it (Yan et al., "Federated Residual Low-Rank Adaptation of
+Large Language Models", ICLR 2025): local AdamW (``train.optimizer``), lifted ΔW aggregation.
 
 Every round each client re-initialises its LoRA PiSSA-style from the pretrained weight ``W₀ = U Σ Vᵀ``:
 ``B₀ = U_r √Σ_r: [out, r]``, ``A₀ = √Σ_r V_rᵀ: [r, in]``, with the frozen base ``W₀ + (R_g − s B₀A₀)`` so that
@@ -8,8 +8,8 @@ adds the p̃-weighted lifted updates to the residual:
 
     R_g ← R_g + β · Σᵢ p̃ᵢ s (Bᵢ Aᵢ − B₀ A₀)        (s = the LoRA scale, β = server.lr)
 
-which has rank up to K·r (FedGaLore §4.1, "lifted" aggregation). ``B₀, A₀`` are a pure function of ``W₀``,
-which every party holds, so they are recomputed rather than sent.
+which has rank up to K·r (FedGaLore paper, arXiv:2602.01746, §4.1: "lifted" aggregation). ``B₀, A₀`` are a pure
+function of ``W₀``, which every party holds, so they are recomputed rather than sent.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""ILoRA and ILoRA-S (Zhou, Liu, Shang, "ILoRA: Federated Learning with Low-Rank Adaptation for Heterogeneous
-Client Aggregation"), and the QR-initialised LoRA machinery that FedIT+QR (``fedit_qr.py``) shares.
+"""ILoRA and ILoRA-S (Zhou, Liu, Shang, "ILoRA: Federated Learning with Low-Rank Adaptation for Heterogeneous Client
+Aggregation", arXiv:2511.16069, §5), and the QR-initialised LoRA machinery that FedIT+QR (``fedit_qr.py``) shares.
 
 Per target module with pretrained ``W0: [out, in]`` and one constant LoRA scale ``s``:
 
@@ -13,31 +13,35 @@ Per target module with pretrained ``W0: [out, in]`` and one constant LoRA scale 
 * ILoRA-S (Alg. 3, Eqs. 12–17): rank-aware control variates on A and B, added to the gradient before the
   optimizer (AdamW by default), refreshed from the client's raw gradients, zero-padded and averaged on the server.
 
-Choices for what the paper leaves open (spec §9):
+Choices for what the paper leaves open:
 
-* Scale: one constant ``s = lora_scale(lora.alpha, lora.rank = r_s, lora.scaling)`` for every client whatever
-  its rank (A3), so raw factors are aggregated as the paper writes and equal the effective updates up to ``s``.
+* Scale: one constant ``s = lora_scale(lora.alpha, lora.rank = r_s, lora.scaling)`` for every client whatever its rank
+  (with α/r_k per client, the paper's raw-factor sum would mix scales), so raw factors are aggregated as the paper
+  writes and equal the effective updates up to ``s``.
 * QR offset: never sent. It is a deterministic function of ``W0``, which every client holds, so the client
   recomputes ``−s·Q0[:, :n] R0[:n]`` (``n`` = the directions it received) each time it loads a message.
-* ``A2``: the received factors replace the client's; ``A9``: the optimizer is fresh every round (the trainer's);
-  ``A8``: the head is trained and FedAvg-ed (``Σ p_k head_k``), with no control variates.
-* ``A1`` (``hetero_base``): ``"residual"`` (default) is one base at rank r_s, ``W0 − s·Q0[:, :r_s]R0[:r_s]``
-  (Lemma 6, Alg. 4 l.2): clients receive the global ``(B_s, A_s)``, its leading r_k directions to train and the
-  others as ``<m>.frozen_A/B`` kept frozen in their base; the server appends the frozen parts as extra blocks of
-  the concatenation. Every client then starts every round from the global model, which is what eq. 7
-  (``θ_k = θ_0 − B_k A_k``: the local model is the pretrained one plus the adapter) is for; with equal ranks it is
-  Alg. 1 exactly. ``"per_client"`` is Alg. 1 read literally at unequal ranks: client k's base keeps
-  ``W0 − s·Q0[:, :r_k]R0[:r_k]`` while the server averages whole factors, so after a round W0's j-th QR
+* Alg. 1 l.7 (``θ_k ← θ_k + B_k A_k``): the received factors replace the client's (merging them as well would count
+  the adapter twice); the optimizer is fresh every round (the trainer's); the head is trained and FedAvg-ed
+  (``Σ p_k head_k``), with no control variates.
+* ``hetero_base`` (Alg. 1 gives each client its own base but averages whole factors): ``"residual"`` (default) is one
+  base at rank r_s, ``W0 − s·Q0[:, :r_s]R0[:r_s]`` (Lemma 6, Alg. 4 l.2): clients receive the global ``(B_s, A_s)``,
+  its leading r_k directions to train and the others as ``<m>.frozen_A/B`` kept frozen in their base; the server
+  appends the frozen parts as extra blocks of the concatenation. Every client then starts every round from the global
+  model, which is what eq. 7 (``θ_k = θ_0 − B_k A_k``: the local model is the pretrained one plus the adapter) is for;
+  with equal ranks it is Alg. 1 exactly. ``"per_client"`` is Alg. 1 read literally at unequal ranks: client k's base
+  keeps ``W0 − s·Q0[:, :r_k]R0[:r_k]`` while the server averages whole factors, so after a round W0's j-th QR
   direction in client k's model is scaled by ``1 − s(1 − w_j)`` (negative, i.e. sign-flipped, when
   ``s(1 − w_j) > 1``); it needs no r_k ≤ r_s.
-* Global model (step 6): ``W0 − s·Q0 diag(w) R0 + s·B_s A_s`` with ``w_j = Σ_{k: r_k > j} π_k``,
-  ``π_k`` = data share over all clients (``per_client``), or ``w = 1`` on the first r_s directions
-  (``residual``); before the first aggregation it is the pretrained model.
-* ``server_lr`` η_g (A4): ``ΔW ← η_g ΔW + (1 − η_g) B_s^old A_s^old``, done by appending ``B_s^old`` to the
-  concatenation (1 = Alg. 2 exactly).
-* A6 (ILoRA-S): ``c_k`` ← the mean raw gradient over the round's local steps (= the spec's epoch mean when the
-  round is one epoch, the paper's E = 1), or the last step's (``cv_grad="last"``); the correction uses the server
-  variate of the previous round (zero in round 1, so round 1 equals ILoRA). A7: unweighted 1/|S_t| average.
+* Global model (the one evaluated; the paper reports one accuracy per method without defining it):
+  ``W0 − s·Q0 diag(w) R0 + s·B_s A_s`` with ``w_j = Σ_{k: r_k > j} π_k``, ``π_k`` = data share over all clients
+  (``per_client``), or ``w = 1`` on the first r_s directions (``residual``); before the first aggregation it is the
+  pretrained model.
+* ``server_lr`` η_g (our reading of the paper's unused "global scaling factor", App. A.3): ``ΔW ← η_g ΔW + (1 − η_g)
+  B_s^old A_s^old``, done by appending ``B_s^old`` to the concatenation (1 = Alg. 2 exactly).
+* ILoRA-S's control refresh (Alg. 3 l.3–7 do not say over which steps ``g_k^raw`` is taken): ``c_k`` ← the mean raw
+  gradient over the round's local steps (the epoch mean when the round is one epoch, the paper's E = 1), or the last
+  step's (``cv_grad="last"``); the correction uses the server variate of the previous round (zero in round 1, so round
+  1 equals ILoRA); variates are averaged unweighted, 1/|S_t| (Eqs. 16–17).
 
 Server state: ``"<m>.lora_B"`` = ``Q[:, :r_max]: [out, r_max]``, ``"<m>.lora_A"`` = ``R[:r_max]: [r_max, in]``
 (``r_max = max(r_s, max_k r_k)``), ``"head/<p>"``, ``"qr_init"`` (1 until the first aggregation); ILoRA-S adds
@@ -184,7 +188,8 @@ class QRInitLoRA(LoRAMethod):
 class ILoRA(QRInitLoRA):
     """ILoRA: QR init, concatenated-QR aggregation of heterogeneous ranks, personalised slices (Algs. 1, 2).
 
-    ``decomp = "svd"`` is spec A5 (Eckart–Young optimal truncation); ``hetero_base = "residual"`` is Lemma 6 /
+    ``decomp = "svd"`` gives the Eckart–Young optimal truncation the paper claims (its QR is unpivoted, so
+    ``"qr"`` keeps the span of the first r_s columns); ``hetero_base = "residual"`` is Lemma 6 /
     Alg. 4 (one base at r_s: every client starts from the global model as eq. 7 intends).
     """
 
@@ -196,7 +201,7 @@ class ILoRA(QRInitLoRA):
     downlink = ("Q[:, :r_k] [out,r_k] and R[:r_k] [r_k,in] per target module, head; with hetero_base=residual "
                 "also the frozen directions r_k..r_s of the global adapter")
     needs_individual_replies = True
-    lr_grid = (3e-4, 1e-3, 3e-3)  # issue #16's CPU-scale grid around the paper's AdamW 1e-4
+    lr_grid = (3e-4, 1e-3, 3e-3)  # a CPU-scale grid around the paper's AdamW 1e-4 (App. A.3)
 
     decomp: str = setting("qr", "decomposition of the concatenated factors: qr (unpivoted, the paper) or svd "
                           "(optimal truncation)", choices=DECOMPOSITIONS)

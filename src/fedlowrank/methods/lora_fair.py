@@ -1,8 +1,7 @@
 """LoRA-FAIR (Bian et al., "LoRA-FAIR: Federated LoRA Fine-Tuning with Aggregation and Initialization
 Refinement", ICCV 2025): a server-side residual correction of the averaged B, and "Avg-Initial" clients.
 
-Server, per target module (ILoRA spec §5, FedGaLore spec §5.2): ``Ā = Σ pₖ Aₖ``, ``B̄ = Σ pₖ Bₖ``, ideal update
-``ΔW = Σ pₖ Bₖ Aₖ``, and
+Server, per target module: ``Ā = Σ pₖ Aₖ``, ``B̄ = Σ pₖ Bₖ``, ideal update ``ΔW = Σ pₖ Bₖ Aₖ``, and
 
     ΔB* = argmin_ΔB  [1 − cos(ΔW, (B̄ + ΔB) Ā)] + λ ‖ΔB‖_F,        B̄' = B̄ + ΔB*
 
@@ -13,7 +12,7 @@ is scale-free, so the step follows B̄'s scale), entirely in factored form: with
 ``Gₐ = Ā Āᵀ: [r, r]``, ``⟨ΔW, XĀ⟩ = ⟨X, C⟩`` and ``‖XĀ‖²_F = ⟨XᵀX, Gₐ⟩`` — no ``[out, in]`` matrix is formed.
 The correction is kept only if it raises the cosine. Reports ``cos_before``/``cos_after`` (mean over modules).
 
-Heterogeneous ranks (ILoRA spec §5 [rec]): zero-padded averaging at the server's scale as in
+Heterogeneous ranks (not in the paper): zero-padded averaging at the server's scale as in
 :mod:`~fedlowrank.methods.hetlora`, ``ΔW = Σ pₖ (sₖ/s) Bₖ Aₖ``, leading slices back to the clients.
 """
 

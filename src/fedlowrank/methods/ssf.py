@@ -1,16 +1,21 @@
-"""SSF — Subspace SCAFFOLD with residual backfill (Zhu, Huang, Xu, Li, arXiv:2604.25467, Algorithm 1) — and
-FedSub (Zhang, Xu, Yuan, arXiv:2509.05213, as specified in specs/ssf.md §5), on the same footing.
+"""SSF — Subspace SCAFFOLD with residual backfill (Zhu, Huang, Xu, Li, "Subspace Optimization for Efficient
+Federated Learning under Heterogeneous Data", arXiv:2604.25467, Algorithm 1) — and FedSub (Zhang, Xu, Yuan, "An
+Efficient Subspace Algorithm for Federated Learning on Heterogeneous Data", arXiv:2509.05213, the baseline of SSF's
+§5.1, as the authors' public code defines it: orthonormal Haar P, no r/d gradient scaling, duals rotated at a
+refresh), on the same footing.
 
 Layout ``[out, in]`` (``nn.Linear``); the paper's ``X [d, m]`` is ``Wᵀ`` with ``d = in``, ``m = out``. Each target
 layer ℓ gets a shared Haar-random orthonormal projector ``P [r, in]`` (``P Pᵀ = I_r``) from the run seed, the
-projector epoch ``e = rnd // refresh_every`` and ℓ (spec §2.2). Adapter form (spec §2.10): the effective
+projector epoch ``e = rnd // refresh_every`` and ℓ (§3.6: Gaussian orthonormalised by QR; the refresh period is "a
+tunable implementation parameter"). Adapter form (ours; the paper gives no layer-level detail): the effective
 weight is ``W + Y P`` with ``W`` frozen for the round and trainable coefficients ``Y [out, r]`` starting at 0,
 so autograd returns the projected gradient ``∂L/∂Y = G Pᵀ`` and never forms a dense weight gradient.
 
-SSF round (eq. 5–7; partial participation by spec §2.4), client i of the S sampled, K local SGD steps η::
+SSF round (eq. 5–7; Algorithm 1 uses all N clients; with S < N we add (1/N) Σ Δcᵢ to c, so that c = mean_i cᵢ
+keeps holding, as the analysis needs), client i of the S sampled, K local SGD steps η::
 
     corrᵢ = (c − cᵢ) Pᵀ                                     [out, r]  (constant in the round)
-    Y ← Y − η (G(W + Y P) Pᵀ + corrᵢ)                      K times (C3); residual W(I − PᵀP) frozen
+    Y ← Y − η (G(W + Y P) Pᵀ + corrᵢ)                      K times; residual W(I − PᵀP) frozen
     ḡᵢ = (1/K) Σ_k G_k Pᵀ,  Δcᵢ = ḡᵢ − cᵢ Pᵀ,  cᵢ ← cᵢ + Δcᵢ P          (eq. 7: refresh only the subspace)
     W ← W + η_g (Σ pᵢ Yᵢ) P                                 (projected FedAvg + backfill, eq. 5)
     c ← c + (1/N) Σ Δcᵢ P   ("scaffold": keeps c = mean_i cᵢ)   or   c ← c(I − PᵀP) + (mean ḡᵢ) P   ("sample_mean")
@@ -23,11 +28,12 @@ Non-projected trainable tensors (the head) use ``P = I``: full SCAFFOLD (SSF, ``
 FedAvg. Full-SCAFFOLD/Full-FedAvg are the same maths with ``P = I`` (:func:`project`/:func:`lift` accept
 ``None``); this is how ``fedavg-full`` can share :func:`local_sgd` and the server steps.
 
-State (simulation mode, as in the paper's implementation, spec A14): the server holds ``w/<key>`` (the global
+State (simulation mode, as in the paper's own simulation, §3.5): the server holds ``w/<key>`` (the global
 weight), for SSF ``c/<key>`` and every client's ``ci/<key> [N, ...]`` (full size, host memory), for FedSub
 ``dual/<layer> [N, out, r]``. A client keeps only its copy of the model (``w/<layer>``, ``synced``), which it
 brings up to date from the increments ``η_g B̄ [out, r]`` of the rounds it missed, or from the full weight when
-that is no larger (spec §2.7 "catch-up"); with full participation the download is one increment per round.
+that is no larger (a re-joining client needs what it missed, which the paper's "order r per vector" cost
+leaves out); with full participation the download is one increment per round.
 Per participant per round and layer, in floats:
 
     SSF     down: increment (rm) + corrᵢ (rm) + round index;           up: Yᵢ (rm) + ḡᵢ (rm)   = 4rm
@@ -69,7 +75,7 @@ DUAL_TRANSFERS = ("rotate", "none", "reset")
 @functools.lru_cache(maxsize=256)
 def projector(seed: int, epoch: int, layer: int, dim: int, rank: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Shared projector ``P [rank, dim]`` of layer ``layer`` in projector epoch ``epoch``: Haar-random orthonormal
-    rows (QR of a float64 Gaussian, sign-fixed; spec §2.2), identical on every party. Do not modify in place."""
+    rows (QR of a float64 Gaussian, sign-fixed; §3.6), identical on every party. Do not modify in place."""
     return random_basis(dim, rank, torch_generator(seed, "subspace-projector", epoch, layer), dtype).T.contiguous()
 
 
@@ -128,7 +134,7 @@ def server_model_step(w: torch.Tensor, proj: torch.Tensor | None, coef: torch.Te
 
 def scaffold_control_step(c: torch.Tensor, ci: torch.Tensor, proj: torch.Tensor | None, gbar: torch.Tensor,
                           num_clients: int, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Control refresh on the active subspace (eq. 6–7, spec §2.4) for the S participants.
+    """Control refresh on the active subspace (eq. 6–7) for the S participants.
 
     ``c [out, in]``, ``ci [S, out, in]`` (the participants' controls), ``gbar [S, out, r]`` (mean projected
     gradients). Returns ``(c_new, ci_new)``. ``rule = "scaffold"``: ``c += (1/N) Σ Δcᵢ P`` (keeps c = mean cᵢ);
@@ -214,7 +220,7 @@ class SubspaceMethod(Method):
     """What SSF and FedSub share: per-layer shared projectors, the subspace adapter, the model catch-up, the
     per-client contract and the vectorised round. Subclasses give the correction and the server update.
 
-    The subspace rank of layer ℓ is ``round(ratio · in_ℓ)`` (spec §2.10, at least 1) when ``ratio`` > 0, else
+    The subspace rank of layer ℓ is ``round(ratio · in_ℓ)`` (at least 1) when ``ratio`` > 0, else
     ``rank``, capped to ``in_ℓ``; the projector epoch of round t is ``t // refresh_every``.
     """
 
@@ -427,7 +433,7 @@ class SubspaceMethod(Method):
 @dataclass
 class SSF(SubspaceMethod):
     """SSF: subspace steps corrected by full-size controls (module docstring); ``controls = "none"`` is the
-    ablation of spec §2.6 item 7 (subspace FedAvg with backfill)."""
+    ablation "subspace FedAvg with backfill"."""
 
     name = "ssf"
     description = "Subspace SCAFFOLD: shared random subspace per round, full-size controls, residual backfill"
@@ -437,7 +443,7 @@ class SSF(SubspaceMethod):
     uploads_gradients = True
 
     control_update: str = setting("scaffold", "server control refresh: scaffold (c += (1/N) Σ Δcᵢ P, keeps c = mean "
-                                  "cᵢ) or sample_mean (spec A9)", choices=CONTROL_UPDATES)
+                                  "cᵢ) or sample_mean (eq. 6 on the sample)", choices=CONTROL_UPDATES)
     controls: str = setting("full", "full (SSF) or none (subspace FedAvg with backfill)", choices=CONTROLS)
     head_update: str = setting("scaffold", "non-projected tensors (the head) with full SCAFFOLD or FedAvg",
                                choices=HEAD_UPDATES)
@@ -494,7 +500,8 @@ class FedSub(SubspaceMethod):
 
     def duals_at(self, server: State, n: str, epoch: int, clients: torch.Tensor | None = None) -> torch.Tensor:
         """Layer ``n``'s duals (of ``clients``, or all) expressed in projector epoch ``epoch``: one rotation per
-        refresh since the stored epoch, as if every dual had been rotated at each refresh (spec A10)."""
+        refresh since the stored epoch, as if every dual had been rotated at each refresh (a product of successive
+        rotations is not one direct rotation)."""
         dual = server[f"dual/{n}"] if clients is None else server[f"dual/{n}"][clients]
         for e in range(int(server["dual.epoch"]), epoch):
             dual = rotate_duals(dual, self.projectors(e)[n], self.projectors(e + 1)[n], self.dual_transfer)

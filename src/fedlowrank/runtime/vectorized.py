@@ -100,8 +100,9 @@ def trainer_batches(task: Task, parts, train, clients: list[int], rnd: int, roun
 
 
 def fresh_batches(task: Task, parts, train, clients: list[int], rnd: int, rounds: int, seed: int) -> ClosedFormOracle:
-    """A fresh minibatch per client and step, without replacement within the batch (spec A6), all drawn at once
-    from the round's stream ``("vectorized-batches", rnd)``: ``[K, S, b]``. Needs equal client sizes."""
+    """A fresh minibatch per client and step, without replacement within the batch (the SSF paper, arXiv:2604.25467
+    §5.1, gives only its size), all drawn at once from the round's stream ``("vectorized-batches", rnd)``:
+    ``[K, S, b]``. Needs equal client sizes."""
     sizes = {len(parts[k]) for k in clients}
     if len(sizes) != 1:
         raise ValueError("batches = 'fresh' needs equal client sizes; use batches = 'trainer'")

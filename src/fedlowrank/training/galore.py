@@ -1,20 +1,24 @@
-"""GaLore: local optimisation of dense weight matrices in a rotating rank-r gradient subspace (FedGaLore App. A).
+"""GaLore: local optimisation of dense weight matrices in a rotating rank-r gradient subspace (Peng et al.,
+"Rethinking LoRA for Data Heterogeneous Federated Learning: Subspace and State Alignment", arXiv:2602.01746,
+App. A).
 
 For a block ``W: [m, n]`` (side by :func:`~fedlowrank.linalg.projectors.projection_side`, canonical gradient
-``G_c: [d_u, d_p]``) with basis ``Q: [d_p, r]``, one step at local step t (spec §2.3):
+``G_c: [d_u, d_p]``) with basis ``Q: [d_p, r]``, one step at local step t (FedGaLore App. A.1):
 
 1. refresh when ``t mod τ = 0`` (not at t = 0 when the state was carried in): refresh index ``j = t // τ``,
    ``Q_new`` = SVD/rSVD basis of the gradient for ``j < S``, seeded random orthonormal for ``j ≥ S``
-   (:func:`seeded_basis`); buffers are re-projected with ``C = Q_oldᵀ Q_new`` (§2.4): ``m̃ ← m̃ C`` and
+   (:func:`seeded_basis`); buffers are re-projected with ``C = Q_oldᵀ Q_new`` (App. A.1): ``m̃ ← m̃ C`` and
    ``ṽ ← ṽ (C⊙C)`` (``squared``, the default) or the paper's ``ṽ ← max(ṽ C, 0)`` (``linear``, clamp optional).
    The linear rule clamps many entries of ṽ to 0 while m̃ C stays finite, so ``|m̃|/√ṽ`` explodes (10⁴ in
    the tests) and training diverges; by Cauchy–Schwarz the squared rule keeps the ratio within √r of before.
    ``moments_at_refresh = "keep"`` leaves m̃ and ṽ as they are in the new basis (galore-torch's behaviour);
 2. ``g̃ = G_c Q: [d_u, r]``; the operator (Appendix A) turns it into a direction ``ũ: [d_u, r]``:
    ``sgd`` (Alg. 2) ``ũ = g̃``; ``momentum`` (Alg. 3, heavy ball) ``b ← μ b + g̃, ũ = b``; ``adam``/``adamw``
-   (Alg. 4 in its standard form, A22) ``m̃ ← β₁m̃ + (1−β₁)g̃``, ``ṽ ← β₂ṽ + (1−β₂)g̃²``,
+   (Alg. 4 in its standard form, with the bias correction and weight decay its
+   listing omits) ``m̃ ← β₁m̃ + (1−β₁)g̃``, ``ṽ ← β₂ṽ + (1−β₂)g̃²``,
    ``ũ = (m̃/c₁) / (sqrt(ṽ/c₂) + ε)`` with ``c₁ = 1−β₁ᵗ``, ``c₂ = 1−β₂ᵗ`` (``c₂ = 1`` when ṽ was warm-started,
-   spec A6, unless ``warm_bias_correction``);
+   unless ``warm_bias_correction``: the paper leaves the correction of a warm ṽ open, and ``1−β₂ᵗ`` would make a
+   warm buffer's first steps about 30× too small at t = 1);
 3. ``W ← W − η α_g · uncanon(ũ Qᵀ)`` (α_g = GaLore ``scale``); weight decay is decoupled for ``adamw``
    (``W ← (1 − ηλ) W`` first, as ``torch.optim.AdamW``) and an L2 term added to the gradient otherwise.
 
@@ -25,7 +29,7 @@ and full rank every operator equals its ``torch.optim`` counterpart (SGD, SGD+mo
 The basis, its refresh index, the buffers and the warm flag are first-class state: :meth:`GaLore.load_block`
 puts a synchronised ``(Q, ṽ)`` in before training, :meth:`GaLore.block_state` reads it back after and
 :meth:`GaLore.second_moment` gives ṽ on the scale of E[g̃²] (``ṽ/(1 − β₂ᵗ)`` for a block that started at 0: the
-raw EMA of t steps is only ``(1 − β₂ᵗ)·E[g̃²]``, spec A6 erratum).
+raw EMA of t steps is only ``(1 − β₂ᵗ)·E[g̃²]``; a warm ṽ used with ``c₂ = 1`` must be on the scale of E[g̃²]).
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ class GaLore(torch.optim.Optimizer):
         """Start block ``p`` from basis ``Q: [d_p, r]`` and second moment ``ṽ: [d_u, r]`` (canonical), m̃ = 0.
 
         ``refresh_at_start=False`` (``carry``) keeps ``Q`` until the refresh at t = τ; ``True`` (``svd`` init)
-        re-projects ``ṽ`` into the basis built at t = 0 (and clamps after that re-projection, spec §2.5).
+        re-projects ``ṽ`` into the basis built at t = 0 (and clamps after that re-projection).
         Negative entries are clamped when ``clamp_v``.
         """
         group = self._group_of(p)
@@ -195,8 +199,9 @@ class GaLore(torch.optim.Optimizer):
 
     @staticmethod
     def _track(st: dict, decay: float, d: torch.Tensor, coef: float) -> None:
-        """Accumulate the step in its segment: ``W_T = D_T W_0 + uncanon(Σ_seg C_seg Q_segᵀ)`` (spec §2.7), with
-        ``D_T = Π(1 − ηλ)``; ``C'`` is kept divided by the running decay, in float64."""
+        """Accumulate the step in its segment: ``W_T = D_T W_0 + uncanon(Σ_seg C_seg Q_segᵀ)`` (the exact form
+        of the paper's "rank-r factorized" upload, §5: decoupled decay adds ``D_T W_0``), with ``D_T = Π(1 − ηλ)``;
+        ``C'`` is kept divided by the running decay, in float64."""
         st["decay"] = st.get("decay", 1.0) * decay
         segments = st.setdefault("segments", [])
         if not segments or segments[-1]["basis"] != st["basis"] or segments[-1]["Q"] is not st["Q"]:
