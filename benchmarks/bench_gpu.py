@@ -570,7 +570,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
              "transient part). ops/syncs/launches per client step from one profiled round."]
     goals = targets(rows) if device.type == "cuda" else ["- not checked: a CPU run (the proxies above); the targets "
                                                          "are an H100's"]
-    md = "\n".join([*table, "", *notes, "", "Targets (issue, H100):", *goals, *lines]) + "\n"
+    md = "\n".join([*table, "", *notes, "", "Targets (H100):", *goals, *lines]) + "\n"
     print("\n" + md)
     if out:
         (out / "bench_gpu.md").write_text(md)

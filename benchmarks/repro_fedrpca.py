@@ -75,9 +75,9 @@ def variants(args) -> dict[str, list[str]]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default="fedavg,fedprox,scaffold,ta,ties,fedrpca")
-    p.add_argument("--clients", default="20", help="numbers of clients, comma-separated (issue: 20,50)")
-    p.add_argument("--alphas", default="0.5", help="Dirichlet α, comma-separated (issue: 0.5,0.1)")
-    p.add_argument("--seeds", default="0", help="issue: 0,1,2")
+    p.add_argument("--clients", default="20", help="numbers of clients, comma-separated (full grid: 20,50)")
+    p.add_argument("--alphas", default="0.5", help="Dirichlet α, comma-separated (full grid: 0.5,0.1)")
+    p.add_argument("--seeds", default="0", help="seeds, comma-separated (full grid: 0,1,2)")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--model", default="minilm", help="task.model (minilm or tiny-bert)")
     p.add_argument("--max-train", type=int, default=2000, help="AG News training examples (0 = all)")

@@ -74,7 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--smoke", action="store_true", help="tiny BERT, 4 clients, 2 rounds: checks the script runs")
     p.add_argument("--kernel-study", action="store_true",
-                   help="only the server-step study of spec §2.7 (Prop-3, Prop-4) on random factors, k=64 r=4 N=8")
+                   help="only the server-step study (Gram sum, truncation error, drift) on random factors, k=64 r=4 N=8")
     p.add_argument("--server-cost", action="store_true",
                    help="only time the three server routes (eigh / stacked_svd / closed_form) per layer")
     args = p.parse_args(argv)

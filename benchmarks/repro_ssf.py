@@ -157,7 +157,7 @@ def report(args, grid) -> None:
             row.append(f"{fmt(vals)} | {paper:.3e} | {np.mean(vals) / paper:.2f}" if vals else "- | - | -")
         print(f"| {het} | {r} | " + " | ".join(row) + " |")
 
-    print("\nOrderings (spec §10.2):")
+    print("\nOrderings (the paper's §5.2):")
 
     def check(label, ok) -> None:
         print(f"  [{'holds' if ok else 'FAILS'}] {label}")
@@ -172,11 +172,11 @@ def report(args, grid) -> None:
             check(f"item 3, het {het}, r 20: SCAFFOLD < SSF < FedSub", sc < ssf and (ssf < fs or math.isnan(fs)))
             check(f"item 4, het {het}, r 20: SSF < FedAvg", ssf < fa)
         if math.isfinite(fs) and math.isfinite(fa):
-            print(f"  [report] item 10, het {het}, r 20: FedSub {'<' if fs < fa else '>'} FedAvg "
+            print(f"  [report] het {het}, r 20: FedSub {'<' if fs < fa else '>'} FedAvg "
                   f"(paper: {'<' if PAPER[(het, 20)]['fedsub'] < PAPER[(het, 20)]['fedavg'] else '>'})")
         f50 = cell(results, het, 50, "fedsub")
         if (het, 50, "fedsub") in results:
-            print(f"  [report] item 9, het {het}, r 50: FedSub final {f50:.3e} (paper: NaN, diverged)")
+            print(f"  [report] het {het}, r 50: FedSub final {f50:.3e} (paper: NaN, diverged)")
     if 2.0 in args.het:
         ranks = [r for r in sorted(args.ranks) if (2.0, r, "ssf") in results]
         errs = [cell(results, 2.0, r, "ssf") for r in ranks]

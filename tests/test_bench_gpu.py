@@ -37,7 +37,7 @@ def test_cpu_mode_writes_a_json_line_and_a_markdown_row_per_figure(tmp_path, cap
         assert est["total"] == pytest.approx(sum(v for k, v in est.items() if k not in ("total", "transient")))
         assert r["device"] == "cpu" and "load" in r and r["seed"] == 0
     md = (out / "bench_gpu.md").read_text()
-    assert md.count("| tiny-llama fp32 ") == 3 and "Targets (issue, H100):" in md
+    assert md.count("| tiny-llama fp32 ") == 3 and "Targets (H100):" in md
     assert "- not checked: a CPU run" in md
     lines = bench_gpu.targets(rows)
     assert "- SmolLM2 bf16 cohort ≥ 150k real tokens/s: not measured" in lines and len(lines) == 7

@@ -256,7 +256,7 @@ def test_hf_source_without_datasets_is_one_line(monkeypatch):
 def test_agnews_files_read_as_before():
     folder = local_copy(KNOWN_SETS["agnews"], "")
     if folder is None:
-        pytest.skip("needs a local AG News copy in $FEDLOWRANK_DATA/agnews (.ci/run: ../shared/data)")
+        pytest.skip("needs a local AG News copy in $FEDLOWRANK_DATA/agnews (.ci/run sets it)")
     data = load_text_files(folder / "train.tsv", folder / "test.tsv", header="false")
     assert (len(data.train_texts), len(data.test_texts)) == (10_001, 7_600)
     assert data.label_names == ["Business", "Sci/Tech", "Sports", "World"]

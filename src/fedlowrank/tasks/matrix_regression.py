@@ -1,4 +1,6 @@
-"""Synthetic federated matrix regression (SSF paper §5.1, eq. 130–136; recipe of specs/ssf.md §6.1).
+"""Synthetic federated matrix regression (Zhu et al., "Subspace Optimization for Efficient Federated Learning under
+Heterogeneous Data", arXiv:2604.25467, §5.1, eq. 130–136; the paper publishes no generator, so the recipe below is
+ours and reproduces its magnitudes).
 
 Client i holds ``A_i: [n, d]`` and ``B_i: [n, m]``; its loss is
 ``f_i(X) = 1/(2n)·‖A_i X − B_i‖²_F + λ/2·‖X‖²_F`` and the global objective is ``F = (1/N) Σ_i f_i``.
@@ -47,7 +49,7 @@ class _Linear(nn.Module):
 
 def make_problem(seed: int, num_clients: int, dim: int, outputs: int, samples: int, het: float,
                  ridge: float, noise: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Data and minimiser of spec §6.1 (numpy, float64): ``A [N, n, d]``, ``B [N, n, m]``, ``X* [d, m]``."""
+    """Data and minimiser of the problem above (numpy, float64): ``A [N, n, d]``, ``B [N, n, m]``, ``X* [d, m]``."""
     rng = np.random.default_rng(seed)
     x_true = rng.standard_normal((dim, outputs))
     mu = het * rng.standard_normal((num_clients, dim))
@@ -63,7 +65,7 @@ MAX_SIZE = 10**8  # entries of A = N·n·d
 
 @dataclass
 class MatrixRegressionOptions(Schema):
-    """``task.options`` of ``task.kind = "matrix-regression"`` (the problem of spec §6.1)."""
+    """``task.options`` of ``task.kind = "matrix-regression"`` (the module docstring's problem)."""
 
     prefix = "task.options"
 
@@ -98,7 +100,7 @@ class MatrixRegression(Task):
     Metrics (:meth:`evaluate`): ``rel_error`` (NaN once X is non-finite) and, with ``objective = true``,
     ``objective`` F(X) − F(X*);
     on held-out rows (:meth:`evaluate_examples`): ``loss`` = mean of ``½‖a_j X − b_j‖²``.
-    Divergence: stop a run with ``run.stop_metric = "rel_error"``, ``run.stop_above = 1e6`` (spec §6.1).
+    Divergence: stop a run with ``run.stop_metric = "rel_error"``, ``run.stop_above = 1e6`` (the paper's "NaN (diverged)").
     """
 
     name = "matrix-regression"
