@@ -103,7 +103,7 @@ class GramLinear(AdaptedLinear):
         if A.shape != self.gram_A.shape:
             if not (any_rows and A.dim() == 2 and A.shape[1] == self.k):
                 raise ValueError(f"Gram factor of shape {tuple(A.shape)} does not fit {tuple(self.gram_A.shape)}")
-            self.gram_A = nn.Parameter(torch.zeros_like(A, dtype=self.gram_A.dtype))
+            self.gram_A = nn.Parameter(self.gram_A.new_zeros(A.shape))  # on this module's device and dtype
         with torch.no_grad():
             self.gram_A.copy_(A)
 

@@ -63,10 +63,9 @@ class LoRALinear(AdaptedLinear):
         if A.shape != (r, self.in_features) or B.shape != (self.out_features, r):
             raise ValueError(f"LoRA factors of shapes A{tuple(A.shape)}, B{tuple(B.shape)} do not fit a "
                              f"[{self.out_features}, {self.in_features}] layer")
-        like = dict(dtype=self.base.weight.dtype, device=self.base.weight.device)
-        if r != self.rank:
-            self.lora_A = nn.Parameter(torch.empty(r, self.in_features, **like))
-            self.lora_B = nn.Parameter(torch.empty(self.out_features, r, **like))
+        if r != self.rank:  # new factors where the old ones are, in their dtype (fp32 over a bf16 backbone)
+            self.lora_A = nn.Parameter(self.lora_A.new_empty(r, self.in_features))
+            self.lora_B = nn.Parameter(self.lora_B.new_empty(self.out_features, r))
             self.scale = lora_scale(self.alpha, r, self.scaling_rule)
         with torch.no_grad():
             self.lora_A.copy_(A)
