@@ -4,12 +4,25 @@ steps, length buckets, compiled steps and the cohort memory planner."""
 
 from __future__ import annotations
 
+import collections
+import copy
+from functools import lru_cache
+
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 from fedlowrank.adapters.gram import GramLinear
 from fedlowrank.adapters.lora import LoRALinear
+from fedlowrank.config import load_config
+from fedlowrank.device import measured_peak_bytes
+from fedlowrank.runtime.simulator import Simulation
+from fedlowrank.tasks import build_task
+from fedlowrank.tasks.causal_lm import IGNORE, LMHead, check_lm_head, response_nll
+from fedlowrank.training.local import FitRun, LocalTrainer
 
 
 # -- every tensor an adapter makes follows the module's device ------------------------------------------------
@@ -52,3 +65,177 @@ def test_adapter_setters_keep_the_module_s_device(setter):
     else:
         module.set_frozen_weight(torch.randn(4, 6))
     assert _tensors_on(module, "meta") == []
+
+
+# -- the causal-LM loss never builds full logits -----------------------------------------------------------------
+@lru_cache(maxsize=None)
+def lm_task():
+    """The bundled ``tiny-lm`` task (tiny LLaMA, 48 GSM8K questions), built once."""
+    return build_task(load_config("tiny-lm"))
+
+
+def full_logits_loss(net, batch) -> torch.Tensor:
+    """The reference: every position's logits, then the mean cross-entropy over the response tokens."""
+    logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                           ignore_index=IGNORE)
+
+
+def test_logits_free_loss_and_gradient_equal_the_full_logits_ones():
+    task = lm_task()
+    net = task.build_model().net.train()
+    trained = [p for n, p in net.named_parameters() if "layers" in n]  # everything but the (tied) head
+    for p in trained:
+        p.requires_grad_(True)
+    batch = task.batch(np.arange(5))
+    losses, grads = [], []
+    for loss_fn in (task.loss, full_logits_loss):
+        loss = loss_fn(net, batch)
+        losses.append(loss.detach())
+        grads.append(torch.autograd.grad(loss, trained))
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
+    for ours, ref in zip(*grads):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_held_out_loss_equals_the_full_logits_one():
+    task = lm_task()
+    net = task.build_model().net.eval()
+    examples = np.arange(10, 23)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in (task.batch(examples[:8]), task.batch(examples[8:])):
+            n = int((batch["labels"][:, 1:] != IGNORE).sum())
+            total, count = total + float(full_logits_loss(net, batch)) * n, count + n
+    assert task.evaluate_examples(net, examples)["loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_the_head_sees_only_response_positions():
+    """The language-model head's input is exactly the hidden states of the positions whose next token is a
+    response token (prompt and padding positions never reach it)."""
+    task = lm_task()
+    net = task.build_model().net
+    batch = task.batch(np.arange(4))
+    seen: list[torch.Tensor] = []
+    handle = net.get_output_embeddings().register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    try:
+        task.loss(net, batch)
+    finally:
+        handle.remove()
+    hidden = net.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    wanted = batch["labels"][:, 1:] != IGNORE
+    assert torch.cat(seen).shape[0] == int(wanted.sum()) < wanted.numel() / 2
+    torch.testing.assert_close(torch.cat(seen), hidden[:, :-1][wanted])
+
+
+@pytest.mark.parametrize("scale, softcap", [(1.0, None), (0.5, 2.0)])
+def test_response_nll_in_chunks_equals_cross_entropy(scale, softcap):
+    """Chunked, with the gradient computed chunk by chunk, and with a logit scale and soft-capping (Gemma's):
+    the values and the gradient of autograd through the whole ``[N, V]`` logits (float64)."""
+    torch.manual_seed(0)
+    head = LMHead(nn.Linear(6, 11, dtype=torch.float64).requires_grad_(False), scale, softcap)
+    hidden = (3 * torch.randn(10, 6, dtype=torch.float64)).requires_grad_(True)
+    targets = torch.randint(0, 11, (10,))
+    weights = torch.rand(10, dtype=torch.float64)
+    z = head.module(hidden) * scale
+    z = z if softcap is None else softcap * torch.tanh(z / softcap)
+    ref = F.cross_entropy(z, targets, reduction="none")
+    ref_grad = torch.autograd.grad((ref * weights).sum(), hidden)[0]
+    nll = response_nll(hidden, targets, head, rows=3)
+    grad = torch.autograd.grad((nll * weights).sum(), hidden)[0]
+    torch.testing.assert_close(nll.double(), ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-9)
+
+
+def test_loss_memory_grows_with_response_tokens_not_vocabulary():
+    """Peak bytes allocated by the loss on 512 response tokens of a 4096-word vocabulary: a few chunks of logits
+    and the ``[N, H]`` rows, far below the ``[N, V]`` fp32 logits (8 MiB) the full-logits loss holds."""
+    torch.manual_seed(0)
+    head = LMHead(nn.Linear(16, 4096).requires_grad_(False))
+    hidden = torch.randn(512, 16, requires_grad=True)
+    targets = torch.randint(0, 4096, (512,))
+    full = measured_peak_bytes(lambda: F.cross_entropy(head.logits(hidden), targets).backward(), hidden.device)
+    ours = measured_peak_bytes(lambda: response_nll(hidden, targets, head, rows=64).mean().backward(),
+                               hidden.device)
+    assert full > 512 * 4096 * 4
+    assert ours < 6 * 64 * 4096 * 4 + 4 * hidden.numel() * 4 < full / 2
+
+
+def test_an_architecture_with_other_logits_is_refused():
+    net = copy.deepcopy(lm_task().loaded.net)
+    check_lm_head(net, "tiny-llama")
+    net.config.logit_scale = 2.0  # read by LMHead.of, ignored by LLaMA's forward: the logits would differ
+    with pytest.raises(ValueError, match=r"task.model = 'tiny-llama': its logits are not its output embeddings"):
+        check_lm_head(net, "tiny-llama")
+
+
+# -- host reads and dispatched operations per step -------------------------------------------------------------
+HOST_READS = ("aten::item", "aten::_local_scalar_dense")
+
+
+def profiled_ops(step) -> collections.Counter:
+    """The aten operations one call of ``step`` dispatches (after a warm-up call), counting a multi-tensor
+    (``_foreach_*``, ``_fused_*``) operation once: on CUDA it is one kernel, on the CPU a loop over its tensors."""
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+
+    def inside_multi_tensor(e) -> bool:
+        p = e.cpu_parent
+        while p is not None:
+            if p.name.startswith(("aten::_foreach_", "aten::_fused_")):
+                return True
+            p = p.cpu_parent
+        return False
+
+    return collections.Counter(e.name for e in prof.events() if e.name.startswith(("aten::", "Optimizer.step"))
+                               and not inside_multi_tensor(e))
+
+
+def lm_simulation(*sets: str) -> Simulation:
+    return Simulation(load_config("tiny-lm", ["task.options.eval_generate=0", *sets]), task=lm_task())
+
+
+def fit_run(sim: Simulation, client: int = 0, model=None) -> FitRun:
+    """FedIT's local fit of ``client`` on ``model`` (default: the simulation's), ready to step."""
+    model = model or sim.model
+    sim.method.load_global(model, sim.server)
+    params = sim.method.trainable(model, ("A", "B"))
+    model.set_trainable(params)
+    trainer = LocalTrainer(sim.task, sim.parts[client % len(sim.parts)], sim.cfg.train, client, 1, 2, 0)
+    return FitRun(trainer, model, params)
+
+
+def plain_peft_step(task, batch, kernel: str = "loop"):
+    """A plain peft + torch step on ``batch``: LoRA r = 2 on q/v, the model's own loss, clipping, AdamW."""
+    from peft import LoraConfig, get_peft_model
+
+    net = get_peft_model(copy.deepcopy(task.loaded.net), LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                                                                  target_modules=["q_proj", "v_proj"])).train()
+    trained = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-3, **({"fused": True} if kernel == "fused" else {}))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        net(**batch).loss.backward()
+        nn.utils.clip_grad_norm_(trained, 1.0)
+        opt.step()
+    return net, step
+
+
+@pytest.mark.parametrize("kernel", ["loop"])
+def test_a_local_step_reads_the_device_no_more_than_a_plain_peft_step(kernel):
+    """Our client step (FedIT, clipping) makes no more host reads of tensors than a plain peft step with the same
+    optimizer kernel; with the fused kernel (CUDA's) only the model's own forward reads (transformers' mask
+    checks): the loss, its count of response tokens, clipping and the optimizer read nothing."""
+    sim = lm_simulation("train.max_grad_norm=1.0")
+    run = fit_run(sim)
+    batch = sim.task.batch(sim.parts[0][:4])
+    run.batches = iter([batch] * 2)
+    ours = profiled_ops(run.train_step)
+    net, plain_step = plain_peft_step(sim.task, batch, kernel)
+    plain = profiled_ops(plain_step)
+    forward = profiled_ops(lambda: net(**batch))
+    assert sum(ours[k] for k in HOST_READS) <= sum(plain[k] for k in HOST_READS)
+    if kernel == "fused":
+        assert sum(ours[k] for k in HOST_READS) == sum(forward[k] for k in HOST_READS)

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -92,6 +92,29 @@ def to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def measured_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak bytes of tensors allocated on ``device`` while ``fn()`` runs, above what was allocated before: CUDA's
+    allocator statistics, or on the CPU the allocation events of the torch profiler (``profile_memory``)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    peak = held = 0
+    for e in events:
+        held += e.nbytes()
+        peak = max(peak, held)
+    return peak
+
+
 def to_host(obj: Any) -> Any:
     """:func:`to_device` to the CPU, detached: where messages and states live."""
     if isinstance(obj, torch.Tensor):
@@ -105,5 +128,5 @@ def to_host(obj: Any) -> Any:
     return obj
 
 
-__all__ = ["DEVICES", "DTYPES", "autocast", "check_device_spec", "check_dtype", "grad_scaler", "module_device",
-           "resolve_device", "to_device", "to_host"]
+__all__ = ["DEVICES", "DTYPES", "autocast", "check_device_spec", "check_dtype", "grad_scaler",
+           "measured_peak_bytes", "module_device", "resolve_device", "to_device", "to_host"]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..adapters.model import AdaptedModel
+from ..device import to_device
 from ..adapters.targets import default_targets, resolve_targets
 
 
@@ -84,6 +85,11 @@ class Task:
         """The training examples at ``indices`` as one batch."""
         raise NotImplementedError
 
+    def device_batch(self, batch: Any, device: torch.device) -> Any:
+        """``batch`` as a training step on ``device`` uses it: every tensor moved there (default). A task may keep
+        on the host what only the host reads, so that a step never waits for the device to read it back."""
+        return to_device(batch, device)
+
     def loss(self, net: nn.Module, batch: Any) -> Tensor:
         """Scalar training loss of ``net`` on ``batch`` (with autograd)."""
         raise NotImplementedError
@@ -99,7 +105,8 @@ class Task:
         raise NotImplementedError(f"task {self.name!r} cannot join batches")
 
     def output(self, net: nn.Module, batch: Any) -> Tensor:
-        """What the loss reads from the network, row ``i`` for example ``i``: ``[B, ...]``."""
+        """What the loss reads from the network, row ``i`` for example ``i``: ``[B, ...]`` (logits; a causal LM's
+        summed response log-likelihoods)."""
         raise NotImplementedError(f"task {self.name!r} cannot join batches")
 
     def output_loss(self, out: Tensor, batch: Any) -> Tensor:
@@ -177,6 +184,9 @@ class ValidationView(Task):
 
     def batch(self, indices: np.ndarray) -> Any:
         return self.task.batch(indices)
+
+    def device_batch(self, batch: Any, device: torch.device) -> Any:
+        return self.task.device_batch(batch, device)
 
     def loss(self, net: nn.Module, batch: Any) -> Tensor:
         return self.task.loss(net, batch)

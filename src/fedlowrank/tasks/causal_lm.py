@@ -6,6 +6,11 @@
 * **Truncation** at ``task.max_length`` tokens keeps the start; the examples cut, and those whose response was
   cut entirely (no loss tokens left), are counted in :meth:`CausalLM.describe` and logged.
 * **Batches** are padded on the right to the batch's longest example (dynamic padding).
+* **Loss without full logits**: the network's last hidden states are gathered at the positions whose next token
+  is a response token, and only those go through the language-model head, in chunks, with the cross-entropy
+  accumulated in fp32 (:func:`response_nll`): memory ∝ response tokens × hidden, never batch × length ×
+  vocabulary. The positions are found on the host, where the labels stay (:meth:`CausalLM.device_batch`), so a
+  step never waits for the device.
 * **Evaluation**: token loss and perplexity on the responses of a fixed seeded subset of the test split
   (``eval_examples``), and, when ``eval_generate`` > 0, the exact match of the final number of greedy generations
   (batched with left padding and the KV cache, ``max_new_tokens``, stopping at EOS) on a fixed seeded subset of
@@ -105,15 +110,10 @@ def collate(examples: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded batch: ``input_ids``, ``attention_mask`` and ``labels`` (-100 on prompt and padding), each
     ``[B, T]`` with T the longest example."""
     width = max(len(e.ids) for e in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, e in enumerate(examples):
-        n = len(e.ids)
-        ids[i, :n] = torch.tensor(e.ids)
-        mask[i, :n] = 1
-        labels[i, e.prompt_len:n] = torch.tensor(e.ids[e.prompt_len:], dtype=torch.long)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    rows = [(e.ids, len(e.ids), width - len(e.ids), e.prompt_len) for e in examples]
+    return {"input_ids": torch.tensor([ids + [pad_id] * pad for ids, _, pad, _ in rows]),
+            "attention_mask": torch.tensor([[1] * n + [0] * pad for _, n, pad, _ in rows]),
+            "labels": torch.tensor([[IGNORE] * p + ids[p:] + [IGNORE] * pad for ids, _, pad, p in rows])}
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,15 +127,94 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
     return ids, mask
 
 
-def response_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed next-token negative log-likelihood over labelled positions and their count.
+LOGITS_CHUNK_ELEMENTS = 2**26  # fp32 logits computed at once by response_nll (256 MiB)
 
-    ``logits: [B, T, V]`` predicts token t+1 at position t; ``labels: [B, T]`` with -100 where there is no loss.
-    """
+
+@dataclass
+class LMHead:
+    """What turns a last hidden state ``[.., H]`` into logits ``[.., V]``: ``softcap·tanh(scale·module(h)/softcap)``
+    (``softcap`` None: no capping), ``module`` the network's output embeddings (``lm_head``)."""
+
+    module: nn.Module
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, net: nn.Module) -> "LMHead":
+        """The head of a ``*ForCausalLM`` (or a peft model of one): its output embeddings and the config's logit
+        scaling (``logit_scale``, ``1/logits_scaling``) and soft-capping (``final_logit_softcapping``)."""
+        config = net.config
+        scale = float(getattr(config, "logit_scale", None) or 1.0) / float(getattr(config, "logits_scaling", None)
+                                                                           or 1.0)
+        return cls(net.get_output_embeddings(), scale, getattr(config, "final_logit_softcapping", None))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, V]`` of ``hidden: [n, H]``, at least fp32 (the head's product in its own dtype)."""
+        z = self.module(hidden)
+        z = z.to(torch.promote_types(z.dtype, torch.float32))
+        if self.scale != 1.0:
+            z = z * self.scale
+        return z if self.softcap is None else self.softcap * torch.tanh(z / self.softcap)
+
+
+class _ResponseNLL(torch.autograd.Function):
+    """Per-row cross-entropy of ``head.logits(hidden)`` against ``targets``, ``rows`` at a time. When ``hidden``
+    needs a gradient, each chunk's ``∂nll/∂hidden`` is computed right after its forward, so that no chunk's logits
+    outlive it; backward only scales these rows by the incoming gradient. The head gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, head: LMHead, rows: int):
+        nll = hidden.new_empty(len(hidden), dtype=torch.promote_types(hidden.dtype, torch.float32))
+        grad = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        for start in range(0, len(hidden), rows):
+            part = slice(start, start + rows)
+            with torch.enable_grad():
+                h = hidden[part].detach().requires_grad_(grad is not None)
+                chunk = F.cross_entropy(head.logits(h), targets[part], reduction="none")
+                if grad is not None:
+                    grad[part] = torch.autograd.grad(chunk.sum(), h)[0]
+            nll[part] = chunk.detach()
+        ctx.save_for_backward(grad)
+        return nll
+
+    @staticmethod
+    def backward(ctx, grad_nll):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_nll[:, None].to(grad.dtype), None, None, None
+
+
+def response_nll(hidden: torch.Tensor, targets: torch.Tensor, head: LMHead, rows: int | None = None) -> torch.Tensor:
+    """Next-token negative log-likelihoods ``[N]`` (at least fp32) of ``targets: [N]`` from the last hidden states that
+    predict them, ``hidden: [N, H]``, through ``head``, ``rows`` at a time (default: as many as make
+    :data:`LOGITS_CHUNK_ELEMENTS` logits). The head's parameters never get a gradient."""
+    if any(p.requires_grad for p in head.module.parameters()):
+        raise ValueError("response_nll: the language-model head is frozen in causal-LM tuning; its parameters "
+                         "must not require a gradient")
+    rows = rows or max(1, LOGITS_CHUNK_ELEMENTS // head.module.weight.shape[0])
+    return _ResponseNLL.apply(hidden, targets, head, rows)
+
+
+@torch.no_grad()
+def check_lm_head(net: nn.Module, spec: str) -> None:
+    """That :class:`LMHead` gives the network's own logits (on 8 tokens), or one line naming ``task.model``: the
+    response-only loss computes logits from the decoder's last hidden state itself."""
+    ids = torch.arange(3, 11)[None] % net.get_input_embeddings().num_embeddings
+    full = net(input_ids=ids).logits[0].float()
+    ours = LMHead.of(net).logits(net.get_decoder()(input_ids=ids).last_hidden_state[0])
+    if not torch.allclose(ours, full, rtol=1e-4, atol=1e-4 * float(full.abs().max())):
+        raise ValueError(f"task.model = {spec!r}: its logits are not its output embeddings of the decoder's last "
+                         f"hidden state (scaled by logit_scale or 1/logits_scaling, soft-capped by "
+                         f"final_logit_softcapping), which the response-only loss computes; this architecture is "
+                         f"not supported by task.kind = 'causal-lm'")
+
+
+def response_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where a batch's loss is, from its labels ``[B, T]`` (on the host: no device synchronisation): the flat
+    indices ``b·T + t`` ``[N]`` of the positions t whose next token is a response token, those tokens ``[N]`` and
+    their rows b ``[N]``."""
     target = labels[:, 1:]
-    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE,
-                          reduction="sum")
-    return nll, int((target != IGNORE).sum())
+    rows, cols = (target != IGNORE).nonzero(as_tuple=True)
+    return rows * labels.shape[1] + cols, target[rows, cols], rows
 
 
 @torch.no_grad()
@@ -204,6 +283,7 @@ class CausalLM(Task):
         self.generation_batch_size = generation_batch_size
         self.write_generations = write_generations
         self.loaded = load_model(model, "causal-lm")
+        check_lm_head(self.loaded.net, model)
         self.tokenizer = self.loaded.tokenizer
         tok = self.tokenizer
         self.train = [encode_example(tok, p, r, max_length) for p, r in zip(data.train_prompts, data.train_responses)]
@@ -249,24 +329,35 @@ class CausalLM(Task):
     def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         return collate([self.train[int(i)] for i in indices], self.tokenizer.pad_token_id)
 
-    def _forward(self, net: nn.Module, batch: dict[str, torch.Tensor], **kwargs):
+    def device_batch(self, batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+        """The token ids and mask on ``device``; the labels stay on the host, where :meth:`output` finds the
+        response positions without waiting for the device."""
+        return {k: v if k == "labels" else v.to(device) for k, v in batch.items()}
+
+    def hidden_states(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """The last hidden states ``[B, T, H]`` (after the final norm) of the network's decoder, without the
+        language-model head."""
         dev = module_device(net)
-        return net(input_ids=batch["input_ids"].to(dev), attention_mask=batch["attention_mask"].to(dev), **kwargs)
+        return net.get_decoder()(input_ids=batch["input_ids"].to(dev),
+                                 attention_mask=batch["attention_mask"].to(dev)).last_hidden_state
 
     def loss(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        """Mean next-token cross-entropy over the batch's response tokens (0 with no gradient when the batch
-        has none left after truncation)."""
+        """Mean next-token cross-entropy over the batch's response tokens (0 when the batch has none left after
+        truncation)."""
         return self.output_loss(self.output(net, batch), batch)
 
     def output(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        """Logits ``[B, T, V]``."""
-        return self._forward(net, batch).logits
+        """Each example's summed response negative log-likelihood and its number of response tokens, ``[B, 2]``
+        (fp32): the head only at the response positions (:func:`response_nll`)."""
+        hidden = self.hidden_states(net, batch)
+        flat, targets, rows = (t.to(hidden.device) for t in response_positions(batch["labels"]))
+        nll = response_nll(hidden.flatten(0, 1).index_select(0, flat), targets, LMHead.of(net))
+        return nll.new_zeros(len(hidden), 2).index_add(0, rows, torch.stack([nll, torch.ones_like(nll)], 1))
 
     def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        """:meth:`loss` from logits ``[B, T', V]``, ``T' ≥ T`` (the positions past the batch's own are padding)."""
-        labels = batch["labels"].to(out.device)
-        nll, count = response_nll(out[:, :labels.shape[1]], labels)
-        return nll / max(count, 1)
+        """:meth:`loss` from the batch's rows of :meth:`output` ``[B, 2]``: read on the device, never on the host."""
+        total = out.sum(0)
+        return total[0] / total[1].clamp_min(1)
 
     def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[slice]]:
         """Right padding as in :func:`collate`: the pad token, mask 0, label -100."""
@@ -275,21 +366,21 @@ class CausalLM(Task):
 
     def features(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """``[B, d]`` last hidden state averaged over each example's tokens (padding excluded)."""
-        hidden = self._forward(net, batch, output_hidden_states=True).hidden_states[-1]
+        hidden = self.hidden_states(net, batch)
         mask = batch["attention_mask"].to(hidden.device).unsqueeze(-1).to(hidden.dtype)
         return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
 
     @torch.no_grad()
     def _token_loss(self, net: nn.Module, examples: list[Encoded]) -> dict[str, float]:
-        """Mean cross-entropy over the response tokens of ``examples`` (length-sorted) and its perplexity."""
+        """Mean cross-entropy over the response tokens of ``examples`` (length-sorted) and its perplexity; the
+        sum stays on the device until the end."""
         net.eval()
-        total, count = 0.0, 0
+        total = torch.zeros(2, dtype=torch.float64, device=module_device(net))  # summed nll, response tokens
         for start in range(0, len(examples), self.eval_batch_size):
-            batch = collate(examples[start:start + self.eval_batch_size], self.tokenizer.pad_token_id)
-            logits = self._forward(net, batch).logits
-            nll, n = response_nll(logits, batch["labels"].to(logits.device))
-            total, count = total + float(nll), count + n
-        loss = total / max(count, 1)
+            total += self.output(net, collate(examples[start:start + self.eval_batch_size],
+                                              self.tokenizer.pad_token_id)).sum(0)
+        nll, count = total.tolist()
+        loss = nll / max(count, 1)
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
 
     def evaluate_examples(self, net: nn.Module, indices: np.ndarray) -> dict[str, float]:

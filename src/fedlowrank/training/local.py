@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..device import autocast, grad_scaler, module_device, to_device
+from ..device import autocast, grad_scaler, module_device
 from ..privacy.dpsgd import private_step_gradients
 from ..seeding import derive_seed, numpy_rng
 
@@ -160,23 +160,7 @@ class LocalTrainer:
         run = FitRun(self, model, params, corrections, optimizer)
         t0 = time.perf_counter()
         for step in range(run.steps):
-            batch = run.next_batch()
-            run.opt.zero_grad(set_to_none=True)
-            if self.dpsgd is not None:
-                if run.scaler is not None:
-                    raise ValueError("privacy.dpsgd: train.dtype = 'fp16' is not supported (its loss scaler would "
-                                     "rescale the noisy gradient); use bf16 or fp32")
-                with autocast(run.device, self.cfg.dtype):
-                    loss = private_step_gradients(run.net, self.task, params, batch, self.dpsgd)
-                if any(c.loss(params, run.net, batch, self.task) is not None for c in corrections):
-                    raise ValueError("privacy.dpsgd: corrections that add a loss term (fedprox, moon) are not "
-                                     "supported (their gradient would not be clipped per example)")
-            else:
-                with autocast(run.device, self.cfg.dtype):
-                    loss = self.task.loss(run.net, batch)
-                    total = run.with_corrections(loss, batch)
-                run.scaled(total).backward()
-            run.step(loss)
+            run.train_step()
             if self.on_step is not None:
                 self.on_step(step + 1, run.steps)
         self.compute_seconds += time.perf_counter() - t0
@@ -213,8 +197,29 @@ class FitRun:
         self.batches = trainer.batches()
         self.losses: list[torch.Tensor] = []
 
+    def train_step(self) -> None:
+        """One local step alone: :meth:`next_batch`, ``zero_grad``, the task loss plus the corrections' terms and
+        backward (with ``privacy.dpsgd``: the noisy mean of clipped per-example gradients instead), :meth:`step`."""
+        trainer, batch = self.trainer, self.next_batch()
+        self.opt.zero_grad(set_to_none=True)
+        if trainer.dpsgd is not None:
+            if self.scaler is not None:
+                raise ValueError("privacy.dpsgd: train.dtype = 'fp16' is not supported (its loss scaler would "
+                                 "rescale the noisy gradient); use bf16 or fp32")
+            with autocast(self.device, trainer.cfg.dtype):
+                loss = private_step_gradients(self.net, trainer.task, self.params, batch, trainer.dpsgd)
+            if any(c.loss(self.params, self.net, batch, trainer.task) is not None for c in self.corrections):
+                raise ValueError("privacy.dpsgd: corrections that add a loss term (fedprox, moon) are not "
+                                 "supported (their gradient would not be clipped per example)")
+        else:
+            with autocast(self.device, trainer.cfg.dtype):
+                loss = trainer.task.loss(self.net, batch)
+                total = self.with_corrections(loss, batch)
+            self.scaled(total).backward()
+        self.step(loss)
+
     def next_batch(self):
-        return to_device(next(self.batches), self.device)
+        return self.trainer.task.device_batch(next(self.batches), self.device)
 
     def with_corrections(self, loss: torch.Tensor, batch) -> torch.Tensor:
         """``loss`` plus the corrections' loss terms on this client's network and ``batch`` (FedProx, MOON)."""
@@ -243,10 +248,10 @@ class FitRun:
         else:
             self.scaler.step(self.opt)
             self.scaler.update()
-        self.losses.append(loss.detach())  # read at the end: no device synchronisation per step
+        self.losses.append(loss.detach())  # read once in finish: no device synchronisation per step
 
     def finish(self) -> FitResult:
         """The fit's :class:`FitResult`; the network back in eval mode."""
         self.net.eval()
-        loss = float(np.mean([float(x) for x in self.losses])) if self.losses else float("nan")
+        loss = float(np.mean(torch.stack(self.losses).tolist())) if self.losses else float("nan")  # one read
         return FitResult(loss=loss, steps=self.steps, lr=self.lr, head_lr=self.head_lr)
