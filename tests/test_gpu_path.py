@@ -19,10 +19,13 @@ from fedlowrank.adapters.gram import GramLinear
 from fedlowrank.adapters.lora import LoRALinear
 from fedlowrank.config import load_config
 from fedlowrank.device import measured_peak_bytes
+from fedlowrank.runtime import cohort
+from fedlowrank.runtime.cohort import FitRequest, JointFit
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks import build_task
 from fedlowrank.tasks.causal_lm import IGNORE, LMHead, check_lm_head, response_nll
-from fedlowrank.training.local import FitRun, LocalTrainer
+from fedlowrank.training import local
+from fedlowrank.training.local import OPTIMIZERS, FitRun, LocalTrainer, TrainConfig, make_optimizer
 
 
 # -- every tensor an adapter makes follows the module's device ------------------------------------------------
@@ -223,11 +226,12 @@ def plain_peft_step(task, batch, kernel: str = "loop"):
     return net, step
 
 
-@pytest.mark.parametrize("kernel", ["loop"])
-def test_a_local_step_reads_the_device_no_more_than_a_plain_peft_step(kernel):
+@pytest.mark.parametrize("kernel", ["loop", "fused"])
+def test_a_local_step_reads_the_device_no_more_than_a_plain_peft_step(kernel, monkeypatch):
     """Our client step (FedIT, clipping) makes no more host reads of tensors than a plain peft step with the same
     optimizer kernel; with the fused kernel (CUDA's) only the model's own forward reads (transformers' mask
     checks): the loss, its count of response tokens, clipping and the optimizer read nothing."""
+    monkeypatch.setattr(local, "optimizer_kernel", lambda device: kernel)
     sim = lm_simulation("train.max_grad_norm=1.0")
     run = fit_run(sim)
     batch = sim.task.batch(sim.parts[0][:4])
@@ -239,3 +243,42 @@ def test_a_local_step_reads_the_device_no_more_than_a_plain_peft_step(kernel):
     assert sum(ours[k] for k in HOST_READS) <= sum(plain[k] for k in HOST_READS)
     if kernel == "fused":
         assert sum(ours[k] for k in HOST_READS) == sum(forward[k] for k in HOST_READS)
+
+
+def test_a_cohort_step_dispatches_at_most_1_5x_the_operations_of_one_member(monkeypatch):
+    """One joint step of 8 members against one of a single member (the same tiny-llama batches, CUDA's fused
+    optimizer kernel): the per-member work is a few operations, and the optimizer steps once for everyone."""
+    monkeypatch.setattr(cohort, "optimizer_kernel", lambda device: "fused")
+    sim = lm_simulation()
+    counts = {}
+    for size in (1, 8):
+        runs = [fit_run(sim, k, sim.model.shared_copy()) for k in range(size)]
+        requests = [FitRequest(run.trainer, run.model, run.params, [], None) for run in runs]
+        fit = JointFit(sim.model, requests, seed=0)
+        steps = iter(range(10))
+        counts[size] = profiled_ops(lambda: fit.step(next(steps)))
+        assert counts[size]["Optimizer.step#AdamW.step"] == 1
+    total = {size: sum(v for k, v in c.items() if k.startswith("aten::")) for size, c in counts.items()}
+    assert total[8] <= 1.5 * total[1], total
+
+
+# -- fused and multi-tensor optimizer steps ---------------------------------------------------------------------
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("kernel", ["foreach", "fused"])
+def test_fused_and_foreach_steps_equal_the_loop(optimizer, kernel):
+    """Five steps of two parameter groups (different learning rates, weight decay) from the same gradients."""
+    cfg = TrainConfig(optimizer=optimizer, weight_decay=0.01)
+    torch.manual_seed(0)
+    start = [torch.randn(4, 3), torch.randn(5), torch.randn(2, 2)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(5)]
+    finals = []
+    for k in ("loop", kernel):
+        params = [nn.Parameter(p.clone()) for p in start]
+        opt = make_optimizer(cfg, [{"params": params[:2], "lr": 0.01}, {"params": params[2:], "lr": 0.003}], k)
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step()
+        finals.append(params)
+    for ours, ref in zip(*finals):
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)

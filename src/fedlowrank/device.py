@@ -71,6 +71,16 @@ def grad_scaler(device: torch.device, dtype: str) -> torch.amp.GradScaler | None
     return torch.amp.GradScaler(device.type) if dtype == "fp16" else None
 
 
+OPTIMIZER_KERNELS = ("loop", "foreach", "fused")
+
+
+def optimizer_kernel(device: torch.device) -> str:
+    """How optimizers step on ``device`` (:data:`OPTIMIZER_KERNELS`): ``fused`` on CUDA (one kernel for every
+    parameter, with the step counts on the device: no host reads); on the CPU torch's loop over the tensors,
+    which keeps CPU runs bit-identical to those of earlier versions."""
+    return "fused" if device.type == "cuda" else "loop"
+
+
 def module_device(module: nn.Module) -> torch.device:
     """The device of a module's first parameter (CPU for a module without parameters)."""
     for p in module.parameters():
@@ -128,5 +138,5 @@ def to_host(obj: Any) -> Any:
     return obj
 
 
-__all__ = ["DEVICES", "DTYPES", "autocast", "check_device_spec", "check_dtype", "grad_scaler",
-           "measured_peak_bytes", "module_device", "resolve_device", "to_device", "to_host"]
+__all__ = ["DEVICES", "DTYPES", "OPTIMIZER_KERNELS", "autocast", "check_device_spec", "check_dtype", "grad_scaler",
+           "measured_peak_bytes", "module_device", "optimizer_kernel", "resolve_device", "to_device", "to_host"]

@@ -85,9 +85,10 @@ class LoRALinear(AdaptedLinear):
         if isinstance(members[0].base, nn.Conv2d) or not all(isinstance(m.dropout, nn.Identity) for m in members):
             return None
         r = max(m.rank for m in members)
-        A = torch.stack([F.pad(m.lora_A, (0, 0, 0, r - m.rank)) for m in members])   # [K, r, in]
-        B = torch.stack([F.pad(m.lora_B, (0, r - m.rank)) for m in members])         # [K, out, r]
-        out = torch.bmm(torch.bmm(x.reshape(len(members), -1, x.shape[-1]), A.mT), B.mT)   # [K, n·…, out]
+        A = torch.stack([m.lora_A if m.rank == r else F.pad(m.lora_A, (0, 0, 0, r - m.rank)) for m in members])
+        B = torch.stack([m.lora_B if m.rank == r else F.pad(m.lora_B, (0, r - m.rank)) for m in members])
+        # A: [K, r, in], B: [K, out, r]
+        out = torch.bmm(torch.bmm(x.reshape(len(members), -1, x.shape[-1]), A.mT), B.mT)  # [K, n·…, out]
         scales = {m.scale for m in members}
         if len(scales) == 1:
             out = scales.pop() * out

@@ -10,15 +10,18 @@ steps are shared:
 1. **Rendezvous** (:func:`run_together`): each member's ``client_update`` runs in a worker thread that runs only
    while the caller waits for it (one thread at a time, in member order: deterministic). It stops at its first
    ``trainer.fit(...)`` (:class:`CohortTrainer`) and hands over the arguments, a :class:`FitRequest`.
-2. **Joint loop** (:func:`joint_fit`): every step, each member's next minibatch (from its own stream) is joined
+2. **Joint loop** (:class:`JointFit`): every step, each member's next minibatch (from its own stream) is joined
    into one batch (:meth:`Task.join_batches`: rows in member order, sequences padded), one forward runs through
    the shared backbone with every adapted target and the head routing member k's rows through member k's own
    modules (:meth:`AdaptedModel.routed`: the shared ``W0`` multiplies all rows at once, and LoRA's paths run as
-   products batched over the members when they have as many rows each), and one backward of ``Σₖ (lossₖ + correction termsₖ)`` puts each
-   member's gradient on its own parameters. Then each member does exactly what :meth:`LocalTrainer.fit` does after
-   backward (:class:`~fedlowrank.training.local.FitRun`): its gradient clipping, its corrections' ``grad`` hooks
-   (SCAFFOLD, ILoRA-S), its optimizer step. A member whose steps are done (fewer examples with
-   ``train.local_epochs``) leaves the joint batch.
+   products batched over the members when they have as many rows each), the members' losses come out together
+   (:meth:`Task.output_losses`), and one backward of ``Σₖ (lossₖ + correction termsₖ)`` puts each member's
+   gradient on its own parameters. Then each member does what :meth:`LocalTrainer.fit` does after backward
+   (:meth:`~fedlowrank.training.local.FitRun.final_gradients`): its gradient clipping, its corrections' ``grad``
+   hooks (SCAFFOLD, ILoRA-S); and one optimizer step updates every member (:func:`joint_optimizer`: each
+   parameter keeps its own state, so it equals the members' own steps). A member whose steps are done (fewer
+   examples with ``train.local_epochs``) leaves the joint batch. The losses are read from the device once, at
+   the end.
 3. Each member's ``client_update`` then goes on from ``fit``'s result to its reply and new state, alone.
 
 A member that never calls ``fit`` just runs alone, and so does a second ``fit`` of a member, or a cohort left with
@@ -47,11 +50,11 @@ import torch
 from torch import nn
 
 from ..adapters.model import AdaptedModel
-from ..device import autocast, module_device
+from ..device import autocast, module_device, optimizer_kernel
 from ..message import Message, State
 from ..methods.base import Method
 from ..seeding import derive_seed
-from ..training.local import FitResult, FitRun, LocalTrainer, OptimizerFactory
+from ..training.local import FitResult, FitRun, LocalTrainer, OptimizerFactory, make_optimizer
 from .engine import client_update
 
 
@@ -171,45 +174,98 @@ def run_together(jobs: list[Callable[[Member], Any]],
     return [m.result for m in members]
 
 
+class JointFit:
+    """The joint local steps of a cohort's fit requests on ``model`` (whose frozen tensors the requests' models
+    share): each step joins the active members' next batches, runs one forward and one backward, then each
+    member's :meth:`~FitRun.final_gradients` (clipping, corrections) and one optimizer step for all of them
+    (:func:`joint_optimizer`)."""
+
+    def __init__(self, model: AdaptedModel, requests: list[FitRequest], seed: int):
+        for r in requests:
+            own = {id(p) for p in r.model.own_parameters()}
+            bad = [k for k, p in r.params.items() if id(p) not in own]
+            if bad:
+                raise RuntimeError(f"a cohort member trains {bad[0]!r}, neither an adapter's nor the head's "
+                                   f"parameter: its method must not declare supports_cohorts")
+        self.model, self.trainers = model, [r.trainer for r in requests]
+        self.task, self.cfg = self.trainers[0].task, self.trainers[0].cfg
+        torch.manual_seed(derive_seed(seed, "cohort-dropout", self.trainers[0].rnd, *(t.client for t in self.trainers)))
+        self.runs = [FitRun(r.trainer, r.model, r.params, r.corrections, r.optimizer) for r in requests]
+        self.opt = joint_optimizer(self.runs)
+        self.net = model.net
+        self.net.train()
+        self.device = module_device(self.net)
+        self.steps = max(run.steps for run in self.runs)
+        self.losses: list[tuple[list[int], torch.Tensor]] = []  # per step: the members that stepped, their losses
+
+    def step(self, step: int) -> None:
+        """Joint step ``step`` (0-based) of the members that have steps left."""
+        members = [i for i, run in enumerate(self.runs) if step < run.steps]
+        active = [self.runs[i] for i in members]
+        batches = [run.next_batch() for run in active]
+        for opt in [self.opt] if self.opt is not None else [run.opt for run in active]:
+            opt.zero_grad(set_to_none=True)
+        joined, rows = self.task.join_batches(batches)
+        with self.model.routed([run.model for run in active], rows):  # backward too: checkpointed layers rerun
+            with autocast(self.device, self.cfg.dtype):
+                out = self.task.output(self.net, joined)
+                losses = self.task.output_losses(out, rows, batches)                     # [K]
+                terms = [run.correction_terms(batch) for run, batch in zip(active, batches)]
+            if any(run.scaler is not None for run in active):
+                total = sum(run.scaled(losses[i] + sum(t)) for i, (run, t) in enumerate(zip(active, terms)))
+            else:
+                total = sum((x for t in terms for x in t), losses.sum())
+            total.backward()
+        self.losses.append((members, losses.detach()))
+        for run in active:
+            run.final_gradients()
+            if self.opt is None:
+                run.optimizer_step()
+        if self.opt is not None:
+            self.opt.step()
+
+    def finish(self) -> list[FitResult]:
+        """Each member's :class:`FitResult`; the step losses read from the device at once."""
+        values = torch.cat([x for _, x in self.losses]).tolist() if self.losses else []
+        per_member: list[list[float]] = [[] for _ in self.runs]
+        at = 0
+        for members, x in self.losses:
+            for i in members:
+                per_member[i].append(values[at])
+                at += 1
+        self.net.eval()
+        return [run.finish(losses) for run, losses in zip(self.runs, per_member)]
+
+
+def joint_optimizer(runs: list[FitRun]) -> torch.optim.Optimizer | None:
+    """One ``train.optimizer`` over every member's parameters, its groups those of the members merged by learning
+    rate: each parameter keeps its own state (an update is elementwise), so one multi-tensor step equals the
+    members' own steps. ``None`` when a member needs its own optimizer step: a method's own optimizer, or fp16's
+    loss scaler (which skips the step of a member whose gradients overflowed)."""
+    if any(run.factory is not None or run.scaler is not None for run in runs):
+        return None
+    merged: dict[float, list[nn.Parameter]] = {}
+    for run in runs:
+        for group in run.groups:
+            merged.setdefault(group["lr"], []).extend(group["params"])
+    groups = [{"params": params, "lr": lr} for lr, params in merged.items()]
+    return make_optimizer(runs[0].trainer.cfg, groups, optimizer_kernel(module_device(runs[0].net)))
+
+
 def joint_fit(model: AdaptedModel, requests: list[FitRequest], seed: int,
               on_step: Callable[[int, int], None] | None = None) -> list[FitResult]:
-    """Every request's ``fit`` in one loop of joint steps on ``model`` (whose frozen tensors the requests' models
-    share); ``on_step(step, total)`` after each joint step. Returns each request's :class:`FitResult`."""
-    for r in requests:
-        own = {id(p) for p in r.model.own_parameters()}
-        bad = [k for k, p in r.params.items() if id(p) not in own]
-        if bad:
-            raise RuntimeError(f"a cohort member trains {bad[0]!r}, neither an adapter's nor the head's parameter: "
-                               f"its method must not declare supports_cohorts")
-    trainers = [r.trainer for r in requests]
-    task, cfg = trainers[0].task, trainers[0].cfg
-    torch.manual_seed(derive_seed(seed, "cohort-dropout", trainers[0].rnd, *(t.client for t in trainers)))
-    runs = [FitRun(r.trainer, r.model, r.params, r.corrections, r.optimizer) for r in requests]
-    net = model.net
-    net.train()
-    device = module_device(net)
-    steps = max(run.steps for run in runs)
+    """Every request's ``fit`` in one loop of joint steps on ``model`` (:class:`JointFit`); ``on_step(step,
+    total)`` after each joint step. Returns each request's :class:`FitResult`."""
+    fit = JointFit(model, requests, seed)
     t0 = time.perf_counter()
-    for step in range(steps):
-        active = [run for run in runs if step < run.steps]
-        batches = [run.next_batch() for run in active]
-        for run in active:
-            run.opt.zero_grad(set_to_none=True)
-        joined, rows = task.join_batches(batches)
-        with model.routed([run.model for run in active], rows), autocast(device, cfg.dtype):
-            out = task.output(net, joined)
-            losses = [task.output_loss(out[s], batch) for s, batch in zip(rows, batches)]
-            totals = [run.with_corrections(loss, batch) for run, loss, batch in zip(active, losses, batches)]
-        sum(run.scaled(total) for run, total in zip(active, totals)).backward()
-        for run, loss in zip(active, losses):
-            run.step(loss)
+    for step in range(fit.steps):
+        fit.step(step)
         if on_step is not None:
-            on_step(step + 1, steps)
+            on_step(step + 1, fit.steps)
     elapsed = time.perf_counter() - t0
-    net.eval()
-    for t in trainers:
-        t.compute_seconds += elapsed / len(trainers)
-    return [run.finish() for run in runs]
+    for t in fit.trainers:
+        t.compute_seconds += elapsed / len(fit.trainers)
+    return fit.finish()
 
 
 def cohort_update(method: Method, model: AdaptedModel, views: list[AdaptedModel], msgs: list[Message],
@@ -226,4 +282,5 @@ def cohort_update(method: Method, model: AdaptedModel, views: list[AdaptedModel]
     return run_together(jobs, lambda requests: joint_fit(model, requests, cfg.run.seed, on_step))
 
 
-__all__ = ["cohort_size", "cohort_update", "joint_fit", "run_together", "CohortTrainer", "FitRequest", "Member"]
+__all__ = ["cohort_size", "cohort_update", "joint_fit", "joint_optimizer", "run_together", "CohortTrainer", "FitRequest",
+           "JointFit", "Member"]

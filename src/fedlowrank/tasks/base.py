@@ -43,10 +43,22 @@ def join_padded(batches: list[dict[str, Tensor]], pad: dict[str, int]) -> tuple[
         parts = [b[key] for b in batches]
         if key in pad:
             width = max(t.shape[1] for t in parts)
-            parts = [F.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]), value=pad[key]) for t in parts]
+            parts = [t if t.shape[1] == width else F.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]),
+                                                         value=pad[key]) for t in parts]
         joint[key] = torch.cat(parts)
     ends = np.cumsum([len(b[next(iter(b))]) for b in batches]).tolist()
     return joint, [slice(a, b) for a, b in zip([0, *ends[:-1]], ends)]
+
+
+def member_of_rows(rows: list[slice], device: torch.device) -> Tensor:
+    """``[B]`` the index k of the member whose rows ``rows[k]`` hold each row of a joined batch."""
+    return torch.tensor([k for k, s in enumerate(rows) for _ in range(s.start, s.stop)], device=device)
+
+
+def mean_by_member(values: Tensor, rows: list[slice]) -> Tensor:
+    """``[K]`` the mean of ``values: [B]`` over each member's rows ``rows[k]``."""
+    sums = values.new_zeros(len(rows)).index_add(0, member_of_rows(rows, values.device), values)
+    return sums / torch.tensor([s.stop - s.start for s in rows], dtype=values.dtype, device=values.device)
 
 
 class Task:
@@ -99,6 +111,7 @@ class Task:
         raise NotImplementedError(f"task {self.name!r} does not expose features")
 
     # -- cohorts (supports_cohorts): loss(net, batch) == output_loss(output(net, batch), batch) -------------------
+    # and output_losses(output(net, joined), rows, batches)[k] == output_loss(output(net, batches[k]), batches[k])
     def join_batches(self, batches: list) -> tuple[Any, list[slice]]:
         """Several clients' batches as one batch and each one's rows in it; padding changes no output the loss
         reads (e.g. :func:`join_padded` with the pad token, mask 0, label -100)."""
@@ -112,6 +125,11 @@ class Task:
     def output_loss(self, out: Tensor, batch: Any) -> Tensor:
         """The loss of ``batch`` from its rows of :meth:`output` (longer along a padded dimension when joined)."""
         raise NotImplementedError(f"task {self.name!r} cannot join batches")
+
+    def output_losses(self, out: Tensor, rows: list[slice], batches: list) -> Tensor:
+        """``[K]`` the loss of each of ``batches`` from its rows ``rows[k]`` of the joined batch's :meth:`output`
+        (default: :meth:`output_loss` of each; a task computes them together in a few operations)."""
+        return torch.stack([self.output_loss(out[s], b) for s, b in zip(rows, batches)])
 
     def evaluate(self, net: nn.Module) -> dict[str, float]:
         """Metrics on the global test set, e.g. ``{"accuracy": .., "loss": ..}`` (no autograd)."""
@@ -174,6 +192,9 @@ class ValidationView(Task):
 
     def output_loss(self, out: Tensor, batch: Any) -> Tensor:
         return self.task.output_loss(out, batch)
+
+    def output_losses(self, out: Tensor, rows: list[slice], batches: list) -> Tensor:
+        return self.task.output_losses(out, rows, batches)
 
     @property
     def num_train(self) -> int:

@@ -34,7 +34,7 @@ from torch import nn
 from ..adapters.model import AdaptedModel
 from ..device import module_device
 from ..seeding import numpy_rng
-from .base import Task, adapted_copy, join_padded
+from .base import Task, adapted_copy, join_padded, member_of_rows
 from .instructions import InstructionData
 
 log = logging.getLogger("fedlowrank")
@@ -358,6 +358,11 @@ class CausalLM(Task):
         """:meth:`loss` from the batch's rows of :meth:`output` ``[B, 2]``: read on the device, never on the host."""
         total = out.sum(0)
         return total[0] / total[1].clamp_min(1)
+
+    def output_losses(self, out: torch.Tensor, rows: list[slice], batches: list) -> torch.Tensor:
+        """:meth:`output_loss` of every member at once: ``[K]``."""
+        total = out.new_zeros(len(rows), 2).index_add(0, member_of_rows(rows, out.device), out)
+        return total[:, 0] / total[:, 1].clamp_min(1)
 
     def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[slice]]:
         """Right padding as in :func:`collate`: the pad token, mask 0, label -100."""

@@ -21,7 +21,7 @@ from torch import nn
 from ..adapters.model import AdaptedModel
 from ..device import module_device
 from ..models.loading import NOT_IMAGENET, load_model
-from .base import Task, adapted_copy, join_padded
+from .base import Task, adapted_copy, join_padded, mean_by_member
 from .fmnist_vit import fmnist_vit_folder
 from .image_data import (IMAGE_SOURCES, ImageData, apply_domain, assign_domains, check_domains, load_fashion_mnist,
                          load_hf_images, load_image_folder, subsample_images)
@@ -129,6 +129,10 @@ class ImageClassification(Task):
 
     def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
         return F.cross_entropy(out, batch["labels"])
+
+    def output_losses(self, out: torch.Tensor, rows: list[slice], batches: list) -> torch.Tensor:
+        labels = torch.cat([b["labels"] for b in batches])
+        return mean_by_member(F.cross_entropy(out, labels, reduction="none"), rows)
 
     def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[slice]]:
         return join_padded(batches, {})  # images of one size: nothing to pad

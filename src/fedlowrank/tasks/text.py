@@ -17,7 +17,7 @@ from torch import nn
 from ..adapters.model import AdaptedModel
 from ..device import module_device, to_device
 from ..models.loading import load_model
-from .base import Task, adapted_copy, join_padded
+from .base import Task, adapted_copy, join_padded, mean_by_member
 from .data import TextData
 
 class TextClassification(Task):
@@ -92,6 +92,10 @@ class TextClassification(Task):
 
     def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
         return F.cross_entropy(out, batch["labels"])
+
+    def output_losses(self, out: torch.Tensor, rows: list[slice], batches: list) -> torch.Tensor:
+        labels = torch.cat([b["labels"] for b in batches])
+        return mean_by_member(F.cross_entropy(out, labels, reduction="none"), rows)
 
     def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[slice]]:
         """Token ids padded with the pad token and masks with 0 (right padding: no real token's output changes)."""

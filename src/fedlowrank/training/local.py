@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..device import autocast, grad_scaler, module_device
+from ..device import autocast, grad_scaler, module_device, optimizer_kernel
 from ..privacy.dpsgd import private_step_gradients
 from ..seeding import derive_seed, numpy_rng
 
@@ -84,15 +85,20 @@ class FitResult:
     head_lr: float | None = None  # the head's learning rate when it has its own group (None: ``lr``)
 
 
-def make_optimizer(cfg: TrainConfig, groups: list[dict]) -> torch.optim.Optimizer:
+def make_optimizer(cfg: TrainConfig, groups: list[dict], kernel: str = "loop") -> torch.optim.Optimizer:
+    """``train.optimizer`` over the parameter ``groups`` (each with its ``lr``), stepping with ``kernel``
+    (:data:`~fedlowrank.device.OPTIMIZER_KERNELS`: one tensor at a time, multi-tensor ``foreach`` or ``fused``;
+    the same update to float rounding)."""
+    options = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[kernel]
+    lr = groups[0]["lr"]
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=groups[0]["lr"], weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(groups, lr=lr, weight_decay=cfg.weight_decay, **options)
     if cfg.optimizer == "momentum":
-        return torch.optim.SGD(groups, lr=groups[0]["lr"], momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **options)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(groups, lr=groups[0]["lr"], betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **options)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=groups[0]["lr"], betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **options)
     raise ValueError(f"train.optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
 
 
@@ -180,15 +186,15 @@ class FitRun:
                  optimizer: OptimizerFactory | None = None):
         cfg = trainer.cfg
         self.trainer, self.model, self.params, self.corrections = trainer, model, params, list(corrections)
+        self.factory = optimizer
         self.lr = self.head_lr = trainer.lr
-        if optimizer is not None:
-            self.opt = optimizer(params, self.lr)
-        else:
+        self.groups: list[dict] = []  # the default optimizer's parameter groups (none with a method's own optimizer)
+        if optimizer is None:
             self.head_lr = cfg.lr_at(trainer.rnd, trainer.rounds, cfg.head_lr) if cfg.head_lr else self.lr
             body = [p for k, p in params.items() if not k.startswith("head/")]
             head = [p for k, p in params.items() if k.startswith("head/")]
-            groups = [g for g in ({"params": body, "lr": self.lr}, {"params": head, "lr": self.head_lr}) if g["params"]]
-            self.opt = make_optimizer(cfg, groups)
+            self.groups = [g for g in ({"params": body, "lr": self.lr}, {"params": head, "lr": self.head_lr})
+                           if g["params"]]
         self.net = model.net
         self.net.train()
         self.device = module_device(self.net)
@@ -196,6 +202,15 @@ class FitRun:
         self.steps = trainer.num_steps
         self.batches = trainer.batches()
         self.losses: list[torch.Tensor] = []
+
+    @cached_property
+    def opt(self) -> torch.optim.Optimizer:
+        """This client's optimizer: the method's own (``optimizer``), else ``train.optimizer`` over :attr:`groups`
+        with the device's kernel (:func:`~fedlowrank.device.optimizer_kernel`). Made when first used: a cohort
+        steps its members together (:mod:`fedlowrank.runtime.cohort`)."""
+        if self.factory is not None:
+            return self.factory(self.params, self.lr)
+        return make_optimizer(self.trainer.cfg, self.groups, optimizer_kernel(self.device))
 
     def train_step(self) -> None:
         """One local step alone: :meth:`next_batch`, ``zero_grad``, the task loss plus the corrections' terms and
@@ -222,36 +237,50 @@ class FitRun:
         return self.trainer.task.device_batch(next(self.batches), self.device)
 
     def with_corrections(self, loss: torch.Tensor, batch) -> torch.Tensor:
-        """``loss`` plus the corrections' loss terms on this client's network and ``batch`` (FedProx, MOON)."""
-        total = loss
-        for c in self.corrections:
-            extra = c.loss(self.params, self.net, batch, self.trainer.task)
-            if extra is not None:
-                total = total + extra
-        return total
+        """``loss`` plus the corrections' loss terms (:meth:`correction_terms`)."""
+        return sum(self.correction_terms(batch), loss)
+
+    def correction_terms(self, batch) -> list[torch.Tensor]:
+        """The corrections' loss terms on this client's network and ``batch`` (FedProx, MOON)."""
+        terms = (c.loss(self.params, self.net, batch, self.trainer.task) for c in self.corrections)
+        return [t for t in terms if t is not None]
 
     def scaled(self, total: torch.Tensor) -> torch.Tensor:
         """What to call ``backward`` on: ``total``, times fp16's loss scale."""
         return total if self.scaler is None else self.scaler.scale(total)
 
     def step(self, loss: torch.Tensor) -> None:
-        """After backward: unscale (fp16), clip the loss gradient, the corrections' ``grad`` hooks (SCAFFOLD), the
-        optimizer step; record ``loss``."""
+        """After backward: :meth:`final_gradients`, :meth:`optimizer_step`, :meth:`record` ``loss``."""
+        self.final_gradients()
+        self.optimizer_step()
+        self.record(loss)
+
+    def optimizer_step(self) -> None:
+        """This client's optimizer step (through fp16's loss scaler)."""
+        if self.scaler is None:
+            self.opt.step()
+        else:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+
+    def final_gradients(self) -> None:
+        """The gradients the optimizer steps with: unscaled (fp16), the loss gradient clipped, then the corrections'
+        ``grad`` hooks (SCAFFOLD)."""
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)  # clipping and corrections see true gradients
         if self.trainer.cfg.max_grad_norm > 0:      # clip the gradient of the loss, then correct it (SCAFFOLD)
             nn.utils.clip_grad_norm_(list(self.params.values()), self.trainer.cfg.max_grad_norm)
         for c in self.corrections:
             c.grad(self.params)
-        if self.scaler is None:
-            self.opt.step()
-        else:
-            self.scaler.step(self.opt)
-            self.scaler.update()
+
+    def record(self, loss: torch.Tensor) -> None:
         self.losses.append(loss.detach())  # read once in finish: no device synchronisation per step
 
-    def finish(self) -> FitResult:
-        """The fit's :class:`FitResult`; the network back in eval mode."""
+    def finish(self, losses: list[float] | None = None) -> FitResult:
+        """The fit's :class:`FitResult` (the mean of the step losses, read from the device at once unless given
+        as ``losses``); the network back in eval mode."""
         self.net.eval()
-        loss = float(np.mean(torch.stack(self.losses).tolist())) if self.losses else float("nan")  # one read
-        return FitResult(loss=loss, steps=self.steps, lr=self.lr, head_lr=self.head_lr)
+        if losses is None:
+            losses = torch.stack(self.losses).tolist() if self.losses else []
+        return FitResult(loss=float(np.mean(losses)) if losses else float("nan"), steps=self.steps, lr=self.lr,
+                         head_lr=self.head_lr)
