@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from fedlowrank.adapters.gram import GramLinear
 from fedlowrank.adapters.lora import LoRALinear
 from fedlowrank.config import load_config
-from fedlowrank.device import measured_peak_bytes
+from fedlowrank.device import measured_peak_bytes, store_frozen
 from fedlowrank.runtime import cohort
 from fedlowrank.runtime.cohort import FitRequest, JointFit
 from fedlowrank.runtime.simulator import Simulation
@@ -282,3 +282,66 @@ def test_fused_and_foreach_steps_equal_the_loop(optimizer, kernel):
         finals.append(params)
     for ours, ref in zip(*finals):
         torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
+
+
+# -- the frozen backbone in the compute dtype ---------------------------------------------------------------------
+def test_bf16_stores_the_frozen_backbone_in_bf16_and_trains_in_fp32():
+    """After a bf16 round: every frozen parameter is bf16 and shared by the cohort's views (no copy); adapters,
+    their optimizer state, messages and the server state are fp32; an fp32 run keeps every tensor fp32."""
+    sim = lm_simulation("train.dtype=bf16", "run.cohort=2", "run.rounds=1", "method.name=florg")
+    sim.run()
+    frozen = sim.model.frozen_parameters()
+    assert {p.dtype for p in frozen} == {torch.bfloat16}
+    assert {p.dtype for p in sim.model.own_parameters()} == {torch.float32}
+    assert {t.dtype for t in sim.server.tensors().values()} == {torch.float32}
+    view = sim._views[0]
+    assert [p.data_ptr() for p in view.frozen_parameters()] == [p.data_ptr() for p in frozen]
+    for name, module in sim.model.adapters().items():  # FLoRG's bases: bf16, one copy for every view
+        assert module.L.dtype == torch.bfloat16 and module.L.data_ptr() == view.target(name).L.data_ptr()
+    run = fit_run(lm_simulation("train.dtype=bf16"))
+    store_frozen(run.model, "bf16")
+    run.train_step()
+    assert {s.dtype for state in run.opt.state.values() for s in state.values() if s.is_floating_point()} \
+        == {torch.float32}
+    fp32 = lm_simulation("run.rounds=1")
+    fp32.run()
+    assert {p.dtype for p in fp32.model.net.parameters()} == {torch.float32}
+    assert not any(m._forward_pre_hooks for m in fp32.model.net.modules())
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-bert"])
+def test_a_bf16_backbone_step_matches_autocast(model):
+    """One step's loss and adapter gradients over a bf16-stored backbone equal those of the fp32 backbone under
+    bf16 autocast (the previous way) to bf16's precision."""
+    from helpers import tiny_config, tiny_task
+
+    sim = lm_simulation() if model == "tiny-llama" else Simulation(tiny_config(), task=tiny_task())
+    sim.method.load_global(sim.model, sim.server)
+    torch.manual_seed(0)
+    for m in sim.model.adapters().values():  # B ≠ 0, so that both factors get a gradient
+        m.set_factors(m.lora_A, 0.1 * torch.randn_like(m.lora_B))
+    params = sim.method.trainable(sim.model, ("A", "B"))
+    sim.model.set_trainable(params)
+    batch = sim.task.batch(sim.parts[0][:4])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = sim.task.loss(sim.model.net, batch)
+    ref_grads = torch.autograd.grad(ref, list(params.values()))
+    store_frozen(sim.model, "bf16")
+    loss = sim.task.loss(sim.model.net, batch)
+    grads = torch.autograd.grad(loss, list(params.values()))
+    assert loss.dtype == torch.float32 and float(loss.detach()) == pytest.approx(float(ref.detach()), rel=2e-2)
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == torch.float32
+        assert float(F.cosine_similarity(g.flatten(), r.flatten(), dim=0)) > 0.99
+
+
+def test_a_bf16_run_exports_its_fp32_model(tmp_path):
+    """Export rebuilds the global model without training, so the backbone stays as loaded (fp32) beside the
+    pristine one: the exported adapter scores what the run's global model scores in fp32."""
+    from fedlowrank.export import export_run
+
+    run_dir = tmp_path / "run"
+    Simulation(load_config("tiny-lm", ["task.options.eval_generate=0", "train.dtype=bf16", "run.rounds=1",
+                                       "train.lr=0.05"]), task=lm_task(), run_dir=run_dir).run()
+    report = export_run(run_dir, tmp_path / "adapter", task=lm_task())
+    assert report["check"]["exported"]["loss"] == pytest.approx(report["check"]["run"]["loss"], rel=1e-5)

@@ -226,7 +226,8 @@ MEANINGS: dict[str, str] = {
     "train.max_grad_norm": "clip the gradient norm to this (0 = no clipping)",
     "train.schedule": "learning rate over rounds: constant, cosine or linear",
     "train.warmup_rounds": "rounds of linear learning-rate warm-up",
-    "train.dtype": "autocast of the forward pass: fp32, bf16 or fp16 (parameters and optimizer state stay fp32)",
+    "train.dtype": "compute dtype: fp32, bf16 or fp16 (CUDA); the frozen backbone is stored in it, what is trained "
+                   "(adapters, head, optimizer state) stays fp32",
     "server.weighting": "client weights in aggregation: num_examples or uniform",
     "server.lr": "server step β: global ← old + β·(average − old)",
     "method.name": "the method (`fedlowrank methods`); its own options are method.OPTION",

@@ -6,14 +6,18 @@
   a method asks for it): the engine brings every reply and new client state back with :func:`to_host`.
 * Anything loaded into the model goes through ``Parameter.copy_`` or an adapter setter, which copy across
   devices, so a method file never names a device.
-* ``train.dtype`` (``fp32``, ``bf16``, ``fp16``) is autocast around the forward pass (:func:`autocast`); trainable
-  parameters and optimizer state stay fp32. fp16 needs CUDA (its gradient scaler is CUDA's).
+* ``train.dtype`` (``fp32``, ``bf16``, ``fp16``) is the compute dtype. With bf16 or fp16 the frozen backbone is
+  stored in it once training starts (:func:`store_frozen`): no weight is cast again at any step. What a method
+  trains stays fp32 (adapter factors, the head, fully trained targets, their optimizer state, the messages): an
+  adapter computes with its factors cast to the input's dtype (tiny), a trained module inside the backbone
+  sees fp32 inputs and hands its output back in the compute dtype. fp16 needs CUDA (its gradient scaler is
+  CUDA's). fp32 runs are untouched.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, ContextManager
+from functools import partial
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -59,11 +63,48 @@ def check_dtype(dtype: str, device: torch.device) -> None:
                          f"use 'bf16' or 'fp32' on the CPU")
 
 
-def autocast(device: torch.device, dtype: str) -> ContextManager:
-    """Mixed precision for a forward pass: nothing at fp32 (bit-identical to no context), else ``torch.autocast``."""
-    if dtype == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
+def store_frozen(model, dtype: str) -> None:
+    """Store ``model``'s (an :class:`~fedlowrank.adapters.model.AdaptedModel`) frozen backbone in ``dtype``
+    (``train.dtype``): every parameter no method trains (:meth:`~AdaptedModel.frozen_parameters`) and the
+    adapters' frozen buffers; each module that trains inside it (:meth:`~AdaptedModel.trained_modules`: the head,
+    fully trained targets) gets hooks that cast its floating inputs to its parameters' dtype and its outputs to
+    ``dtype``, and the network's floating inputs (pixel values) are cast to ``dtype``. Nothing at fp32. Tensors change in place (views sharing them see the change). Idempotent: the
+    runtime calls it before every client's training, so that a model only evaluated (export) stays as loaded."""
+    if dtype == "fp32" or getattr(model, "stored_dtype", None) == dtype:
+        return
+    low = DTYPES[dtype]
+    for p in model.frozen_parameters():
+        if p.is_floating_point() and p.dtype != low:
+            p.data = p.data.to(low)
+    for adapter in model.adapters().values():
+        adapter.store_frozen(low)
+    for module in model.trained_modules():
+        inner = next(module.parameters()).dtype
+        module.register_forward_pre_hook(partial(_cast_inputs, dtype=inner), with_kwargs=True)
+        module.register_forward_hook(partial(_cast_output, dtype=low))
+    model.net.register_forward_pre_hook(partial(_cast_inputs, dtype=low), with_kwargs=True)  # e.g. pixel values
+    model.stored_dtype = dtype
+
+
+def _cast(obj: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors in ``obj`` (a tensor, or tuples/lists/dicts of them) in ``dtype``; the rest as it is."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast(v, dtype) for v in obj)
+    if isinstance(obj, dict):
+        out = type(obj)()
+        out.update({k: _cast(v, dtype) for k, v in obj.items()})
+        return out
+    return obj
+
+
+def _cast_inputs(module: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    return _cast(args, dtype), _cast(kwargs, dtype)
+
+
+def _cast_output(module: nn.Module, args: tuple, output: Any, dtype: torch.dtype) -> Any:
+    return _cast(output, dtype)
 
 
 def grad_scaler(device: torch.device, dtype: str) -> torch.amp.GradScaler | None:
@@ -138,5 +179,5 @@ def to_host(obj: Any) -> Any:
     return obj
 
 
-__all__ = ["DEVICES", "DTYPES", "OPTIMIZER_KERNELS", "autocast", "check_device_spec", "check_dtype", "grad_scaler",
-           "measured_peak_bytes", "module_device", "optimizer_kernel", "resolve_device", "to_device", "to_host"]
+__all__ = ["DEVICES", "DTYPES", "OPTIMIZER_KERNELS", "check_device_spec", "check_dtype", "grad_scaler",
+           "measured_peak_bytes", "module_device", "optimizer_kernel", "resolve_device", "store_frozen", "to_device", "to_host"]

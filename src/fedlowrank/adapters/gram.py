@@ -108,7 +108,8 @@ class GramLinear(AdaptedLinear):
             self.gram_A.copy_(A)
 
     def _factored(self, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(B_eff = L Aᵀ: [out, r], A_eff = A R: [r, in])``."""
+        """``(B_eff = L Aᵀ: [out, r], A_eff = A R: [r, in])``, in the bases' dtype (the backbone's)."""
+        A = A.to(self.L.dtype)
         return self.L @ A.T, A @ self.R
 
     def adapter_delta(self) -> torch.Tensor:
@@ -122,10 +123,10 @@ class GramLinear(AdaptedLinear):
     def adapter_output(self, x: torch.Tensor) -> torch.Tensor:
         x = self.dropout(x)
         B, A = self._factored(self.gram_A)
-        out = F.linear(F.linear(x, A), B)
+        out = F.linear(F.linear(x, A.to(x.dtype)), B.to(x.dtype))
         if self.A_ref is not None:
             B0, A0 = self._factored(self.A_ref)
-            out = out - F.linear(F.linear(x, A0), B0)
+            out = out - F.linear(F.linear(x, A0.to(x.dtype)), B0.to(x.dtype))
         return self.scale * out
 
 

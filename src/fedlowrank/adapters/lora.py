@@ -87,7 +87,7 @@ class LoRALinear(AdaptedLinear):
         r = max(m.rank for m in members)
         A = torch.stack([m.lora_A if m.rank == r else F.pad(m.lora_A, (0, 0, 0, r - m.rank)) for m in members])
         B = torch.stack([m.lora_B if m.rank == r else F.pad(m.lora_B, (0, r - m.rank)) for m in members])
-        # A: [K, r, in], B: [K, out, r]
+        A, B = A.to(x.dtype), B.to(x.dtype)  # A: [K, r, in], B: [K, out, r], in the input's dtype
         out = torch.bmm(torch.bmm(x.reshape(len(members), -1, x.shape[-1]), A.mT), B.mT)  # [K, n·…, out]
         scales = {m.scale for m in members}
         if len(scales) == 1:

@@ -74,17 +74,28 @@ class AdaptedLinear(nn.Module):
 
     def input_map(self, x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         """``A [r, in]`` applied to the layer input: ``x Aᵀ``, or the convolution with kernel ``A`` reshaped to
-        ``[r, in, kh, kw]`` (the layer's stride, padding, dilation)."""
+        ``[r, in, kh, kw]`` (the layer's stride, padding, dilation); in the input's dtype (an fp32 factor over a
+        bf16 backbone computes in bf16, its gradient flows back to fp32)."""
+        A = A.to(x.dtype)
         if isinstance(self.base, nn.Conv2d):
             b = self.base
             return F.conv2d(x, A.reshape(A.shape[0], *b.weight.shape[1:]), None, b.stride, b.padding, b.dilation)
         return F.linear(x, A)
 
     def output_map(self, h: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-        """``B [out, r]`` applied to :meth:`input_map`'s output: ``h Bᵀ``, or a 1×1 convolution."""
+        """``B [out, r]`` applied to :meth:`input_map`'s output: ``h Bᵀ``, or a 1×1 convolution (in ``h``'s dtype)."""
+        B = B.to(h.dtype)
         if isinstance(self.base, nn.Conv2d):
             return F.conv2d(h, B[:, :, None, None])
         return F.linear(h, B)
+
+    def store_frozen(self, dtype: torch.dtype) -> None:
+        """Keep this adapter's frozen buffers (base delta, a Gram adapter's bases, a subspace projector...) in
+        ``dtype``, the backbone's (its trainable parameters keep theirs); in place, so that cohort members'
+        views (:meth:`AdaptedModel.shared_copy`) keep sharing them."""
+        for buf in self._buffers.values():
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                buf.data = buf.data.to(dtype)
 
     def set_base_delta(self, delta: torch.Tensor | None) -> None:
         if delta is not None and tuple(delta.shape) != matrix_shape(self.base):
@@ -243,6 +254,20 @@ class AdaptedModel(nn.Module):
         if "" in owners:
             raise ValueError("a head parameter that belongs to the network itself cannot be routed per client")
         return [o for o in owners if not any(o.startswith(p + ".") for p in owners)]
+
+    def frozen_parameters(self) -> list[nn.Parameter]:
+        """The parameters no method trains: all but :meth:`own_parameters` and the weights of targets left without
+        an adapter (which full fine-tuning trains); each tied parameter once."""
+        keep = {id(p) for p in self.own_parameters()}
+        keep |= {id(p) for _, m in self.targets() if not isinstance(m, AdaptedLinear) for p in m.parameters()}
+        unique = {id(p): p for p in self.net.parameters()}
+        return [p for i, p in unique.items() if i not in keep]
+
+    def trained_modules(self) -> list[nn.Module]:
+        """Modules whose parameters a method may train inside a frozen backbone: the head's outermost modules and
+        the targets left without an adapter."""
+        return ([self.net.get_submodule(n) for n in self.head_modules()]
+                + [m for _, m in self.targets() if not isinstance(m, AdaptedLinear)])
 
     def own_parameters(self) -> list[nn.Parameter]:
         """What a client may train: the adapters' own parameters (not their frozen base) and the head's."""

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from ..adapters.model import AdaptedModel
-from ..device import autocast, module_device, optimizer_kernel
+from ..device import module_device, optimizer_kernel, store_frozen
 from ..message import Message, State
 from ..methods.base import Method
 from ..seeding import derive_seed
@@ -207,10 +207,9 @@ class JointFit:
             opt.zero_grad(set_to_none=True)
         joined, rows = self.task.join_batches(batches)
         with self.model.routed([run.model for run in active], rows):  # backward too: checkpointed layers rerun
-            with autocast(self.device, self.cfg.dtype):
-                out = self.task.output(self.net, joined)
-                losses = self.task.output_losses(out, rows, batches)                     # [K]
-                terms = [run.correction_terms(batch) for run, batch in zip(active, batches)]
+            out = self.task.output(self.net, joined)
+            losses = self.task.output_losses(out, rows, batches)                         # [K]
+            terms = [run.correction_terms(batch) for run, batch in zip(active, batches)]
             if any(run.scaler is not None for run in active):
                 total = sum(run.scaled(losses[i] + sum(t)) for i, (run, t) in enumerate(zip(active, terms)))
             else:
@@ -278,6 +277,7 @@ def cohort_update(method: Method, model: AdaptedModel, views: list[AdaptedModel]
         return lambda member: client_update(member_method, views[i], msgs[i], states[i], task, parts[i], cfg,
                                             clients[i], rnd, on_step, partial(CohortTrainer, member))
 
+    store_frozen(model, cfg.train.dtype)  # the shared backbone (and the model's own head, for evaluation)
     jobs = [job(i, method.cohort_member()) for i in range(len(clients))]
     return run_together(jobs, lambda requests: joint_fit(model, requests, cfg.run.seed, on_step))
 

@@ -128,11 +128,11 @@ class ImageClassification(Task):
         return net(pixel_values=batch["pixel_values"]).logits
 
     def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        return F.cross_entropy(out, batch["labels"])
+        return F.cross_entropy(out.float(), batch["labels"])
 
     def output_losses(self, out: torch.Tensor, rows: list[slice], batches: list) -> torch.Tensor:
         labels = torch.cat([b["labels"] for b in batches])
-        return mean_by_member(F.cross_entropy(out, labels, reduction="none"), rows)
+        return mean_by_member(F.cross_entropy(out.float(), labels, reduction="none"), rows)
 
     def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[slice]]:
         return join_padded(batches, {})  # images of one size: nothing to pad
@@ -157,7 +157,7 @@ class ImageClassification(Task):
             x = self.inputs(images[start:start + self.eval_batch_size]).to(device)
             y = labels[start:start + self.eval_batch_size].to(device)
             logits = net(pixel_values=x).logits
-            total_loss += float(F.cross_entropy(logits, y, reduction="sum"))
+            total_loss += float(F.cross_entropy(logits.float(), y, reduction="sum"))
             correct += int((logits.argmax(-1) == y).sum())
         return {"accuracy": correct / n, "loss": total_loss / n}
 

@@ -91,11 +91,11 @@ class TextClassification(Task):
         return net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
     def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        return F.cross_entropy(out, batch["labels"])
+        return F.cross_entropy(out.float(), batch["labels"])
 
     def output_losses(self, out: torch.Tensor, rows: list[slice], batches: list) -> torch.Tensor:
         labels = torch.cat([b["labels"] for b in batches])
-        return mean_by_member(F.cross_entropy(out, labels, reduction="none"), rows)
+        return mean_by_member(F.cross_entropy(out.float(), labels, reduction="none"), rows)
 
     def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[slice]]:
         """Token ids padded with the pad token and masks with 0 (right padding: no real token's output changes)."""
@@ -127,7 +127,7 @@ class TextClassification(Task):
             ids, mask = to_device(self._trim(all_ids[sl], all_mask[sl]), device)
             batch_labels = labels[sl].to(device)
             logits = net(input_ids=ids, attention_mask=mask).logits
-            total_loss += float(F.cross_entropy(logits, batch_labels, reduction="sum"))
+            total_loss += float(F.cross_entropy(logits.float(), batch_labels, reduction="sum"))
             correct += int((logits.argmax(-1) == batch_labels).sum())
         return {"accuracy": correct / n, "loss": total_loss / n}
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..device import autocast, grad_scaler, module_device, optimizer_kernel
+from ..device import grad_scaler, module_device, optimizer_kernel
 from ..privacy.dpsgd import private_step_gradients
 from ..seeding import derive_seed, numpy_rng
 
@@ -43,8 +43,8 @@ class TrainConfig:
             average (Σ(c − cᵢ) = 0); clipping it per client would break that and make option II's
             ``(x − yᵢ)/(Kη)`` differ from the mean of the gradients it estimates.
         warmup_rounds: linear warm-up of the learning rate over the first rounds.
-        dtype: ``fp32``, ``bf16`` or ``fp16``: autocast of the forward pass (trainable parameters and optimizer
-            state stay fp32; fp16 adds CUDA's gradient scaler). See :mod:`fedlowrank.device`.
+        dtype: ``fp32``, ``bf16`` or ``fp16``: the compute dtype, in which the frozen backbone is stored (trainable
+            parameters and optimizer state stay fp32; fp16 adds CUDA's gradient scaler). See :mod:`fedlowrank.device`.
     """
 
     local_steps: int = 5
@@ -221,16 +221,13 @@ class FitRun:
             if self.scaler is not None:
                 raise ValueError("privacy.dpsgd: train.dtype = 'fp16' is not supported (its loss scaler would "
                                  "rescale the noisy gradient); use bf16 or fp32")
-            with autocast(self.device, trainer.cfg.dtype):
-                loss = private_step_gradients(self.net, trainer.task, self.params, batch, trainer.dpsgd)
+            loss = private_step_gradients(self.net, trainer.task, self.params, batch, trainer.dpsgd)
             if any(c.loss(self.params, self.net, batch, trainer.task) is not None for c in self.corrections):
                 raise ValueError("privacy.dpsgd: corrections that add a loss term (fedprox, moon) are not "
                                  "supported (their gradient would not be clipped per example)")
         else:
-            with autocast(self.device, trainer.cfg.dtype):
-                loss = trainer.task.loss(self.net, batch)
-                total = self.with_corrections(loss, batch)
-            self.scaled(total).backward()
+            loss = trainer.task.loss(self.net, batch)
+            self.scaled(self.with_corrections(loss, batch)).backward()
         self.step(loss)
 
     def next_batch(self):
