@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from fedlowrank.adapters.gram import GramLinear
 from fedlowrank.adapters.lora import LoRALinear
-from fedlowrank.config import load_config
+from fedlowrank.config import ConfigError, load_config
 from fedlowrank.device import measured_peak_bytes, store_frozen
 from fedlowrank.runtime import cohort
 from fedlowrank.runtime.cohort import FitRequest, JointFit
@@ -345,3 +345,33 @@ def test_a_bf16_run_exports_its_fp32_model(tmp_path):
                                        "train.lr=0.05"]), task=lm_task(), run_dir=run_dir).run()
     report = export_run(run_dir, tmp_path / "adapter", task=lm_task())
     assert report["check"]["exported"]["loss"] == pytest.approx(report["check"]["run"]["loss"], rel=1e-5)
+
+
+# -- the new settings -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting, message", [
+    ("task.length_buckets=[64, 32]", "task.length_buckets must be increasing integers in [2, task.max_length = 768] "
+                                     "([] = no buckets), got [64, 32]"),
+    ("task.length_buckets=[64, 1024]", "task.length_buckets must be increasing integers in [2, task.max_length = "
+                                       "768] ([] = no buckets), got [64, 1024]"),
+    ("task.length_buckets=[64.5]", "task.length_buckets must be increasing integers"),
+    ("run.gpu_memory_fraction=0", "run.gpu_memory_fraction must be in (0, 1], got 0.0"),
+    ("run.gpu_memory_fraction=1.5", "run.gpu_memory_fraction must be in (0, 1], got 1.5"),
+    ("run.compile=1", "run.compile must be true or false, got 1"),
+    ("train.gradient_checkpointing='yes'", "train.gradient_checkpointing must be true or false, got 'yes'"),
+])
+def test_bad_gpu_settings_are_named(setting, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny-lm", [setting])
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_execution_settings_keep_a_checkpoint_valid():
+    """Compiling, padding to buckets, checkpointing activations and the memory share change no maths: a run may
+    resume with other values (and runs made before these settings existed keep their fingerprint)."""
+    from fedlowrank.runtime.checkpoint import config_fingerprint
+
+    base = config_fingerprint(load_config("tiny-lm"))
+    other = load_config("tiny-lm", ["run.compile=true", "task.length_buckets=[64, 128]", "run.gpu_memory_fraction=0.5",
+                                    "train.gradient_checkpointing=true"])
+    assert config_fingerprint(other) == base
+    assert config_fingerprint(load_config("tiny-lm", ["train.dtype=bf16"])) != base

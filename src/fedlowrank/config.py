@@ -53,7 +53,9 @@ class RunSection:
     tracking: str = ""
     device: str = "auto"
     state_memory_mb: float = 0.0  # client states kept in memory (MiB); beyond it they spill to disk (0 = no limit)
-    cohort: int = 0  # clients trained together (0 = automatic: all of a round's on CUDA, 1 on the CPU)
+    cohort: int = 0  # clients trained together (0 = automatic: as many as fit on CUDA, 1 on the CPU)
+    compile: bool = False  # torch.compile of the client step
+    gpu_memory_fraction: float = 0.9  # run.cohort = 0 on CUDA: share of free memory a cohort may use
 
 
 @dataclass
@@ -63,6 +65,7 @@ class TaskSection:
     max_length: int = 64
     eval_batch_size: int = 64
     options: dict[str, Any] = field(default_factory=dict)
+    length_buckets: list[int] = field(default_factory=list)  # training batches padded to one of these lengths
 
 
 @dataclass
@@ -170,12 +173,20 @@ MEANINGS: dict[str, str] = {
     "run.state_memory_mb": "MiB of client states kept in memory; beyond it the least recently used spill to disk "
                            "(RUN_DIR/client_states/) and are read back on demand (0 = keep all in memory)",
     "run.cohort": "clients trained together, one forward/backward per step over the shared backbone for methods "
-                  "and tasks that support it (others: one at a time); 0 = automatic (every sampled client of a "
-                  "round on CUDA, 1 on the CPU), 1 = one at a time (docs/architecture.md)",
+                  "and tasks that support it (others: one at a time); 0 = automatic (on CUDA the most of a round's "
+                  "clients whose estimated peak memory fits run.gpu_memory_fraction of the free memory, 1 on the "
+                  "CPU), 1 = one at a time (docs/architecture.md)",
+    "run.compile": "torch.compile the local step's network (CUDA graphs on CUDA; with task.length_buckets each "
+                   "bucket compiles once for the whole run); pays off after some hundreds of steps "
+                   "(docs/models.md); a run that cannot compile goes on eagerly, saying so in one line",
+    "run.gpu_memory_fraction": "run.cohort = 0 on CUDA: the share of the device's free memory a cohort's estimated "
+                               "peak may take, in (0, 1]",
     "task.kind": "text-classification, causal-lm, image-classification or matrix-regression",
     "task.model": "a bundled model name or a local Hugging Face model folder",
     "task.max_length": "tokens per example (longer texts are truncated)",
     "task.eval_batch_size": "examples per evaluation forward pass",
+    "task.length_buckets": "sequence lengths a training batch is padded to: the smallest that holds its longest "
+                           "example, task.max_length beyond the largest ([] = the longest example: dynamic shapes)",
     "task.options": "options of the task (matrix-regression: num_clients, dim, outputs, samples, het, objective)",
     "data.source": "bbc-news (packaged), agnews (data.path), files (data.train, data.test) or hf (data.hf_name)",
     "data.path": "folder of the agnews (train.tsv, test.tsv) or gsm8k (train.jsonl, test.jsonl) source ('' = "
@@ -226,6 +237,9 @@ MEANINGS: dict[str, str] = {
     "train.max_grad_norm": "clip the gradient norm to this (0 = no clipping)",
     "train.schedule": "learning rate over rounds: constant, cosine or linear",
     "train.warmup_rounds": "rounds of linear learning-rate warm-up",
+    "train.gradient_checkpointing": "recompute each layer's activations during backward (transformers' "
+                                    "gradient checkpointing): far less activation memory for about a third more "
+                                    "compute, for long sequences and large cohorts",
     "train.dtype": "compute dtype: fp32, bf16 or fp16 (CUDA); the frozen backbone is stored in it, what is trained "
                    "(adapters, head, optimizer state) stays fp32",
     "server.weighting": "client weights in aggregation: num_examples or uniform",
@@ -372,6 +386,12 @@ def validate(cfg: RunConfig, method_checks: bool = True) -> None:
     _need(r.cohort <= 1 or not cfg.privacy.dpsgd,
           f"run.cohort = {r.cohort} with privacy.dpsgd: DP-SGD clips per example within one client's step, which a "
           f"joint step of several clients does not do; use run.cohort = 1, or 0 (automatic: one at a time)")
+    _need(0 < r.gpu_memory_fraction <= 1, f"run.gpu_memory_fraction must be in (0, 1], got {r.gpu_memory_fraction}")
+    buckets = cfg.task.length_buckets
+    _need(all(isinstance(b, int) and not isinstance(b, bool) and 2 <= b <= cfg.task.max_length for b in buckets)
+          and buckets == sorted(set(buckets)),
+          f"task.length_buckets must be increasing integers in [2, task.max_length = {cfg.task.max_length}] "
+          f"([] = no buckets), got {buckets}")
     _choice("task.kind", cfg.task.kind, TASKS)
     _choice("train.dtype", t.dtype, tuple(DTYPES))
     try:

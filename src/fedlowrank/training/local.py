@@ -45,6 +45,7 @@ class TrainConfig:
         warmup_rounds: linear warm-up of the learning rate over the first rounds.
         dtype: ``fp32``, ``bf16`` or ``fp16``: the compute dtype, in which the frozen backbone is stored (trainable
             parameters and optimizer state stay fp32; fp16 adds CUDA's gradient scaler). See :mod:`fedlowrank.device`.
+        gradient_checkpointing: recompute each layer's activations during backward (less memory, more compute).
     """
 
     local_steps: int = 5
@@ -61,6 +62,7 @@ class TrainConfig:
     schedule: str = "constant"
     warmup_rounds: int = 0
     dtype: str = "fp32"
+    gradient_checkpointing: bool = False
 
     def lr_at(self, rnd: int, rounds: int, base: float | None = None) -> float:
         """Learning rate in round ``rnd`` (1-based) of ``rounds``."""
