@@ -23,6 +23,7 @@ from fedlowrank.runtime import cohort
 from fedlowrank.runtime.cohort import FitRequest, JointFit
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks import build_task
+from fedlowrank.tasks.base import padded_length
 from fedlowrank.tasks.causal_lm import IGNORE, LMHead, check_lm_head, response_nll
 from fedlowrank.training import local
 from fedlowrank.training.local import OPTIMIZERS, FitRun, LocalTrainer, TrainConfig, make_optimizer
@@ -375,3 +376,28 @@ def test_execution_settings_keep_a_checkpoint_valid():
                                     "train.gradient_checkpointing=true"])
     assert config_fingerprint(other) == base
     assert config_fingerprint(load_config("tiny-lm", ["train.dtype=bf16"])) != base
+
+
+# -- length buckets -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("longest, buckets, expected", [(37, [], 37), (37, [32, 64, 128], 64), (64, [32, 64], 64),
+                                                        (200, [32, 64], 768), (768, [32], 768)])
+def test_padded_length(longest, buckets, expected):
+    assert padded_length(longest, buckets, 768) == expected
+
+
+@pytest.mark.parametrize("config", ["tiny-lm", "tiny"])
+def test_bucketed_batches_have_few_shapes_and_the_same_loss(config):
+    """Every training batch of a round has one of the buckets' widths (here 2: each compiles once), and padding
+    further changes no loss."""
+    buckets = [256, 512] if config == "tiny-lm" else [8, 12]
+    plain = build_task(load_config(config)) if config == "tiny" else lm_task()
+    bucketed = build_task(load_config(config, [f"task.length_buckets={buckets}"]))
+    net = plain.build_model().net
+    widths = set()
+    for start in range(0, 40, 4):
+        indices = np.arange(start, start + 4)
+        batch, padded = plain.batch(indices), bucketed.batch(indices)
+        widths.add(padded["input_ids"].shape[1])
+        assert padded["input_ids"].shape[1] >= batch["input_ids"].shape[1]
+        torch.testing.assert_close(bucketed.loss(net, padded), plain.loss(net, batch), rtol=1e-5, atol=1e-6)
+    assert widths <= {*buckets, bucketed.max_length} and len(widths) <= 3

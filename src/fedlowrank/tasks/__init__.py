@@ -66,14 +66,14 @@ def build_task(cfg) -> Task:
         from .instructions import load_instructions
 
         allowed = set(inspect.signature(CausalLM).parameters) - {"data", "model", "max_length", "targets",
-                                                                  "eval_batch_size"}
+                                                                  "eval_batch_size", "length_buckets"}
         unknown = sorted(set(cfg.task.options) - allowed)
         if unknown:
             raise ValueError(f"task.options.{unknown[0]} is not an option of causal-lm; "
                              f"allowed: {', '.join(sorted(allowed))}")
         data = load_instructions(cfg.data, cfg.partition.partition_by, cfg.run.seed)
         return CausalLM(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None,
-                        cfg.task.eval_batch_size, **cfg.task.options)
+                        cfg.task.eval_batch_size, length_buckets=cfg.task.length_buckets, **cfg.task.options)
     if cfg.task.kind == "image-classification":
         from .image import build_image_task
 
@@ -85,7 +85,7 @@ def _text_task(cfg, data) -> Task:
     from .text import TextClassification
 
     return TextClassification(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None,
-                              cfg.task.eval_batch_size, **cfg.task.options)
+                              cfg.task.eval_batch_size, cfg.task.length_buckets, **cfg.task.options)
 
 
 def node_data(cfg, path: str, key: str = "data-train"):

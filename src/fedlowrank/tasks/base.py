@@ -50,6 +50,15 @@ def join_padded(batches: list[dict[str, Tensor]], pad: dict[str, int]) -> tuple[
     return joint, [slice(a, b) for a, b in zip([0, *ends[:-1]], ends)]
 
 
+def padded_length(longest: int, buckets: list[int], max_length: int) -> int:
+    """The length a training batch whose longest example has ``longest`` tokens is padded to: the smallest of
+    ``buckets`` (``task.length_buckets``, increasing) that holds it, ``max_length`` beyond the largest, ``longest``
+    without buckets (so that a compiled step sees a few shapes, each compiled once)."""
+    if not buckets:
+        return longest
+    return next((b for b in buckets if b >= longest), max(max_length, longest))
+
+
 def member_of_rows(rows: list[slice], device: torch.device) -> Tensor:
     """``[B]`` the index k of the member whose rows ``rows[k]`` hold each row of a joined batch."""
     return torch.tensor([k for k, s in enumerate(rows) for _ in range(s.start, s.stop)], device=device)

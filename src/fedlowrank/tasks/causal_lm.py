@@ -5,7 +5,8 @@
   ``tokens(response) + [eos]``. The loss is on the response tokens only: prompt and padding labels are -100.
 * **Truncation** at ``task.max_length`` tokens keeps the start; the examples cut, and those whose response was
   cut entirely (no loss tokens left), are counted in :meth:`CausalLM.describe` and logged.
-* **Batches** are padded on the right to the batch's longest example (dynamic padding).
+* **Batches** are padded on the right to the batch's longest example (dynamic padding), or to the smallest of
+  ``task.length_buckets`` that holds it (a few static shapes, for compiled steps).
 * **Loss without full logits**: the network's last hidden states are gathered at the positions whose next token
   is a response token, and only those go through the language-model head, in chunks, with the cross-entropy
   accumulated in fp32 (:func:`response_nll`): memory ∝ response tokens × hidden, never batch × length ×
@@ -34,7 +35,7 @@ from torch import nn
 from ..adapters.model import AdaptedModel
 from ..device import module_device
 from ..seeding import numpy_rng
-from .base import Task, adapted_copy, join_padded, member_of_rows
+from .base import Task, adapted_copy, join_padded, member_of_rows, padded_length
 from .instructions import InstructionData
 
 log = logging.getLogger("fedlowrank")
@@ -106,10 +107,10 @@ def encode_example(tokenizer, prompt: str, response: str, max_length: int) -> En
     return Encoded(ids[:max_length], min(len(p), max_length), len(ids) > max_length)
 
 
-def collate(examples: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(examples: list[Encoded], pad_id: int, width: int = 0) -> dict[str, torch.Tensor]:
     """Right-padded batch: ``input_ids``, ``attention_mask`` and ``labels`` (-100 on prompt and padding), each
-    ``[B, T]`` with T the longest example."""
-    width = max(len(e.ids) for e in examples)
+    ``[B, T]`` with T the longest example, or ``width`` when given (a length bucket)."""
+    width = width or max(len(e.ids) for e in examples)
     rows = [(e.ids, len(e.ids), width - len(e.ids), e.prompt_len) for e in examples]
     return {"input_ids": torch.tensor([ids + [pad_id] * pad for ids, _, pad, _ in rows]),
             "attention_mask": torch.tensor([[1] * n + [0] * pad for _, n, pad, _ in rows]),
@@ -252,6 +253,7 @@ class CausalLM(Task):
         generation_batch_size: questions generated together.
         write_generations: how many generations per evaluation go to the run directory.
         eval_seed: seed of the two evaluation subsets (fixed across runs and methods unless changed).
+        length_buckets: ``task.length_buckets``: training batches are padded to the smallest that holds them.
     """
 
     name = "causal-lm"
@@ -261,7 +263,7 @@ class CausalLM(Task):
     def __init__(self, data: InstructionData, model: str = "tiny-llama", max_length: int = 256,
                  targets: list[str] | None = None, eval_batch_size: int = 8, eval_examples: int = 200,
                  eval_generate: int = 0, max_new_tokens: int = 256, generation_batch_size: int = 8,
-                 write_generations: int = 5, eval_seed: int = 0):
+                 write_generations: int = 5, eval_seed: int = 0, length_buckets: list[int] | None = None):
         from ..models.loading import load_model
 
         if max_length < 2:
@@ -277,6 +279,7 @@ class CausalLM(Task):
         self.data = data
         self.model_name = model
         self.max_length = max_length
+        self.length_buckets = list(length_buckets or [])
         self.targets = targets
         self.eval_batch_size = eval_batch_size
         self.max_new_tokens = max_new_tokens
@@ -327,7 +330,10 @@ class CausalLM(Task):
         return adapted_copy(self.loaded, self.targets, train_outputs=False)
 
     def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
-        return collate([self.train[int(i)] for i in indices], self.tokenizer.pad_token_id)
+        """The examples at ``indices``, padded to the longest or to its length bucket (:func:`padded_length`)."""
+        examples = [self.train[int(i)] for i in indices]
+        width = padded_length(max(len(e.ids) for e in examples), self.length_buckets, self.max_length)
+        return collate(examples, self.tokenizer.pad_token_id, width)
 
     def device_batch(self, batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
         """The token ids and mask on ``device``; the labels stay on the host, where :meth:`output` finds the

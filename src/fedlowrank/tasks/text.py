@@ -17,7 +17,7 @@ from torch import nn
 from ..adapters.model import AdaptedModel
 from ..device import module_device, to_device
 from ..models.loading import load_model
-from .base import Task, adapted_copy, join_padded, mean_by_member
+from .base import Task, adapted_copy, join_padded, mean_by_member, padded_length
 from .data import TextData
 
 class TextClassification(Task):
@@ -31,6 +31,7 @@ class TextClassification(Task):
         targets: ``lora.targets`` (peft ``target_modules`` semantics, see :mod:`fedlowrank.adapters.targets`);
             ``None`` = the architecture's default.
         eval_batch_size: examples per evaluation forward pass.
+        length_buckets: ``task.length_buckets``: training batches are padded to the smallest that holds them.
     """
 
     name = "text-classification"
@@ -39,12 +40,14 @@ class TextClassification(Task):
     supports_cohorts = True
 
     def __init__(self, data: TextData, model: str = "minilm", max_length: int = 64,
-                 targets: list[str] | str | None = None, eval_batch_size: int = 64):
+                 targets: list[str] | str | None = None, eval_batch_size: int = 64,
+                 length_buckets: list[int] | None = None):
         if max_length < 2:
             raise ValueError(f"task.max_length must be >= 2, got {max_length}")
         self.data = data
         self.model_name = model
         self.max_length = max_length
+        self.length_buckets = list(length_buckets or [])
         self.targets = targets
         self.eval_batch_size = eval_batch_size
         self.train_labels = data.train_labels
@@ -74,13 +77,15 @@ class TextClassification(Task):
     def build_model(self) -> AdaptedModel:
         return adapted_copy(self.loaded, self.targets, train_outputs=True)  # the classifier: trained, never a target
 
-    def _trim(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        width = int(mask.sum(1).max())
+    def _trim(self, ids: torch.Tensor, mask: torch.Tensor,
+              buckets: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and mask cut to the longest sequence, or to its length bucket (:func:`padded_length`)."""
+        width = padded_length(int(mask.sum(1).max()), list(buckets), self.max_length)
         return ids[:, :width], mask[:, :width]
 
     def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)
-        ids, mask = self._trim(self.train_ids[idx], self.train_mask[idx])
+        ids, mask = self._trim(self.train_ids[idx], self.train_mask[idx], self.length_buckets)
         return {"input_ids": ids, "attention_mask": mask, "labels": torch.as_tensor(self.train_labels[idx.numpy()])}
 
     def loss(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
