@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from fedlowrank.adapters.gram import GramLinear
 from fedlowrank.adapters.lora import LoRALinear
 from fedlowrank.config import ConfigError, load_config
+from fedlowrank import device
 from fedlowrank.device import measured_peak_bytes, store_frozen
 from fedlowrank.runtime import cohort
 from fedlowrank.runtime.cohort import FitRequest, JointFit
@@ -401,3 +402,80 @@ def test_bucketed_batches_have_few_shapes_and_the_same_loss(config):
         assert padded["input_ids"].shape[1] >= batch["input_ids"].shape[1]
         torch.testing.assert_close(bucketed.loss(net, padded), plain.loss(net, batch), rtol=1e-5, atol=1e-6)
     assert widths <= {*buckets, bucketed.max_length} and len(widths) <= 3
+
+
+# -- run.compile ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fast_compile(monkeypatch):
+    """torch.compile with the ``aot_eager`` backend (traced graphs, no code generation: seconds, not minutes);
+    dynamo's caches and counters reset before and after."""
+    import torch._dynamo
+
+    monkeypatch.setattr(device, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield torch._dynamo.utils.counters
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("cohort", [1, 2])
+def test_a_compiled_run_equals_eager_and_compiles_each_bucket_once(cohort, fast_compile):
+    """Two rounds of two clients (one at a time, or one cohort) with two length buckets: at most one graph per
+    bucket for the whole run (every client and round replays it), and the eager run's global model."""
+    sets = ["task.options.eval_generate=0", "task.length_buckets=[512, 768]", f"run.cohort={cohort}",
+            "run.clients_per_round=2"]
+    task = build_task(load_config("tiny-lm", sets))
+    compiled = Simulation(load_config("tiny-lm", ["run.compile=true", *sets]), task=task)
+    compiled.run()
+    assert 1 <= fast_compile["stats"]["unique_graphs"] <= 2
+    eager = Simulation(load_config("tiny-lm", sets), task=task)
+    eager.run()
+    for key, value in eager.server.tensors().items():
+        torch.testing.assert_close(compiled.server[key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_a_run_that_cannot_compile_goes_on_eagerly(fast_compile, monkeypatch, caplog):
+    def broken(graph, inputs):
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(device, "COMPILE_BACKEND", broken)
+    compiled = lm_simulation("run.compile=true", "run.rounds=1")
+    with caplog.at_level("WARNING", logger="fedlowrank"):
+        compiled.run()
+    lines = [r.getMessage() for r in caplog.records if "run.compile" in r.getMessage()]
+    assert len(lines) == 1 and "no C++ compiler here" in lines[0] and "\n" not in lines[0]
+    eager = lm_simulation("run.rounds=1")
+    eager.run()
+    for key, value in eager.server.tensors().items():
+        torch.testing.assert_close(compiled.server[key], value, rtol=0, atol=0, msg=key)
+
+
+# -- gradient checkpointing -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cohort", [1, 2])
+def test_gradient_checkpointing_gives_the_same_run_with_less_memory(cohort):
+    """Layers recomputed during backward (inside the cohort's routing, so each member's adapters are recomputed
+    with its own factors): the same global model; a step's peak memory drops."""
+    sets = [f"run.cohort={cohort}", "run.clients_per_round=2", "run.rounds=1"]
+    plain = lm_simulation(*sets)
+    plain.run()
+    checkpointed = lm_simulation("train.gradient_checkpointing=true", *sets)
+    checkpointed.run()
+    assert checkpointed.model.net.is_gradient_checkpointing
+    for key, value in plain.server.tensors().items():
+        torch.testing.assert_close(checkpointed.server[key], value, rtol=1e-5, atol=1e-7, msg=key)
+    peaks = []
+    for sim in (plain, checkpointed):
+        run = fit_run(sim)
+        batch = sim.task.batch(np.arange(8))
+        run.batches = iter([batch] * 2)
+        run.train_step()
+        peaks.append(measured_peak_bytes(run.train_step, torch.device("cpu")))
+    assert peaks[1] < 0.8 * peaks[0], peaks
+
+
+def test_gradient_checkpointing_needs_a_model_that_supports_it():
+    cfg = load_config("tiny", ["task.kind=matrix-regression", "task.options={num_clients = 2, dim = 6, outputs = 3, "
+                               "samples = 8}", "partition.kind=natural", "partition.num_clients=2",
+                               "run.clients_per_round=2", "train.gradient_checkpointing=true"])
+    with pytest.raises(ValueError, match=r"^train.gradient_checkpointing: the model \(\w+\) does not support it"):
+        Simulation(cfg).run()

@@ -16,11 +16,15 @@
 
 from __future__ import annotations
 
+import logging
+import weakref
 from functools import partial
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+log = logging.getLogger("fedlowrank")
 
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -84,6 +88,65 @@ def store_frozen(model, dtype: str) -> None:
         module.register_forward_hook(partial(_cast_output, dtype=low))
     model.net.register_forward_pre_hook(partial(_cast_inputs, dtype=low), with_kwargs=True)  # e.g. pixel values
     model.stored_dtype = dtype
+
+
+COMPILE_BACKEND = "inductor"  # torch.compile's backend for run.compile (tests use the faster "aot_eager")
+
+
+def prepare_training(model, task, cfg) -> None:
+    """Everything a model needs before a client trains on it, once per model (idempotent): the frozen backbone in
+    ``train.dtype`` (:func:`store_frozen`), ``train.gradient_checkpointing`` and, with ``run.compile``, the
+    compiled forward of the task's :meth:`~fedlowrank.tasks.base.Task.compiled_module` (:func:`compile_module`)."""
+    store_frozen(model, cfg.train.dtype)
+    net = model.net
+    if cfg.train.gradient_checkpointing and not getattr(net, "is_gradient_checkpointing", False):
+        if not getattr(net, "supports_gradient_checkpointing", False):
+            raise ValueError(f"train.gradient_checkpointing: the model ({type(net).__name__}) does not support it; "
+                             f"set train.gradient_checkpointing = false")
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.run.compile:
+        compile_module(task.compiled_module(net), module_device(net), static_shapes=bool(cfg.task.length_buckets))
+
+
+_COMPILED: "weakref.WeakKeyDictionary[nn.Module, Callable | None]" = weakref.WeakKeyDictionary()
+# each module's compiled call (None: compiling failed); kept beside the module, so that a deep copy (a cohort
+# member's view) has none and never calls the original's
+
+
+def compile_module(module: nn.Module, device: torch.device, static_shapes: bool) -> None:
+    """Give ``module`` a compiled call (``torch.compile``, built lazily at its first use) that :func:`compiled`
+    switches on: CUDA graphs (``mode="reduce-overhead"``) on CUDA when shapes are static (length buckets), each
+    shape compiled once for the whole run; automatic dynamic shapes otherwise. Once per module."""
+    if module in _COMPILED:
+        return
+    cuda_graphs = device.type == "cuda" and static_shapes and COMPILE_BACKEND == "inductor"
+    _COMPILED[module] = torch.compile(module._call_impl, backend=COMPILE_BACKEND,
+                                      mode="reduce-overhead" if cuda_graphs else None,
+                                      dynamic=False if static_shapes else None)
+
+
+def run_compiled(module: nn.Module, step: Callable[[], Any], restart: Callable[[], None]) -> Any:
+    """``step()`` with ``module``'s compiled call on (:func:`compile_module`; eager without one). If compiling
+    fails, one warning line, the module stays eager for the rest of the run, ``restart()`` (e.g. clear the
+    gradients) and ``step()`` again."""
+    compiled = _COMPILED.get(module)
+    if compiled is None:
+        return step()
+    module._compiled_call_impl = compiled
+    try:
+        return step()
+    except Exception as exc:  # noqa: BLE001 - only torch.compile's own failures are handled, the rest re-raised
+        if not type(exc).__module__.startswith(("torch._dynamo", "torch._inductor")):
+            raise
+        _COMPILED[module] = None
+        cause = getattr(exc, "inner_exception", None) or exc  # BackendCompilerFailed: the compiler's own error
+        reason = (str(cause).strip().splitlines() or [""])[0][:200]
+        log.warning("run.compile: torch.compile failed (%s: %s); the run goes on without compiling",
+                    type(cause).__name__, reason)
+    finally:
+        module._compiled_call_impl = None
+    restart()
+    return step()
 
 
 def _cast(obj: Any, dtype: torch.dtype) -> Any:
@@ -179,5 +242,6 @@ def to_host(obj: Any) -> Any:
     return obj
 
 
-__all__ = ["DEVICES", "DTYPES", "OPTIMIZER_KERNELS", "check_device_spec", "check_dtype", "grad_scaler",
-           "measured_peak_bytes", "module_device", "optimizer_kernel", "resolve_device", "store_frozen", "to_device", "to_host"]
+__all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "OPTIMIZER_KERNELS", "check_device_spec", "check_dtype",
+           "compile_module", "grad_scaler", "measured_peak_bytes", "module_device", "optimizer_kernel",
+           "prepare_training", "resolve_device", "run_compiled", "store_frozen", "to_device", "to_host"]

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from ..adapters.model import AdaptedModel
-from ..device import module_device, optimizer_kernel, store_frozen
+from ..device import module_device, optimizer_kernel, prepare_training, run_compiled
 from ..message import Message, State
 from ..methods.base import Method
 from ..seeding import derive_seed
@@ -203,18 +203,21 @@ class JointFit:
         members = [i for i, run in enumerate(self.runs) if step < run.steps]
         active = [self.runs[i] for i in members]
         batches = [run.next_batch() for run in active]
-        for opt in [self.opt] if self.opt is not None else [run.opt for run in active]:
-            opt.zero_grad(set_to_none=True)
+        self.zero_grad()
         joined, rows = self.task.join_batches(batches)
-        with self.model.routed([run.model for run in active], rows):  # backward too: checkpointed layers rerun
-            out = self.task.output(self.net, joined)
-            losses = self.task.output_losses(out, rows, batches)                         # [K]
-            terms = [run.correction_terms(batch) for run, batch in zip(active, batches)]
-            if any(run.scaler is not None for run in active):
-                total = sum(run.scaled(losses[i] + sum(t)) for i, (run, t) in enumerate(zip(active, terms)))
-            else:
-                total = sum((x for t in terms for x in t), losses.sum())
-            total.backward()
+        def forward_backward() -> torch.Tensor:
+            with self.model.routed([run.model for run in active], rows):  # backward too: checkpointed layers rerun
+                out = self.task.output(self.net, joined)
+                losses = self.task.output_losses(out, rows, batches)                         # [K]
+                terms = [run.correction_terms(batch) for run, batch in zip(active, batches)]
+                if any(run.scaler is not None for run in active):
+                    total = sum(run.scaled(losses[i] + sum(t)) for i, (run, t) in enumerate(zip(active, terms)))
+                else:
+                    total = sum((x for t in terms for x in t), losses.sum())
+                total.backward()
+            return losses
+
+        losses = run_compiled(self.task.compiled_module(self.net), forward_backward, self.zero_grad)
         self.losses.append((members, losses.detach()))
         for run in active:
             run.final_gradients()
@@ -222,6 +225,10 @@ class JointFit:
                 run.optimizer_step()
         if self.opt is not None:
             self.opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in [self.opt] if self.opt is not None else [run.opt for run in self.runs]:
+            opt.zero_grad(set_to_none=True)
 
     def finish(self) -> list[FitResult]:
         """Each member's :class:`FitResult`; the step losses read from the device at once."""
@@ -277,7 +284,7 @@ def cohort_update(method: Method, model: AdaptedModel, views: list[AdaptedModel]
         return lambda member: client_update(member_method, views[i], msgs[i], states[i], task, parts[i], cfg,
                                             clients[i], rnd, on_step, partial(CohortTrainer, member))
 
-    store_frozen(model, cfg.train.dtype)  # the shared backbone (and the model's own head, for evaluation)
+    prepare_training(model, task, cfg)  # the shared backbone (and the model's own head, for evaluation)
     jobs = [job(i, method.cohort_member()) for i in range(len(clients))]
     return run_together(jobs, lambda requests: joint_fit(model, requests, cfg.run.seed, on_step))
 

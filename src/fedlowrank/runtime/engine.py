@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..adapters.model import AdaptedModel
-from ..device import store_frozen, to_host
+from ..device import prepare_training, to_host
 from ..message import Message, State
 from ..methods.base import Method, SetupInfo
 from ..privacy.dpsgd import DPSGD
@@ -62,7 +62,7 @@ def client_update(method: Method, model: AdaptedModel, msg: Message, state: Stat
     DP-SGD; with ``privacy.mode = "local"`` the reply is clipped and noised here, before it leaves the client
     (:func:`fedlowrank.privacy.runtime.local_reply`).
     """
-    store_frozen(model, cfg.train.dtype)  # the backbone in the compute dtype, once
+    prepare_training(model, task, cfg)  # once: the backbone in the compute dtype, checkpointing, compiling
     for mod in model.adapters().values():
         mod.set_base_delta(None)
     dp = cfg.privacy

@@ -115,6 +115,11 @@ class Task:
         """Scalar training loss of ``net`` on ``batch`` (with autograd)."""
         raise NotImplementedError
 
+    def compiled_module(self, net: nn.Module) -> nn.Module:
+        """The module of ``net`` that ``run.compile`` compiles for training steps (default: all of it; the loss,
+        which may read the host, stays outside)."""
+        return net
+
     def features(self, net: nn.Module, batch: Any) -> Tensor:
         """The representation the head sees, ``[batch, d]`` (for representation-level methods such as MOON)."""
         raise NotImplementedError(f"task {self.name!r} does not expose features")
@@ -220,6 +225,9 @@ class ValidationView(Task):
 
     def loss(self, net: nn.Module, batch: Any) -> Tensor:
         return self.task.loss(net, batch)
+
+    def compiled_module(self, net: nn.Module) -> nn.Module:
+        return self.task.compiled_module(net)
 
     def features(self, net: nn.Module, batch: Any) -> Tensor:
         return self.task.features(net, batch)

@@ -344,8 +344,12 @@ class CausalLM(Task):
         """The last hidden states ``[B, T, H]`` (after the final norm) of the network's decoder, without the
         language-model head."""
         dev = module_device(net)
-        return net.get_decoder()(input_ids=batch["input_ids"].to(dev),
-                                 attention_mask=batch["attention_mask"].to(dev)).last_hidden_state
+        return net.get_decoder()(input_ids=batch["input_ids"].to(dev), attention_mask=batch["attention_mask"].to(dev),
+                                 use_cache=False).last_hidden_state
+
+    def compiled_module(self, net: nn.Module) -> nn.Module:
+        """The decoder (:meth:`hidden_states`): the response positions are found on the host, outside."""
+        return net.get_decoder()
 
     def loss(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """Mean next-token cross-entropy over the batch's response tokens (0 when the batch has none left after

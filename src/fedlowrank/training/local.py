@@ -11,14 +11,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..device import grad_scaler, module_device, optimizer_kernel
+from ..device import grad_scaler, module_device, optimizer_kernel, run_compiled
 from ..privacy.dpsgd import private_step_gradients
 from ..seeding import derive_seed, numpy_rng
 
@@ -216,7 +216,8 @@ class FitRun:
 
     def train_step(self) -> None:
         """One local step alone: :meth:`next_batch`, ``zero_grad``, the task loss plus the corrections' terms and
-        backward (with ``privacy.dpsgd``: the noisy mean of clipped per-example gradients instead), :meth:`step`."""
+        backward (compiled with ``run.compile``; with ``privacy.dpsgd``: the noisy mean of clipped per-example
+        gradients instead), :meth:`step`."""
         trainer, batch = self.trainer, self.next_batch()
         self.opt.zero_grad(set_to_none=True)
         if trainer.dpsgd is not None:
@@ -228,8 +229,13 @@ class FitRun:
                 raise ValueError("privacy.dpsgd: corrections that add a loss term (fedprox, moon) are not "
                                  "supported (their gradient would not be clipped per example)")
         else:
-            loss = trainer.task.loss(self.net, batch)
-            self.scaled(self.with_corrections(loss, batch)).backward()
+            def forward_backward() -> torch.Tensor:
+                loss = trainer.task.loss(self.net, batch)
+                self.scaled(self.with_corrections(loss, batch)).backward()
+                return loss
+
+            restart = partial(self.opt.zero_grad, set_to_none=True)
+            loss = run_compiled(trainer.task.compiled_module(self.net), forward_backward, restart)
         self.step(loss)
 
     def next_batch(self):
