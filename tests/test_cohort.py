@@ -218,7 +218,9 @@ def test_a_method_without_cohorts_gives_the_one_at_a_time_run():
     assert_same_run(simulate("tiny", text_task(), 1, sets), simulate("tiny", text_task(), 4, sets), rtol=0, atol=0)
 
 
-def test_automatic_cohort_is_the_round_on_cuda_and_one_on_the_cpu():
+def test_automatic_cohort_is_the_round_on_cuda_and_one_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * 2**30, 80 * 2**30))  # room for all
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     cfg = load_config("tiny", ["run.clients_per_round=3"])
     sim = Simulation(cfg, task=text_task())
     assert cohort_size(cfg, sim.method, sim.task, sim.model, torch.device("cpu")) == (1, "")

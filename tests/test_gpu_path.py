@@ -21,7 +21,7 @@ from fedlowrank.config import ConfigError, load_config
 from fedlowrank import device
 from fedlowrank.device import measured_peak_bytes, store_frozen
 from fedlowrank.runtime import cohort
-from fedlowrank.runtime.cohort import FitRequest, JointFit
+from fedlowrank.runtime.cohort import FitRequest, JointFit, cohort_memory, cohort_size
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks import build_task
 from fedlowrank.tasks.base import padded_length
@@ -479,3 +479,49 @@ def test_gradient_checkpointing_needs_a_model_that_supports_it():
                                "run.clients_per_round=2", "train.gradient_checkpointing=true"])
     with pytest.raises(ValueError, match=r"^train.gradient_checkpointing: the model \(\w+\) does not support it"):
         Simulation(cfg).run()
+
+
+# -- the cohort memory planner ----------------------------------------------------------------------------------------
+def joint_fit_of(sim: Simulation, size: int, batch) -> JointFit:
+    """A joint fit of ``size`` FedIT members on ``sim``'s model whose every step trains on ``batch``."""
+    runs = [fit_run(sim, k, sim.model.shared_copy()) for k in range(size)]
+    fit = JointFit(sim.model, [FitRequest(r.trainer, r.model, r.params, [], None) for r in runs], seed=0)
+    for run in fit.runs:
+        run.batches = iter([batch] * 3)
+    return fit
+
+
+@pytest.mark.parametrize("sets", [[], ["train.dtype=bf16"], ["train.gradient_checkpointing=true"]])
+def test_the_cohort_memory_estimate_is_within_25_percent_of_the_measured_peak(sets):
+    """The planner's estimate of a joint step (from two probe steps of 1 and 3 rows) against the bytes a joint
+    step of 1 and 4 members allocates at its peak (the longest batch for every member; CPU allocator events)."""
+    sim = lm_simulation(*sets)
+    memory = cohort_memory(sim.cfg, sim.task, sim.model)
+    assert memory.base == sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in (
+        *sim.model.net.parameters(), *sim.model.net.buffers())}.values())
+    for size in (1, 4):
+        fit = joint_fit_of(sim, size, sim.task.probe_batch(sim.cfg.train.batch_size))
+        fit.step(0)
+        measured = measured_peak_bytes(lambda: fit.step(1), torch.device("cpu"))
+        assert 0.75 * measured <= memory.step(size) <= 1.25 * measured, (size, memory.step(size), measured)
+
+
+def test_the_automatic_cohort_on_cuda_is_the_largest_that_fits(monkeypatch, caplog):
+    """``run.cohort = 0`` on CUDA: the largest cohort whose estimated peak fits ``run.gpu_memory_fraction`` of the
+    free memory (the device's memory is simulated here; the estimate is the CPU's)."""
+    sim = lm_simulation("run.clients_per_round=4")
+    memory = cohort_memory(sim.cfg, sim.task, sim.model)
+    free = (memory.peak(2) + memory.peak(3)) / 2 / 0.9  # 0.9 of it holds 2 members, not 3
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free), 2 * int(free)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    cuda = torch.device("cuda")
+    with caplog.at_level("INFO", logger="fedlowrank"):
+        assert cohort_size(sim.cfg, sim.method, sim.task, sim.model, cuda) == (2, "")
+    assert [r.getMessage() for r in caplog.records][-1].startswith("run.cohort = 0: 2 of 4 clients train together")
+    tight = load_config("tiny-lm", ["task.options.eval_generate=0", "run.clients_per_round=4",
+                                    "run.gpu_memory_fraction=0.3"])
+    assert cohort_size(tight, sim.method, sim.task, sim.model, cuda) == (1, "")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * int(free), 200 * int(free)))
+    assert cohort_size(sim.cfg, sim.method, sim.task, sim.model, cuda) == (4, "")      # at most the round's
+    explicit = load_config("tiny-lm", ["task.options.eval_generate=0", "run.clients_per_round=4", "run.cohort=3"])
+    assert cohort_size(explicit, sim.method, sim.task, sim.model, cuda) == (3, "")     # run.cohort > 0 is obeyed

@@ -40,6 +40,7 @@ run that asked for ``run.cohort > 1`` says why in one line. Flower nodes always 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -50,17 +51,21 @@ import torch
 from torch import nn
 
 from ..adapters.model import AdaptedModel
-from ..device import module_device, optimizer_kernel, prepare_training, run_compiled
+from ..device import measured_peak_bytes, module_device, optimizer_kernel, prepare_training, run_compiled
 from ..message import Message, State
 from ..methods.base import Method
 from ..seeding import derive_seed
 from ..training.local import FitResult, FitRun, LocalTrainer, OptimizerFactory, make_optimizer
 from .engine import client_update
 
+log = logging.getLogger("fedlowrank")
+
 
 def cohort_size(cfg, method: Method, task, model: AdaptedModel, device: torch.device) -> tuple[int, str]:
     """How many clients train together (``run.cohort`` resolved for ``device``), and why it is 1 when ``run.cohort``
-    asked for more ("" otherwise)."""
+    asked for more ("" otherwise). Automatic (``run.cohort = 0``): one on the CPU; on CUDA the most of a round's
+    clients whose estimated peak (:func:`cohort_memory`) fits ``run.gpu_memory_fraction`` of the memory this
+    process can still use (:func:`largest_fitting_cohort`)."""
     asked = cfg.run.cohort or (cfg.run.clients_per_round if device.type == "cuda" else 1)
     if asked == 1:
         return 1, ""
@@ -73,8 +78,85 @@ def cohort_size(cfg, method: Method, task, model: AdaptedModel, device: torch.de
     elif any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.net.modules()):
         reason = "the network's batch normalisation would mix the clients' rows"
     else:
-        return min(asked, cfg.run.clients_per_round), ""
+        asked = min(asked, cfg.run.clients_per_round)
+        return (asked if cfg.run.cohort else largest_fitting_cohort(cfg, task, model, device, asked)), ""
     return 1, reason
+
+
+@dataclass
+class CohortMemory:
+    """Estimated peak bytes of a cohort of ``k`` members: :meth:`resident` (the shared model as stored, each
+    member's own parameters and optimizer state) plus :meth:`step` (what a joint step allocates: a fixed part, each
+    member's gradients and its rows' activations at the longest padded length)."""
+
+    base: int         # the shared model's parameters and buffers, as stored (train.dtype)
+    own: int          # one member's own parameters (adapters, head), fp32
+    slots: int        # optimizer state per parameter element (AdamW: 2)
+    fixed: float      # a step's allocations that do not grow with its rows (workspace, a chunk of logits)
+    per_row: float    # a step's activations per training row (at the task's longest padded length)
+    rows: int         # rows per member per step (train.batch_size)
+
+    def resident(self, k: int) -> float:
+        return self.base + k * self.own * (1 + self.slots)
+
+    def step(self, k: int) -> float:
+        return self.fixed + k * (self.own + self.per_row * self.rows)
+
+    def peak(self, k: int) -> float:
+        return self.resident(k) + self.step(k)
+
+
+def cohort_memory(cfg, task, model: AdaptedModel) -> CohortMemory:
+    """:class:`CohortMemory` from the model's size and dtype (its tensors as training stores them,
+    :func:`~fedlowrank.device.prepare_training`), the trained parameters (adapters at their rank, head), the
+    optimizer, the batch size, and two probe steps (forward and backward, no optimizer) on the model's device of
+    1 and 3 rows of the task's longest padded batch (:meth:`~fedlowrank.tasks.base.Task.probe_batch`), whose
+    difference is the activations of 2 rows."""
+    prepare_training(model, task, cfg)
+    net, device = model.net, module_device(model.net)
+    own = model.own_parameters()
+    own_bytes = sum(p.numel() * 4 for p in own)
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in (*net.parameters(), *net.buffers())}
+    was_training, requires = net.training, [p.requires_grad for p in own]
+
+    def probe(rows: int) -> int:
+        batch = task.device_batch(task.probe_batch(rows), device)
+
+        def step():
+            task.loss(net, batch).backward()
+        try:
+            return measured_peak_bytes(step, device)
+        finally:
+            for p in own:
+                p.grad = None
+
+    net.train()
+    for p in own:
+        p.requires_grad_(True)
+    try:
+        one, three = probe(1), probe(3)
+    finally:
+        net.train(was_training)
+        for p, r in zip(own, requires):
+            p.requires_grad_(r)
+    per_row = max(three - one, 0) / 2
+    slots = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}[cfg.train.optimizer]
+    return CohortMemory(base=sum(tensors.values()), own=own_bytes, slots=slots, fixed=max(one - per_row - own_bytes, 0),
+                        per_row=per_row, rows=cfg.train.batch_size)
+
+
+def largest_fitting_cohort(cfg, task, model: AdaptedModel, device: torch.device, most: int) -> int:
+    """The largest cohort up to ``most`` whose estimated peak (:func:`cohort_memory`) fits ``run.gpu_memory_fraction``
+    of the memory this process can use on ``device`` (free plus what torch's allocator already holds); at least 1.
+    Logs the choice in one line."""
+    memory = cohort_memory(cfg, task, model)
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = cfg.run.gpu_memory_fraction * (free + torch.cuda.memory_reserved(device))
+    size = max([k for k in range(1, most + 1) if memory.peak(k) <= budget] or [1])
+    log.info("run.cohort = 0: %d of %d clients train together (estimated peak %.2f GiB; budget %.2f GiB = "
+             "run.gpu_memory_fraction %.2f of the free memory)", size, most, memory.peak(size) / 2**30,
+             budget / 2**30, cfg.run.gpu_memory_fraction)
+    return size
 
 
 @dataclass
@@ -289,5 +371,6 @@ def cohort_update(method: Method, model: AdaptedModel, views: list[AdaptedModel]
     return run_together(jobs, lambda requests: joint_fit(model, requests, cfg.run.seed, on_step))
 
 
-__all__ = ["cohort_size", "cohort_update", "joint_fit", "joint_optimizer", "run_together", "CohortTrainer", "FitRequest",
+__all__ = ["cohort_memory", "cohort_size", "cohort_update", "joint_fit", "joint_optimizer", "largest_fitting_cohort",
+           "CohortMemory", "run_together", "CohortTrainer", "FitRequest",
            "JointFit", "Member"]

@@ -106,6 +106,11 @@ class Task:
         """The training examples at ``indices`` as one batch."""
         raise NotImplementedError
 
+    def probe_batch(self, rows: int) -> Any:
+        """A training batch of ``rows`` rows as large as training batches get (the longest examples at the longest
+        padded length), for the cohort memory planner. Default: the first ``rows`` examples."""
+        return self.batch(np.arange(rows) % self.num_train)
+
     def device_batch(self, batch: Any, device: torch.device) -> Any:
         """``batch`` as a training step on ``device`` uses it: every tensor moved there (default). A task may keep
         on the host what only the host reads, so that a step never waits for the device to read it back."""
@@ -219,6 +224,9 @@ class ValidationView(Task):
 
     def batch(self, indices: np.ndarray) -> Any:
         return self.task.batch(indices)
+
+    def probe_batch(self, rows: int) -> Any:
+        return self.task.probe_batch(rows)
 
     def device_batch(self, batch: Any, device: torch.device) -> Any:
         return self.task.device_batch(batch, device)

@@ -335,6 +335,14 @@ class CausalLM(Task):
         width = padded_length(max(len(e.ids) for e in examples), self.length_buckets, self.max_length)
         return collate(examples, self.tokenizer.pad_token_id, width)
 
+    def probe_batch(self, rows: int) -> dict[str, torch.Tensor]:
+        """The ``rows`` longest training examples (repeated if needed), padded as the longest training batch
+        would be."""
+        longest = sorted(self.train, key=lambda e: len(e.ids), reverse=True)
+        examples = [longest[i % len(longest)] for i in range(rows)]
+        width = padded_length(len(longest[0].ids), self.length_buckets, self.max_length)
+        return collate(examples, self.tokenizer.pad_token_id, width)
+
     def device_batch(self, batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
         """The token ids and mask on ``device``; the labels stay on the host, where :meth:`output` finds the
         response positions without waiting for the device."""

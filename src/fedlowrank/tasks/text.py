@@ -88,6 +88,14 @@ class TextClassification(Task):
         ids, mask = self._trim(self.train_ids[idx], self.train_mask[idx], self.length_buckets)
         return {"input_ids": ids, "attention_mask": mask, "labels": torch.as_tensor(self.train_labels[idx.numpy()])}
 
+    def probe_batch(self, rows: int) -> dict[str, torch.Tensor]:
+        """The ``rows`` longest training texts (repeated if needed), padded as the longest training batch would be."""
+        longest = torch.argsort(self.train_mask.sum(1), descending=True, stable=True)
+        idx = longest[torch.arange(rows) % len(longest)]
+        width = padded_length(int(self.train_mask.sum(1).max()), self.length_buckets, self.max_length)
+        return {"input_ids": self.train_ids[idx, :width], "attention_mask": self.train_mask[idx, :width],
+                "labels": torch.as_tensor(self.train_labels[idx.numpy()])}
+
     def loss(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         return self.output_loss(self.output(net, batch), batch)
 
