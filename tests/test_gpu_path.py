@@ -25,7 +25,7 @@ from fedlowrank.runtime.cohort import FitRequest, JointFit, cohort_memory, cohor
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks import build_task
 from fedlowrank.tasks.base import padded_length
-from fedlowrank.tasks.causal_lm import IGNORE, LMHead, check_lm_head, response_nll
+from fedlowrank.tasks.causal_lm import IGNORE, LMHead, check_lm_head, check_packing, pack_rows, response_nll
 from fedlowrank.training import local
 from fedlowrank.training.local import OPTIMIZERS, FitRun, LocalTrainer, TrainConfig, make_optimizer
 
@@ -491,16 +491,20 @@ def joint_fit_of(sim: Simulation, size: int, batch) -> JointFit:
     return fit
 
 
-@pytest.mark.parametrize("sets", [[], ["train.dtype=bf16"], ["train.gradient_checkpointing=true"]])
+@pytest.mark.parametrize("sets", [[], ["train.dtype=bf16"], ["train.gradient_checkpointing=true"],
+                                  ["task.options.pack=1536"]])
 def test_the_cohort_memory_estimate_is_within_25_percent_of_the_measured_peak(sets):
     """The planner's estimate of a joint step (from two probe steps of 1 and 3 rows) against the bytes a joint
-    step of 1 and 4 members allocates at its peak (the longest batch for every member; CPU allocator events)."""
-    sim = lm_simulation(*sets)
+    step of 1 and 4 members allocates at its peak (the longest examples for every member; CPU allocator events)."""
+    sim = lm_simulation(*sets) if not sets or "pack" not in sets[0] else Simulation(
+        load_config("tiny-lm", ["task.options.eval_generate=0", *sets]),
+        task=build_task(load_config("tiny-lm", ["task.options.eval_generate=0", *sets])))
     memory = cohort_memory(sim.cfg, sim.task, sim.model)
     assert memory.base == sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in (
         *sim.model.net.parameters(), *sim.model.net.buffers())}.values())
+    longest = np.argsort([-len(e.ids) for e in sim.task.train], kind="stable")[:sim.cfg.train.batch_size]
     for size in (1, 4):
-        fit = joint_fit_of(sim, size, sim.task.probe_batch(sim.cfg.train.batch_size))
+        fit = joint_fit_of(sim, size, sim.task.batch(longest))
         fit.step(0)
         measured = measured_peak_bytes(lambda: fit.step(1), torch.device("cpu"))
         assert 0.75 * measured <= memory.step(size) <= 1.25 * measured, (size, memory.step(size), measured)
@@ -525,3 +529,82 @@ def test_the_automatic_cohort_on_cuda_is_the_largest_that_fits(monkeypatch, capl
     assert cohort_size(sim.cfg, sim.method, sim.task, sim.model, cuda) == (4, "")      # at most the round's
     explicit = load_config("tiny-lm", ["task.options.eval_generate=0", "run.clients_per_round=4", "run.cohort=3"])
     assert cohort_size(explicit, sim.method, sim.task, sim.model, cuda) == (3, "")     # run.cohort > 0 is obeyed
+
+
+# -- packing ------------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def packed_task():
+    """The ``tiny-lm`` task packing each step into rows of 1536 tokens (twice task.max_length)."""
+    return build_task(load_config("tiny-lm", ["task.options.eval_generate=0", "task.options.pack=1536"]))
+
+
+def test_a_packed_batch_gives_the_padded_loss_and_gradient():
+    """The same examples packed in one row (positions restarting at each example, no mask) or padded one per row:
+    attention stays within each example, so the loss and the adapters' gradient agree."""
+    packed, padded = packed_task(), lm_task()
+    net = padded.build_model().net
+    trained = [p for n, p in net.named_parameters() if "self_attn" in n]
+    for p in trained:
+        p.requires_grad_(True)
+    batch, reference = packed.batch(np.arange(4)), padded.batch(np.arange(4))
+    assert "attention_mask" not in batch and batch["input_ids"].numel() < reference["input_ids"].numel()
+    results = []
+    for task, b in ((packed, batch), (padded, reference)):
+        loss = task.loss(net, b)
+        results.append((loss.detach(), torch.autograd.grad(loss, trained)))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=0)
+    for ours, ref in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_pack_rows_holds_every_item_once_within_the_capacity_with_little_padding():
+    """On the tiny-lm task's GSM8K examples (byte tokens): one client's 4 examples and a cohort's 8 × 4, packed into
+    rows of 1536, are < 10 % padding, against > 20 % padded one example per row (to the longest)."""
+    lengths = [len(e.ids) for e in packed_task().train]
+    rng = np.random.default_rng(0)
+    for clients in (1, 8):
+        real = packed = padded = 0
+        for _ in range(20):
+            items = [lengths[i] for i in rng.choice(len(lengths), 4 * clients, replace=False)]
+            rows = pack_rows(items, 1536)
+            assert sorted(i for row in rows for i in row) == list(range(len(items)))
+            fills = [sum(items[i] for i in row) for row in rows]
+            assert max(fills) <= 1536
+            real, packed, padded = real + sum(items), packed + len(rows) * max(fills), padded + len(items) * max(items)
+        assert 1 - real / packed < 0.10 and 1 - real / padded > 0.20, (clients, real, packed, padded)
+
+
+@pytest.mark.parametrize("method, sets", [("fedit", []), ("hetlora", ["lora.ranks=[1,2,2,1]"]),
+                                          ("florg", []), ("fedex-lora", [])])
+def test_a_packed_cohort_equals_packed_clients_one_at_a_time(method, sets):
+    """A cohort's examples packed together, rows mixing members, each token routed to its member's adapters (the
+    batched product, padded factors for mixed ranks, each member alone for Gram adapters and base deltas)."""
+    task = packed_task()
+    runs = []
+    for cohort in (1, 4):
+        sim = Simulation(load_config("tiny-lm", ["task.options.eval_generate=0", "task.options.pack=1536",
+                                                 f"method.name={method}", "run.clients_per_round=4",
+                                                 f"run.cohort={cohort}", *sets]), task=task)
+        sim.run()
+        runs.append(sim)
+    assert runs[1].cohort_size() == 4
+    for key, value in runs[0].server.tensors().items():
+        if key.endswith(".gram_A"):
+            value, other = (a.double().T @ a.double() for a in (value, runs[1].server[key]))
+        else:
+            other = runs[1].server[key]
+        torch.testing.assert_close(other, value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_packing_refusals_are_one_line(monkeypatch):
+    with pytest.raises(ConfigError, match=r"^task.options.pack with privacy.dpsgd: DP-SGD clips each example"):
+        load_config("tiny-lm", ["task.options.pack=1536", "privacy.dpsgd=true"])
+    with pytest.raises(ValueError, match=r"^task.options.pack must be 0 or at least task.max_length = 768"):
+        build_task(load_config("tiny-lm", ["task.options.pack=512"]))
+    with pytest.raises(ValueError, match=r"^task.options.pack: a packed row holds several examples"):
+        packed_task().features(packed_task().build_model().net, packed_task().batch(np.arange(2)))
+    import transformers.masking_utils as masking
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)  # packing unseen
+    with pytest.raises(ValueError, match=r"^task.model = 'tiny-llama': its attention does not keep sequences"):
+        check_packing(lm_task().loaded.net, "tiny-llama")

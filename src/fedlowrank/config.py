@@ -392,6 +392,9 @@ def validate(cfg: RunConfig, method_checks: bool = True) -> None:
           and buckets == sorted(set(buckets)),
           f"task.length_buckets must be increasing integers in [2, task.max_length = {cfg.task.max_length}] "
           f"([] = no buckets), got {buckets}")
+    _need(not (cfg.privacy.dpsgd and cfg.task.options.get("pack")),
+          "task.options.pack with privacy.dpsgd: DP-SGD clips each example's gradient, and a packed row holds "
+          "several examples; set task.options.pack = 0")
     _choice("task.kind", cfg.task.kind, TASKS)
     _choice("train.dtype", t.dtype, tuple(DTYPES))
     try:

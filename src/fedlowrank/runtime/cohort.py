@@ -94,7 +94,7 @@ class CohortMemory:
     slots: int        # optimizer state per parameter element (AdamW: 2)
     fixed: float      # a step's allocations that do not grow with its rows (workspace, a chunk of logits)
     per_row: float    # a step's activations per training row (at the task's longest padded length)
-    rows: int         # rows per member per step (train.batch_size)
+    rows: float       # rows per member per step (train.batch_size; packed rows: Task.rows_per_step)
 
     def resident(self, k: int) -> float:
         return self.base + k * self.own * (1 + self.slots)
@@ -142,7 +142,7 @@ def cohort_memory(cfg, task, model: AdaptedModel) -> CohortMemory:
     per_row = max(three - one, 0) / 2
     slots = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}[cfg.train.optimizer]
     return CohortMemory(base=sum(tensors.values()), own=own_bytes, slots=slots, fixed=max(one - per_row - own_bytes, 0),
-                        per_row=per_row, rows=cfg.train.batch_size)
+                        per_row=per_row, rows=task.rows_per_step(cfg.train.batch_size))
 
 
 def largest_fitting_cohort(cfg, task, model: AdaptedModel, device: torch.device, most: int) -> int:
@@ -286,11 +286,11 @@ class JointFit:
         active = [self.runs[i] for i in members]
         batches = [run.next_batch() for run in active]
         self.zero_grad()
-        joined, rows = self.task.join_batches(batches)
+        joined, routing = self.task.join_batches(batches)
         def forward_backward() -> torch.Tensor:
-            with self.model.routed([run.model for run in active], rows):  # backward too: checkpointed layers rerun
+            with self.model.routed([run.model for run in active], routing):  # backward too: checkpointed layers
                 out = self.task.output(self.net, joined)
-                losses = self.task.output_losses(out, rows, batches)                         # [K]
+                losses = self.task.output_losses(out, routing, batches)                      # [K]
                 terms = [run.correction_terms(batch) for run, batch in zip(active, batches)]
                 if any(run.scaler is not None for run in active):
                     total = sum(run.scaled(losses[i] + sum(t)) for i, (run, t) in enumerate(zip(active, terms)))

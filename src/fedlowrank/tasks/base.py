@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..adapters.model import AdaptedModel
+from ..adapters.model import AdaptedModel, Routing
 from ..device import to_device
 from ..adapters.targets import default_targets, resolve_targets
 
@@ -34,10 +34,10 @@ def adapted_copy(loaded, targets: list[str] | str | None, train_outputs: bool) -
     return AdaptedModel(net, names, head)
 
 
-def join_padded(batches: list[dict[str, Tensor]], pad: dict[str, int]) -> tuple[dict[str, Tensor], list[slice]]:
+def join_padded(batches: list[dict[str, Tensor]], pad: dict[str, int]) -> tuple[dict[str, Tensor], Routing]:
     """Dict batches as one: each key's tensors ``[n_k, T_k, ...]`` padded at the end of dimension 1 to the longest
     ``T`` with ``pad[key]`` (keys not in ``pad`` are concatenated as they are), then concatenated along dimension
-    0. Returns ``(batch [Σ n_k, T, ...], rows)`` with ``rows[k]`` the slice of batch k's rows."""
+    0. Returns ``(batch [Σ n_k, T, ...], routing)``, batch k's rows ``routing.rows[k]``."""
     joint = {}
     for key in batches[0]:
         parts = [b[key] for b in batches]
@@ -47,7 +47,7 @@ def join_padded(batches: list[dict[str, Tensor]], pad: dict[str, int]) -> tuple[
                                                          value=pad[key]) for t in parts]
         joint[key] = torch.cat(parts)
     ends = np.cumsum([len(b[next(iter(b))]) for b in batches]).tolist()
-    return joint, [slice(a, b) for a, b in zip([0, *ends[:-1]], ends)]
+    return joint, Routing(rows=[slice(a, b) for a, b in zip([0, *ends[:-1]], ends)])
 
 
 def padded_length(longest: int, buckets: list[int], max_length: int) -> int:
@@ -59,15 +59,10 @@ def padded_length(longest: int, buckets: list[int], max_length: int) -> int:
     return next((b for b in buckets if b >= longest), max(max_length, longest))
 
 
-def member_of_rows(rows: list[slice], device: torch.device) -> Tensor:
-    """``[B]`` the index k of the member whose rows ``rows[k]`` hold each row of a joined batch."""
-    return torch.tensor([k for k, s in enumerate(rows) for _ in range(s.start, s.stop)], device=device)
-
-
-def mean_by_member(values: Tensor, rows: list[slice]) -> Tensor:
-    """``[K]`` the mean of ``values: [B]`` over each member's rows ``rows[k]``."""
-    sums = values.new_zeros(len(rows)).index_add(0, member_of_rows(rows, values.device), values)
-    return sums / torch.tensor([s.stop - s.start for s in rows], dtype=values.dtype, device=values.device)
+def mean_by_member(values: Tensor, routing: Routing) -> Tensor:
+    """``[K]`` the mean of ``values: [B]`` over each member's rows (row routing)."""
+    sums = values.new_zeros(routing.size).index_add(0, routing.member_of_rows(values.device), values)
+    return sums / torch.tensor([s.stop - s.start for s in routing.rows], dtype=values.dtype, device=values.device)
 
 
 class Task:
@@ -111,6 +106,10 @@ class Task:
         padded length), for the cohort memory planner. Default: the first ``rows`` examples."""
         return self.batch(np.arange(rows) % self.num_train)
 
+    def rows_per_step(self, batch_size: int) -> float:
+        """Rows of a client's training batch of ``batch_size`` examples at most (the memory planner's unit)."""
+        return batch_size
+
     def device_batch(self, batch: Any, device: torch.device) -> Any:
         """``batch`` as a training step on ``device`` uses it: every tensor moved there (default). A task may keep
         on the host what only the host reads, so that a step never waits for the device to read it back."""
@@ -130,10 +129,11 @@ class Task:
         raise NotImplementedError(f"task {self.name!r} does not expose features")
 
     # -- cohorts (supports_cohorts): loss(net, batch) == output_loss(output(net, batch), batch) -------------------
-    # and output_losses(output(net, joined), rows, batches)[k] == output_loss(output(net, batches[k]), batches[k])
-    def join_batches(self, batches: list) -> tuple[Any, list[slice]]:
-        """Several clients' batches as one batch and each one's rows in it; padding changes no output the loss
-        reads (e.g. :func:`join_padded` with the pad token, mask 0, label -100)."""
+    # and output_losses(output(net, joined), routing, batches)[k] == output_loss(output(net, batches[k]), batches[k])
+    def join_batches(self, batches: list) -> tuple[Any, Routing]:
+        """Several clients' batches as one batch and where each one is in it (:class:`Routing`: its rows, or its
+        tokens in packed rows); padding changes no output the loss reads (e.g. :func:`join_padded` with the pad
+        token, mask 0, label -100)."""
         raise NotImplementedError(f"task {self.name!r} cannot join batches")
 
     def output(self, net: nn.Module, batch: Any) -> Tensor:
@@ -145,10 +145,10 @@ class Task:
         """The loss of ``batch`` from its rows of :meth:`output` (longer along a padded dimension when joined)."""
         raise NotImplementedError(f"task {self.name!r} cannot join batches")
 
-    def output_losses(self, out: Tensor, rows: list[slice], batches: list) -> Tensor:
-        """``[K]`` the loss of each of ``batches`` from its rows ``rows[k]`` of the joined batch's :meth:`output`
-        (default: :meth:`output_loss` of each; a task computes them together in a few operations)."""
-        return torch.stack([self.output_loss(out[s], b) for s, b in zip(rows, batches)])
+    def output_losses(self, out: Tensor, routing: Routing, batches: list) -> Tensor:
+        """``[K]`` the loss of each of ``batches`` from its part (``routing``) of the joined batch's :meth:`output`
+        (default: :meth:`output_loss` of each one's rows; a task computes them together in a few operations)."""
+        return torch.stack([self.output_loss(out[s], b) for s, b in zip(routing.rows, batches)])
 
     def evaluate(self, net: nn.Module) -> dict[str, float]:
         """Metrics on the global test set, e.g. ``{"accuracy": .., "loss": ..}`` (no autograd)."""
@@ -203,7 +203,7 @@ class ValidationView(Task):
     def supports_cohorts(self) -> bool:  # type: ignore[override]
         return self.task.supports_cohorts
 
-    def join_batches(self, batches: list) -> tuple[Any, list[slice]]:
+    def join_batches(self, batches: list) -> tuple[Any, Routing]:
         return self.task.join_batches(batches)
 
     def output(self, net: nn.Module, batch: Any) -> Tensor:
@@ -212,8 +212,8 @@ class ValidationView(Task):
     def output_loss(self, out: Tensor, batch: Any) -> Tensor:
         return self.task.output_loss(out, batch)
 
-    def output_losses(self, out: Tensor, rows: list[slice], batches: list) -> Tensor:
-        return self.task.output_losses(out, rows, batches)
+    def output_losses(self, out: Tensor, routing: Routing, batches: list) -> Tensor:
+        return self.task.output_losses(out, routing, batches)
 
     @property
     def num_train(self) -> int:
@@ -227,6 +227,9 @@ class ValidationView(Task):
 
     def probe_batch(self, rows: int) -> Any:
         return self.task.probe_batch(rows)
+
+    def rows_per_step(self, batch_size: int) -> float:
+        return self.task.rows_per_step(batch_size)
 
     def device_batch(self, batch: Any, device: torch.device) -> Any:
         return self.task.device_batch(batch, device)

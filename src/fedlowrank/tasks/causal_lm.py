@@ -6,7 +6,9 @@
 * **Truncation** at ``task.max_length`` tokens keeps the start; the examples cut, and those whose response was
   cut entirely (no loss tokens left), are counted in :meth:`CausalLM.describe` and logged.
 * **Batches** are padded on the right to the batch's longest example (dynamic padding), or to the smallest of
-  ``task.length_buckets`` that holds it (a few static shapes, for compiled steps).
+  ``task.length_buckets`` that holds it (a few static shapes, for compiled steps); with ``pack`` a step's examples
+  (a cohort's: all its members') are packed into rows of that many tokens, positions restarting at each example
+  (:func:`pack`), which removes most padding.
 * **Loss without full logits**: the network's last hidden states are gathered at the positions whose next token
   is a response token, and only those go through the language-model head, in chunks, with the cross-entropy
   accumulated in fp32 (:func:`response_nll`): memory ∝ response tokens × hidden, never batch × length ×
@@ -32,10 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..adapters.model import AdaptedModel
+from ..adapters.model import AdaptedModel, Routing
 from ..device import module_device
 from ..seeding import numpy_rng
-from .base import Task, adapted_copy, join_padded, member_of_rows, padded_length
+from .base import Task, adapted_copy, join_padded, padded_length
 from .instructions import InstructionData
 
 log = logging.getLogger("fedlowrank")
@@ -117,6 +119,58 @@ def collate(examples: list[Encoded], pad_id: int, width: int = 0) -> dict[str, t
             "labels": torch.tensor([[IGNORE] * p + ids[p:] + [IGNORE] * pad for ids, _, pad, p in rows])}
 
 
+def pack(groups: list[list[Encoded]], capacity: int, pad_id: int, buckets: list[int]) -> tuple[dict, torch.Tensor]:
+    """The examples of every group (a cohort member's batch, or one client's) in rows of at most ``capacity``
+    tokens, each example's positions starting at 0 (so that attention stays within it): ``input_ids``,
+    ``position_ids`` and ``labels`` ``[R, W]``, W the fullest row's length or its bucket (:func:`padded_length`;
+    padding restarts its positions too), and each token's group ``[R, W]`` (-1: padding). The rows are those of
+    :func:`pack_rows`."""
+    items = [(e, g) for g, group in enumerate(groups) for e in group]
+    rows = pack_rows([len(e.ids) for e, _ in items], capacity)
+    fill = [sum(len(items[i][0].ids) for i in row) for row in rows]
+    width = padded_length(max(fill), buckets, capacity)
+    ids, positions, labels, members = [], [], [], []
+    for row, f in zip(rows, fill):
+        pad, row = width - f, [items[i] for i in row]
+        ids.append([t for e, _ in row for t in e.ids] + [pad_id] * pad)
+        positions.append([p for e, _ in row for p in range(len(e.ids))] + list(range(pad)))
+        labels.append([t for e, _ in row for t in [IGNORE] * e.prompt_len + e.ids[e.prompt_len:]] + [IGNORE] * pad)
+        members.append([g for e, g in row for _ in e.ids] + [-1] * pad)
+    batch = {"input_ids": torch.tensor(ids), "position_ids": torch.tensor(positions), "labels": torch.tensor(labels)}
+    return batch, torch.tensor(members)
+
+
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Items of ``lengths`` (each ≤ ``capacity``) in rows of at most ``capacity``, as indices, with the fewer
+    padded tokens (rows × fullest row) of two layouts, longest items first: first fit (each into the first row
+    with room; best for many items) and balanced (the fewest rows that hold them, each item into the least
+    filled; best for a few)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    first: list[list[int]] = []
+    fill: list[int] = []
+    for i in order:
+        r = next((r for r, f in enumerate(fill) if f + lengths[i] <= capacity), len(first))
+        if r == len(first):
+            first.append([])
+            fill.append(0)
+        first[r].append(i)
+        fill[r] += lengths[i]
+    layouts = [(len(first) * max(fill), first)]
+    count = -(-sum(lengths) // capacity)
+    while count <= len(first):
+        balanced: list[list[int]] = [[] for _ in range(count)]
+        load = [0] * count
+        for i in order:
+            r = load.index(min(load))
+            balanced[r].append(i)
+            load[r] += lengths[i]
+        if max(load) <= capacity:
+            layouts.append((count * max(load), balanced))
+            break
+        count += 1
+    return min(layouts, key=lambda layout: layout[0])[1]
+
+
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``([B, T] ids, [B, T] mask)`` padded on the left (for generation)."""
     width = max(len(s) for s in sequences)
@@ -196,6 +250,20 @@ def response_nll(hidden: torch.Tensor, targets: torch.Tensor, head: LMHead, rows
 
 
 @torch.no_grad()
+def check_packing(net: nn.Module, spec: str) -> None:
+    """That the decoder keeps two sequences packed in one row apart (positions restarting at 0, no attention mask:
+    transformers' packed-sequence masks), or one line naming ``task.model``."""
+    decoder, vocab = net.get_decoder(), net.get_input_embeddings().num_embeddings
+    a, b = torch.arange(3, 8)[None] % vocab, torch.arange(11, 15)[None] % vocab
+    alone = torch.cat([decoder(input_ids=x, use_cache=False).last_hidden_state for x in (a, b)], 1)
+    packed = decoder(input_ids=torch.cat([a, b], 1), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]]),
+                     use_cache=False).last_hidden_state
+    if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-4 * float(alone.abs().max())):
+        raise ValueError(f"task.model = {spec!r}: its attention does not keep sequences packed in one row apart "
+                         f"(positions restarting at 0); set task.options.pack = 0")
+
+
+@torch.no_grad()
 def check_lm_head(net: nn.Module, spec: str) -> None:
     """That :class:`LMHead` gives the network's own logits (on 8 tokens), or one line naming ``task.model``: the
     response-only loss computes logits from the decoder's last hidden state itself."""
@@ -253,6 +321,9 @@ class CausalLM(Task):
         generation_batch_size: questions generated together.
         write_generations: how many generations per evaluation go to the run directory.
         eval_seed: seed of the two evaluation subsets (fixed across runs and methods unless changed).
+        pack: 0, or the length of the rows into which a step's examples are packed (a cohort's: all its
+            members', each token routed to its own member's adapters), which removes most padding: at least
+            ``task.max_length``; 512 suits GSM8K (rows much longer waste attention on the masked-out pairs).
         length_buckets: ``task.length_buckets``: training batches are padded to the smallest that holds them.
     """
 
@@ -263,7 +334,8 @@ class CausalLM(Task):
     def __init__(self, data: InstructionData, model: str = "tiny-llama", max_length: int = 256,
                  targets: list[str] | None = None, eval_batch_size: int = 8, eval_examples: int = 200,
                  eval_generate: int = 0, max_new_tokens: int = 256, generation_batch_size: int = 8,
-                 write_generations: int = 5, eval_seed: int = 0, length_buckets: list[int] | None = None):
+                 write_generations: int = 5, eval_seed: int = 0, pack: int = 0,
+                 length_buckets: list[int] | None = None):
         from ..models.loading import load_model
 
         if max_length < 2:
@@ -272,6 +344,9 @@ class CausalLM(Task):
                            ("write_generations", write_generations)):
             if value < 0:
                 raise ValueError(f"task.options.{key} must be >= 0, got {value}")
+        if pack and pack < max_length:
+            raise ValueError(f"task.options.pack must be 0 or at least task.max_length = {max_length} (a row holds "
+                             f"whole examples), got {pack}")
         for key, value in (("max_new_tokens", max_new_tokens), ("generation_batch_size", generation_batch_size),
                            ("task.eval_batch_size", eval_batch_size)):
             if value < 1:
@@ -280,6 +355,7 @@ class CausalLM(Task):
         self.model_name = model
         self.max_length = max_length
         self.length_buckets = list(length_buckets or [])
+        self.pack = pack
         self.targets = targets
         self.eval_batch_size = eval_batch_size
         self.max_new_tokens = max_new_tokens
@@ -287,6 +363,8 @@ class CausalLM(Task):
         self.write_generations = write_generations
         self.loaded = load_model(model, "causal-lm")
         check_lm_head(self.loaded.net, model)
+        if pack:
+            check_packing(self.loaded.net, model)
         self.tokenizer = self.loaded.tokenizer
         tok = self.tokenizer
         self.train = [encode_example(tok, p, r, max_length) for p, r in zip(data.train_prompts, data.train_responses)]
@@ -330,30 +408,41 @@ class CausalLM(Task):
         return adapted_copy(self.loaded, self.targets, train_outputs=False)
 
     def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
-        """The examples at ``indices``, padded to the longest or to its length bucket (:func:`padded_length`)."""
+        """The examples at ``indices``, padded to the longest or to its length bucket (:func:`padded_length`), or
+        packed (``pack``: rows of that many tokens, :func:`pack`, with ``example_index`` ``[n]``)."""
         examples = [self.train[int(i)] for i in indices]
+        if self.pack:
+            batch, _ = pack([examples], self.pack, self.tokenizer.pad_token_id, self.length_buckets)
+            return {**batch, "example_index": torch.as_tensor(np.asarray(indices), dtype=torch.long)}
         width = padded_length(max(len(e.ids) for e in examples), self.length_buckets, self.max_length)
         return collate(examples, self.tokenizer.pad_token_id, width)
 
     def probe_batch(self, rows: int) -> dict[str, torch.Tensor]:
-        """The ``rows`` longest training examples (repeated if needed), padded as the longest training batch
-        would be."""
-        longest = sorted(self.train, key=lambda e: len(e.ids), reverse=True)
-        examples = [longest[i % len(longest)] for i in range(rows)]
-        width = padded_length(len(longest[0].ids), self.length_buckets, self.max_length)
-        return collate(examples, self.tokenizer.pad_token_id, width)
+        """``rows`` rows of the longest training example, padded as the longest training batch would be (packed:
+        rows of ``pack`` tokens holding as many copies as fit)."""
+        longest = max(range(len(self.train)), key=lambda i: len(self.train[i].ids))
+        if self.pack:
+            return self.batch(np.full(rows * max(1, self.pack // len(self.train[longest].ids)), longest))
+        width = padded_length(len(self.train[longest].ids), self.length_buckets, self.max_length)
+        return collate([self.train[longest]] * rows, self.tokenizer.pad_token_id, width)
+
+    def rows_per_step(self, batch_size: int) -> float:
+        """Rows of a client's training batch at most: ``batch_size``, or the packed rows its longest examples
+        fill."""
+        longest = max(len(e.ids) for e in self.train)
+        return batch_size * longest / self.pack if self.pack else batch_size
 
     def device_batch(self, batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-        """The token ids and mask on ``device``; the labels stay on the host, where :meth:`output` finds the
-        response positions without waiting for the device."""
-        return {k: v if k == "labels" else v.to(device) for k, v in batch.items()}
+        """The token ids, mask and positions on ``device``; the labels (and a packed batch's example indices) stay
+        on the host, where :meth:`output` finds the response positions without waiting for the device."""
+        return {k: v if k in ("labels", "example_index") else v.to(device) for k, v in batch.items()}
 
     def hidden_states(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """The last hidden states ``[B, T, H]`` (after the final norm) of the network's decoder, without the
-        language-model head."""
+        language-model head; a packed batch passes its positions and no mask (transformers' packed sequences)."""
         dev = module_device(net)
-        return net.get_decoder()(input_ids=batch["input_ids"].to(dev), attention_mask=batch["attention_mask"].to(dev),
-                                 use_cache=False).last_hidden_state
+        inputs = {k: batch[k].to(dev) for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        return net.get_decoder()(**inputs, use_cache=False).last_hidden_state
 
     def compiled_module(self, net: nn.Module) -> nn.Module:
         """The decoder (:meth:`hidden_states`): the response positions are found on the host, outside."""
@@ -365,30 +454,45 @@ class CausalLM(Task):
         return self.output_loss(self.output(net, batch), batch)
 
     def output(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        """Each example's summed response negative log-likelihood and its number of response tokens, ``[B, 2]``
-        (fp32): the head only at the response positions (:func:`response_nll`)."""
+        """At each position, the negative log-likelihood of the next token when it is a response token, and 1 (its
+        count), else 0: ``[B, T, 2]`` (fp32); the head only at the response positions (:func:`response_nll`)."""
         hidden = self.hidden_states(net, batch)
-        flat, targets, rows = (t.to(hidden.device) for t in response_positions(batch["labels"]))
+        flat, targets, _ = (t.to(hidden.device) for t in response_positions(batch["labels"]))
         nll = response_nll(hidden.flatten(0, 1).index_select(0, flat), targets, LMHead.of(net))
-        return nll.new_zeros(len(hidden), 2).index_add(0, rows, torch.stack([nll, torch.ones_like(nll)], 1))
+        out = nll.new_zeros(hidden.shape[0] * hidden.shape[1], 2)
+        return out.index_add(0, flat, torch.stack([nll, torch.ones_like(nll)], 1)).view(*hidden.shape[:2], 2)
 
     def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        """:meth:`loss` from the batch's rows of :meth:`output` ``[B, 2]``: read on the device, never on the host."""
-        total = out.sum(0)
+        """:meth:`loss` from the batch's part of :meth:`output`: read on the device, never on the host."""
+        total = out.reshape(-1, 2).sum(0)
         return total[0] / total[1].clamp_min(1)
 
-    def output_losses(self, out: torch.Tensor, rows: list[slice], batches: list) -> torch.Tensor:
-        """:meth:`output_loss` of every member at once: ``[K]``."""
-        total = out.new_zeros(len(rows), 2).index_add(0, member_of_rows(rows, out.device), out)
+    def output_losses(self, out: torch.Tensor, routing: Routing, batches: list) -> torch.Tensor:
+        """:meth:`output_loss` of every member at once: ``[K]`` (a position counts for the member of its token)."""
+        if routing.rows is not None:
+            out, member = out.sum(1), routing.member_of_rows(out.device)
+        else:
+            out, member = out.reshape(-1, 2), routing.tokens.flatten().clamp_min(0).to(out.device)  # padding: 0s
+        total = out.new_zeros(routing.size, 2).index_add(0, member, out)
         return total[:, 0] / total[:, 1].clamp_min(1)
 
-    def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[slice]]:
-        """Right padding as in :func:`collate`: the pad token, mask 0, label -100."""
-        return join_padded(batches, {"input_ids": self.tokenizer.pad_token_id, "attention_mask": 0,
-                                     "labels": IGNORE})
+    def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], Routing]:
+        """Right padding as in :func:`collate` (the pad token, mask 0, label -100), or, packed, every member's
+        examples packed together (:func:`pack`) with each token's member (:class:`Routing` by tokens)."""
+        if not self.pack:
+            return join_padded(batches, {"input_ids": self.tokenizer.pad_token_id, "attention_mask": 0,
+                                         "labels": IGNORE})
+        groups = [[self.train[int(i)] for i in b["example_index"]] for b in batches]
+        joined, members = pack(groups, self.pack, self.tokenizer.pad_token_id, self.length_buckets)
+        device = batches[0]["input_ids"].device
+        joined = {k: v if k == "labels" else v.to(device) for k, v in joined.items()}
+        return joined, Routing(tokens=members, size=len(batches))
 
     def features(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """``[B, d]`` last hidden state averaged over each example's tokens (padding excluded)."""
+        if "attention_mask" not in batch:
+            raise ValueError("task.options.pack: a packed row holds several examples, so a method that reads "
+                             "each example's features (moon) needs pack = 0")
         hidden = self.hidden_states(net, batch)
         mask = batch["attention_mask"].to(hidden.device).unsqueeze(-1).to(hidden.dtype)
         return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
@@ -401,7 +505,7 @@ class CausalLM(Task):
         total = torch.zeros(2, dtype=torch.float64, device=module_device(net))  # summed nll, response tokens
         for start in range(0, len(examples), self.eval_batch_size):
             total += self.output(net, collate(examples[start:start + self.eval_batch_size],
-                                              self.tokenizer.pad_token_id)).sum(0)
+                                              self.tokenizer.pad_token_id)).reshape(-1, 2).sum(0)
         nll, count = total.tolist()
         loss = nll / max(count, 1)
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..adapters.model import AdaptedModel
+from ..adapters.model import AdaptedModel, Routing
 from ..device import module_device
 from ..models.loading import NOT_IMAGENET, load_model
 from .base import Task, adapted_copy, join_padded, mean_by_member
@@ -130,11 +130,11 @@ class ImageClassification(Task):
     def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
         return F.cross_entropy(out.float(), batch["labels"])
 
-    def output_losses(self, out: torch.Tensor, rows: list[slice], batches: list) -> torch.Tensor:
+    def output_losses(self, out: torch.Tensor, routing: Routing, batches: list) -> torch.Tensor:
         labels = torch.cat([b["labels"] for b in batches])
-        return mean_by_member(F.cross_entropy(out.float(), labels, reduction="none"), rows)
+        return mean_by_member(F.cross_entropy(out.float(), labels, reduction="none"), routing)
 
-    def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[slice]]:
+    def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], Routing]:
         return join_padded(batches, {})  # images of one size: nothing to pad
 
     def features(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..adapters.model import AdaptedModel
+from ..adapters.model import AdaptedModel, Routing
 from ..device import module_device, to_device
 from ..models.loading import load_model
 from .base import Task, adapted_copy, join_padded, mean_by_member, padded_length
@@ -106,11 +106,11 @@ class TextClassification(Task):
     def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
         return F.cross_entropy(out.float(), batch["labels"])
 
-    def output_losses(self, out: torch.Tensor, rows: list[slice], batches: list) -> torch.Tensor:
+    def output_losses(self, out: torch.Tensor, routing: Routing, batches: list) -> torch.Tensor:
         labels = torch.cat([b["labels"] for b in batches])
-        return mean_by_member(F.cross_entropy(out.float(), labels, reduction="none"), rows)
+        return mean_by_member(F.cross_entropy(out.float(), labels, reduction="none"), routing)
 
-    def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[slice]]:
+    def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], Routing]:
         """Token ids padded with the pad token and masks with 0 (right padding: no real token's output changes)."""
         return join_padded(batches, {"input_ids": self.loaded.tokenizer.pad_token_id, "attention_mask": 0})
 
