@@ -11,8 +11,8 @@ computed tokens, the peak device memory (CUDA) and, for the cohort, the planner'
 rounding without dropout; MiniLM trains with dropout 0.1, whose masks a cohort draws from its own stream.
 
     python benchmarks/bench_cohort.py [--config main] [--device auto] [--rounds 3] [--clients 10] [--steps 5]
-        [--batch-size 16] [--dtype fp32] [--buckets ""] [--compile] [--gradient-checkpointing] [--cohort N]
-        [--threads 0] [--model M] [--max-length N] [--json FILE]
+        [--batch-size 16] [--dtype fp32] [--buckets ""] [--pack 0] [--compile] [--gradient-checkpointing] [--cohort N]
+        [--threads 0] [--model M] [--max-length N] [--json FILE] [--set section.key=value ...]
 
 On a GPU (see the report of branch ``gpu`` for the exact commands): SmolLM2 bf16, 32 clients × 5 steps × 4 GSM8K
 examples; targets ≥ 150k real tokens/s as one cohort and a peak ≤ 12 GiB. On the CPU a joint step gains ≈ nothing.
@@ -47,7 +47,8 @@ class TokenCount:
 
         def counted_batch(indices):
             out = batch(indices)
-            self.real += int(out["attention_mask"].sum())
+            self.real += (int(out["attention_mask"].sum()) if "attention_mask" in out else  # packed: its examples
+                          sum(len(task.train[int(i)].ids) for i in out["example_index"]))
             self.alone += out["input_ids"].numel()
             return out
 
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-size", type=int, default=0, help="examples per step (0: the config's)")
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--buckets", default="", help="task.length_buckets, e.g. 128,192,256,320,384")
+    ap.add_argument("--pack", type=int, default=0, help="gsm8k: task.options.pack (rows of N tokens; 0: padding)")
     ap.add_argument("--compile", action="store_true", help="run.compile")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--cohort", type=int, default=-1, help="the cohort run's run.cohort (-1: --clients; 0: automatic)")
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-length", type=int, default=0, help="task.max_length (0: the config's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="append one JSON line per mode to this file")
+    ap.add_argument("--set", action="append", default=[], help="any further section.key=value (repeatable)")
     args = ap.parse_args(argv)
     sets = ["method.name=fedit", f"run.rounds={args.rounds}", f"run.eval_every={args.rounds}",
             f"partition.num_clients={args.clients}", f"run.clients_per_round={args.clients}",
@@ -94,12 +97,13 @@ def main(argv: list[str] | None = None) -> None:
             f"run.compile={str(args.compile).lower()}",
             f"train.gradient_checkpointing={str(args.gradient_checkpointing).lower()}"]
     if args.config == "gsm8k":
-        sets += ["partition.kind=iid", "task.options={eval_examples = 8, eval_generate = 0}",
+        sets += ["partition.kind=iid", f"task.options={{eval_examples = 8, eval_generate = 0, pack = {args.pack}}}",
                  f"data.max_train_examples={max(1000, 10 * args.clients * args.batch_size)}"]
     sets += [f"task.model={args.model}"] if args.model else []
     sets += [f"train.batch_size={args.batch_size}"] if args.batch_size else []
     sets += [f"task.max_length={args.max_length}"] if args.max_length else []
     sets += [f"task.length_buckets=[{args.buckets}]"] if args.buckets else []
+    sets += args.set
     print(provenance(argv))
     task = build_task(load_config(args.config, sets))
     tokens = TokenCount(task)
@@ -132,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     print(setup_line(one.cfg, task))
     name = torch.cuda.get_device_name(joint.device) if joint.device.type == "cuda" else "cpu"
     print(f"device {joint.device} ({name}), dtype {args.dtype}, compile {args.compile}, buckets [{args.buckets}], "
+          f"pack {args.pack}, "
           f"gradient checkpointing {args.gradient_checkpointing}; rounds 2..{args.rounds}, evaluation excluded")
     for row in results:
         memory = (f"peak {row['peak_gib']:.2f} GiB" if row["peak_gib"] is not None else "peak n/a (CPU)") + (
@@ -142,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             with open(args.json, "a") as fh:
                 fh.write(json.dumps({**row, "config": args.config, "dtype": args.dtype, "compile": args.compile,
-                                     "buckets": args.buckets, "clients": args.clients, "steps": args.steps,
+                                     "buckets": args.buckets, "pack": args.pack, "clients": args.clients,
+                                     "steps": args.steps,
                                      "device": name, "command": " ".join(sys.argv)}) + "\n")
     t1, tc = results[0]["s_per_round"], results[1]["s_per_round"]
     print(f"  -> speed-up {t1 / tc:.2f}x; max |global state difference| {diff:.2e} "
