@@ -12,6 +12,9 @@
   adapter computes with its factors cast to the input's dtype (tiny), a trained module inside the backbone
   sees fp32 inputs and hands its output back in the compute dtype. fp16 needs CUDA (its gradient scaler is
   CUDA's). fp32 runs are untouched.
+* Training steps (:func:`prepare_training`): optimizers step with fused kernels on CUDA (:func:`optimizer_kernel`);
+  ``run.compile`` compiles the forward for training steps only (:func:`compile_module`, :func:`run_compiled`);
+  ``train.gradient_checkpointing``; :func:`measured_peak_bytes` measures what a step allocates.
 """
 
 from __future__ import annotations
@@ -72,8 +75,10 @@ def store_frozen(model, dtype: str) -> None:
     (``train.dtype``): every parameter no method trains (:meth:`~AdaptedModel.frozen_parameters`) and the
     adapters' frozen buffers; each module that trains inside it (:meth:`~AdaptedModel.trained_modules`: the head,
     fully trained targets) gets hooks that cast its floating inputs to its parameters' dtype and its outputs to
-    ``dtype``, and the network's floating inputs (pixel values) are cast to ``dtype``. Nothing at fp32. Tensors change in place (views sharing them see the change). Idempotent: the
-    runtime calls it before every client's training, so that a model only evaluated (export) stays as loaded."""
+    ``dtype``, and the network's floating inputs (pixel values) are cast to ``dtype``. Nothing at fp32. Tensors
+    change in place (views sharing them see the change). Idempotent: the runtime calls it (through
+    :func:`prepare_training`) before a client trains, so a model that is only evaluated or exported stays as
+    loaded."""
     if dtype == "fp32" or getattr(model, "stored_dtype", None) == dtype:
         return
     low = DTYPES[dtype]

@@ -134,7 +134,8 @@ def cohort_memory(cfg, task, model: AdaptedModel) -> CohortMemory:
     for p in own:
         p.requires_grad_(True)
     try:
-        one, three = probe(1), probe(3)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws: not the run's
+            one, three = probe(1), probe(3)
     finally:
         net.train(was_training)
         for p, r in zip(own, requires):
