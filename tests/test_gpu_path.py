@@ -31,9 +31,9 @@ from fedlowrank.training.local import OPTIMIZERS, FitRun, LocalTrainer, TrainCon
 
 
 # -- every tensor an adapter makes follows the module's device ------------------------------------------------
-def _tensors_on(module: nn.Module, device: str) -> list[str]:
-    """Names of the parameters and buffers of ``module`` that are not on ``device``."""
-    return [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.device.type != device]
+def _tensors_on(module: nn.Module, where: str) -> list[str]:
+    """Names of the parameters and buffers of ``module`` that are not on device type ``where``."""
+    return [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.device.type != where]
 
 
 @pytest.mark.parametrize("setter", [
@@ -608,3 +608,46 @@ def test_packing_refusals_are_one_line(monkeypatch):
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)  # packing unseen
     with pytest.raises(ValueError, match=r"^task.model = 'tiny-llama': its attention does not keep sequences"):
         check_packing(lm_task().loaded.net, "tiny-llama")
+
+
+# -- on CUDA (skipped without it) -------------------------------------------------------------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+def test_on_cuda_the_planned_cohort_peak_is_within_25_percent_of_the_measured_one():
+    """bf16, packed GSM8K rows, the automatic cohort: the planner's peak against CUDA's allocator statistics over
+    the training of a round (the model's own tensors included)."""
+    sets = ["task.options.eval_generate=0", "task.options.pack=1536", "train.dtype=bf16", "run.device=cuda",
+            "run.cohort=0", "run.clients_per_round=4", "run.rounds=2"]
+    sim = Simulation(load_config("tiny-lm", sets), task=packed_task())
+    assert sim.cohort_size() >= 2
+    memory = cohort_memory(sim.cfg, sim.task, sim.model)
+    sim.run_round()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    sim.run_round()
+    measured = torch.cuda.max_memory_allocated()
+    assert 0.75 * measured <= memory.peak(sim.cohort_size()) <= 1.25 * measured
+    assert {p.dtype for p in sim.model.frozen_parameters()} == {torch.bfloat16}
+
+
+@needs_cuda
+def test_on_cuda_a_compiled_run_with_cuda_graphs_equals_eager():
+    """inductor with CUDA graphs (mode reduce-overhead, two length buckets): the eager run's global model, and at
+    most one graph per bucket."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    sets = ["task.options.eval_generate=0", "task.length_buckets=[512, 768]", "run.device=cuda", "train.dtype=bf16",
+            "run.cohort=1", "run.clients_per_round=2"]
+    task = build_task(load_config("tiny-lm", sets))
+    compiled = Simulation(load_config("tiny-lm", ["run.compile=true", *sets]), task=task)
+    compiled.run()
+    assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
+    eager = Simulation(load_config("tiny-lm", sets), task=task)
+    eager.run()
+    for key, value in eager.server.tensors().items():
+        torch.testing.assert_close(compiled.server[key], value, rtol=2e-2, atol=1e-4, msg=key)
+    torch._dynamo.reset()
