@@ -4,7 +4,6 @@ steps, length buckets, compiled steps and the cohort memory planner."""
 
 from __future__ import annotations
 
-import collections
 import copy
 from functools import lru_cache
 
@@ -13,13 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 from fedlowrank.adapters.gram import GramLinear
 from fedlowrank.adapters.lora import LoRALinear
 from fedlowrank.config import ConfigError, load_config
 from fedlowrank import device
-from fedlowrank.device import measured_peak_bytes, store_frozen
+from fedlowrank.device import dispatched_ops, measured_peak_bytes, store_frozen
 from fedlowrank.runtime import cohort
 from fedlowrank.runtime.cohort import FitRequest, JointFit, cohort_memory, cohort_size
 from fedlowrank.runtime.simulator import Simulation
@@ -178,25 +176,6 @@ def test_an_architecture_with_other_logits_is_refused():
 HOST_READS = ("aten::item", "aten::_local_scalar_dense")
 
 
-def profiled_ops(step) -> collections.Counter:
-    """The aten operations one call of ``step`` dispatches (after a warm-up call), counting a multi-tensor
-    (``_foreach_*``, ``_fused_*``) operation once: on CUDA it is one kernel, on the CPU a loop over its tensors."""
-    step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-
-    def inside_multi_tensor(e) -> bool:
-        p = e.cpu_parent
-        while p is not None:
-            if p.name.startswith(("aten::_foreach_", "aten::_fused_")):
-                return True
-            p = p.cpu_parent
-        return False
-
-    return collections.Counter(e.name for e in prof.events() if e.name.startswith(("aten::", "Optimizer.step"))
-                               and not inside_multi_tensor(e))
-
-
 def lm_simulation(*sets: str) -> Simulation:
     return Simulation(load_config("tiny-lm", ["task.options.eval_generate=0", *sets]), task=lm_task())
 
@@ -238,10 +217,10 @@ def test_a_local_step_reads_the_device_no_more_than_a_plain_peft_step(kernel, mo
     run = fit_run(sim)
     batch = sim.task.batch(sim.parts[0][:4])
     run.batches = iter([batch] * 2)
-    ours = profiled_ops(run.train_step)
+    ours = dispatched_ops(run.train_step)
     net, plain_step = plain_peft_step(sim.task, batch, kernel)
-    plain = profiled_ops(plain_step)
-    forward = profiled_ops(lambda: net(**batch))
+    plain = dispatched_ops(plain_step)
+    forward = dispatched_ops(lambda: net(**batch))
     assert sum(ours[k] for k in HOST_READS) <= sum(plain[k] for k in HOST_READS)
     if kernel == "fused":
         assert sum(ours[k] for k in HOST_READS) == sum(forward[k] for k in HOST_READS)
@@ -258,7 +237,7 @@ def test_a_cohort_step_dispatches_at_most_1_5x_the_operations_of_one_member(monk
         requests = [FitRequest(run.trainer, run.model, run.params, [], None) for run in runs]
         fit = JointFit(sim.model, requests, seed=0)
         steps = iter(range(10))
-        counts[size] = profiled_ops(lambda: fit.step(next(steps)))
+        counts[size] = dispatched_ops(lambda: fit.step(next(steps)))
         assert counts[size]["Optimizer.step#AdamW.step"] == 1
     total = {size: sum(v for k, v in c.items() if k.startswith("aten::")) for size, c in counts.items()}
     assert total[8] <= 1.5 * total[1], total

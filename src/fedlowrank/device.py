@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import weakref
 from functools import partial
@@ -234,6 +235,28 @@ def measured_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
     return peak
 
 
+def dispatched_ops(fn: Callable[[], Any]) -> "collections.Counter[str]":
+    """The aten operations (and optimizer steps) one call of ``fn`` dispatches, counted by the torch profiler on
+    the CPU after a warm-up call, a multi-tensor operation (``_foreach_*``, ``_fused_*``) once (on CUDA it is one
+    kernel, on the CPU a loop over its tensors). ``aten::item``/``aten::_local_scalar_dense`` are host reads."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+
+    def inside_multi_tensor(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith(("aten::_foreach_", "aten::_fused_")):
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    return collections.Counter(e.name for e in prof.events() if e.name.startswith(("aten::", "Optimizer.step"))
+                               and not inside_multi_tensor(e))
+
+
 def to_host(obj: Any) -> Any:
     """:func:`to_device` to the CPU, detached: where messages and states live."""
     if isinstance(obj, torch.Tensor):
@@ -248,5 +271,6 @@ def to_host(obj: Any) -> Any:
 
 
 __all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "OPTIMIZER_KERNELS", "check_device_spec", "check_dtype",
-           "compile_module", "grad_scaler", "measured_peak_bytes", "module_device", "optimizer_kernel",
-           "prepare_training", "resolve_device", "run_compiled", "store_frozen", "to_device", "to_host"]
+           "compile_module", "dispatched_ops", "grad_scaler", "measured_peak_bytes", "module_device",
+           "optimizer_kernel", "prepare_training", "resolve_device", "run_compiled", "store_frozen", "to_device",
+           "to_host"]
