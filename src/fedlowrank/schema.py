@@ -174,6 +174,13 @@ def distinct(values: Iterable, key: str) -> None:
         seen.add(v)
 
 
+def increasing(values: Iterable, key: str) -> None:
+    """A ``check`` for lists whose items must strictly increase (sequence-length buckets)."""
+    values = list(values)
+    if any(a >= b for a, b in zip(values, values[1:])):
+        raise ConfigError(f"{key} must be increasing, got {values}")
+
+
 # -- coercion and checks -------------------------------------------------------------------------------------
 def _check(key: str, hint: Any, spec: Setting, value: Any, top: bool) -> Any:
     if hint is Any:

@@ -102,12 +102,13 @@ class GramLinear(AdaptedLinear):
         if A.shape != self.gram_A.shape:
             if not (any_rows and A.dim() == 2 and A.shape[1] == self.k):
                 raise ValueError(f"Gram factor of shape {tuple(A.shape)} does not fit {tuple(self.gram_A.shape)}")
-            self.gram_A = nn.Parameter(torch.zeros_like(A, dtype=self.gram_A.dtype))
+            self.gram_A = nn.Parameter(self.gram_A.new_zeros(A.shape))  # on this module's device and dtype
         with torch.no_grad():
             self.gram_A.copy_(A)
 
     def _factored(self, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(B_eff = L Aᵀ: [out, r], A_eff = A R: [r, in])``."""
+        """``(B_eff = L Aᵀ: [out, r], A_eff = A R: [r, in])``, in the bases' dtype (the backbone's)."""
+        A = A.to(self.L.dtype)
         return self.L @ A.T, A @ self.R
 
     def adapter_delta(self) -> torch.Tensor:
@@ -121,10 +122,10 @@ class GramLinear(AdaptedLinear):
     def adapter_output(self, x: torch.Tensor) -> torch.Tensor:
         x = self.dropout(x)
         B, A = self._factored(self.gram_A)
-        out = F.linear(F.linear(x, A), B)
+        out = F.linear(F.linear(x, A.to(x.dtype)), B.to(x.dtype))
         if self.A_ref is not None:
             B0, A0 = self._factored(self.A_ref)
-            out = out - F.linear(F.linear(x, A0), B0)
+            out = out - F.linear(F.linear(x, A0.to(x.dtype)), B0.to(x.dtype))
         return self.scale * out
 
 

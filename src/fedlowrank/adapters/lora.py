@@ -61,10 +61,9 @@ class LoRALinear(AdaptedLinear):
         if A.shape != (r, self.in_features) or B.shape != (self.out_features, r):
             raise ValueError(f"LoRA factors of shapes A{tuple(A.shape)}, B{tuple(B.shape)} do not fit a "
                              f"[{self.out_features}, {self.in_features}] layer")
-        like = dict(dtype=self.base.weight.dtype, device=self.base.weight.device)
-        if r != self.rank:
-            self.lora_A = nn.Parameter(torch.empty(r, self.in_features, **like))
-            self.lora_B = nn.Parameter(torch.empty(self.out_features, r, **like))
+        if r != self.rank:  # new factors where the old ones are, in their dtype (fp32 over a bf16 backbone)
+            self.lora_A = nn.Parameter(self.lora_A.new_empty(r, self.in_features))
+            self.lora_B = nn.Parameter(self.lora_B.new_empty(self.out_features, r))
             self.scale = lora_scale(self.alpha, r, self.scaling_rule)
         with torch.no_grad():
             self.lora_A.copy_(A)
@@ -84,9 +83,10 @@ class LoRALinear(AdaptedLinear):
         if isinstance(members[0].base, nn.Conv2d) or not all(isinstance(m.dropout, nn.Identity) for m in members):
             return None
         r = max(m.rank for m in members)
-        A = torch.stack([F.pad(m.lora_A, (0, 0, 0, r - m.rank)) for m in members])   # [K, r, in]
-        B = torch.stack([F.pad(m.lora_B, (0, r - m.rank)) for m in members])         # [K, out, r]
-        out = torch.bmm(torch.bmm(x.reshape(len(members), -1, x.shape[-1]), A.mT), B.mT)   # [K, n·…, out]
+        A = torch.stack([m.lora_A if m.rank == r else F.pad(m.lora_A, (0, 0, 0, r - m.rank)) for m in members])
+        B = torch.stack([m.lora_B if m.rank == r else F.pad(m.lora_B, (0, r - m.rank)) for m in members])
+        A, B = A.to(x.dtype), B.to(x.dtype)  # A: [K, r, in], B: [K, out, r], in the input's dtype
+        out = torch.bmm(torch.bmm(x.reshape(len(members), -1, x.shape[-1]), A.mT), B.mT)  # [K, n·…, out]
         scales = {m.scale for m in members}
         if len(scales) == 1:
             out = scales.pop() * out

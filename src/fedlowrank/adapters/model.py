@@ -75,17 +75,29 @@ class AdaptedLinear(nn.Module):
 
     def input_map(self, x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         """``A [r, in]`` applied to the layer input: ``x Aᵀ``, or the convolution with kernel ``A`` reshaped to
-        ``[r, in, kh, kw]`` (the layer's stride, padding, dilation)."""
+        ``[r, in, kh, kw]`` (the layer's stride, padding, dilation); in the input's dtype (an fp32 factor over a
+        bf16 backbone computes in bf16, its gradient flows back to fp32)."""
+        A = A.to(x.dtype)
         if isinstance(self.base, nn.Conv2d):
             b = self.base
             return F.conv2d(x, A.reshape(A.shape[0], *b.weight.shape[1:]), None, b.stride, b.padding, b.dilation)
         return F.linear(x, A)
 
     def output_map(self, h: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-        """``B [out, r]`` applied to :meth:`input_map`'s output: ``h Bᵀ``, or a 1×1 convolution."""
+        """``B [out, r]`` applied to :meth:`input_map`'s output: ``h Bᵀ``, or a 1×1 convolution (in ``h``'s
+        dtype)."""
+        B = B.to(h.dtype)
         if isinstance(self.base, nn.Conv2d):
             return F.conv2d(h, B[:, :, None, None])
         return F.linear(h, B)
+
+    def store_frozen(self, dtype: torch.dtype) -> None:
+        """Keep this adapter's frozen buffers (base delta, a Gram adapter's bases, a subspace projector...) in
+        ``dtype``, the backbone's (its trainable parameters keep theirs); in place, so that cohort members'
+        views (:meth:`AdaptedModel.shared_copy`) keep sharing them."""
+        for buf in self._buffers.values():
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                buf.data = buf.data.to(dtype)
 
     def set_base_delta(self, delta: torch.Tensor | None) -> None:
         if delta is not None and tuple(delta.shape) != matrix_shape(self.base):
@@ -130,14 +142,52 @@ class AdaptedLinear(nn.Module):
         return y if extra is None else y + extra
 
 
+class Routing:
+    """Which member of a cohort each part of a joined batch belongs to: member k's rows ``rows[k]``, or, for packed
+    rows that hold several members' sequences, each token: ``tokens: [B, T]`` (the member's index, -1 for padding;
+    on the host). A joined batch has its batch on dimension 0 (rows) or its first two (tokens)."""
+
+    def __init__(self, rows: list[slice] | None = None, tokens: torch.Tensor | None = None, size: int = 0):
+        if (rows is None) == (tokens is None):
+            raise ValueError("a routing is by rows or by tokens")
+        self.rows, self.tokens = rows, tokens
+        self.size = len(rows) if rows is not None else size  # members
+        self._gathers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def member_of_rows(self, device: torch.device) -> torch.Tensor:
+        """``[B]`` each row's member (row routing)."""
+        return torch.tensor([k for k, s in enumerate(self.rows) for _ in range(s.start, s.stop)], device=device)
+
+    def gather(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token routing: ``(index [K, n], valid [K, n])``: member k's flat token indices (into the ``B·T``
+        tokens), padded to the most any member has (index 0, ``valid`` false), on ``device`` (computed once)."""
+        if device not in self._gathers:
+            member = self.tokens.flatten()
+            order = torch.argsort(member, stable=True)
+            order = order[member[order] >= 0]                                    # padding tokens: no member
+            counts = torch.bincount(member[order], minlength=self.size)
+            starts = torch.cumsum(counts, 0) - counts
+            slot = torch.arange(len(order)) - starts.repeat_interleave(counts)    # each token's place in its member
+            index = torch.zeros(self.size, max(int(counts.max()), 1), dtype=torch.long)
+            valid = torch.zeros(index.shape, dtype=torch.bool)
+            index[member[order], slot] = order
+            valid[member[order], slot] = True
+            self._gathers[device] = (index.to(device), valid.to(device))
+        return self._gathers[device]
+
+
 class RowRouter(nn.Module):
     """Stands in for one module of a cohort's joint forward: rows ``rows[k]`` of the input go through
     ``members[k]`` (the same module in member k's model), outputs concatenated in order. ``[N, ...] → [N, ...]``,
-    ``N = rows[-1].stop``; the batch must be dimension 0."""
+    ``N = rows[-1].stop``; the batch must be dimension 0 (a head: routing by rows only)."""
 
-    def __init__(self, members: list[nn.Module], rows: list[slice]):
+    def __init__(self, members: list[nn.Module], routing: Routing):
         super().__init__()
-        self.members, self.rows = members, rows  # a plain list: not submodules of the joint network
+        self.members, self.routing = members, routing  # a plain list: not submodules of the joint network
+        if routing.rows is None and type(self) is RowRouter:
+            raise ValueError("a head cannot be routed per member in packed rows that hold several clients' "
+                             "sequences (task.options.pack); set pack = 0")
+        self.rows = routing.rows
 
     def _check(self, x: torch.Tensor) -> None:
         if x.shape[0] != self.rows[-1].stop:
@@ -153,13 +203,17 @@ class AdapterRouter(RowRouter):
     """A :class:`RowRouter` for an adapted target. When no member holds a base delta, the frozen ``W0`` (shared by
     every member) multiplies all rows at once and only the adapters' paths run per member, batched over the
     members when they have as many rows each (:meth:`AdaptedLinear.joint_adapter_output`); otherwise each member's
-    rows go through its own ``W0 + base_delta``."""
+    rows go through its own ``W0 + base_delta``. Routing by tokens (packed rows) gathers each member's tokens
+    into ``[K, n, in]`` (padded to the most any member has), runs the same batched product, and adds each token's
+    result back in place."""
 
     @property
     def weight(self) -> torch.Tensor:
         return self.members[0].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return self._by_tokens(x)
         self._check(x)
         if any(m.base_delta is not None for m in self.members):
             return super().forward(x)
@@ -174,6 +228,26 @@ class AdapterRouter(RowRouter):
             extra = m.adapter_output(x[s])
             outs.append(y[s] if extra is None else y[s] + extra)
         return torch.cat(outs)
+
+    def _by_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: [B, T, in] → [B, T, out]`` routed by tokens (linear targets)."""
+        index, valid = self.routing.gather(x.device)                     # [K, n]
+        k, n = index.shape
+        flat = x.reshape(-1, x.shape[-1])
+        xs = flat.index_select(0, index.flatten())                       # [K·n, in]: member k's tokens k·n ...
+        kind = type(self.members[0])
+        shared = not any(m.base_delta is not None for m in self.members)
+        extra = kind.joint_adapter_output(self.members, xs) if shared and all(
+            type(m) is kind for m in self.members) else None
+        if extra is None:  # each member on its own tokens: its adapter (and its own W0 + base delta)
+            outs = [m(xs[i * n:(i + 1) * n]) if not shared else m.adapter_output(xs[i * n:(i + 1) * n])
+                    for i, m in enumerate(self.members)]
+            extra = torch.cat([o if o is not None else xs.new_zeros(n, self.members[0].out_features) for o in outs])
+        extra = extra * valid.reshape(-1, 1).to(extra.dtype)
+        out = extra.new_zeros(flat.shape[0], extra.shape[-1]).index_add(0, index.flatten(), extra)
+        if shared:
+            out = out + self.members[0].frozen_output(flat)
+        return out.reshape(*x.shape[:-1], -1)
 
 
 def _get_parent(root: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -248,6 +322,20 @@ class AdaptedModel(nn.Module):
             raise ValueError("a head parameter that belongs to the network itself cannot be routed per client")
         return [o for o in owners if not any(o.startswith(p + ".") for p in owners)]
 
+    def frozen_parameters(self) -> list[nn.Parameter]:
+        """The parameters no method trains: all but :meth:`own_parameters` and the weights of targets left without
+        an adapter (which full fine-tuning trains); each tied parameter once."""
+        keep = {id(p) for p in self.own_parameters()}
+        keep |= {id(p) for _, m in self.targets() if not isinstance(m, AdaptedLinear) for p in m.parameters()}
+        unique = {id(p): p for p in self.net.parameters()}
+        return [p for i, p in unique.items() if i not in keep]
+
+    def trained_modules(self) -> list[nn.Module]:
+        """Modules whose parameters a method may train inside a frozen backbone: the head's outermost modules and
+        the targets left without an adapter."""
+        return ([self.net.get_submodule(n) for n in self.head_modules()]
+                + [m for _, m in self.targets() if not isinstance(m, AdaptedLinear)])
+
     def own_parameters(self) -> list[nn.Parameter]:
         """What a client may train: the adapters' own parameters (not their frozen base) and the head's."""
         own = [p for m in self.adapters().values() for n, p in m.named_parameters() if not n.startswith("base.")]
@@ -262,17 +350,17 @@ class AdaptedModel(nn.Module):
         return copy.deepcopy(self, memo)
 
     @contextlib.contextmanager
-    def routed(self, members: list["AdaptedModel"], rows: list[slice]):
-        """Within the block, this model's forward sends rows ``rows[k]`` of every adapted target and head module
-        through member ``k``'s own module (its factors, base delta, scale, head); the rest of the network, shared
-        by every member (:meth:`shared_copy`), sees all rows at once."""
+    def routed(self, members: list["AdaptedModel"], routing: Routing):
+        """Within the block, this model's forward sends member ``k``'s rows (or tokens, :class:`Routing`) of every
+        adapted target and head module through member ``k``'s own module (its factors, base delta, scale, head);
+        the rest of the network, shared by every member (:meth:`shared_copy`), sees all of the batch at once."""
         routes = [(n, AdapterRouter) for n in self.target_names] + [(n, RowRouter) for n in self.head_modules()]
         originals = []
         try:
             for name, router in routes:
                 parent, attr = _get_parent(self.net, name)
                 originals.append((parent, attr, getattr(parent, attr)))
-                setattr(parent, attr, router([m.net.get_submodule(name) for m in members], rows))
+                setattr(parent, attr, router([m.net.get_submodule(name) for m in members], routing))
             yield
         finally:
             for parent, attr, module in reversed(originals):

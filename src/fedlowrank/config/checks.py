@@ -59,6 +59,8 @@ def _check_run(cfg: RunConfig) -> None:
 def _check_task_and_data(cfg: RunConfig) -> None:
     kind, d = cfg.task.kind, cfg.data
     task = task_class(kind)
+    _need(all(b <= cfg.task.max_length for b in cfg.task.length_buckets),
+          f"task.length_buckets must lie in [2, task.max_length = {cfg.task.max_length}], got {cfg.task.length_buckets}")
     _need(cfg.run.stop_metric in ("", *task.metrics),
           f"run.stop_metric must be one of {', '.join(task.metrics)} for task.kind = {kind!r} ('' = "
           f"{task.primary_metric}); got {cfg.run.stop_metric!r}")

@@ -19,7 +19,7 @@ from ..adapters.lora import SCALING_RULES
 from ..device import check_device_spec
 from ..privacy.settings import PrivacySection
 from ..reporting.tracking import TRACKERS
-from ..schema import Declared, Schema, Setting, declared, distinct, setting
+from ..schema import Declared, Schema, Setting, declared, distinct, increasing, setting
 from ..models.quantize import QUANTIZE_MODES
 from ..tasks import task_kinds
 from ..tasks.partition import PartitionConfig
@@ -110,9 +110,16 @@ class RunSection(Schema):
                                      "spill to disk (RUN_DIR/client_states/) and are read back on demand (0 = keep "
                                      "all in memory)", ge=0)
     cohort: int = setting(0, "clients trained together, one forward/backward per step over the shared backbone for "
-                          "methods and tasks that support it (others: one at a time); 0 = automatic (every sampled "
-                          "client of a round on CUDA, 1 on the CPU), 1 = one at a time (docs/architecture.md)", ge=0,
+                          "methods and tasks that support it (others: one at a time); 0 = automatic (on CUDA the most "
+                          "of a round's clients whose estimated peak memory fits run.gpu_memory_fraction of the free "
+                          "memory, 1 on the CPU), 1 = one at a time (docs/architecture.md)", ge=0,
                           reason="0 = automatic, 1 = one client at a time, N = up to N clients together")
+    gpu_memory_fraction: float = setting(0.9, "run.cohort = 0 on CUDA: the share of the device's free memory a "
+                                         "cohort's estimated peak may take", gt=0, le=1)
+    compile: bool = setting(False, "torch.compile the local step's network (CUDA graphs on CUDA; with "
+                            "task.length_buckets each bucket compiles once for the whole run); pays off after some "
+                            "hundreds of steps (docs/models.md); a run that cannot compile goes on eagerly, saying so "
+                            "in one line")
     vectorized: bool = setting(False, "run every round's clients as one batched step (closed-form tasks such as "
                                "matrix-regression, methods with a batched_round: ssf, fedsub, fedavg-full); "
                                "`fedlowrank run --vectorized` sets it")
@@ -134,6 +141,9 @@ class TaskSection(Schema):
     quantize: str = setting("", "QLoRA: store the frozen backbone's linear layers in 4bit (NF4) or 8bit (int8) with "
                             "bitsandbytes (extra fedlowrank[qlora]), adapters and head unquantised; '' = off. "
                             "causal-lm and text-classification, LoRA-family methods", choices=QUANTIZE_MODES)
+    length_buckets: list[int] = setting([], "sequence lengths a training batch is padded to: the smallest that holds "
+                                        "its longest example, task.max_length beyond the largest ([] = the longest "
+                                        "example: dynamic shapes)", ge=2, check=increasing)
     options: dict[str, Any] = setting({}, "options of the task: task.options.<key> (listed below for the "
                                       "configured task)")
 

@@ -60,9 +60,11 @@ class Checkpoint:
 # run settings that do not change what a run computes: a checkpoint stays valid when they change
 # run.cohort: how many clients share a forward pass, which changes results only by float rounding (and, with
 # dropout, which stream draws the masks); its automatic value follows the device, which a resume may change.
+# run.compile, task.length_buckets (padding), train.gradient_checkpointing: the same maths, compiled, padded
+# further or recomputed (float rounding at most); run.gpu_memory_fraction: how large an automatic cohort is.
 NON_MATHS_KEYS = {"run": ("name", "out_dir", "threads", "checkpoint_every", "checkpoint_seconds", "state_memory_mb",
-                          "cohort"),
-                  "compare": None}
+                          "cohort", "compile", "gpu_memory_fraction"),
+                  "task": ("length_buckets",), "train": ("gradient_checkpointing",), "compare": None}
 
 
 def config_fingerprint(cfg) -> str:

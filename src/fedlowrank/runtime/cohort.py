@@ -10,15 +10,18 @@ steps are shared:
 1. **Rendezvous** (:func:`run_together`): each member's ``client_update`` runs in a worker thread that runs only
    while the caller waits for it (one thread at a time, in member order: deterministic). It stops at its first
    ``trainer.fit(...)`` (:class:`CohortTrainer`) and hands over the arguments, a :class:`FitRequest`.
-2. **Joint loop** (:func:`joint_fit`): every step, each member's next minibatch (from its own stream) is joined
+2. **Joint loop** (:class:`JointFit`): every step, each member's next minibatch (from its own stream) is joined
    into one batch (:meth:`Task.join_batches`: rows in member order, sequences padded), one forward runs through
    the shared backbone with every adapted target and the head routing member k's rows through member k's own
    modules (:meth:`AdaptedModel.routed`: the shared ``W0`` multiplies all rows at once, and LoRA's paths run as
-   products batched over the members when they have as many rows each), and one backward of ``Σₖ (lossₖ + correction termsₖ)`` puts each
-   member's gradient on its own parameters. Then each member does exactly what :meth:`LocalTrainer.fit` does after
-   backward (:class:`~fedlowrank.training.local.FitRun`): its gradient clipping, its corrections' ``grad`` hooks
-   (SCAFFOLD, ILoRA-S), its optimizer step. A member whose steps are done (fewer examples with
-   ``train.local_epochs``) leaves the joint batch.
+   products batched over the members when they have as many rows each), the members' losses come out together
+   (:meth:`Task.output_losses`), and one backward of ``Σₖ (lossₖ + correction termsₖ)`` puts each member's
+   gradient on its own parameters. Then each member does what :meth:`LocalTrainer.fit` does after backward
+   (:meth:`~fedlowrank.training.local.FitRun.final_gradients`): its gradient clipping, its corrections' ``grad``
+   hooks (SCAFFOLD, ILoRA-S); and one optimizer step updates every member (:func:`joint_optimizer`: each
+   parameter keeps its own state, so it equals the members' own steps). A member whose steps are done (fewer
+   examples with ``train.local_epochs``) leaves the joint batch. The losses are read from the device once, at
+   the end.
 3. Each member's ``client_update`` then goes on from ``fit``'s result to its reply and new state, alone.
 
 A member that never calls ``fit`` just runs alone, and so does a second ``fit`` of a member, or a cohort left with
@@ -37,6 +40,7 @@ run that asked for ``run.cohort > 1`` says why in one line. Flower nodes always 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -47,17 +51,21 @@ import torch
 from torch import nn
 
 from ..adapters.model import AdaptedModel
-from ..device import autocast, module_device
+from ..device import measured_peak_bytes, module_device, optimizer_kernel, prepare_training, run_compiled
 from ..message import Message, State
 from ..methods.base import Method
 from ..seeding import derive_seed
-from ..training.local import FitResult, FitRun, LocalTrainer, OptimizerFactory
+from ..training.local import FitResult, FitRun, LocalTrainer, OptimizerFactory, make_optimizer
 from .engine import client_update
+
+log = logging.getLogger("fedlowrank")
 
 
 def cohort_size(cfg, method: Method, task, model: AdaptedModel, device: torch.device) -> tuple[int, str]:
     """How many clients train together (``run.cohort`` resolved for ``device``), and why it is 1 when ``run.cohort``
-    asked for more ("" otherwise)."""
+    asked for more ("" otherwise). Automatic (``run.cohort = 0``): one on the CPU; on CUDA the most of a round's
+    clients whose estimated peak (:func:`cohort_memory`) fits ``run.gpu_memory_fraction`` of the memory this
+    process can still use (:func:`largest_fitting_cohort`)."""
     asked = cfg.run.cohort or (cfg.run.clients_per_round if device.type == "cuda" else 1)
     if asked == 1:
         return 1, ""
@@ -70,8 +78,86 @@ def cohort_size(cfg, method: Method, task, model: AdaptedModel, device: torch.de
     elif any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.net.modules()):
         reason = "the network's batch normalisation would mix the clients' rows"
     else:
-        return min(asked, cfg.run.clients_per_round), ""
+        asked = min(asked, cfg.run.clients_per_round)
+        return (asked if cfg.run.cohort else largest_fitting_cohort(cfg, task, model, device, asked)), ""
     return 1, reason
+
+
+@dataclass
+class CohortMemory:
+    """Estimated peak bytes of a cohort of ``k`` members: :meth:`resident` (the shared model as stored, each
+    member's own parameters and optimizer state) plus :meth:`step` (what a joint step allocates: a fixed part, each
+    member's gradients and its rows' activations at the longest padded length)."""
+
+    base: int         # the shared model's parameters and buffers, as stored (train.dtype)
+    own: int          # one member's own parameters (adapters, head), fp32
+    slots: int        # optimizer state per parameter element (AdamW: 2)
+    fixed: float      # a step's allocations that do not grow with its rows (workspace, a chunk of logits)
+    per_row: float    # a step's activations per training row (at the task's longest padded length)
+    rows: float       # rows per member per step (train.batch_size; packed rows: Task.rows_per_step)
+
+    def resident(self, k: int) -> float:
+        return self.base + k * self.own * (1 + self.slots)
+
+    def step(self, k: int) -> float:
+        return self.fixed + k * (self.own + self.per_row * self.rows)
+
+    def peak(self, k: int) -> float:
+        return self.resident(k) + self.step(k)
+
+
+def cohort_memory(cfg, task, model: AdaptedModel) -> CohortMemory:
+    """:class:`CohortMemory` from the model's size and dtype (its tensors as training stores them,
+    :func:`~fedlowrank.device.prepare_training`), the trained parameters (adapters at their rank, head), the
+    optimizer, the batch size, and two probe steps (forward and backward, no optimizer) on the model's device of
+    1 and 3 rows of the task's longest padded batch (:meth:`~fedlowrank.tasks.base.Task.probe_batch`), whose
+    difference is the activations of 2 rows."""
+    prepare_training(model, task, cfg)
+    net, device = model.net, module_device(model.net)
+    own = model.own_parameters()
+    own_bytes = sum(p.numel() * 4 for p in own)
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in (*net.parameters(), *net.buffers())}
+    was_training, requires = net.training, [p.requires_grad for p in own]
+
+    def probe(rows: int) -> int:
+        batch = task.device_batch(task.probe_batch(rows), device)
+
+        def step():
+            task.loss(net, batch).backward()
+        try:
+            return measured_peak_bytes(step, device)
+        finally:
+            for p in own:
+                p.grad = None
+
+    net.train()
+    for p in own:
+        p.requires_grad_(True)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws: not the run's
+            one, three = probe(1), probe(3)
+    finally:
+        net.train(was_training)
+        for p, r in zip(own, requires):
+            p.requires_grad_(r)
+    per_row = max(three - one, 0) / 2
+    slots = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}[cfg.train.optimizer]
+    return CohortMemory(base=sum(tensors.values()), own=own_bytes, slots=slots, fixed=max(one - per_row - own_bytes, 0),
+                        per_row=per_row, rows=task.rows_per_step(cfg.train.batch_size))
+
+
+def largest_fitting_cohort(cfg, task, model: AdaptedModel, device: torch.device, most: int) -> int:
+    """The largest cohort up to ``most`` whose estimated peak (:func:`cohort_memory`) fits ``run.gpu_memory_fraction``
+    of the memory this process can use on ``device`` (free plus what torch's allocator already holds); at least 1.
+    Logs the choice in one line."""
+    memory = cohort_memory(cfg, task, model)
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = cfg.run.gpu_memory_fraction * (free + torch.cuda.memory_reserved(device))
+    size = max([k for k in range(1, most + 1) if memory.peak(k) <= budget] or [1])
+    log.info("run.cohort = 0: %d of %d clients train together (estimated peak %.2f GiB; budget %.2f GiB = "
+             "run.gpu_memory_fraction %.2f of the free memory)", size, most, memory.peak(size) / 2**30,
+             budget / 2**30, cfg.run.gpu_memory_fraction)
+    return size
 
 
 @dataclass
@@ -171,45 +257,104 @@ def run_together(jobs: list[Callable[[Member], Any]],
     return [m.result for m in members]
 
 
+class JointFit:
+    """The joint local steps of a cohort's fit requests on ``model`` (whose frozen tensors the requests' models
+    share): each step joins the active members' next batches, runs one forward and one backward, then each
+    member's :meth:`~FitRun.final_gradients` (clipping, corrections) and one optimizer step for all of them
+    (:func:`joint_optimizer`)."""
+
+    def __init__(self, model: AdaptedModel, requests: list[FitRequest], seed: int):
+        for r in requests:
+            own = {id(p) for p in r.model.own_parameters()}
+            bad = [k for k, p in r.params.items() if id(p) not in own]
+            if bad:
+                raise RuntimeError(f"a cohort member trains {bad[0]!r}, neither an adapter's nor the head's "
+                                   f"parameter: its method must not declare supports_cohorts")
+        self.model, self.trainers = model, [r.trainer for r in requests]
+        self.task, self.cfg = self.trainers[0].task, self.trainers[0].cfg
+        torch.manual_seed(derive_seed(seed, "cohort-dropout", self.trainers[0].rnd, *(t.client for t in self.trainers)))
+        self.runs = [FitRun(r.trainer, r.model, r.params, r.corrections, r.optimizer) for r in requests]
+        self.opt = joint_optimizer(self.runs)
+        self.net = model.net
+        self.net.train()
+        self.device = module_device(self.net)
+        self.steps = max(run.steps for run in self.runs)
+        self.losses: list[tuple[list[int], torch.Tensor]] = []  # per step: the members that stepped, their losses
+
+    def step(self, step: int) -> None:
+        """Joint step ``step`` (0-based) of the members that have steps left."""
+        members = [i for i, run in enumerate(self.runs) if step < run.steps]
+        active = [self.runs[i] for i in members]
+        batches = [run.next_batch() for run in active]
+        self.zero_grad()
+        joined, routing = self.task.join_batches(batches)
+        def forward_backward() -> torch.Tensor:
+            with self.model.routed([run.model for run in active], routing):  # backward too: checkpointed layers
+                out = self.task.output(self.net, joined)
+                losses = self.task.output_losses(out, routing, batches)                      # [K]
+                terms = [run.correction_terms(batch) for run, batch in zip(active, batches)]
+                if any(run.scaler is not None for run in active):
+                    total = sum(run.scaled(losses[i] + sum(t)) for i, (run, t) in enumerate(zip(active, terms)))
+                else:
+                    total = sum((x for t in terms for x in t), losses.sum())
+                total.backward()
+            return losses
+
+        losses = run_compiled(self.task.compiled_module(self.net), forward_backward, self.zero_grad)
+        self.losses.append((members, losses.detach()))
+        for run in active:
+            run.final_gradients()
+            if self.opt is None:
+                run.optimizer_step()
+        if self.opt is not None:
+            self.opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in [self.opt] if self.opt is not None else [run.opt for run in self.runs]:
+            opt.zero_grad(set_to_none=True)
+
+    def finish(self) -> list[FitResult]:
+        """Each member's :class:`FitResult`; the step losses read from the device at once."""
+        values = torch.cat([x for _, x in self.losses]).tolist() if self.losses else []
+        per_member: list[list[float]] = [[] for _ in self.runs]
+        at = 0
+        for members, x in self.losses:
+            for i in members:
+                per_member[i].append(values[at])
+                at += 1
+        self.net.eval()
+        return [run.finish(losses) for run, losses in zip(self.runs, per_member)]
+
+
+def joint_optimizer(runs: list[FitRun]) -> torch.optim.Optimizer | None:
+    """One ``train.optimizer`` over every member's parameters, its groups those of the members merged by learning
+    rate: each parameter keeps its own state (an update is elementwise), so one multi-tensor step equals the
+    members' own steps. ``None`` when a member needs its own optimizer step: a method's own optimizer, or fp16's
+    loss scaler (which skips the step of a member whose gradients overflowed)."""
+    if any(run.factory is not None or run.scaler is not None for run in runs):
+        return None
+    merged: dict[float, list[nn.Parameter]] = {}
+    for run in runs:
+        for group in run.groups:
+            merged.setdefault(group["lr"], []).extend(group["params"])
+    groups = [{"params": params, "lr": lr} for lr, params in merged.items()]
+    return make_optimizer(runs[0].trainer.cfg, groups, optimizer_kernel(module_device(runs[0].net)))
+
+
 def joint_fit(model: AdaptedModel, requests: list[FitRequest], seed: int,
               on_step: Callable[[int, int], None] | None = None) -> list[FitResult]:
-    """Every request's ``fit`` in one loop of joint steps on ``model`` (whose frozen tensors the requests' models
-    share); ``on_step(step, total)`` after each joint step. Returns each request's :class:`FitResult`."""
-    for r in requests:
-        own = {id(p) for p in r.model.own_parameters()}
-        bad = [k for k, p in r.params.items() if id(p) not in own]
-        if bad:
-            raise RuntimeError(f"a cohort member trains {bad[0]!r}, neither an adapter's nor the head's parameter: "
-                               f"its method must not declare supports_cohorts")
-    trainers = [r.trainer for r in requests]
-    task, cfg = trainers[0].task, trainers[0].cfg
-    torch.manual_seed(derive_seed(seed, "cohort-dropout", trainers[0].rnd, *(t.client for t in trainers)))
-    runs = [FitRun(r.trainer, r.model, r.params, r.corrections, r.optimizer) for r in requests]
-    net = model.net
-    net.train()
-    device = module_device(net)
-    steps = max(run.steps for run in runs)
+    """Every request's ``fit`` in one loop of joint steps on ``model`` (:class:`JointFit`); ``on_step(step,
+    total)`` after each joint step. Returns each request's :class:`FitResult`."""
+    fit = JointFit(model, requests, seed)
     t0 = time.perf_counter()
-    for step in range(steps):
-        active = [run for run in runs if step < run.steps]
-        batches = [run.next_batch() for run in active]
-        for run in active:
-            run.opt.zero_grad(set_to_none=True)
-        joined, rows = task.join_batches(batches)
-        with model.routed([run.model for run in active], rows), autocast(device, cfg.dtype):
-            out = task.output(net, joined)
-            losses = [task.output_loss(out[s], batch) for s, batch in zip(rows, batches)]
-            totals = [run.with_corrections(loss, batch) for run, loss, batch in zip(active, losses, batches)]
-        sum(run.scaled(total) for run, total in zip(active, totals)).backward()
-        for run, loss in zip(active, losses):
-            run.step(loss)
+    for step in range(fit.steps):
+        fit.step(step)
         if on_step is not None:
-            on_step(step + 1, steps)
+            on_step(step + 1, fit.steps)
     elapsed = time.perf_counter() - t0
-    net.eval()
-    for t in trainers:
-        t.compute_seconds += elapsed / len(trainers)
-    return [run.finish() for run in runs]
+    for t in fit.trainers:
+        t.compute_seconds += elapsed / len(fit.trainers)
+    return fit.finish()
 
 
 def cohort_update(method: Method, model: AdaptedModel, views: list[AdaptedModel], msgs: list[Message],
@@ -222,8 +367,11 @@ def cohort_update(method: Method, model: AdaptedModel, views: list[AdaptedModel]
         return lambda member: client_update(member_method, views[i], msgs[i], states[i], task, parts[i], cfg,
                                             clients[i], rnd, on_step, partial(CohortTrainer, member))
 
+    prepare_training(model, task, cfg)  # the shared backbone (and the model's own head, for evaluation)
     jobs = [job(i, method.cohort_member()) for i in range(len(clients))]
     return run_together(jobs, lambda requests: joint_fit(model, requests, cfg.run.seed, on_step))
 
 
-__all__ = ["cohort_size", "cohort_update", "joint_fit", "run_together", "CohortTrainer", "FitRequest", "Member"]
+__all__ = ["cohort_memory", "cohort_size", "cohort_update", "joint_fit", "joint_optimizer", "largest_fitting_cohort",
+           "CohortMemory", "run_together", "CohortTrainer", "FitRequest",
+           "JointFit", "Member"]

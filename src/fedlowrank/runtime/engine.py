@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..adapters.model import AdaptedModel
-from ..device import to_host
+from ..device import prepare_training, to_host
 from ..message import Message, State
 from ..methods.base import Method, SetupInfo
 from ..privacy.dpsgd import DPSGD
@@ -63,6 +63,7 @@ def client_update(method: Method, model: AdaptedModel, msg: Message, state: Stat
     DP-SGD; with ``privacy.mode = "local"`` the reply is clipped and noised here, before it leaves the client
     (:func:`fedlowrank.privacy.runtime.local_reply`).
     """
+    prepare_training(model, task, cfg)  # once: the backbone in the compute dtype, checkpointing, compiling
     for mod in model.adapters().values():
         mod.set_base_delta(None)
     dp = cfg.privacy

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..adapters.model import AdaptedModel
+from ..adapters.model import AdaptedModel, Routing
+from ..device import to_device
 from ..adapters.targets import default_targets, resolve_targets
 from ..schema import Schema
 
@@ -47,19 +48,35 @@ def check_max_length(loaded, max_length: int) -> None:
                          f"{loaded.source!r}; give at most {limit}")
 
 
-def join_padded(batches: list[dict[str, Tensor]], pad: dict[str, int]) -> tuple[dict[str, Tensor], list[slice]]:
+def join_padded(batches: list[dict[str, Tensor]], pad: dict[str, int]) -> tuple[dict[str, Tensor], Routing]:
     """Dict batches as one: each key's tensors ``[n_k, T_k, ...]`` padded at the end of dimension 1 to the longest
     ``T`` with ``pad[key]`` (keys not in ``pad`` are concatenated as they are), then concatenated along dimension
-    0. Returns ``(batch [Σ n_k, T, ...], rows)`` with ``rows[k]`` the slice of batch k's rows."""
+    0. Returns ``(batch [Σ n_k, T, ...], routing)``, batch k's rows ``routing.rows[k]``."""
     joint = {}
     for key in batches[0]:
         parts = [b[key] for b in batches]
         if key in pad:
             width = max(t.shape[1] for t in parts)
-            parts = [F.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]), value=pad[key]) for t in parts]
+            parts = [t if t.shape[1] == width else F.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]),
+                                                         value=pad[key]) for t in parts]
         joint[key] = torch.cat(parts)
     ends = np.cumsum([len(b[next(iter(b))]) for b in batches]).tolist()
-    return joint, [slice(a, b) for a, b in zip([0, *ends[:-1]], ends)]
+    return joint, Routing(rows=[slice(a, b) for a, b in zip([0, *ends[:-1]], ends)])
+
+
+def padded_length(longest: int, buckets: list[int], max_length: int) -> int:
+    """The length a training batch whose longest example has ``longest`` tokens is padded to: the smallest of
+    ``buckets`` (``task.length_buckets``, increasing) that holds it, ``max_length`` beyond the largest, ``longest``
+    without buckets (so that a compiled step sees a few shapes, each compiled once)."""
+    if not buckets:
+        return longest
+    return next((b for b in buckets if b >= longest), max(max_length, longest))
+
+
+def mean_by_member(values: Tensor, routing: Routing) -> Tensor:
+    """``[K]`` the mean of ``values: [B]`` over each member's rows (row routing)."""
+    sums = values.new_zeros(routing.size).index_add(0, routing.member_of_rows(values.device), values)
+    return sums / torch.tensor([s.stop - s.start for s in routing.rows], dtype=values.dtype, device=values.device)
 
 
 @dataclass
@@ -141,27 +158,54 @@ class Task:
         """The training examples at ``indices`` as one batch."""
         raise NotImplementedError
 
+    def probe_batch(self, rows: int) -> Any:
+        """A training batch of ``rows`` rows as large as training batches get (the longest examples at the longest
+        padded length), for the cohort memory planner. Default: the first ``rows`` examples."""
+        return self.batch(np.arange(rows) % self.num_train)
+
+    def rows_per_step(self, batch_size: int) -> float:
+        """Rows of a client's training batch of ``batch_size`` examples at most (the memory planner's unit)."""
+        return batch_size
+
+    def device_batch(self, batch: Any, device: torch.device) -> Any:
+        """``batch`` as a training step on ``device`` uses it: every tensor moved there (default). A task may keep
+        on the host what only the host reads, so that a step never waits for the device to read it back."""
+        return to_device(batch, device)
+
     def loss(self, net: nn.Module, batch: Any) -> Tensor:
         """Scalar training loss of ``net`` on ``batch`` (with autograd)."""
         raise NotImplementedError
+
+    def compiled_module(self, net: nn.Module) -> nn.Module:
+        """The module of ``net`` that ``run.compile`` compiles for training steps (default: all of it; the loss,
+        which may read the host, stays outside)."""
+        return net
 
     def features(self, net: nn.Module, batch: Any) -> Tensor:
         """The representation the head sees, ``[batch, d]`` (for representation-level methods such as MOON)."""
         raise NotImplementedError(f"task {self.name!r} does not expose features")
 
     # -- cohorts (supports_cohorts): loss(net, batch) == output_loss(output(net, batch), batch) -------------------
-    def join_batches(self, batches: list) -> tuple[Any, list[slice]]:
-        """Several clients' batches as one batch and each one's rows in it; padding changes no output the loss
-        reads (e.g. :func:`join_padded` with the pad token, mask 0, label -100)."""
+    # and output_losses(output(net, joined), routing, batches)[k] == output_loss(output(net, batches[k]), batches[k])
+    def join_batches(self, batches: list) -> tuple[Any, Routing]:
+        """Several clients' batches as one batch and where each one is in it (:class:`Routing`: its rows, or its
+        tokens in packed rows); padding changes no output the loss reads (e.g. :func:`join_padded` with the pad
+        token, mask 0, label -100)."""
         raise NotImplementedError(f"task {self.name!r} cannot join batches")
 
     def output(self, net: nn.Module, batch: Any) -> Tensor:
-        """What the loss reads from the network, row ``i`` for example ``i``: ``[B, ...]``."""
+        """What the loss reads from the network, row ``i`` for example ``i``: ``[B, ...]`` (logits; a causal LM's
+        summed response log-likelihoods)."""
         raise NotImplementedError(f"task {self.name!r} cannot join batches")
 
     def output_loss(self, out: Tensor, batch: Any) -> Tensor:
         """The loss of ``batch`` from its rows of :meth:`output` (longer along a padded dimension when joined)."""
         raise NotImplementedError(f"task {self.name!r} cannot join batches")
+
+    def output_losses(self, out: Tensor, routing: Routing, batches: list) -> Tensor:
+        """``[K]`` the loss of each of ``batches`` from its part (``routing``) of the joined batch's :meth:`output`
+        (default: :meth:`output_loss` of each one's rows; a task computes them together in a few operations)."""
+        return torch.stack([self.output_loss(out[s], b) for s, b in zip(routing.rows, batches)])
 
     def evaluate(self, net: nn.Module) -> dict[str, float]:
         """Metrics on the global test set, e.g. ``{"accuracy": .., "loss": ..}`` (no autograd)."""
@@ -216,7 +260,7 @@ class ValidationView(Task):
     def supports_cohorts(self) -> bool:  # type: ignore[override]
         return self.task.supports_cohorts
 
-    def join_batches(self, batches: list) -> tuple[Any, list[slice]]:
+    def join_batches(self, batches: list) -> tuple[Any, Routing]:
         return self.task.join_batches(batches)
 
     def output(self, net: nn.Module, batch: Any) -> Tensor:
@@ -224,6 +268,9 @@ class ValidationView(Task):
 
     def output_loss(self, out: Tensor, batch: Any) -> Tensor:
         return self.task.output_loss(out, batch)
+
+    def output_losses(self, out: Tensor, routing: Routing, batches: list) -> Tensor:
+        return self.task.output_losses(out, routing, batches)
 
     @property
     def num_train(self) -> int:
@@ -235,8 +282,20 @@ class ValidationView(Task):
     def batch(self, indices: np.ndarray) -> Any:
         return self.task.batch(indices)
 
+    def probe_batch(self, rows: int) -> Any:
+        return self.task.probe_batch(rows)
+
+    def rows_per_step(self, batch_size: int) -> float:
+        return self.task.rows_per_step(batch_size)
+
+    def device_batch(self, batch: Any, device: torch.device) -> Any:
+        return self.task.device_batch(batch, device)
+
     def loss(self, net: nn.Module, batch: Any) -> Tensor:
         return self.task.loss(net, batch)
+
+    def compiled_module(self, net: nn.Module) -> nn.Module:
+        return self.task.compiled_module(net)
 
     def features(self, net: nn.Module, batch: Any) -> Tensor:
         return self.task.features(net, batch)

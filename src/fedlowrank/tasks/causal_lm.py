@@ -5,7 +5,15 @@
   ``tokens(response) + [eos]``. The loss is on the response tokens only: prompt and padding labels are -100.
 * **Truncation** at ``task.max_length`` tokens keeps the start; the examples cut, and those whose response was
   cut entirely (no loss tokens left), are counted in :meth:`CausalLM.describe` and logged.
-* **Batches** are padded on the right to the batch's longest example (dynamic padding).
+* **Batches** are padded on the right to the batch's longest example (dynamic padding), or to the smallest of
+  ``task.length_buckets`` that holds it (a few static shapes, for compiled steps); with ``pack`` a step's examples
+  (a cohort's: all its members') are packed into rows of that many tokens, positions restarting at each example
+  (:func:`pack`), which removes most padding.
+* **Loss without full logits**: the network's last hidden states are gathered at the positions whose next token
+  is a response token, and only those go through the language-model head, in chunks, with the cross-entropy
+  accumulated in fp32 (:func:`response_nll`): memory ∝ response tokens × hidden, never batch × length ×
+  vocabulary. The positions are found on the host, where the labels stay (:meth:`CausalLM.device_batch`), so a
+  step never waits for the device.
 * **Evaluation**: token loss and perplexity on the responses of a fixed seeded subset of the test split
   (``eval_examples``), and, when ``eval_generate`` > 0, the exact match of the final number of greedy generations
   (batched with left padding and the KV cache, ``max_new_tokens``, stopping at EOS) on a fixed seeded subset of
@@ -26,13 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..adapters.model import AdaptedModel
+from ..adapters.model import AdaptedModel, Routing
 from ..device import module_device
 from ..models.architectures import SPEED_AND_MEMORY_ONLY
 from ..schema import Schema, setting
 from ..seeding import numpy_rng
 from . import register_task
-from .base import Task, adapted_copy, check_max_length, join_padded
+from .base import Task, adapted_copy, check_max_length, join_padded, padded_length
 from .instructions import InstructionData
 
 log = logging.getLogger("fedlowrank")
@@ -104,19 +112,66 @@ def encode_example(tokenizer, prompt: str, response: str, max_length: int) -> En
     return Encoded(ids[:max_length], min(len(p), max_length), len(ids) > max_length)
 
 
-def collate(examples: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(examples: list[Encoded], pad_id: int, width: int = 0) -> dict[str, torch.Tensor]:
     """Right-padded batch: ``input_ids``, ``attention_mask`` and ``labels`` (-100 on prompt and padding), each
-    ``[B, T]`` with T the longest example."""
-    width = max(len(e.ids) for e in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, e in enumerate(examples):
-        n = len(e.ids)
-        ids[i, :n] = torch.tensor(e.ids)
-        mask[i, :n] = 1
-        labels[i, e.prompt_len:n] = torch.tensor(e.ids[e.prompt_len:], dtype=torch.long)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    ``[B, T]`` with T the longest example, or ``width`` when given (a length bucket)."""
+    width = width or max(len(e.ids) for e in examples)
+    rows = [(e.ids, len(e.ids), width - len(e.ids), e.prompt_len) for e in examples]
+    return {"input_ids": torch.tensor([ids + [pad_id] * pad for ids, _, pad, _ in rows]),
+            "attention_mask": torch.tensor([[1] * n + [0] * pad for _, n, pad, _ in rows]),
+            "labels": torch.tensor([[IGNORE] * p + ids[p:] + [IGNORE] * pad for ids, _, pad, p in rows])}
+
+
+def pack(groups: list[list[Encoded]], capacity: int, pad_id: int, buckets: list[int]) -> tuple[dict, torch.Tensor]:
+    """The examples of every group (a cohort member's batch, or one client's) in rows of at most ``capacity``
+    tokens, each example's positions starting at 0 (so that attention stays within it): ``input_ids``,
+    ``position_ids`` and ``labels`` ``[R, W]``, W the fullest row's length or its bucket (:func:`padded_length`;
+    padding restarts its positions too), and each token's group ``[R, W]`` (-1: padding). The rows are those of
+    :func:`pack_rows`."""
+    items = [(e, g) for g, group in enumerate(groups) for e in group]
+    rows = pack_rows([len(e.ids) for e, _ in items], capacity)
+    fill = [sum(len(items[i][0].ids) for i in row) for row in rows]
+    width = padded_length(max(fill), buckets, capacity)
+    ids, positions, labels, members = [], [], [], []
+    for row, f in zip(rows, fill):
+        pad, row = width - f, [items[i] for i in row]
+        ids.append([t for e, _ in row for t in e.ids] + [pad_id] * pad)
+        positions.append([p for e, _ in row for p in range(len(e.ids))] + list(range(pad)))
+        labels.append([t for e, _ in row for t in [IGNORE] * e.prompt_len + e.ids[e.prompt_len:]] + [IGNORE] * pad)
+        members.append([g for e, g in row for _ in e.ids] + [-1] * pad)
+    batch = {"input_ids": torch.tensor(ids), "position_ids": torch.tensor(positions), "labels": torch.tensor(labels)}
+    return batch, torch.tensor(members)
+
+
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Items of ``lengths`` (each ≤ ``capacity``) in rows of at most ``capacity``, as indices, with the fewer
+    padded tokens (rows × fullest row) of two layouts, longest items first: first fit (each into the first row
+    with room; best for many items) and balanced (the fewest rows that hold them, each item into the least
+    filled; best for a few)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    first: list[list[int]] = []
+    fill: list[int] = []
+    for i in order:
+        r = next((r for r, f in enumerate(fill) if f + lengths[i] <= capacity), len(first))
+        if r == len(first):
+            first.append([])
+            fill.append(0)
+        first[r].append(i)
+        fill[r] += lengths[i]
+    layouts = [(len(first) * max(fill), first)]
+    count = -(-sum(lengths) // capacity)
+    while count <= len(first):
+        balanced: list[list[int]] = [[] for _ in range(count)]
+        load = [0] * count
+        for i in order:
+            r = load.index(min(load))
+            balanced[r].append(i)
+            load[r] += lengths[i]
+        if max(load) <= capacity:
+            layouts.append((count * max(load), balanced))
+            break
+        count += 1
+    return min(layouts, key=lambda layout: layout[0])[1]
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,15 +185,115 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
     return ids, mask
 
 
-def response_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed next-token negative log-likelihood over labelled positions and their count.
+LOGITS_CHUNK_ELEMENTS = 2**26  # fp32 logits computed at once by response_nll (256 MiB)
 
-    ``logits: [B, T, V]`` predicts token t+1 at position t; ``labels: [B, T]`` with -100 where there is no loss.
-    """
+
+@dataclass
+class LMHead:
+    """What turns a last hidden state ``[.., H]`` into logits ``[.., V]``: ``softcap·tanh(scale·module(h)/softcap)``
+    (``softcap`` None: no capping), ``module`` the network's output embeddings (``lm_head``)."""
+
+    module: nn.Module
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, net: nn.Module) -> "LMHead":
+        """The head of a ``*ForCausalLM`` (or a peft model of one): its output embeddings and the config's logit
+        scaling (``logit_scale``, ``1/logits_scaling``) and soft-capping (``final_logit_softcapping``)."""
+        config = net.config
+        scale = float(getattr(config, "logit_scale", None) or 1.0) / float(getattr(config, "logits_scaling", None)
+                                                                           or 1.0)
+        return cls(net.get_output_embeddings(), scale, getattr(config, "final_logit_softcapping", None))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, V]`` of ``hidden: [n, H]``, at least fp32 (the head's product in its own dtype)."""
+        z = self.module(hidden)
+        z = z.to(torch.promote_types(z.dtype, torch.float32))
+        if self.scale != 1.0:
+            z = z * self.scale
+        return z if self.softcap is None else self.softcap * torch.tanh(z / self.softcap)
+
+
+class _ResponseNLL(torch.autograd.Function):
+    """Per-row cross-entropy of ``head.logits(hidden)`` against ``targets``, ``rows`` at a time. When ``hidden``
+    needs a gradient, each chunk's ``∂nll/∂hidden`` is computed right after its forward, so that no chunk's logits
+    outlive it; backward only scales these rows by the incoming gradient. The head gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, head: LMHead, rows: int):
+        nll = hidden.new_empty(len(hidden), dtype=torch.promote_types(hidden.dtype, torch.float32))
+        grad = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        for start in range(0, len(hidden), rows):
+            part = slice(start, start + rows)
+            with torch.enable_grad():
+                h = hidden[part].detach().requires_grad_(grad is not None)
+                chunk = F.cross_entropy(head.logits(h), targets[part], reduction="none")
+                if grad is not None:
+                    grad[part] = torch.autograd.grad(chunk.sum(), h)[0]
+            nll[part] = chunk.detach()
+        ctx.save_for_backward(grad)
+        return nll
+
+    @staticmethod
+    def backward(ctx, grad_nll):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_nll[:, None].to(grad.dtype), None, None, None
+
+
+def response_nll(hidden: torch.Tensor, targets: torch.Tensor, head: LMHead, rows: int | None = None) -> torch.Tensor:
+    """Next-token negative log-likelihoods ``[N]`` (at least fp32) of ``targets: [N]`` from the last hidden states that
+    predict them, ``hidden: [N, H]``, through ``head``, ``rows`` at a time (default: as many as make
+    :data:`LOGITS_CHUNK_ELEMENTS` logits). The head's parameters never get a gradient."""
+    if any(p.requires_grad for p in head.module.parameters()):
+        raise ValueError("response_nll: the language-model head is frozen in causal-LM tuning; its parameters "
+                         "must not require a gradient")
+    rows = rows or max(1, LOGITS_CHUNK_ELEMENTS // head.module.weight.shape[0])
+    return _ResponseNLL.apply(hidden, targets, head, rows)
+
+
+@torch.no_grad()
+def check_pack(pack: int, max_length: int) -> None:
+    """``task.options.pack`` is 0 or holds a whole example (at least ``task.max_length`` tokens)."""
+    if pack and pack < max_length:
+        raise ValueError(f"task.options.pack must be 0 or at least task.max_length = {max_length} (a row holds "
+                         f"whole examples), got {pack}")
+
+
+def check_packing(net: nn.Module, spec: str) -> None:
+    """That the decoder keeps two sequences packed in one row apart (positions restarting at 0, no attention mask:
+    transformers' packed-sequence masks), or one line naming ``task.model``."""
+    decoder, vocab = net.get_decoder(), net.get_input_embeddings().num_embeddings
+    a, b = torch.arange(3, 8)[None] % vocab, torch.arange(11, 15)[None] % vocab
+    alone = torch.cat([decoder(input_ids=x, use_cache=False).last_hidden_state for x in (a, b)], 1)
+    packed = decoder(input_ids=torch.cat([a, b], 1), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]]),
+                     use_cache=False).last_hidden_state
+    if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-4 * float(alone.abs().max())):
+        raise ValueError(f"task.model = {spec!r}: its attention does not keep sequences packed in one row apart "
+                         f"(positions restarting at 0); set task.options.pack = 0")
+
+
+@torch.no_grad()
+def check_lm_head(net: nn.Module, spec: str) -> None:
+    """That :class:`LMHead` gives the network's own logits (on 8 tokens), or one line naming ``task.model``: the
+    response-only loss computes logits from the decoder's last hidden state itself."""
+    ids = torch.arange(3, 11)[None] % net.get_input_embeddings().num_embeddings
+    full = net(input_ids=ids).logits[0].float()
+    ours = LMHead.of(net).logits(net.get_decoder()(input_ids=ids).last_hidden_state[0])
+    if not torch.allclose(ours, full, rtol=1e-4, atol=1e-4 * float(full.abs().max())):
+        raise ValueError(f"task.model = {spec!r}: its logits are not its output embeddings of the decoder's last "
+                         f"hidden state (scaled by logit_scale or 1/logits_scaling, soft-capped by "
+                         f"final_logit_softcapping), which the response-only loss computes; this architecture is "
+                         f"not supported by task.kind = 'causal-lm'")
+
+
+def response_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where a batch's loss is, from its labels ``[B, T]`` (on the host: no device synchronisation): the flat
+    indices ``b·T + t`` ``[N]`` of the positions t whose next token is a response token, those tokens ``[N]`` and
+    their rows b ``[N]``."""
     target = labels[:, 1:]
-    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE,
-                          reduction="sum")
-    return nll, int((target != IGNORE).sum())
+    rows, cols = (target != IGNORE).nonzero(as_tuple=True)
+    return rows * labels.shape[1] + cols, target[rows, cols], rows
 
 
 @torch.no_grad()
@@ -178,6 +333,9 @@ class CausalLMOptions(Schema):
     generation_batch_size: int = setting(8, "questions generated together", ge=1)
     write_generations: int = setting(5, "generations per evaluation written to the run directory", ge=0)
     eval_seed: int = setting(0, "seed of the two evaluation subsets (fixed across runs and methods unless changed)")
+    pack: int = setting(0, "0, or the length of the rows into which a step's examples are packed (a cohort's: all its "
+                        "members', each token routed to its own member's adapters), which removes most padding: at "
+                        "least task.max_length; 512 suits GSM8K", ge=0)
 
 
 @register_task
@@ -191,9 +349,10 @@ class CausalLM(Task):
         max_length: tokens per training example (prompt + response + eos); longer examples are cut.
         targets: LoRA target modules (``lora.targets``); ``None`` = the architecture's default.
         eval_batch_size: examples per evaluation forward pass.
-        eval_examples, eval_generate, max_new_tokens, generation_batch_size, write_generations, eval_seed: the
+        eval_examples, eval_generate, max_new_tokens, generation_batch_size, write_generations, eval_seed, pack: the
             options (``task.options``), declared with their meanings and bounds in :class:`CausalLMOptions`.
         quantize: ``task.quantize``: ``""``, or ``"4bit"``/``"8bit"`` storage of the frozen backbone (QLoRA).
+        length_buckets: ``task.length_buckets``: training batches are padded to the smallest that holds them.
     """
 
     name = "causal-lm"
@@ -212,13 +371,22 @@ class CausalLM(Task):
                            "train", "test")}
 
     @classmethod
+    def check_config(cls, cfg) -> None:
+        """``task.options.pack`` holds whole examples (≥ ``task.max_length``) and is refused with DP-SGD."""
+        pack = cfg.task.options.get("pack", 0)
+        check_pack(pack, cfg.task.max_length)
+        if pack and cfg.privacy.dpsgd:
+            raise ValueError("task.options.pack with privacy.dpsgd: DP-SGD clips each example's gradient, and a "
+                             "packed row holds several examples; set task.options.pack = 0")
+
+    @classmethod
     def from_config(cls, cfg) -> "CausalLM":
         """Read the instruction data of ``[data]`` (with ``partition.partition_by``'s column) and tokenise it."""
         from .instructions import load_instructions
 
         data = load_instructions(cfg.data, cfg.partition.partition_by, cfg.run.seed)
         return cls(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None, cfg.task.eval_batch_size,
-                   quantize=cfg.task.quantize, **cfg.task.options)
+                   quantize=cfg.task.quantize, length_buckets=cfg.task.length_buckets, **cfg.task.options)
 
     def __init__(self, data: InstructionData, model: str = "tiny-llama", max_length: int = 256,
                  targets: list[str] | None = None, eval_batch_size: int = 8,
@@ -227,15 +395,19 @@ class CausalLM(Task):
                  max_new_tokens: int = CausalLMOptions.max_new_tokens,
                  generation_batch_size: int = CausalLMOptions.generation_batch_size,
                  write_generations: int = CausalLMOptions.write_generations,
-                 eval_seed: int = CausalLMOptions.eval_seed, quantize: str = ""):
+                 eval_seed: int = CausalLMOptions.eval_seed, pack: int = CausalLMOptions.pack,
+                 quantize: str = "", length_buckets: list[int] | None = None):
         from ..models.loading import load_model
 
         CausalLMOptions(eval_examples=eval_examples, eval_generate=eval_generate, max_new_tokens=max_new_tokens,
                         generation_batch_size=generation_batch_size, write_generations=write_generations,
-                        eval_seed=eval_seed)  # checks each option
+                        eval_seed=eval_seed, pack=pack)  # checks each option
+        check_pack(pack, max_length)
         self.data = data
         self.model_name = model
         self.max_length = max_length
+        self.length_buckets = list(length_buckets or [])
+        self.pack = pack
         self.targets = targets
         self.eval_batch_size = eval_batch_size
         self.max_new_tokens = max_new_tokens
@@ -243,6 +415,9 @@ class CausalLM(Task):
         self.write_generations = write_generations
         self.loaded = load_model(model, "causal-lm", quantize=quantize)
         check_max_length(self.loaded, max_length)
+        check_lm_head(self.loaded.net, model)
+        if pack:
+            check_packing(self.loaded.net, model)
         self.tokenizer = self.loaded.tokenizer
         tok = self.tokenizer
         self.train = [encode_example(tok, p, r, max_length) for p, r in zip(data.train_prompts, data.train_responses)]
@@ -288,49 +463,106 @@ class CausalLM(Task):
         return adapted_copy(self.loaded, self.targets, train_outputs=False)
 
     def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
-        return collate([self.train[int(i)] for i in indices], self.tokenizer.pad_token_id)
+        """The examples at ``indices``, padded to the longest or to its length bucket (:func:`padded_length`), or
+        packed (``pack``: rows of that many tokens, :func:`pack`, with ``example_index`` ``[n]``)."""
+        examples = [self.train[int(i)] for i in indices]
+        if self.pack:
+            batch, _ = pack([examples], self.pack, self.tokenizer.pad_token_id, self.length_buckets)
+            return {**batch, "example_index": torch.as_tensor(np.asarray(indices), dtype=torch.long)}
+        width = padded_length(max(len(e.ids) for e in examples), self.length_buckets, self.max_length)
+        return collate(examples, self.tokenizer.pad_token_id, width)
 
-    def _forward(self, net: nn.Module, batch: dict[str, torch.Tensor], **kwargs):
+    def probe_batch(self, rows: int) -> dict[str, torch.Tensor]:
+        """``rows`` rows of the longest training example, padded as the longest training batch would be (packed:
+        rows of ``pack`` tokens holding as many copies as fit)."""
+        longest = max(range(len(self.train)), key=lambda i: len(self.train[i].ids))
+        if self.pack:
+            return self.batch(np.full(rows * max(1, self.pack // len(self.train[longest].ids)), longest))
+        width = padded_length(len(self.train[longest].ids), self.length_buckets, self.max_length)
+        return collate([self.train[longest]] * rows, self.tokenizer.pad_token_id, width)
+
+    def rows_per_step(self, batch_size: int) -> float:
+        """Rows of a client's training batch at most: ``batch_size``, or the packed rows its longest examples
+        fill."""
+        longest = max(len(e.ids) for e in self.train)
+        return batch_size * longest / self.pack if self.pack else batch_size
+
+    def device_batch(self, batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+        """The token ids, mask and positions on ``device``; the labels (and a packed batch's example indices) stay
+        on the host, where :meth:`output` finds the response positions without waiting for the device."""
+        return {k: v if k in ("labels", "example_index") else v.to(device) for k, v in batch.items()}
+
+    def hidden_states(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """The last hidden states ``[B, T, H]`` (after the final norm) of the network's decoder, without the
+        language-model head; a packed batch passes its positions and no mask (transformers' packed sequences)."""
         dev = module_device(net)
-        return net(input_ids=batch["input_ids"].to(dev), attention_mask=batch["attention_mask"].to(dev), **kwargs)
+        inputs = {k: batch[k].to(dev) for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        return net.get_decoder()(**inputs, use_cache=False).last_hidden_state
+
+    def compiled_module(self, net: nn.Module) -> nn.Module:
+        """The decoder (:meth:`hidden_states`): the response positions are found on the host, outside."""
+        return net.get_decoder()
 
     def loss(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        """Mean next-token cross-entropy over the batch's response tokens (0 with no gradient when the batch
-        has none left after truncation)."""
+        """Mean next-token cross-entropy over the batch's response tokens (0 when the batch has none left after
+        truncation)."""
         return self.output_loss(self.output(net, batch), batch)
 
     def output(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        """Logits ``[B, T, V]``."""
-        return self._forward(net, batch).logits
+        """At each position, the negative log-likelihood of the next token when it is a response token, and 1 (its
+        count), else 0: ``[B, T, 2]`` (fp32); the head only at the response positions (:func:`response_nll`)."""
+        hidden = self.hidden_states(net, batch)
+        flat, targets, _ = (t.to(hidden.device) for t in response_positions(batch["labels"]))
+        nll = response_nll(hidden.flatten(0, 1).index_select(0, flat), targets, LMHead.of(net))
+        out = nll.new_zeros(hidden.shape[0] * hidden.shape[1], 2)
+        return out.index_add(0, flat, torch.stack([nll, torch.ones_like(nll)], 1)).view(*hidden.shape[:2], 2)
 
     def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        """:meth:`loss` from logits ``[B, T', V]``, ``T' ≥ T`` (the positions past the batch's own are padding)."""
-        labels = batch["labels"].to(out.device)
-        nll, count = response_nll(out[:, :labels.shape[1]], labels)
-        return nll / max(count, 1)
+        """:meth:`loss` from the batch's part of :meth:`output`: read on the device, never on the host."""
+        total = out.reshape(-1, 2).sum(0)
+        return total[0] / total[1].clamp_min(1)
 
-    def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[slice]]:
-        """Right padding as in :func:`collate`: the pad token, mask 0, label -100."""
-        return join_padded(batches, {"input_ids": self.tokenizer.pad_token_id, "attention_mask": 0,
-                                     "labels": IGNORE})
+    def output_losses(self, out: torch.Tensor, routing: Routing, batches: list) -> torch.Tensor:
+        """:meth:`output_loss` of every member at once: ``[K]`` (a position counts for the member of its token)."""
+        if routing.rows is not None:
+            out, member = out.sum(1), routing.member_of_rows(out.device)
+        else:
+            out, member = out.reshape(-1, 2), routing.tokens.flatten().clamp_min(0).to(out.device)  # padding: 0s
+        total = out.new_zeros(routing.size, 2).index_add(0, member, out)
+        return total[:, 0] / total[:, 1].clamp_min(1)
+
+    def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], Routing]:
+        """Right padding as in :func:`collate` (the pad token, mask 0, label -100), or, packed, every member's
+        examples packed together (:func:`pack`) with each token's member (:class:`Routing` by tokens)."""
+        if not self.pack:
+            return join_padded(batches, {"input_ids": self.tokenizer.pad_token_id, "attention_mask": 0,
+                                         "labels": IGNORE})
+        groups = [[self.train[int(i)] for i in b["example_index"]] for b in batches]
+        joined, members = pack(groups, self.pack, self.tokenizer.pad_token_id, self.length_buckets)
+        device = batches[0]["input_ids"].device
+        joined = {k: v if k == "labels" else v.to(device) for k, v in joined.items()}
+        return joined, Routing(tokens=members, size=len(batches))
 
     def features(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """``[B, d]`` last hidden state averaged over each example's tokens (padding excluded)."""
-        hidden = self._forward(net, batch, output_hidden_states=True).hidden_states[-1]
+        if "attention_mask" not in batch:
+            raise ValueError("task.options.pack: a packed row holds several examples, so a method that reads "
+                             "each example's features (moon) needs pack = 0")
+        hidden = self.hidden_states(net, batch)
         mask = batch["attention_mask"].to(hidden.device).unsqueeze(-1).to(hidden.dtype)
         return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
 
     @torch.no_grad()
     def _token_loss(self, net: nn.Module, examples: list[Encoded]) -> dict[str, float]:
-        """Mean cross-entropy over the response tokens of ``examples`` (length-sorted) and its perplexity."""
+        """Mean cross-entropy over the response tokens of ``examples`` (length-sorted) and its perplexity; the
+        sum stays on the device until the end."""
         net.eval()
-        total, count = 0.0, 0
+        total = torch.zeros(2, dtype=torch.float64, device=module_device(net))  # summed nll, response tokens
         for start in range(0, len(examples), self.eval_batch_size):
-            batch = collate(examples[start:start + self.eval_batch_size], self.tokenizer.pad_token_id)
-            logits = self._forward(net, batch).logits
-            nll, n = response_nll(logits, batch["labels"].to(logits.device))
-            total, count = total + float(nll), count + n
-        loss = total / max(count, 1)
+            total += self.output(net, collate(examples[start:start + self.eval_batch_size],
+                                              self.tokenizer.pad_token_id)).reshape(-1, 2).sum(0)
+        nll, count = total.tolist()
+        loss = nll / max(count, 1)
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
 
     def evaluate_examples(self, net: nn.Module, indices: np.ndarray) -> dict[str, float]:

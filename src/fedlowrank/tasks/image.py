@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..adapters.model import AdaptedModel
+from ..adapters.model import AdaptedModel, Routing
 from ..device import module_device
 from ..models.loading import NOT_IMAGENET, load_model
 from ..schema import Schema, distinct, setting
 from . import register_task
-from .base import Task, adapted_copy, join_padded
+from .base import Task, adapted_copy, join_padded, mean_by_member
 from .fmnist_vit import fmnist_vit_folder
 from .image_data import (DOMAINS, ImageData, apply_domain, assign_domains, check_domains, load_fashion_mnist,
                          load_hf_images, load_image_folder, subsample_images)
@@ -177,9 +177,13 @@ class ImageClassification(Task):
         return net(pixel_values=batch["pixel_values"]).logits
 
     def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        return F.cross_entropy(out, batch["labels"])
+        return F.cross_entropy(out.float(), batch["labels"])
 
-    def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[slice]]:
+    def output_losses(self, out: torch.Tensor, routing: Routing, batches: list) -> torch.Tensor:
+        labels = torch.cat([b["labels"] for b in batches])
+        return mean_by_member(F.cross_entropy(out.float(), labels, reduction="none"), routing)
+
+    def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], Routing]:
         return join_padded(batches, {})  # images of one size: nothing to pad
 
     def features(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
@@ -202,7 +206,7 @@ class ImageClassification(Task):
             x = self.inputs(images[start:start + self.eval_batch_size]).to(device)
             y = labels[start:start + self.eval_batch_size].to(device)
             logits = net(pixel_values=x).logits
-            total_loss += float(F.cross_entropy(logits, y, reduction="sum"))
+            total_loss += float(F.cross_entropy(logits.float(), y, reduction="sum"))
             correct += int((logits.argmax(-1) == y).sum())
         return {"accuracy": correct / n, "loss": total_loss / n}
 

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..adapters.model import AdaptedModel
+from ..adapters.model import AdaptedModel, Routing
 from ..device import module_device, to_device
 from ..models.loading import load_model
 from . import register_task
-from .base import Task, adapted_copy, check_max_length, join_padded
+from .base import Task, adapted_copy, check_max_length, join_padded, mean_by_member, padded_length
 from .data import TextData
 
 # [data] keys read whatever the source: a Flower node that brings its own file reads it with the run's columns,
@@ -38,6 +38,7 @@ class TextClassification(Task):
         targets: ``lora.targets`` (peft ``target_modules`` semantics, see :mod:`fedlowrank.adapters.targets`);
             ``None`` = the architecture's default.
         eval_batch_size: examples per evaluation forward pass.
+        length_buckets: ``task.length_buckets``: training batches are padded to the smallest that holds them.
     """
 
     name = "text-classification"
@@ -77,13 +78,15 @@ class TextClassification(Task):
     def with_data(cls, cfg, data: TextData) -> "TextClassification":
         """The task of ``cfg`` on ``data`` (a Flower node's own file, or what :meth:`from_config` read)."""
         return cls(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None, cfg.task.eval_batch_size,
-                   cfg.task.quantize)
+                   cfg.task.quantize, cfg.task.length_buckets)
 
     def __init__(self, data: TextData, model: str = "minilm", max_length: int = 64,
-                 targets: list[str] | str | None = None, eval_batch_size: int = 64, quantize: str = ""):
+                 targets: list[str] | str | None = None, eval_batch_size: int = 64, quantize: str = "",
+                 length_buckets: list[int] | None = None):
         self.data = data
         self.model_name = model
         self.max_length = max_length
+        self.length_buckets = list(length_buckets or [])
         self.targets = targets
         self.eval_batch_size = eval_batch_size
         self.train_labels = data.train_labels
@@ -114,14 +117,24 @@ class TextClassification(Task):
     def build_model(self) -> AdaptedModel:
         return adapted_copy(self.loaded, self.targets, train_outputs=True)  # the classifier: trained, never a target
 
-    def _trim(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        width = int(mask.sum(1).max())
+    def _trim(self, ids: torch.Tensor, mask: torch.Tensor,
+              buckets: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and mask cut to the longest sequence, or to its length bucket (:func:`padded_length`)."""
+        width = padded_length(int(mask.sum(1).max()), list(buckets), self.max_length)
         return ids[:, :width], mask[:, :width]
 
     def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)
-        ids, mask = self._trim(self.train_ids[idx], self.train_mask[idx])
+        ids, mask = self._trim(self.train_ids[idx], self.train_mask[idx], self.length_buckets)
         return {"input_ids": ids, "attention_mask": mask, "labels": torch.as_tensor(self.train_labels[idx.numpy()])}
+
+    def probe_batch(self, rows: int) -> dict[str, torch.Tensor]:
+        """The ``rows`` longest training texts (repeated if needed), padded as the longest training batch would be."""
+        longest = torch.argsort(self.train_mask.sum(1), descending=True, stable=True)
+        idx = longest[torch.arange(rows) % len(longest)]
+        width = padded_length(int(self.train_mask.sum(1).max()), self.length_buckets, self.max_length)
+        return {"input_ids": self.train_ids[idx, :width], "attention_mask": self.train_mask[idx, :width],
+                "labels": torch.as_tensor(self.train_labels[idx.numpy()])}
 
     def loss(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         return self.output_loss(self.output(net, batch), batch)
@@ -131,9 +144,13 @@ class TextClassification(Task):
         return net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
     def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        return F.cross_entropy(out, batch["labels"])
+        return F.cross_entropy(out.float(), batch["labels"])
 
-    def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[slice]]:
+    def output_losses(self, out: torch.Tensor, routing: Routing, batches: list) -> torch.Tensor:
+        labels = torch.cat([b["labels"] for b in batches])
+        return mean_by_member(F.cross_entropy(out.float(), labels, reduction="none"), routing)
+
+    def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], Routing]:
         """Token ids padded with the pad token and masks with 0 (right padding: no real token's output changes)."""
         return join_padded(batches, {"input_ids": self.loaded.tokenizer.pad_token_id, "attention_mask": 0})
 
@@ -163,7 +180,7 @@ class TextClassification(Task):
             ids, mask = to_device(self._trim(all_ids[sl], all_mask[sl]), device)
             batch_labels = labels[sl].to(device)
             logits = net(input_ids=ids, attention_mask=mask).logits
-            total_loss += float(F.cross_entropy(logits, batch_labels, reduction="sum"))
+            total_loss += float(F.cross_entropy(logits.float(), batch_labels, reduction="sum"))
             correct += int((logits.argmax(-1) == batch_labels).sum())
         return {"accuracy": correct / n, "loss": total_loss / n}
 

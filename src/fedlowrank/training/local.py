@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import cached_property, partial
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..device import DTYPES, autocast, grad_scaler, module_device, to_device
+from ..device import DTYPES, grad_scaler, module_device, optimizer_kernel, run_compiled
 from ..privacy.dpsgd import private_step_gradients
 from ..schema import Schema, setting
 from ..seeding import derive_seed, numpy_rng
@@ -33,7 +34,8 @@ class TrainConfig(Schema):
     ``max_grad_norm`` clips the loss gradient before the corrections' ``grad`` hooks add their terms: SCAFFOLD's
     ``c − cᵢ`` is an offset between clients that cancels in the average (Σ(c − cᵢ) = 0); clipping it per client
     would break that and make option II's ``(x − yᵢ)/(Kη)`` differ from the mean of the gradients it estimates.
-    ``dtype``: see :mod:`fedlowrank.device` (fp16 adds CUDA's gradient scaler).
+    ``dtype``: the compute dtype, in which the frozen backbone is stored (see :mod:`fedlowrank.device`; fp16 adds
+    CUDA's gradient scaler).
     """
 
     prefix = "train"
@@ -52,8 +54,11 @@ class TrainConfig(Schema):
     max_grad_norm: float = setting(0.0, "clip the gradient norm to this (0 = no clipping)", ge=0)
     schedule: str = setting("constant", "learning rate over rounds", choices=SCHEDULES)
     warmup_rounds: int = setting(0, "rounds of linear learning-rate warm-up", ge=0)
-    dtype: str = setting("fp32", "autocast of the forward pass (parameters and optimizer state stay fp32)",
-                         choices=tuple(DTYPES))
+    dtype: str = setting("fp32", "compute dtype: fp32, bf16 or fp16 (CUDA); the frozen backbone is stored in it, what "
+                         "is trained (adapters, head, optimizer state) stays fp32", choices=tuple(DTYPES))
+    gradient_checkpointing: bool = setting(False, "recompute each layer's activations during backward (transformers' "
+                                           "gradient checkpointing): far less activation memory for about a third "
+                                           "more compute, for long sequences and large cohorts")
 
     def lr_at(self, rnd: int, rounds: int, base: float | None = None) -> float:
         """Learning rate in round ``rnd`` (1-based) of ``rounds``."""
@@ -78,15 +83,20 @@ class FitResult:
     head_lr: float | None = None  # the head's learning rate when it has its own group (None: ``lr``)
 
 
-def make_optimizer(cfg: TrainConfig, groups: list[dict]) -> torch.optim.Optimizer:
+def make_optimizer(cfg: TrainConfig, groups: list[dict], kernel: str = "loop") -> torch.optim.Optimizer:
+    """``train.optimizer`` over the parameter ``groups`` (each with its ``lr``), stepping with ``kernel``
+    (:data:`~fedlowrank.device.OPTIMIZER_KERNELS`: one tensor at a time, multi-tensor ``foreach`` or ``fused``;
+    the same update to float rounding)."""
+    options = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[kernel]
+    lr = groups[0]["lr"]
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=groups[0]["lr"], weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(groups, lr=lr, weight_decay=cfg.weight_decay, **options)
     if cfg.optimizer == "momentum":
-        return torch.optim.SGD(groups, lr=groups[0]["lr"], momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **options)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(groups, lr=groups[0]["lr"], betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **options)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=groups[0]["lr"], betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **options)
     raise ValueError(f"train.optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
 
 
@@ -154,23 +164,7 @@ class LocalTrainer:
         run = FitRun(self, model, params, corrections, optimizer)
         t0 = time.perf_counter()
         for step in range(run.steps):
-            batch = run.next_batch()
-            run.opt.zero_grad(set_to_none=True)
-            if self.dpsgd is not None:
-                if run.scaler is not None:
-                    raise ValueError("privacy.dpsgd: train.dtype = 'fp16' is not supported (its loss scaler would "
-                                     "rescale the noisy gradient); use bf16 or fp32")
-                with autocast(run.device, self.cfg.dtype):
-                    loss = private_step_gradients(run.net, self.task, params, batch, self.dpsgd)
-                if any(c.loss(params, run.net, batch, self.task) is not None for c in corrections):
-                    raise ValueError("privacy.dpsgd: corrections that add a loss term (fedprox, moon) are not "
-                                     "supported (their gradient would not be clipped per example)")
-            else:
-                with autocast(run.device, self.cfg.dtype):
-                    loss = self.task.loss(run.net, batch)
-                    total = run.with_corrections(loss, batch)
-                run.scaled(total).backward()
-            run.step(loss)
+            run.train_step()
             if self.on_step is not None:
                 self.on_step(step + 1, run.steps)
         self.compute_seconds += time.perf_counter() - t0
@@ -190,15 +184,15 @@ class FitRun:
                  optimizer: OptimizerFactory | None = None):
         cfg = trainer.cfg
         self.trainer, self.model, self.params, self.corrections = trainer, model, params, list(corrections)
+        self.factory = optimizer
         self.lr = self.head_lr = trainer.lr
-        if optimizer is not None:
-            self.opt = optimizer(params, self.lr)
-        else:
+        self.groups: list[dict] = []  # the default optimizer's parameter groups (none with a method's own optimizer)
+        if optimizer is None:
             self.head_lr = cfg.lr_at(trainer.rnd, trainer.rounds, cfg.head_lr) if cfg.head_lr else self.lr
             body = [p for k, p in params.items() if not k.startswith("head/")]
             head = [p for k, p in params.items() if k.startswith("head/")]
-            groups = [g for g in ({"params": body, "lr": self.lr}, {"params": head, "lr": self.head_lr}) if g["params"]]
-            self.opt = make_optimizer(cfg, groups)
+            self.groups = [g for g in ({"params": body, "lr": self.lr}, {"params": head, "lr": self.head_lr})
+                           if g["params"]]
         self.net = model.net
         self.net.train()
         self.device = module_device(self.net)
@@ -207,40 +201,87 @@ class FitRun:
         self.batches = trainer.batches()
         self.losses: list[torch.Tensor] = []
 
+    @cached_property
+    def opt(self) -> torch.optim.Optimizer:
+        """This client's optimizer: the method's own (``optimizer``), else ``train.optimizer`` over :attr:`groups`
+        with the device's kernel (:func:`~fedlowrank.device.optimizer_kernel`). Made when first used: a cohort
+        steps its members together (:mod:`fedlowrank.runtime.cohort`)."""
+        if self.factory is not None:
+            return self.factory(self.params, self.lr)
+        return make_optimizer(self.trainer.cfg, self.groups, optimizer_kernel(self.device))
+
+    def train_step(self) -> None:
+        """One local step alone: :meth:`next_batch`, ``zero_grad``, the task loss plus the corrections' terms and
+        backward (compiled with ``run.compile``; with ``privacy.dpsgd``: the noisy mean of clipped per-example
+        gradients instead), :meth:`step`."""
+        trainer, batch = self.trainer, self.next_batch()
+        self.opt.zero_grad(set_to_none=True)
+        if trainer.dpsgd is not None:
+            if self.scaler is not None:
+                raise ValueError("privacy.dpsgd: train.dtype = 'fp16' is not supported (its loss scaler would "
+                                 "rescale the noisy gradient); use bf16 or fp32")
+            loss = private_step_gradients(self.net, trainer.task, self.params, batch, trainer.dpsgd)
+            if any(c.loss(self.params, self.net, batch, trainer.task) is not None for c in self.corrections):
+                raise ValueError("privacy.dpsgd: corrections that add a loss term (fedprox, moon) are not "
+                                 "supported (their gradient would not be clipped per example)")
+        else:
+            def forward_backward() -> torch.Tensor:
+                loss = trainer.task.loss(self.net, batch)
+                self.scaled(self.with_corrections(loss, batch)).backward()
+                return loss
+
+            restart = partial(self.opt.zero_grad, set_to_none=True)
+            loss = run_compiled(trainer.task.compiled_module(self.net), forward_backward, restart)
+        self.step(loss)
+
     def next_batch(self):
-        return to_device(next(self.batches), self.device)
+        return self.trainer.task.device_batch(next(self.batches), self.device)
 
     def with_corrections(self, loss: torch.Tensor, batch) -> torch.Tensor:
-        """``loss`` plus the corrections' loss terms on this client's network and ``batch`` (FedProx, MOON)."""
-        total = loss
-        for c in self.corrections:
-            extra = c.loss(self.params, self.net, batch, self.trainer.task)
-            if extra is not None:
-                total = total + extra
-        return total
+        """``loss`` plus the corrections' loss terms (:meth:`correction_terms`)."""
+        return sum(self.correction_terms(batch), loss)
+
+    def correction_terms(self, batch) -> list[torch.Tensor]:
+        """The corrections' loss terms on this client's network and ``batch`` (FedProx, MOON)."""
+        terms = (c.loss(self.params, self.net, batch, self.trainer.task) for c in self.corrections)
+        return [t for t in terms if t is not None]
 
     def scaled(self, total: torch.Tensor) -> torch.Tensor:
         """What to call ``backward`` on: ``total``, times fp16's loss scale."""
         return total if self.scaler is None else self.scaler.scale(total)
 
     def step(self, loss: torch.Tensor) -> None:
-        """After backward: unscale (fp16), clip the loss gradient, the corrections' ``grad`` hooks (SCAFFOLD), the
-        optimizer step; record ``loss``."""
+        """After backward: :meth:`final_gradients`, :meth:`optimizer_step`, :meth:`record` ``loss``."""
+        self.final_gradients()
+        self.optimizer_step()
+        self.record(loss)
+
+    def optimizer_step(self) -> None:
+        """This client's optimizer step (through fp16's loss scaler)."""
+        if self.scaler is None:
+            self.opt.step()
+        else:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+
+    def final_gradients(self) -> None:
+        """The gradients the optimizer steps with: unscaled (fp16), the loss gradient clipped, then the corrections'
+        ``grad`` hooks (SCAFFOLD)."""
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)  # clipping and corrections see true gradients
         if self.trainer.cfg.max_grad_norm > 0:      # clip the gradient of the loss, then correct it (SCAFFOLD)
             nn.utils.clip_grad_norm_(list(self.params.values()), self.trainer.cfg.max_grad_norm)
         for c in self.corrections:
             c.grad(self.params)
-        if self.scaler is None:
-            self.opt.step()
-        else:
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        self.losses.append(loss.detach())  # read at the end: no device synchronisation per step
 
-    def finish(self) -> FitResult:
-        """The fit's :class:`FitResult`; the network back in eval mode."""
+    def record(self, loss: torch.Tensor) -> None:
+        self.losses.append(loss.detach())  # read once in finish: no device synchronisation per step
+
+    def finish(self, losses: list[float] | None = None) -> FitResult:
+        """The fit's :class:`FitResult` (the mean of the step losses, read from the device at once unless given
+        as ``losses``); the network back in eval mode."""
         self.net.eval()
-        loss = float(np.mean([float(x) for x in self.losses])) if self.losses else float("nan")
-        return FitResult(loss=loss, steps=self.steps, lr=self.lr, head_lr=self.head_lr)
+        if losses is None:
+            losses = torch.stack(self.losses).tolist() if self.losses else []
+        return FitResult(loss=float(np.mean(losses)) if losses else float("nan"), steps=self.steps, lr=self.lr,
+                         head_lr=self.head_lr)
