@@ -1,4 +1,4 @@
-"""Framework overhead and memory of the simulator (foundation issue targets), and what a local step costs.
+"""Framework overhead and memory of the simulator (targets below), and what a local step costs.
 
 1. Overhead: FedIT on MiniLM (BBC News, 10 clients, 5 per round, 5 local steps, 10 rounds). Everything that
    is not forward/backward/optimizer steps, aggregation or evaluation ("other") as a share of wall time.
@@ -6,7 +6,7 @@
 2. Memory: AG News (10,001 examples), ``--clients`` clients (100), ``--per-round`` per round (10), a stateful
    method (SCAFFOLD: a control variate per client). Peak RSS against base model + activations + the client
    states held in memory (all of them, or at most ``--state-memory-mb`` with spilling to disk) + 300 MB.
-   Target: within that bound; for 1,000 clients (issue #18 item 4) also within 2 GB.
+   Target: within that bound; for 1,000 clients also within 2 GB.
 
 3. Step (``--step``; the GPU path's figures that a CPU can give, on tiny-llama in seconds): host reads
    (``aten::item``) and dispatched operations of our FedIT client step against a plain peft + torch step on the

@@ -1,15 +1,16 @@
-"""FLoRG's single-matrix Gram adapter (Meng et al., eq. 1): ``ΔW = s · L AᵀA R``.
+"""FLoRG's single-matrix Gram adapter (Meng, Tang and Wong, arXiv:2602.17095, eq. 1): ``ΔW = s · L AᵀA R``.
 
 Per target linear ``W0: [out, in]``, with ``k = min(in, out)``:
 
 * ``L: [out, k]``, ``R: [k, in]`` — frozen, shared by all clients, generated from a seed (never sent);
 * ``A: [r, k]`` — the only trainable adapter tensor;
-* ``s`` — the LoRA scaling rule of :func:`~fedlowrank.adapters.lora.lora_scale` (α/r by default, spec A4).
+* ``s`` — the LoRA scaling rule of :func:`~fedlowrank.adapters.lora.lora_scale` (α/r by default; the paper's
+  "scaling factor" does not say whether it is α or s).
 
-The forward pass never forms ``AᵀA`` or the dense ``ΔW`` (spec §2.11): ``B_eff = L Aᵀ: [out, r]``,
+The forward pass never forms ``AᵀA`` or the dense ``ΔW``: ``B_eff = L Aᵀ: [out, r]``,
 ``A_eff = A R: [r, in]``, ``y = x W0ᵀ + s · (x A_effᵀ) B_effᵀ`` — LoRA's per-token cost at rank r.
 With ``compensate_init`` a fixed ``A_ref`` is subtracted the same way, ``ΔW = s·L(AᵀA − A_refᵀA_ref)R``, so that
-the initial model equals the pretrained one (spec §2.9, not in the paper).
+the initial model equals the pretrained one (an option of ours, not in the paper).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ A_INITS = ("gaussian", "kaiming")
 
 
 def gram_bases(weight: torch.Tensor, init: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(L: [out, k], R: [k, in])`` for a weight ``[out, in]`` (spec §2.9, paper Table 6).
+    """``(L: [out, k], R: [k, in])`` for a weight ``[out, in]`` (the paper's §4.4, Table 6).
 
     ``semi_orthogonal``: ``orthogonal_`` (LᵀL = RRᵀ = I_k); ``kaiming``: ``kaiming_uniform_(a=√5)`` (the
     ``nn.Linear`` default, not orthogonal); ``svd``: ``W0 = UΣVᵀ``, ``L = U[:, :k]``, ``R = Vᵀ[:k]``.
@@ -52,7 +53,7 @@ def gram_bases(weight: torch.Tensor, init: str, generator: torch.Generator) -> t
 
 def init_gram_A(rank: int, k: int, scale: float, init: str, perturbation: float, generator: torch.Generator,
                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The initial global factor ``A¹: [r, k]`` (spec §2.9; it must be non-zero: ``A = 0`` has zero gradient).
+    """The initial global factor ``A¹: [r, k]`` (the paper gives none; it must be non-zero: ``A = 0`` has zero gradient).
 
     ``gaussian``: i.i.d. ``N(0, σ²)`` with ``s·σ²·k = perturbation``, so ``‖s L AᵀA R‖₂ ≈ perturbation``;
     ``kaiming``: LoRA-A's ``kaiming_uniform_(a=√5)``, ``U(−1/√k, 1/√k)`` (a large initial perturbation ≈ s/3).

@@ -1,6 +1,6 @@
 """LoRA in one place: factors, scaling rule, dropout, initialisation.
 
-Conventions (DESIGN §7): ``B: [out, r]``, ``A: [r, in]``, ``ΔW = s · B A`` with ``s = α / r`` (``"standard"``)
+Conventions (docs/architecture.md, "Conventions"): ``B: [out, r]``, ``A: [r, in]``, ``ΔW = s · B A`` with ``s = α / r`` (``"standard"``)
 or ``s = α / √r`` (``"rslora"``). Ranks can differ per client: :meth:`LoRALinear.set_factors` resizes the
 factors and recomputes ``s`` from the new rank by the same rule.
 """

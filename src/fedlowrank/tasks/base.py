@@ -1,4 +1,4 @@
-"""The task contract: data, model, loss and metrics bundled (DESIGN §6).
+"""The task contract: data, model, loss and metrics bundled.
 
 A task exposes its training labels (for partitioners), builds the :class:`AdaptedModel`, turns example indices
 into a batch, computes the training loss, and evaluates a model on its global test set, or on training examples
