@@ -5,9 +5,10 @@ only, no quality figure), ``--clients`` clients × ``--steps`` local steps × ``
 modes over the same clients and minibatches:
 
 * ``cohort``: the round's clients as one cohort (``run.cohort = clients``: one forward/backward per step);
-* ``one``: one client at a time (``run.cohort = 1``); ``one-compiled`` adds ``run.compile`` where it exists;
-* ``peft``: a plain peft + torch loop (``get_peft_model`` on the same backbone, a fresh AdamW per client, the same
-  batches, ``task.loss``, ``train.dtype`` autocast), the reference "one at a time" is measured against.
+* ``one``: one client at a time (``run.cohort = 1``); ``one-compiled`` adds ``run.compile`` over ``--buckets``;
+* ``peft``: a plain peft + torch loop (``get_peft_model`` on the same backbone stored in ``train.dtype``, peft's
+  fp32 adapters, a fresh AdamW per client (fused on CUDA), the same batches, transformers' own loss), the reference
+  "one at a time" is measured against.
 
 Each figure is a JSON line (``--out``/bench_gpu.jsonl and stdout) and a row of a Markdown table
 (``--out``/bench_gpu.md): round seconds (mean over the rounds after the first, evaluation excluded), tokens/s real
@@ -15,10 +16,10 @@ Each figure is a JSON line (``--out``/bench_gpu.jsonl and stdout) and a row of a
 ÷ the measured dense matmul peak of the dtype (N = the parameters that multiply each token: every weight but the
 input embeddings, the tied output layer counted once; 2N forward, 2N backward to the activations, frozen weights
 get no gradient; attention scores left out), peak memory (CUDA: ``max_memory_allocated``; CPU: the rise of the
-process's peak RSS over the round) beside an estimate (:func:`memory_estimate`), and from one profiled extra round
+process's peak RSS over the round) beside the runtime's own estimate
+(:func:`fedlowrank.runtime.cohort.cohort_memory`, which sizes ``run.cohort = 0``: the planned peak on CUDA, what a
+step allocates on the CPU; none for plain peft), and from one profiled extra round
 the dispatched aten ops, host syncs (``aten::_local_scalar_dense``) and CUDA kernel launches per client step.
-Options the installed fedlowrank lacks (``run.compile``, ``task.length_buckets``, ``run.gpu_memory_fraction``,
-``train.gradient_checkpointing``) are skipped with one line each.
 
 On a GPU (the targets are set for an H100)::
 
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import os
 import sys
@@ -59,9 +59,9 @@ from common import provenance  # noqa: E402
 
 import torch  # noqa: E402
 
-from fedlowrank.config import RunConfig, load_config  # noqa: E402
-from fedlowrank.device import autocast, resolve_device  # noqa: E402
-from fedlowrank.models.quantize import weight_bytes  # noqa: E402
+from fedlowrank.config import load_config  # noqa: E402
+from fedlowrank.device import DTYPES, resolve_device  # noqa: E402
+from fedlowrank.runtime.cohort import cohort_memory  # noqa: E402
 from fedlowrank.runtime.simulator import Simulation  # noqa: E402
 from fedlowrank.tasks import build_task  # noqa: E402
 from fedlowrank.training.local import LocalTrainer  # noqa: E402
@@ -69,33 +69,9 @@ from fedlowrank.training.local import LocalTrainer  # noqa: E402
 MODES = ("cohort", "one", "one-compiled", "peft")
 GPU_MODELS = {"smollm2-135m": "arch:smollm2-135m", "llama-3.2-1b": "arch:llama-3.2-1b",
               "qwen2.5-0.5b": "arch:qwen2.5-0.5b", "llama-3.1-8b": "arch:llama-3.1-8b"}
-OPTIONAL_KEYS = ("run.compile", "task.length_buckets", "run.gpu_memory_fraction", "train.gradient_checkpointing")
 SYNC_OPS = ("aten::_local_scalar_dense",)  # .item(), float(t), bool(t): each waits for the device
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
 GIB = 2 ** 30
-
-
-def has_key(key: str) -> bool:
-    """Whether the installed fedlowrank has config key ``section.key``."""
-    section, name = key.split(".")[:2]
-    sections = {f.name: f.default_factory() for f in dataclasses.fields(RunConfig)}
-    if section not in sections:
-        return False
-    obj = sections[section]
-    return not dataclasses.is_dataclass(obj) or name in {f.name for f in dataclasses.fields(obj)}
-
-
-def usable_sets(sets: list[str], say) -> list[str]:
-    """``sets`` less those naming a config key the installed fedlowrank lacks (one line each)."""
-    out = []
-    for s in sets:
-        key = s.split("=", 1)[0].strip()
-        if has_key(key):
-            out.append(s)
-        else:
-            say(f"skip: {key} is not a config key of the installed fedlowrank (branch gpu adds it); "
-                f"measured without {s!r}")
-    return out
 
 
 # -- what a round processed ----------------------------------------------------------------------------------------
@@ -161,37 +137,6 @@ def matmul_parameters(net: torch.nn.Module) -> int:
             seen.add(id(p))
             total += p.numel()
     return total
-
-
-def memory_estimate(net, trainable: int, rows: int, width: int, dtype: str, backbone_dtype: torch.dtype) -> dict:
-    """Bytes one training step needs, from the model's shapes (a Llama-like decoder):
-
-    * weights as stored (quantised ones packed), and under autocast of an fp32 backbone the bf16 copies autocast
-      caches for the forward (2 bytes per fp32 weight; quantised weights are dequantised per product instead);
-    * trainable parameters with gradient and AdamW's two moments: 16 bytes each (fp32);
-    * activations saved for backward, per token and layer ``8h + 2·kv + 4i`` values of the compute dtype (two norm
-      inputs/outputs, the q/k/v/o inputs and outputs kept by attention, the MLP's gate, up, act and product);
-    * logits ``[rows, width, V]`` in the compute dtype, their fp32 copy for the cross-entropy (bf16 only), its
-      log-softmax and gradient (4 + 4 bytes);
-    * the 4-D attention mask ``[rows, 1, width, width]`` transformers builds for a padded batch (compute dtype, and
-      its boolean source): small for real models, the largest part for tiny ones at long widths.
-    """
-    cfg = net.config
-    act = 2 if dtype in ("bf16", "fp16") else 4
-    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads) * head_dim
-    tokens = rows * width
-    weights = weight_bytes(net)
-    cast = 2 * sum(p.numel() for p in net.parameters() if p.dtype == torch.float32) if act == 2 and \
-        backbone_dtype == torch.float32 else 0
-    parts = {"weights": weights, "autocast_copies": cast, "trainable": 16 * trainable,
-             "activations": tokens * layers * (8 * h + 2 * kv + 4 * i) * act,
-             "logits": tokens * cfg.vocab_size * (act + (4 if act == 2 else 0) + 8),
-             "attention_mask": rows * width * width * (act + 1)}
-    parts["total"] = sum(parts.values())
-    parts["transient"] = parts["total"] - weights
-    return parts
 
 
 class PeakRSS:
@@ -271,7 +216,8 @@ def reset_peak(device: torch.device) -> None:
 def simulate(cfg, task, counter: TokenCounter, device, rounds: int, profile: bool) -> dict[str, Any]:
     """Rounds of the simulator: round 1 warms up, rounds 2..rounds+1 are timed, one more is profiled."""
     sim = Simulation(cfg, task=task)
-    lora = sum(p.numel() for m in sim.model.adapters().values() for n, p in m.named_parameters() if "lora_" in n)
+    k = sim.cohort_size()
+    memory = cohort_memory(cfg, task, sim.model)  # the runtime's planner (run.cohort = 0 sizes cohorts with it)
     times, real, padded, rises, aggregation = [], [], [], [], []
     for r in range(rounds):
         counter.reset()
@@ -288,8 +234,9 @@ def simulate(cfg, task, counter: TokenCounter, device, rounds: int, profile: boo
         rises.append(rss.rise)
     out = {"seconds": sum(times) / len(times), "real": sum(real) / len(real), "padded": sum(padded) / len(padded),
            "aggregation": sum(aggregation) / len(aggregation),
-           "largest": counter.largest, "lora_parameters": lora, "net": sim.model.net,
-           "cohort": sim.cohort_size(), "peak_cuda": torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+           "largest": counter.largest, "cohort": k,
+           "estimate": {"resident": memory.resident(k), "step": memory.step(k), "total": memory.peak(k)},
+           "peak_cuda": torch.cuda.max_memory_allocated(device) if device.type == "cuda"
            else None, "rss_rise": max(rises)}
     if profile:
         counter.reset()
@@ -306,10 +253,10 @@ def plain_peft(args, cfg, task, counter: TokenCounter, device, dtype: str, round
     from fedlowrank.tasks.partition import partition_task
 
     parts = partition_task(task, cfg.partition, cfg.run.seed)[0]
-    net = copy.deepcopy(task.loaded.net)
+    net = copy.deepcopy(task.loaded.net).to(DTYPES[dtype])  # the frozen backbone in the compute dtype
     lora_cfg = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
                           target_modules=cfg.lora.targets or default_targets(task.loaded.model_type))
-    model = get_peft_model(net, lora_cfg).to(device)
+    model = get_peft_model(net, lora_cfg).to(device)  # peft keeps the adapters in fp32 (autocast_adapter_dtype)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     clients = list(range(cfg.run.clients_per_round))
@@ -319,14 +266,13 @@ def plain_peft(args, cfg, task, counter: TokenCounter, device, dtype: str, round
             for n, m in model.named_modules():
                 if hasattr(m, "reset_lora_parameters") and "default" in getattr(m, "lora_A", {}):
                     m.reset_lora_parameters("default", True)
-            opt = torch.optim.AdamW(trainable, lr=cfg.train.lr)
+            opt = torch.optim.AdamW(trainable, lr=cfg.train.lr, fused=device.type == "cuda")
             trainer = LocalTrainer(task, parts[k], cfg.train, k, rnd, cfg.run.rounds, cfg.run.seed)
             batches = trainer.batches()
             for _ in range(trainer.num_steps):
                 batch = next(batches)
-                with autocast(device, dtype):
-                    loss = task.loss(model, batch)
-                loss.backward()
+                inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
+                model(**inputs).loss.backward()  # transformers' own loss: every position's logits
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         sync(device)
@@ -346,8 +292,7 @@ def plain_peft(args, cfg, task, counter: TokenCounter, device, dtype: str, round
         padded.append(counter.padded)
         rises.append(rss.rise)
     out = {"seconds": sum(times) / len(times), "real": sum(real) / len(real), "padded": sum(padded) / len(padded),
-           "largest": counter.largest, "lora_parameters": sum(p.numel() for p in trainable), "net": model,
-           "cohort": 1, "peak_cuda": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+           "largest": counter.largest, "cohort": 1, "peak_cuda": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
            "rss_rise": max(rises)}
     if profile:
         counter.reset()
@@ -364,12 +309,8 @@ def figure(args, name: str, spec: str, dtype: str, mode: str, tasks: dict, peaks
     elif mode in ("one", "one-compiled"):
         sets.append("run.cohort=1")
     if mode == "one-compiled":
-        if not has_key("run.compile"):
-            say(f"skip: {name} {dtype} one-compiled: run.compile is not a config key of the installed fedlowrank "
-                f"(branch gpu adds it)")
-            return None
-        sets.append(f"run.compile={args.compile_mode}")
-    sets = usable_sets(sets, say)
+        buckets = [b for b in args.buckets if b <= args.max_length]
+        sets += ["run.compile=true", f"task.length_buckets={buckets}"]  # static shapes: one graph per bucket
     cfg = load_config("gsm8k", sets)
     key = (spec, dtype)
     if key not in tasks:
@@ -385,12 +326,9 @@ def figure(args, name: str, spec: str, dtype: str, mode: str, tasks: dict, peaks
     else:
         res = simulate(cfg, task, counter, device, args.rounds + 1, not args.no_profile)
     wall = time.perf_counter() - t0
-    net = res.pop("net")
-    backbone = task.loaded.net
-    n = matmul_parameters(backbone)
+    n = matmul_parameters(task.loaded.net)
     rows, width = res["largest"]
-    est = memory_estimate(net, res["lora_parameters"], rows, width, dtype, next(backbone.parameters()).dtype)
-    del net  # the trained copy (quantised weights at their stored size: task.quantize)
+    est = res.get("estimate")
     real_tps, padded_tps = res["real"] / res["seconds"], res["padded"] / res["seconds"]
     tflops = 4 * n * real_tps / 1e12
     label = f"{name} {dtype} {mode}" + ("" if mode == "peft" or cfg.method_name == "fedit" else f" {cfg.method_name}")
@@ -404,7 +342,8 @@ def figure(args, name: str, spec: str, dtype: str, mode: str, tasks: dict, peaks
            "peak_matmul_tflops": peaks[dtype], "mfu": tflops / peaks[dtype],
            "peak_memory_gib": None if res["peak_cuda"] is None else res["peak_cuda"] / GIB,
            "rss_rise_gib": res["rss_rise"] / GIB, "largest_batch": [rows, width],
-           "memory_estimate_gib": {k: v / GIB for k, v in est.items()}, "wall_seconds": wall,
+           "memory_estimate_gib": None if est is None else {k: v / GIB for k, v in est.items()},
+           "wall_seconds": wall,
            "sets": sets, "device": device_name(device), "load": list(os.getloadavg()), "seed": args.seed}
     if "profile" in res:
         steps = max(res["profile_steps"], 1)
@@ -425,12 +364,13 @@ COLUMNS = ("figure", "s/round", "aggregation", "real tok/s", "padded tok/s", "MF
 
 def markdown_row(r: dict) -> str:
     peak = r["peak_memory_gib"] if r["peak_memory_gib"] is not None else r["rss_rise_gib"]
-    est = r["memory_estimate_gib"]["total" if r["peak_memory_gib"] is not None else "transient"]
+    est = r["memory_estimate_gib"]  # CUDA: the planned peak; CPU: what a step allocates (the RSS rise)
+    est = None if est is None else est["total" if r["peak_memory_gib"] is not None else "step"]
     prof = r.get("per_client_step", {})
     share = r["aggregation_share"]
     cells = [r["figure"], f"{r['seconds_per_round']:.3f}", "–" if share is None else f"{100 * share:.1f} %",
              f"{r['real_tokens_per_s']:,.0f}",
-             f"{r['padded_tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f} %", f"{peak:.2f}", f"{est:.2f}",
+             f"{r['padded_tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f} %", f"{peak:.2f}", "–" if est is None else f"{est:.2f}",
              *(f"{prof[k]:.0f}" if k in prof else "–" for k in ("aten_ops", "host_syncs", "kernel_launches"))]
     return "| " + " | ".join(cells) + " |"
 
@@ -484,7 +424,8 @@ def parse_args(argv=None):
                                                  f"(default: smollm2-135m,llama-3.2-1b on CUDA, tiny-llama on the CPU)")
     ap.add_argument("--dtypes", default="", help="comma-separated among fp32, bf16 (default: bf16,fp32 on CUDA, fp32 "
                                                  "on the CPU)")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated among {', '.join(MODES)}")
+    ap.add_argument("--modes", default="", help=f"comma-separated among {', '.join(MODES)} (default: all on CUDA; on "
+                                                "the CPU all but one-compiled, whose inductor build takes minutes)")
     ap.add_argument("--method", default="fedit", help="the method of the cohort/one figures (e.g. fedrpca, with "
                                                       "--set method.rpca_device=cuda: its aggregation share)")
     ap.add_argument("--tokenizer", default="smollm2-135m",
@@ -498,7 +439,8 @@ def parse_args(argv=None):
     ap.add_argument("--source", default="", help="data.source: gsm8k (a local copy: --data or $FEDLOWRANK_DATA; "
                                                  "default on CUDA) or arithmetic (packaged; default on the CPU)")
     ap.add_argument("--data", default="", help="GSM8K folder (data.path; default $FEDLOWRANK_DATA/gsm8k)")
-    ap.add_argument("--compile-mode", default="reduce-overhead", help="run.compile value of one-compiled")
+    ap.add_argument("--buckets", type=lambda t: [int(x) for x in t.split(",")], default=[128, 192, 256, 320, 384],
+                    help="task.length_buckets of one-compiled (static shapes: one compilation per bucket)")
     ap.add_argument("--set", action="append", default=[], help="extra config override for every figure "
                                                                "(e.g. train.gradient_checkpointing=true)")
     ap.add_argument("--threads", type=int, default=0)
@@ -547,7 +489,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if spec.startswith("arch:") and args.tokenizer:
             spec = f"{spec}@{args.tokenizer}"
         for dtype in args.dtypes.split(","):
-            for mode in args.modes.split(","):
+            modes = args.modes or ",".join(m for m in MODES if device.type == "cuda" or m != "one-compiled")
+            for mode in modes.split(","):
                 if mode not in MODES:
                     raise SystemExit(f"--modes: {mode!r} is not one of {', '.join(MODES)}")
                 try:

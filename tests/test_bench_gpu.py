@@ -19,10 +19,6 @@ def test_cpu_mode_writes_a_json_line_and_a_markdown_row_per_figure(tmp_path, cap
     printed = capsys.readouterr().out
     figures = [r["figure"] for r in rows]
     assert figures == ["tiny-llama fp32 cohort", "tiny-llama fp32 one", "tiny-llama fp32 peft"]
-    if not bench_gpu.has_key("run.compile"):
-        assert "skip: tiny-llama fp32 one-compiled: run.compile is not a config key" in printed
-    if not bench_gpu.has_key("train.gradient_checkpointing"):
-        assert "skip: train.gradient_checkpointing is not a config key" in printed
     lines = [json.loads(x) for x in (out / "bench_gpu.jsonl").read_text().splitlines()]
     assert [x["figure"] for x in lines] == figures
     one, cohort, peft = rows[1], rows[0], rows[2]
@@ -33,24 +29,12 @@ def test_cpu_mode_writes_a_json_line_and_a_markdown_row_per_figure(tmp_path, cap
     for r in rows:
         assert r["real_tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["peak_matmul_tflops"] > 0
         assert r["per_client_step"]["aten_ops"] > 0 and r["per_client_step"]["kernel_launches"] == 0
-        est = r["memory_estimate_gib"]
-        assert est["total"] == pytest.approx(sum(v for k, v in est.items() if k not in ("total", "transient")))
+        est = r["memory_estimate_gib"]  # the runtime's planner for our modes, none for plain peft
+        assert (est is None) == (r["mode"] == "peft")
+        assert est is None or est["total"] == pytest.approx(est["resident"] + est["step"]) and est["step"] > 0
         assert r["device"] == "cpu" and "load" in r and r["seed"] == 0
     md = (out / "bench_gpu.md").read_text()
     assert md.count("| tiny-llama fp32 ") == 3 and "Targets (H100):" in md
     assert "- not checked: a CPU run" in md
     lines = bench_gpu.targets(rows)
     assert "- SmolLM2 bf16 cohort ≥ 150k real tokens/s: not measured" in lines and len(lines) == 7
-
-
-def test_memory_estimate_counts_the_logits_and_activations_of_a_batch():
-    from fedlowrank.models.loading import load_model
-
-    net = load_model("tiny-llama", "causal-lm").net
-    one = bench_gpu.memory_estimate(net, 1000, 2, 100, "fp32", bench_gpu.torch.float32)
-    two = bench_gpu.memory_estimate(net, 1000, 4, 100, "fp32", bench_gpu.torch.float32)
-    assert two["logits"] == 2 * one["logits"] == 2 * 2 * 100 * 259 * 12
-    assert two["activations"] == 2 * one["activations"] and one["trainable"] == 16000
-    assert one["attention_mask"] == 2 * 100 * 100 * 5
-    bf16 = bench_gpu.memory_estimate(net, 1000, 2, 100, "bf16", bench_gpu.torch.float32)
-    assert bf16["autocast_copies"] > 0 and bf16["logits"] == 2 * 100 * 259 * 14
