@@ -17,7 +17,7 @@
 
     python benchmarks/bench_overhead.py [--rounds 10] [--threads 2] [--skip-overhead] [--skip-memory]
     python benchmarks/bench_overhead.py --skip-overhead --skip-memory --step [--padding-model smollm2-135m] \
-        [--set data.path=../shared/data/gsm8k]
+        [--set data.path=DIR]    # a local GSM8K copy (else $FEDLOWRANK_DATA/gsm8k or the hub)
     python benchmarks/bench_overhead.py --skip-overhead --clients 1000 --per-round 10 --memory-rounds 2 \
         --state-memory-mb 64 --model tiny-bert --partition iid    # reduced 1,000-client run (full: --model minilm)
 """

@@ -244,8 +244,9 @@ class _ResponseNLL(torch.autograd.Function):
 def response_nll(hidden: torch.Tensor, targets: torch.Tensor, head: LMHead, rows: int | None = None) -> torch.Tensor:
     """Next-token negative log-likelihoods ``[N]`` (at least fp32) of ``targets: [N]`` from the last hidden states that
     predict them, ``hidden: [N, H]``, through ``head``, ``rows`` at a time (default: as many as make
-    :data:`LOGITS_CHUNK_ELEMENTS` logits). The head's parameters never get a gradient."""
-    if any(p.requires_grad for p in head.module.parameters()):
+    :data:`LOGITS_CHUNK_ELEMENTS` logits). The head's parameters never get a gradient (in training they must not
+    require one; an evaluation without autograd may run any model, e.g. an export loaded back)."""
+    if torch.is_grad_enabled() and any(p.requires_grad for p in head.module.parameters()):
         raise ValueError("response_nll: the language-model head is frozen in causal-LM tuning; its parameters "
                          "must not require a gradient")
     rows = rows or max(1, LOGITS_CHUNK_ELEMENTS // head.module.weight.shape[0])
@@ -474,11 +475,14 @@ class CausalLM(Task):
 
     def probe_batch(self, rows: int) -> dict[str, torch.Tensor]:
         """``rows`` rows of the longest training example, padded as the longest training batch would be (packed:
-        rows of ``pack`` tokens holding as many copies as fit)."""
+        rows of ``pack`` tokens holding as many copies as fit). A padded batch has at least one padded position,
+        as any batch of examples of different lengths does: with none, attention takes its mask-free causal path,
+        which allocates less than real batches do."""
         longest = max(range(len(self.train)), key=lambda i: len(self.train[i].ids))
         if self.pack:
             return self.batch(np.full(rows * max(1, self.pack // len(self.train[longest].ids)), longest))
-        width = padded_length(len(self.train[longest].ids), self.length_buckets, self.max_length)
+        width = padded_length(min(len(self.train[longest].ids) + 1, self.max_length), self.length_buckets,
+                              self.max_length)
         return collate([self.train[longest]] * rows, self.tokenizer.pad_token_id, width)
 
     def rows_per_step(self, batch_size: int) -> float:
