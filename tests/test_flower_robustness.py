@@ -18,17 +18,15 @@ pytest.importorskip("flwr")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flwr.app import Array, ConfigRecord, MetricRecord, RecordDict  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from helpers import tiny_config, tiny_task  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_flower import TINY_LABELS, LoopGrid, assert_same_state, node_files, run_flower  # noqa: E402
+from test_flower import (TINY_LABELS, LoopGrid, assert_same_state, flower_process, node_files,  # noqa: E402,F401
+                         run_flower)  # flower_process: this process plays SuperLink and SuperNodes (autouse)
 
-import fedlowrank.runtime.run as run_module  # noqa: E402
 from fedlowrank.config import ConfigError, load_config  # noqa: E402
 from fedlowrank.message import Message  # noqa: E402
 from fedlowrank.runtime.engine import client_update, sample_clients, wire  # noqa: E402
-from fedlowrank.runtime.flower import client_app  # noqa: E402
 from fedlowrank.runtime.flower.node import ROUTE  # noqa: E402
 from fedlowrank.runtime.flower.records import to_records  # noqa: E402
 from fedlowrank.runtime.flower.settings import load_run_config  # noqa: E402
@@ -38,17 +36,6 @@ from fedlowrank.runtime.rounds import RoundReplies  # noqa: E402
 from fedlowrank.runtime.run import build_run  # noqa: E402
 from fedlowrank.runtime.server_run import ServerRun  # noqa: E402
 from fedlowrank.runtime.simulator import Simulation  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def flower_process(monkeypatch):
-    """As test_flower's fixture: this process plays SuperLink and SuperNodes on the tiny task."""
-    for name in ("run_id", "node_id", "task_id"):
-        monkeypatch.setattr(TaskIdentity, f"_{name}", 7)
-    monkeypatch.setattr(run_module, "build_task", lambda cfg: tiny_task())
-    client_app._runs.clear()
-    yield
-    client_app._runs.clear()
 
 
 def victim(*sets: str, rnd: int = 1, index: int = 0) -> int:
