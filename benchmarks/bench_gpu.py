@@ -411,7 +411,7 @@ def targets(rows: list[dict]) -> list[str]:
 
 
 def save_tokenizer(folder: str) -> None:
-    from fedlowrank.models.loading import smollm2_tokenizer
+    from fedlowrank.models.bundled import smollm2_tokenizer
 
     smollm2_tokenizer().save_pretrained(folder)
     print(f"wrote SmolLM2's tokenizer to {folder}: {', '.join(sorted(p.name for p in Path(folder).iterdir()))}")

@@ -9,7 +9,8 @@ from fedlowrank.experiments.compare import run_comparison
 from fedlowrank.experiments.tune import run_tuning
 from fedlowrank.models import architectures
 from fedlowrank.models.architectures import ARCHITECTURES, Architecture, parameter_count, parse_spec
-from fedlowrank.models.loading import load_model, tiny_tokenizer
+from fedlowrank.models.bundled import tiny_tokenizer
+from fedlowrank.models.loading import load_model
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks import build_task
 

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from fedlowrank import __version__
 from fedlowrank.export import export_run, load_global_simulation
-from fedlowrank.models.loading import HUB_IDS, minilm_path, pretrained_id
+from fedlowrank.models.bundled import minilm_path
+from fedlowrank.models.loading import HUB_IDS, pretrained_id
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks import build_task
 

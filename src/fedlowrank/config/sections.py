@@ -51,7 +51,7 @@ def check_model(model: str, key: str = "task.model") -> None:
     and hub ids are resolved, with their own one-line errors, when the model is loaded
     (:mod:`fedlowrank.models.loading`)."""
     if model.startswith(("/", ".", "~")) and not Path(model).expanduser().is_dir():
-        from ..models.loading import BUNDLED
+        from ..models.bundled import BUNDLED
 
         raise ValueError(f"{key}: no folder {model!r} (a local model is a Hugging Face model folder, as written by "
                          f"save_pretrained; bundled models: {', '.join(BUNDLED)})")

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .bundled import BUNDLED_FOLDERS, TOKENIZER_FILES, smollm2_tokenizer, tiny_tokenizer
+
 PREFIX = "arch:"
 DEFAULT_TOKENIZER = "bytes"
 SPEED_AND_MEMORY_ONLY = "random weights: it measures speed and memory only"
@@ -113,7 +115,6 @@ def parameter_count(arch: Architecture) -> int:
 def load_tokenizer(source: str, spec: str):
     """The tokenizer of an ``arch:`` spec: ``bytes``, a bundled causal LM's, or a folder's (``spec`` names it in
     errors)."""
-    from .loading import BUNDLED_FOLDERS, TOKENIZER_FILES, smollm2_tokenizer, tiny_tokenizer
 
     if source == DEFAULT_TOKENIZER:
         return tiny_tokenizer()

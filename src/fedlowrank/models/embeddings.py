@@ -13,7 +13,7 @@ import os
 import numpy as np
 import torch
 
-from .loading import cache_dir, minilm_path
+from .bundled import cache_dir, minilm_path
 
 MODEL = "minilm"
 

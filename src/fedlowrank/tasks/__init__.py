@@ -79,31 +79,5 @@ def higher_is_better(metric: str) -> bool:
     return any(metric in cls.maximize for cls in available_tasks().values())
 
 
-def node_data(cfg, path: str, key: str = "data-train"):
-    """The :class:`~fedlowrank.tasks.data.TextData` of a Flower node that brings its own training file ``path``
-    (node config ``key``): all of it is training data, read like ``data.train`` with the run's ``data.*``
-    columns and header, labels numbered by ``data.labels``; no test set (the server evaluates)."""
-    if cfg.task.kind != "text-classification":
-        raise ValueError(f"node config {key}: a node's own data is supported for task.kind = "
-                         f"'text-classification' only; this run has {cfg.task.kind!r}")
-    if not cfg.data.labels:
-        raise ValueError(f"node config {key}: set data.labels (the class names, e.g. data.labels=[\"a\",\"b\"]) "
-                         "in the run config, so that every node and the server number the classes alike")
-    from .data import load_node_file
-    from .table import column_spec
-
-    d = cfg.data
-    columns = [column_spec(c) for c in (d.text_column, d.label_column)]
-    return load_node_file(path, *columns, d.header, d.labels, key)
-
-
-def build_node_task(cfg, path: str, key: str = "data-train") -> Task:
-    """The task of a node that brings its own training file (see :func:`node_data`): the run's model and
-    settings on the node's examples."""
-    from .text import TextClassification
-
-    return TextClassification.with_data(cfg, node_data(cfg, path, key))
-
-
-__all__ = ["Task", "available_tasks", "build_node_task", "build_task", "headline_metric", "higher_is_better",
-           "node_data", "register_task", "task_class", "task_kinds"]
+__all__ = ["Task", "available_tasks", "build_task", "headline_metric", "higher_is_better", "register_task",
+           "task_class", "task_kinds"]

@@ -3,7 +3,7 @@
 No ImageNet ViT is obtainable offline, so this small ViT is pretrained inside fedlowrank on Fashion-MNIST classes
 0–4 only, so that federated fine-tuning on classes 5–9 uses data it never saw; it is labelled
 :data:`~fedlowrank.models.loading.NOT_IMAGENET` in every run. The folder is cached like the other generated
-models (:func:`~fedlowrank.models.loading.cached_folder`).
+models (:func:`~fedlowrank.models.bundled.cached_folder`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..models.loading import NOT_IMAGENET, cached_folder
+from ..models.bundled import cached_folder
+from ..models.loading import NOT_IMAGENET
 from ..seeding import numpy_rng
 from .image_data import load_fashion_mnist
 

@@ -19,10 +19,11 @@ from ..device import module_device, to_device
 from ..models.loading import load_model
 from . import register_task
 from .base import Task, adapted_copy, check_max_length, join_padded, mean_by_member, padded_length
-from .data import TextData
+from .data import TextData, load_node_file
+from .table import column_spec
 
 # [data] keys read whatever the source: a Flower node that brings its own file reads it with the run's columns,
-# header and class names (:func:`fedlowrank.tasks.node_data`).
+# header and class names (:func:`node_data`).
 _EVERY_SOURCE = ("max_train_examples", "max_test_examples", "labels", "text_column", "label_column", "header")
 
 
@@ -57,7 +58,6 @@ class TextClassification(Task):
         """Read ``data.source`` (packaged BBC News, AG News files, TSV/CSV/JSONL files or a Hugging Face dataset),
         keep ``data.max_*_examples`` of it, then tokenise it for ``task.model``."""
         from .data import load_agnews, load_bbc_news, load_hf, load_text_files, subsample, use_label_names
-        from .table import column_spec
 
         d = cfg.data
         if d.source == "bbc-news":
@@ -189,3 +189,24 @@ class TextClassification(Task):
         return {"name": self.name, "model": self.model_name, "num_train": self.num_train,
                 "num_test": len(self.data.test_texts), "labels": self.data.label_names, "train_label_counts": counts,
                 "max_length": self.max_length}
+
+
+def node_data(cfg, path: str, key: str = "data-train"):
+    """The :class:`~fedlowrank.tasks.data.TextData` of a Flower node that brings its own training file ``path``
+    (node config ``key``): all of it is training data, read like ``data.train`` with the run's ``data.*``
+    columns and header, labels numbered by ``data.labels``; no test set (the server evaluates)."""
+    if cfg.task.kind != "text-classification":
+        raise ValueError(f"node config {key}: a node's own data is supported for task.kind = "
+                         f"'text-classification' only; this run has {cfg.task.kind!r}")
+    if not cfg.data.labels:
+        raise ValueError(f"node config {key}: set data.labels (the class names, e.g. data.labels=[\"a\",\"b\"]) "
+                         "in the run config, so that every node and the server number the classes alike")
+    d = cfg.data
+    columns = [column_spec(c) for c in (d.text_column, d.label_column)]
+    return load_node_file(path, *columns, d.header, d.labels, key)
+
+
+def build_node_task(cfg, path: str, key: str = "data-train") -> "TextClassification":
+    """The task of a node that brings its own training file (see :func:`node_data`): the run's model and
+    settings on the node's examples."""
+    return TextClassification.with_data(cfg, node_data(cfg, path, key))

@@ -76,7 +76,7 @@ def query(msg: FlowerMessage, context: Context) -> FlowerMessage:
     answer = {"partition-id": k, "num-partitions": m}
     own = context.node_config.get(DATA_TRAIN)
     if own is not None:  # the server learns the node's size: it bounds the reply's num_examples
-        from ...tasks import node_data
+        from ...tasks.text import node_data
         from .settings import load_run_config
 
         answer["num-examples"] = len(node_data(load_run_config(context.run_config)[0], str(own), DATA_TRAIN).train_texts)

@@ -39,7 +39,7 @@ def build_node_run(cfg, own: str | None, client: int):
     server's business, so the node's run splits nothing (``partition.kind = iid``)."""
     import numpy as np
 
-    from ...tasks import build_node_task
+    from ...tasks.text import build_node_task
     from ..run import build_run
 
     if own is None:
