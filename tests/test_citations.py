@@ -17,11 +17,6 @@ OUTSIDE = re.compile(r"""
     | (?i:\bissues?\s+\#?\d+)             # issue #16, issue 17
 """, re.X)
 
-# Files other branches were changing when these citations were replaced; each still cites something above, and the
-# test fails once it no longer does, so that the entry goes.
-PENDING = {
-    "src/fedlowrank/linalg/gram.py", "src/fedlowrank/methods/florg.py", "docs/methods/florg.md",
-}
 
 DOC = re.compile(r"""\bdocs/([\w/.-]+\.md)(?:,\s*"([^"]+)")?""")
 
@@ -41,9 +36,8 @@ def test_nothing_cites_a_document_outside_the_repository_or_an_issue():
             m = OUTSIDE.search(line)
             if m:
                 found.setdefault(path, []).append(f"{path}:{n}: {m.group(0)!r} in {line.strip()[:100]}")
-    unexpected = [hit for path, hits in found.items() if path not in PENDING for hit in hits]
-    assert not unexpected, "cite the paper (title, arXiv id, §/eq.) or a docs/ section instead:\n" + "\n".join(unexpected)
-    assert not PENDING - set(found), f"no longer cite outside the repository, drop from PENDING: {PENDING - set(found)}"
+    hits = [hit for path_hits in found.values() for hit in path_hits]
+    assert not hits, "cite the paper (title, arXiv id, §/eq.) or a docs/ section instead:\n" + "\n".join(hits)
 
 
 def test_the_pattern_catches_each_form_and_spares_ordinary_text():

@@ -76,7 +76,8 @@ def procrustes(A_prev: torch.Tensor, A_tilde: torch.Tensor) -> torch.Tensor:
     """Theorem 1: ``S* = U Vᵀ`` from the thin SVD ``A Ãᵀ = U Σ Vᵀ``: ``[r, r']``.
 
     ``S*`` maximises ``Tr(A Ãᵀ Sᵀ)`` over ``SᵀS = I`` (r' ≤ r, where it also minimises ``‖SÃ − A‖_F``) and
-    over ``SSᵀ = I`` (r' > r, where the distance problem P1 and the trace problem P2 differ; spec §2.7).
+    over ``SSᵀ = I`` (r' > r, where the distance problem P1 and the trace problem P2 differ, though Theorem 1 of
+    arXiv:2602.17095 §3.1 names one solution for both).
     """
     U, _, Vh = torch.linalg.svd(A_prev.to(torch.float64) @ A_tilde.to(torch.float64).T, full_matrices=False)
     return U @ Vh
@@ -98,7 +99,8 @@ def procrustes_closed_form(A_prev: torch.Tensor, M: torch.Tensor, tol: float = 1
 
 
 def canonical_rows(A_tilde: torch.Tensor, rank: int) -> torch.Tensor:
-    """The "w/o Procrustes" factor (spec A8): the top-``rank`` rows of Ã, zero-padded when r' < rank: ``[rank, k]``."""
+    """The "w/o Procrustes" factor read as keeping rank r: the top-``rank`` rows of Ã, zero-padded when
+    r' < rank: ``[rank, k]``."""
     out = torch.zeros(rank, A_tilde.shape[1], dtype=torch.float64)
     n = min(rank, A_tilde.shape[0])
     out[:n] = A_tilde[:n].to(torch.float64)
@@ -124,7 +126,7 @@ def aggregate_gram(A_prev: torch.Tensor, As: Sequence[torch.Tensor], weights: Se
     ``align=True``: ``A⁺ = S* Ã: [r, k]`` (Procrustes to ``A_prev``, r = its rows). ``align=False``, the
     paper's ablation (Table 3, ``A⁺ := Ã``; needs ``eigh`` or ``stacked_svd``): ``truncate=False`` keeps the
     whole canonical factor ``Ã: [r', k]`` (``A⁺ᵀA⁺ = Q``); ``truncate=True`` its top-r rows
-    (:func:`canonical_rows`, spec A8). r' = rank(Q) as kept by the threshold; ``None`` for ``closed_form``,
+    (:func:`canonical_rows`). r' = rank(Q) as kept by the threshold; ``None`` for ``closed_form``,
     which never computes it (that would cost the O(k·(Nr)²) it avoids).
     """
     check_choice("method.server_decomp", decomposition, GRAM_DECOMPOSITIONS)

@@ -1,4 +1,5 @@
-"""FLoRG (Meng, Tang and Wong, "FLoRG: Federated fine-tuning with low-rank Gram matrices and Procrustes alignment").
+"""FLoRG (Meng, Tang and Wong, "FLoRG: Federated fine-tuning with low-rank Gram matrices and Procrustes
+alignment", arXiv:2602.17095).
 
 Per target linear ``[out, in]``, ``k = min(in, out)``: ``ΔW = s · L AᵀA R`` (eq. 1) with one trainable
 ``A: [r, k]`` and frozen seeded bases ``L: [out, k]``, ``R: [k, in]`` (:mod:`fedlowrank.adapters.gram`).
@@ -10,20 +11,22 @@ Round t:
   canonical factor ``Ã`` with ``ÃᵀÃ = Q`` (eqs. 6–7), Procrustes ``S* = UVᵀ`` from ``Aᵗ Ãᵀ = UΣVᵀ``
   (Theorem 1, eq. 11), ``Aᵗ⁺¹ = S* Ã``; the head is averaged as in FedIT.
 
-Choices where the paper is silent or inconsistent (spec §9):
+Choices where the paper is silent or inconsistent (docs/methods/florg.md, "Choices for the paper's open
+points"):
 
-* A3: ``S*`` is the thin-SVD ``UVᵀ`` (r×r'). For r' > r (the generic case) it has orthonormal rows and acts as a
-  rank-r truncation (Gram(Aᵗ⁺¹) = Nyström approximation of Q, not Q); the Gram matrix is preserved only when
-  r' ≤ r.
-* A4: ``s`` follows ``lora.alpha``/``lora.scaling`` like every LoRA method (α/r by default).
-* A5: ``A¹`` is Gaussian with ``s·σ²·k = init_perturbation`` (default 1e-2), not zero (A = 0 never trains);
-  ``compensate_init`` subtracts ``s L A¹ᵀA¹ R`` so that the initial model is the pretrained one.
-* A6: the optimizer is the run's ``train.optimizer`` (AdamW in the paper), fresh every round.
-* A7/A13: the head is shared and averaged; weights pₙ follow ``server.weighting`` (the paper uses uniform).
-* A8: ``procrustes = false`` with ``truncate = false`` is the paper's ablation (Table 3, ``Aᵗ⁺¹ := Ãᵗ⁺¹``): the
-  factor keeps all r' rows, so the rank and the communication grow each round (up to min(k, N·r)); registered as
-  ``florg-no-procrustes``. With ``truncate = true`` it keeps the top-r rows of the canonical factor (eigenvalues
-  descending; our earlier reading, registered as ``florg-top-rows``).
+* Procrustes shape: ``S*`` is the thin-SVD ``UVᵀ`` (r×r'). For r' > r (the generic case) it has orthonormal
+  rows and acts as a rank-r truncation (Gram(Aᵗ⁺¹) is the Nyström approximation of Q, not Q); the Gram matrix
+  is preserved only when r' ≤ r.
+* Scaling: ``s`` follows ``lora.alpha``/``lora.scaling`` like every LoRA method (α/r by default).
+* Initial factor: ``A¹`` is Gaussian with ``s·σ²·k = init_perturbation`` (default 1e-2), not zero (A = 0 never
+  trains); ``compensate_init`` subtracts ``s L A¹ᵀA¹ R`` so that the initial model is the pretrained one.
+* Optimizer: the run's ``train.optimizer`` (AdamW in the paper), fresh every round.
+* Head and weights: the head is shared and averaged; weights pₙ follow ``server.weighting`` (the preset is the
+  paper's uniform 1/N).
+* Without Procrustes: ``procrustes = false`` with ``truncate = false`` is the paper's ablation (Table 3,
+  ``Aᵗ⁺¹ := Ãᵗ⁺¹``): the factor keeps all r' rows, so the rank and the communication grow each round (up to
+  min(k, N·r)); registered as ``florg-no-procrustes``. With ``truncate = true`` it keeps the top-r rows of the
+  canonical factor (eigenvalues descending), registered as ``florg-top-rows``.
 * ``server.lr`` β < 1 blends the Gram matrices, ``Q = (1−β) AᵗᵀAᵗ + β Σ pₙ AₙᵀAₙ`` (still PSD); β > 1 is refused.
 """
 
@@ -64,7 +67,7 @@ class FLoRG(Method):
     supports_heterogeneous_ranks = False
     supports_cohorts = True  # train: one fit of gram_A and the head, routed per client like LoRA's factors
     preset = {"server.weighting": "uniform"}  # eq. 4: 1/N
-    lr_grid = (1e-3, 3e-3, 1e-2)  # issue #16's CPU-scale grid (paper: {5e-4, 1e-4, 5e-5, 1e-5} at LLM scale)
+    lr_grid = (1e-3, 3e-3, 1e-2)  # the CPU-scale grid of benchmarks/protocols.py (paper: {5e-4, 1e-4, 5e-5, 1e-5} at LLM scale)
 
     procrustes: bool = setting(True, "align the new factor to the previous one (Theorem 1); false = no alignment "
                                "(with method.truncate = false too: the paper's Table 3 ablation)")
@@ -207,7 +210,7 @@ class FLoRGNoProcrustes(FLoRG):
 @register
 @dataclass
 class FLoRGTopRows(FLoRG):
-    """Without Procrustes, truncated: the top-r rows of the canonical factor (spec A8's default reading)."""
+    """Without Procrustes, truncated: the top-r rows of the canonical factor (the ablation read as keeping rank r)."""
 
     name = "florg-top-rows"
     description = "FLoRG without Procrustes, truncated to the top-r rows of the canonical factor (rank stays r)"

@@ -1,0 +1,47 @@
+"""The FLoRG protocols of benchmarks/protocols.py: ``florg`` runs each method's preset (FLoRG uniform, FedIT by
+examples); ``florg-uniform`` and ``florg-examples`` must weight every method alike, which means the protocol's
+settings win over a method's preset (docs/methods/florg.md, "Why FLoRG collapsed on some seeds")."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedlowrank.config import load_config
+from fedlowrank.experiments.compare import method_settings
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def protocols():
+    """benchmarks/protocols.py as a module (it imports its neighbour ``common``)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location("benchmark_protocols", BENCHMARKS / "protocols.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+        yield module.PROTOCOLS
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        sys.modules.pop("benchmark_protocols", None)
+
+
+def resolved_weighting(p, method: str) -> str:
+    """``server.weighting`` of ``method``'s runs as compare resolves them (preset, then the protocol's settings)."""
+    base = load_config(p.config, [f"method.name={method}", *p.sets])
+    return load_config(p.config, method_settings(base, method, p.sets)).server.weighting
+
+
+@pytest.mark.parametrize("name, weighting", [("florg-uniform", "uniform"), ("florg-examples", "num_examples")])
+def test_one_weighting_for_every_method(protocols, name, weighting):
+    p = protocols[name]
+    assert p.tuned_in == "florg" and set(p.methods) == {"florg", "fedit"}
+    assert {m: resolved_weighting(p, m) for m in p.methods} == {m: weighting for m in p.methods}
+
+
+def test_the_florg_protocol_runs_each_method_s_preset(protocols):
+    p = protocols["florg"]
+    assert resolved_weighting(p, "florg") == "uniform" and resolved_weighting(p, "fedit") == "num_examples"
