@@ -1,5 +1,5 @@
-"""Why FLoRG falls behind on some seeds of the FLoRG protocol (docs/methods/florg.md, "Collapse"): the diagnostics
-as commands. Not part of CI.
+"""Why FLoRG falls behind on some seeds of the FLoRG protocol, the diagnostics as commands
+(docs/methods/florg.md, "Why FLoRG collapsed on some seeds"). Not part of CI.
 
 The protocol (``benchmarks/protocols.py florg``): AG News, MiniLM-L6, 10 clients, Dirichlet ρ = 0.1, all clients
 every round, 10 rounds × 10 local AdamW steps of 8 × 32 tokens, r = 4, 2,000 test examples; FLoRG at lr 1e-3 with

@@ -157,7 +157,8 @@ def test_ctrl_c_while_loading_data_exits_130_with_one_line(monkeypatch, capsys, 
 def test_ctrl_c_during_start_up_imports_exits_130_without_traceback(tmp_path):
     """SIGINT once torch's library is being loaded (start-up, before any data): one line, exit 130."""
     proc = subprocess.Popen([sys.executable, "-m", "fedlowrank", "run", "tiny", "--quiet", "--out", str(tmp_path)],
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal starts it
     maps = Path(f"/proc/{proc.pid}/maps")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:

@@ -26,7 +26,7 @@ from fedlowrank.runtime import engine, simulator
 from fedlowrank.runtime.checkpoint import checkpoint_folders, latest_checkpoint, load_checkpoint
 from fedlowrank.runtime.checkpointing import Checkpointer
 from fedlowrank.runtime.simulator import Simulation
-from fedlowrank.runtime.stopping import StopRequested, interruptible, stop_signals
+from fedlowrank.runtime.stopping import StopRequested, check_stop, interruptible, stop_signals
 from fedlowrank.runtime.vectorized import Vectorized
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +64,18 @@ def test_sigterm_to_a_cli_run_leaves_a_run_that_resume_finishes_like_an_uninterr
     straight.run()
     resumed = Simulation.from_checkpoint(out, task=tiny_task())
     _assert_same_run(straight, resumed)
+
+
+@pytest.fixture(autouse=True)
+def default_stop_handlers():
+    """Python's own handlers for SIGINT and SIGTERM during each test, whatever the test process inherited (a job
+    started in the background by a script ignores SIGINT), and the inherited ones afterwards."""
+    inherited = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, handler in inherited.items():
+        signal.signal(s, handler)
 
 
 def _signal_in(monkeypatch, where, rnd: int, signum=signal.SIGINT):
@@ -155,6 +167,18 @@ def test_interruptible_raises_at_once_and_elsewhere_the_signal_waits():
                 time.sleep(5)  # the handler raises here at once
                 order.append("never")
     assert order == ["after the signal"]
+
+
+def test_an_ignored_signal_stays_ignored_while_a_run_goes():
+    """``nohup`` and ``&`` in a script start a process with SIGINT ignored: a run keeps it so, and catches SIGTERM."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with stop_signals():
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
+        with interruptible():
+            os.kill(os.getpid(), signal.SIGINT)  # ignored: nothing is raised
+        check_stop()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 # -- checkpoints by time interval, at a bounded cost ------------------------------------------------------

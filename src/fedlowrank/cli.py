@@ -488,8 +488,9 @@ def error_line(exc: BaseException) -> str:
 @contextlib.contextmanager
 def _terminate_as_interrupt():
     """SIGTERM (``kill``, a cluster pre-empting the job) stops the command as Ctrl-C does: one line, exit 143; a run
-    in progress saves its state first (:mod:`fedlowrank.runtime.stopping`). Only in the main thread."""
-    if threading.current_thread() is not threading.main_thread():
+    in progress saves its state first (:mod:`fedlowrank.runtime.stopping`). Only in the main thread, and not when
+    SIGTERM is ignored."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
         yield
         return
 

@@ -11,8 +11,8 @@ Round t:
   canonical factor ``Ã`` with ``ÃᵀÃ = Q`` (eqs. 6–7), Procrustes ``S* = UVᵀ`` from ``Aᵗ Ãᵀ = UΣVᵀ``
   (Theorem 1, eq. 11), ``Aᵗ⁺¹ = S* Ã``; the head is averaged as in FedIT.
 
-Choices where the paper is silent or inconsistent (docs/methods/florg.md, "Choices for the paper's open
-points"):
+Choices where the paper is silent or inconsistent
+(docs/methods/florg.md, "Choices for the paper's open points"):
 
 * Procrustes shape: ``S*`` is the thin-SVD ``UVᵀ`` (r×r'). For r' > r (the generic case) it has orthonormal
   rows and acts as a rank-r truncation (Gram(Aᵗ⁺¹) is the Nyström approximation of Q, not Q); the Gram matrix

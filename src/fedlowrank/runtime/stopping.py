@@ -9,6 +9,8 @@ consistent state, the one after its last finished round: the loop saves that sta
 128 + the signal's number (130 for SIGINT, 143 for SIGTERM).
 
 Outside :func:`stop_signals` (or in another thread) nothing changes: SIGINT raises ``KeyboardInterrupt`` as usual.
+A signal ignored when the run starts stays ignored (``nohup``, a job started with ``&`` by a script): that is how
+its starter asked the process not to be stopped by it.
 """
 
 from __future__ import annotations
@@ -57,14 +59,14 @@ _caught: _Signals | None = None
 
 @contextmanager
 def stop_signals() -> Iterator[None]:
-    """Catch SIGINT and SIGTERM while the block runs (see the module docstring); the handlers that were there before
-    are put back afterwards. Nested uses, and uses outside the main thread, change nothing."""
+    """Catch SIGINT and SIGTERM while the block runs (see the module docstring), unless ignored; the handlers that
+    were there before are put back afterwards. Nested uses, and uses outside the main thread, change nothing."""
     global _caught
     if _caught is not None or threading.current_thread() is not threading.main_thread():
         yield
         return
     _caught = caught = _Signals()
-    before = {s: signal.signal(s, caught.handle) for s in STOP_SIGNALS}
+    before = {s: signal.signal(s, caught.handle) for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield
     finally:
