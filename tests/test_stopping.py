@@ -170,7 +170,7 @@ def test_interruptible_raises_at_once_and_elsewhere_the_signal_waits():
 
 
 def test_an_ignored_signal_stays_ignored_while_a_run_goes():
-    """``nohup`` and ``&`` in a script start a process with SIGINT ignored: a run keeps it so, and catches SIGTERM."""
+    """A job that a script starts with ``&`` has SIGINT ignored: a run keeps it so, and catches SIGTERM."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with stop_signals():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN

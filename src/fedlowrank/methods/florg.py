@@ -67,7 +67,7 @@ class FLoRG(Method):
     supports_heterogeneous_ranks = False
     supports_cohorts = True  # train: one fit of gram_A and the head, routed per client like LoRA's factors
     preset = {"server.weighting": "uniform"}  # eq. 4: 1/N
-    lr_grid = (1e-3, 3e-3, 1e-2)  # the CPU-scale grid of benchmarks/protocols.py (paper: {5e-4, 1e-4, 5e-5, 1e-5} at LLM scale)
+    lr_grid = (1e-3, 3e-3, 1e-2)  # benchmarks/protocols.py's CPU grid (paper: {5e-4, 1e-4, 5e-5, 1e-5}, LLMs)
 
     procrustes: bool = setting(True, "align the new factor to the previous one (Theorem 1); false = no alignment "
                                "(with method.truncate = false too: the paper's Table 3 ablation)")

@@ -9,8 +9,8 @@ consistent state, the one after its last finished round: the loop saves that sta
 128 + the signal's number (130 for SIGINT, 143 for SIGTERM).
 
 Outside :func:`stop_signals` (or in another thread) nothing changes: SIGINT raises ``KeyboardInterrupt`` as usual.
-A signal ignored when the run starts stays ignored (``nohup``, a job started with ``&`` by a script): that is how
-its starter asked the process not to be stopped by it.
+A signal ignored when the run starts stays ignored (a job that a script starts with ``&`` ignores SIGINT, for one):
+that is how its starter asked the process not to be stopped by it.
 """
 
 from __future__ import annotations
