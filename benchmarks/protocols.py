@@ -167,6 +167,9 @@ def run_protocol(name: str, out: Path, jobs: int, smoke: bool, device: str = "cp
             run_tuning(config, methods, grid, tune_seeds, sets, tune_dir, log, resume=True, jobs=jobs,
                        extend=p.extend)
     tuned = tune_dir / "tune.json"
+    if p.tuned_in and not tuned.is_file():
+        raise SystemExit(f"protocol {name} runs at the rates protocol {p.tuned_in} tuned, and {tuned} is not there: "
+                         f"run protocol {p.tuned_in} first (the same --out, --device and --tune-seeds)")
     if p.shared_lr_from:
         chosen = json.loads(tuned.read_text())["chosen"][p.shared_lr_from]
         tuned = home / "shared-lr.json"
