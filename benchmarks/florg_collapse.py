@@ -232,33 +232,19 @@ def trace(method: str, seed: int, extra: list[str], out: Path | None, label: str
 
 
 # -- runs ----------------------------------------------------------------------------------------------------------
-def _one_run(job: tuple[str, int, list[str], str]) -> tuple[str, int, dict]:
-    """Run ``(method, seed, extra settings, run directory)``, or read back the run that ended there."""
-    from fedlowrank.api import run
-    from fedlowrank.config import load_config
-
-    method, seed, extra, run_dir = job
-    sets = settings(method, seed, extra)
-    done = Path(run_dir) / "summary.json"
-    if done.exists():
-        if json.loads((Path(run_dir) / "config.json").read_text()) != json.loads(load_config("agnews", sets).to_json()):
-            raise SystemExit(f"{run_dir} ran with other settings than {' '.join(sets)}: name the variant otherwise")
-        return method, seed, json.loads(done.read_text())
-    summary = run("agnews", sets, out=run_dir)  # refuses a leftover directory
-    done.write_text(json.dumps(summary))
-    return method, seed, summary
-
-
 def runs(methods: list[str], seeds: list[int], variants: list[tuple[str, list[str]]], out: Path, jobs: int) -> None:
-    """Final (and best) test accuracy of every (method, variant, seed); runs in ``jobs`` processes, each kept in
-    ``out/<method>-<variant>-seed<S>`` and read back when the command is repeated."""
-    from concurrent.futures import ProcessPoolExecutor
+    """Final (and best) test accuracy of every (method, variant, seed), run by the project's sweep in ``jobs``
+    processes, each kept in ``out/<method>-<variant>-seed<S>`` and read back when the command is repeated."""
+    from fedlowrank.config import load_config
+    from fedlowrank.experiments.sweep import Run, Sweep
 
     keys = [(s, m, name) for s in seeds for m in methods for name, _ in variants]  # seed-major: early seeds first
     extras = dict(variants)
-    todo = [(m, s, extras[name], str(out / f"{m}-{name}-seed{s}")) for s, m, name in keys]
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        results = {key: summary for key, (_, _, summary) in zip(keys, pool.map(_one_run, todo))}
+    todo = [Run(m, f"[{m} {name}] seed {s}", load_config("agnews", settings(m, s, extras[name])),
+                out / f"{m}-{name}-seed{s}", "accuracy") for s, m, name in keys]
+    outcomes = Sweep(out, jobs, resume=True, log=lambda line: print(line, file=sys.stderr, flush=True)).run(
+        todo, stop_on_divergence=True)
+    results = {key: outcome for key, outcome in zip(keys, outcomes)}
     for m in methods:
         for name, extra in variants:
             print(f"{m} {name}: --set {' '.join(settings(m, -1, extra)[len(PROTOCOL):])}".replace(" run.seed=-1", ""))
@@ -266,7 +252,7 @@ def runs(methods: list[str], seeds: list[int], variants: list[tuple[str, list[st
     print("|---|---|" + "---|" * (len(seeds) + 1))
     for m in methods:
         for name, _ in variants:
-            summaries = [results[s, m, name] for s in seeds]
+            summaries = [results[s, m, name].summary for s in seeds]
             acc = [s["accuracy"] for s in summaries]
             cells = " | ".join(f"{a:.4f} ({s.get('best_accuracy', a):.4f})" for a, s in zip(acc, summaries))
             print(f"| {m} | {name} | {cells} | {np.mean(acc):.4f} |")
@@ -277,12 +263,12 @@ def runs(methods: list[str], seeds: list[int], variants: list[tuple[str, list[st
         for name, _ in variants:
             swings = []
             for s in seeds:
-                rows = [json.loads(line) for line in (out / f"{m}-{name}-seed{s}" / "metrics.jsonl").open()]
-                last = [r["accuracy"] for r in rows if "accuracy" in r][-4:]
+                last = [r["accuracy"] for r in results[s, m, name].history if "accuracy" in r][-4:]
                 swings.append(max(last) - min(last))
             print(f"| {m} | {name} | {', '.join(f'{x:.3f}' for x in swings)} | {np.mean(swings):.3f} |")
     print()
-    final = {(m, name): [results[s, m, name]["accuracy"] for s in seeds] for m in methods for name, _ in variants}
+    final = {(m, name): [results[s, m, name].summary["accuracy"] for s in seeds] for m in methods
+             for name, _ in variants}
     pairs = [((m, v), (methods[0], v)) for v, _ in variants for m in methods[1:]]
     pairs += [((m, v), (m, variants[0][0])) for m in methods for v, _ in variants[1:]]
     if pairs:
