@@ -48,11 +48,16 @@ RATES = {"florg": 1e-3, "fedit": 3e-3, "florg-no-procrustes": 1e-4, "florg-top-r
 
 
 def seeds_of(text: str) -> list[int]:
-    """``"0-3,7"`` → ``[0, 1, 2, 3, 7]``."""
+    """``"0-3,7"`` → ``[0, 1, 2, 3, 7]`` (an ``--seeds`` argument type: anything else is one usage error)."""
     out: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out += list(range(int(lo), int(hi or lo) + 1))
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out += list(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seeds like 0-3,7; got {text!r}") from None
+    if not out or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"expected distinct seeds like 0-3,7; got {text!r}")
     return out
 
 
@@ -285,7 +290,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     m = sub.add_parser("mix", help="label mix per seed under uniform and example weights")
-    m.add_argument("--seeds", default="0-11")
+    m.add_argument("--seeds", type=seeds_of, default="0-11")
     t = sub.add_parser("trace", help="one run round by round with the diagnostics")
     t.add_argument("--seed", type=int, default=4)
     t.add_argument("--method", default="florg")
@@ -295,7 +300,7 @@ def main(argv=None) -> int:
     t.add_argument("--head-weighting", choices=("uniform", "num_examples"), default="",
                    help="average the head with these weights, the adapter with server.weighting's")
     r = sub.add_parser("runs", help="final accuracy of variants over seeds")
-    r.add_argument("--seeds", default="0,4,5")
+    r.add_argument("--seeds", type=seeds_of, default="0,4,5")
     r.add_argument("--methods", default="florg", help="comma-separated")
     r.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE;...",
                    help="a name and its settings separated by ';', e.g. examples:server.weighting=num_examples "
@@ -305,8 +310,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(provenance(argv))
+    try:
+        dispatch(args)
+    except ValueError as exc:  # a bad setting or method (ConfigError): one line
+        ap.error(str(exc))
+    return 0
+
+
+def dispatch(args: argparse.Namespace) -> None:
     if args.command == "mix":
-        label_mix(seeds_of(args.seeds))
+        label_mix(args.seeds)
     elif args.command == "trace":
         trace(args.method, args.seed, args.set, args.out, args.label, args.head_weighting)
     else:
@@ -314,8 +327,7 @@ def main(argv=None) -> int:
         for v in args.variant or ["base"]:
             name, _, sets = v.partition(":")
             variants.append((name, [s for s in sets.split(";") if s]))
-        runs(args.methods.split(","), seeds_of(args.seeds), variants, args.out, args.jobs)
-    return 0
+        runs(args.methods.split(","), args.seeds, variants, args.out, args.jobs)
 
 
 if __name__ == "__main__":
