@@ -3,10 +3,10 @@
 1. Speed: one vectorised run of each method (default SSF at r = 20, het = 2, T = 25,000 rounds, S = 10 of
    N = 20, K = 5, b = 20, η_l = 1e-3), wall and CPU seconds. Target: SSF at r = 20 in ≤ 60 s.
 2. Against a plain NumPy loop of the same algorithm (``--loop``; target ≤ 1.2×): CPU seconds of
-   :func:`numpy_loop` (written here, NumPy/OpenBLAS, one generator for the whole run), of the vectorised runner
-   with its previous torch kernels (:func:`torch_kernels`: before) and with today's NumPy ones (after), evaluated
-   every 500 rounds, and today's evaluated every round, interleaved in one process, one thread; ratios and the
-   relative RelErr difference of before and after (rounding; the trajectory test's tolerance is 1e-10) printed.
+   :func:`numpy_loop` (written here, NumPy/OpenBLAS, one generator for the whole run) and of the vectorised
+   runner evaluated every 500 rounds and every round, and the runner with the loop's single random stream
+   (:func:`one_stream`: what the per-round seeded streams cost), interleaved in one process, one thread; ratios
+   and final RelErr printed (loop and runner differ by their random streams: same distribution, other draws).
 3. Communication: a short run in the simulator (every message serialised and counted by the ledger); floats
    per participant per round, down and up, against the paper's 4rm (SSF) and 4dm (SCAFFOLD), with and without
    the catch-up of the model copy under partial participation.
@@ -35,8 +35,7 @@ from fedlowrank.config import from_dict  # noqa: E402
 from fedlowrank.runtime import vectorized  # noqa: E402
 from fedlowrank.runtime.simulator import Simulation  # noqa: E402
 from fedlowrank.runtime.vectorized import run_vectorized  # noqa: E402
-from fedlowrank.seeding import torch_generator  # noqa: E402
-from fedlowrank.tasks.matrix_regression import MatrixRegression, make_problem  # noqa: E402
+from fedlowrank.tasks.matrix_regression import make_problem  # noqa: E402
 
 METHODS = {"ssf": {"name": "ssf"}, "fedsub": {"name": "fedsub"}, "scaffold": {"name": "fedavg-full", "correction": "scaffold"},
            "fedavg": {"name": "fedavg-full"}}
@@ -108,42 +107,31 @@ def numpy_loop(method: str, rounds: int, rank: int, het: float, lr: float, seed:
 
 
 @contextlib.contextmanager
-def torch_kernels():
-    """The runner's kernels as they were before they moved to NumPy (torch ``baddbmm`` gradients, ``index_select``
-    gathers, ``argsort`` draws: the same maths and random streams), to time before and after in one run."""
+def one_stream(seed: int):
+    """The runner with the loop's randomness: client sampling and minibatch draws from one NumPy generator for the
+    whole run instead of a seeded stream per round (what resumable, order-independent runs pay for; same
+    distributions, other draws)."""
+    rng = np.random.default_rng(seed)
 
-    def batched_examples(self, batches):
-        rows = batches.reshape(-1)
-        A = self.A.index_select(0, rows).view(*batches.shape, -1)
-        B = self.B.index_select(0, rows).view(*batches.shape, -1)
-        return list(zip(A.unbind(0), B.unbind(0)))
+    def sample(seed, rnd, num_clients, per_round):
+        return np.sort(rng.choice(num_clients, per_round, replace=False)).tolist()
 
-    def batched_grad(self, weights, examples):
-        W = weights["linear"]
-        A, B = examples
-        R = torch.baddbmm(B, A, W.mT, beta=-1.0)
-        return {"linear": torch.baddbmm(W, R.mT, A, beta=self.ridge, alpha=1.0 / A.shape[1])}
+    def draw(self, clients, rnd):
+        picks = rng.random((self.steps, len(clients), self.size)).argsort(-1)[..., :self.batch]
+        return vectorized.ClosedFormOracle(self.task, self.rows[np.asarray(clients)[:, None], picks], self.train.lr)
 
-    def fresh_batches(task, parts, train, clients, rnd, rounds, seed):
-        trainer = vectorized.LocalTrainer(task, parts[clients[0]], train, clients[0], rnd, rounds, seed)
-        n = len(parts[clients[0]])
-        own = torch.stack([parts[k] for k in clients])
-        local = torch.rand(trainer.num_steps, len(clients), n, generator=torch_generator(seed, "vectorized-batches", rnd))
-        picks = local.argsort(-1)[..., :min(train.batch_size, n)]
-        return vectorized.ClosedFormOracle(task, own.expand(trainer.num_steps, -1, -1).gather(-1, picks), trainer.lr)
-
-    saved = MatrixRegression.batched_examples, MatrixRegression.batched_grad, vectorized.BATCHES["fresh"]
-    MatrixRegression.batched_examples, MatrixRegression.batched_grad = batched_examples, batched_grad
-    vectorized.BATCHES["fresh"] = fresh_batches
+    saved = vectorized.sample_clients, vectorized.FreshBatches.__call__
+    vectorized.sample_clients, vectorized.FreshBatches.__call__ = sample, draw
     try:
         yield
     finally:
-        MatrixRegression.batched_examples, MatrixRegression.batched_grad, vectorized.BATCHES["fresh"] = saved
+        vectorized.sample_clients, vectorized.FreshBatches.__call__ = saved
 
 
 def loop_ratio(args) -> None:
-    """CPU seconds of the NumPy loop and of the runner before (torch kernels) and after (NumPy kernels), evaluated
-    every 500 rounds, and after evaluated every round; interleaved ``--repeats`` times, minimum kept."""
+    """CPU seconds of the NumPy loop and of the vectorised runner evaluated every 500 rounds, evaluated every
+    round, and with one random stream for the run (:func:`one_stream`); interleaved ``--repeats`` times, minimum
+    kept."""
     print(f"\n== against a plain NumPy loop: T={args.rounds}, r={args.rank}, het={args.het}, lr={args.lr}, "
           f"S=10 of N=20, K=5, b=20, one thread, min of {args.repeats} interleaved repeats ==")
     for name in args.methods.split(","):
@@ -154,21 +142,19 @@ def loop_ratio(args) -> None:
             errors = numpy_loop(name, args.rounds, args.rank, args.het, args.lr, args.seed, 500)
             best["loop"] = min(best.get("loop", np.inf), time.process_time() - cpu)
             relerr["loop"] = errors[-1]
-            for label, every, kernels in (("before", 500, torch_kernels), ("after", 500, contextlib.nullcontext),
-                                          ("after/1", 1, contextlib.nullcontext)):
+            for label, every, streams in (("runner", 500, contextlib.nullcontext), ("runner/1", 1, contextlib.nullcontext),
+                                          ("one stream", 500, lambda: one_stream(args.seed))):
                 cfg = toy_config(METHODS[name], args.rounds, args.rank, args.het, args.lr, args.seed, eval_every=every)
-                with kernels():
+                with streams():
                     cpu = time.process_time()
                     run = run_vectorized(cfg)
                     best[label] = min(best.get(label, np.inf), time.process_time() - cpu)
                 relerr[label] = run.final["rel_error"]
         ref = best["loop"]
-        drift = abs(relerr["after"] - relerr["before"]) / relerr["before"]
-        print(f"{name:9s} numpy loop {ref:6.2f}s (RelErr {relerr['loop']:.4e}) | runner before {best['before']:6.2f}s "
-              f"= {best['before'] / ref:.2f}x | after {best['after']:6.2f}s = {best['after'] / ref:.2f}x "
-              f"(after/before {best['after'] / best['before']:.2f}; RelErr {relerr['after']:.4e}, "
-              f"{drift:.1e} from before) | after, evaluated every round {best['after/1'] / ref:.2f}x | "
-              f"loadavg {os.getloadavg()[0]:.2f}")
+        print(f"{name:9s} numpy loop {ref:6.2f}s (RelErr {relerr['loop']:.4e}) | runner {best['runner']:6.2f}s "
+              f"= {best['runner'] / ref:.2f}x (RelErr {relerr['runner']:.4e}) | runner evaluated every round "
+              f"{best['runner/1']:6.2f}s = {best['runner/1'] / ref:.2f}x | runner with one random stream "
+              f"{best['one stream']:6.2f}s = {best['one stream'] / ref:.2f}x | loadavg {os.getloadavg()[0]:.2f}")
 
 
 def kernels(repeat: int = 2000) -> None:

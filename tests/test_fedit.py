@@ -1,8 +1,10 @@
+import numpy as np
 import torch
 
 from fedlowrank.message import Message, Reply
 from fedlowrank.methods import get_method
 from fedlowrank.runtime.engine import sample_clients
+from fedlowrank.seeding import derive_seed, numpy_rng
 
 from helpers import run_tiny, tiny_simulation
 
@@ -80,6 +82,11 @@ def test_sampling_is_uniform_without_replacement_and_seeded():
     assert sample_clients(0, 5, 10, 4) == sample_clients(0, 5, 10, 4)
     counts = torch.bincount(torch.tensor([k for p in picks for k in p]), minlength=10).float()
     assert counts.min() > 0.75 * counts.mean()
+    # the round's stream is NumPy's default generator seeded from (seed, stream, round): what earlier runs drew
+    for r in (1, 7, 300):
+        expected = np.random.default_rng(derive_seed(0, "client-sampling", r)).choice(10, size=4, replace=False)
+        assert sample_clients(0, r, 10, 4) == sorted(expected.tolist())
+        assert numpy_rng(3, "x", r).random() == np.random.default_rng(derive_seed(3, "x", r)).random()
 
 
 def test_get_method_rejects_unknown_options():

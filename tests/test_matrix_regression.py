@@ -13,7 +13,7 @@ from fedlowrank.adapters.lora import attach_lora
 from fedlowrank.config import from_dict
 from fedlowrank.methods.ssf import SubspaceLinear, projector
 from fedlowrank.runtime.simulator import DivergenceError, Simulation
-from fedlowrank.runtime.vectorized import run_vectorized
+from fedlowrank.runtime.vectorized import run_vectorized, smallest_first
 from fedlowrank.tasks.matrix_regression import MatrixRegression, make_problem
 
 
@@ -34,10 +34,10 @@ def test_problem_matches_the_recipe_and_x_star_is_the_minimiser():
     A, B, x_star = make_problem(0, 4, 8, 3, 6, 0.5, 0.1, 0.01)
     assert torch.equal(task.A, torch.from_numpy(A.reshape(24, 8)))
     # ∇F(X*) = (1/N) Σ_i full-batch gradient of client i = 0 (weights in the [out, in] layout)
-    rows = torch.arange(24).view(4, 6)
-    W = torch.from_numpy(x_star).T.expand(4, 3, 8).contiguous()
+    rows = np.arange(24).reshape(4, 6)
+    W = np.ascontiguousarray(np.broadcast_to(x_star.T, (4, 3, 8)))
     grad = task.batched_grad({"linear": W}, task.batched_examples(rows[None])[0])["linear"].mean(0)
-    assert grad.abs().max() < 1e-12
+    assert np.abs(grad).max() < 1e-12
     # natural clients: rows in client order, feature means shifted per client
     assert np.array_equal(task.natural_partition, np.repeat(np.arange(4), 6))
 
@@ -47,7 +47,8 @@ def test_batched_gradient_equals_autograd_of_the_loss_through_any_adapter():
     idx = torch.tensor([[0, 5, 2, 3], [7, 8, 11, 6]])
     g = torch.Generator().manual_seed(0)
     W = torch.randn(2, 3, 8, generator=g, dtype=torch.float64)
-    closed = task.batched_grad({"linear": W}, task.batched_examples(idx[None])[0])["linear"]
+    examples = task.batched_examples(idx[None].numpy())[0]
+    closed = torch.from_numpy(task.batched_grad({"linear": W.numpy()}, examples)["linear"])
     for s in range(2):
         model = task.build_model()
         model.base_linear("linear").weight.data.copy_(W[s])
@@ -145,3 +146,18 @@ def test_vectorised_runner_refuses_what_it_cannot_do():
         run_vectorized(cfg)
     with pytest.raises(ValueError, match="batched_round"):
         run_vectorized(config("fedit"))
+    unequal = config("ssf")
+    unequal.partition.kind, unequal.partition.min_partition_size = "quantity", 2   # clients of different sizes
+    with pytest.raises(ValueError, match="batches = 'fresh' needs equal client sizes, got sizes .*'trainer'"):
+        run_vectorized(unequal)
+    assert run_vectorized(unequal, batches="trainer").rounds == unequal.run.rounds
+
+
+def test_minibatch_picks_are_those_of_a_stable_argsort_ties_included():
+    rng = np.random.default_rng(0)
+    for values in (rng.random((5, 10, 50), dtype=np.float32),                      # distinct values
+                   rng.integers(0, 4, (5, 10, 50)).astype(np.float32) / 4,         # many ties, zeros included
+                   np.zeros((2, 3, 7), dtype=np.float32)):                          # all tied
+        for count in (1, 3, values.shape[-1]):
+            expected = np.argsort(values, axis=-1, kind="stable")[..., :count]
+            assert np.array_equal(smallest_first(values, count), expected)

@@ -20,7 +20,9 @@ def derive_seed(seed: int, stream: str, *keys: int) -> int:
 
 
 def numpy_rng(seed: int, stream: str, *keys: int) -> np.random.Generator:
-    return np.random.default_rng(derive_seed(seed, stream, *keys))
+    """``np.random.default_rng(derive_seed(...))``'s generator, built without its argument checks (a round builds
+    several)."""
+    return np.random.Generator(np.random.PCG64(derive_seed(seed, stream, *keys)))
 
 
 def torch_generator(seed: int, stream: str, *keys: int) -> torch.Generator:

@@ -71,9 +71,8 @@ def random_basis(dim: int, rank: int, generator: torch.Generator, dtype: torch.d
         raise ValueError(f"rank must be in [1, {dim}], got {rank}")
     Z = torch.randn(dim, rank, generator=generator, dtype=torch.float64)
     Q, R = torch.linalg.qr(Z)
-    sign = torch.sign(torch.diagonal(R))
-    sign[sign == 0] = 1.0
-    return (Q * sign).to(dtype).contiguous()
+    Q *= torch.where(torch.diagonal(R) < 0, -1.0, 1.0)
+    return Q.to(dtype).contiguous()
 
 
 __all__ = ["SIDES", "projection_side", "canonical", "svd_basis", "rsvd_basis", "randomized_range", "random_basis"]

@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -236,10 +237,11 @@ class Method(Schema):
 
     def client_weights(self, replies: Sequence[Reply]) -> torch.Tensor:
         """pₖ over the replies: proportional to data size or uniform (``info.weighting``); sums to 1. [K]"""
-        if self.info.weighting == "uniform":
-            w = torch.ones(len(replies), dtype=torch.float64)
-        else:
-            w = torch.tensor([float(r.num_examples) for r in replies], dtype=torch.float64)
+        return torch.from_numpy(self.weights_of([r.num_examples for r in replies]))
+
+    def weights_of(self, counts: Sequence[int]) -> np.ndarray:
+        """pₖ of clients holding ``counts`` examples (see :meth:`client_weights`), float64. [K]"""
+        w = np.ones(len(counts)) if self.info.weighting == "uniform" else np.asarray(counts, dtype=np.float64)
         return w / w.sum()
 
     def server_step(self, old: torch.Tensor, avg: torch.Tensor) -> torch.Tensor:

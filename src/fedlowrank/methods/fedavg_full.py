@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from ..adapters.model import AdaptedModel
-from ..message import Message, Reply, State
+from ..message import Message, State
 from ..training.corrections import make_corrections
 from . import register
 from .base import Method, SetupInfo, correction_option, head_tensors, load_head, mu_option, weighted_sum
@@ -79,34 +80,38 @@ class FedAvgFull(Method):
             c.aggregate(new, replies, self.info.num_clients)
         return new
 
-    def batched_round(self, model: AdaptedModel, server: State, clients: torch.Tensor, oracle, rnd: int) -> State:
+    def batched_round(self, model: AdaptedModel, server: State, clients: np.ndarray, oracle, rnd: int) -> State:
         """Hook of :mod:`fedlowrank.runtime.vectorized`: Full-FedAvg / Full-SCAFFOLD is SSF's round (:mod:`.ssf`)
         with ``P = I``. In this mode every client's control lives in the server state
         (``scaffold.ci/<key> [N, ...]``), as the vectorised runner keeps no per-client store."""
-        from .ssf import local_sgd, scaffold_control_step, server_model_step
+        from .ssf import local_sgd, scaffold_control_step, server_model_step, state_arrays, state_tensors
 
         if self.correction not in ("none", "scaffold") or model.head_names:
             raise ValueError("method.correction: the vectorised fedavg-full supports 'none' or 'scaffold' on "
                              f"target layers only; got {self.correction!r}")
-        server = State(server)
         keys = {n: f"{n}.weight" for n in model.target_names}
-        corr = {}
+        if self.correction == "scaffold":
+            for k in keys.values():
+                if f"scaffold.ci/{k}" not in server:
+                    server = State(server)
+                    server[f"scaffold.ci/{k}"] = torch.zeros(self.info.num_clients, *server[k].shape,
+                                                             dtype=server[k].dtype)
+        arrays = state_arrays(server)
+        start = {n: arrays[k] for n, k in keys.items()}
+        if self.correction == "scaffold":
+            corr = {n: arrays[f"scaffold.c/{k}"] - arrays[f"scaffold.ci/{k}"][clients] for n, k in keys.items()}
+        else:
+            corr = {n: np.zeros((len(clients), *w.shape), dtype=w.dtype) for n, w in start.items()}
+        coef, gbar = local_sgd(start, dict.fromkeys(keys), corr, oracle)
+        weights = self.weights_of([self.info.client_sizes[i] for i in clients])
         for n, k in keys.items():
-            w = server[k]
+            arrays[k], _ = server_model_step(arrays[k], None, coef[n], weights.astype(coef[n].dtype),
+                                             self.info.server_lr)
             if self.correction == "scaffold":
-                ci = server.setdefault(f"scaffold.ci/{k}", torch.zeros(self.info.num_clients, *w.shape, dtype=w.dtype))
-                corr[n] = server[f"scaffold.c/{k}"] - ci[clients]
-            else:
-                corr[n] = torch.zeros(len(clients), *w.shape, dtype=w.dtype)
-        coef, gbar = local_sgd({n: server[k] for n, k in keys.items()}, dict.fromkeys(keys), corr, oracle)
-        weights = self.client_weights([Reply(i, self.info.client_sizes[i], Message()) for i in clients.tolist()])
-        for n, k in keys.items():
-            server[k], _ = server_model_step(server[k], None, coef[n], weights, self.info.server_lr)
-            if self.correction == "scaffold":
-                ci = server[f"scaffold.ci/{k}"]
-                server[f"scaffold.c/{k}"], ci[clients] = scaffold_control_step(
-                    server[f"scaffold.c/{k}"], ci[clients], None, gbar[n], self.info.num_clients, "scaffold")
-        return server
+                ci = arrays[f"scaffold.ci/{k}"]
+                arrays[f"scaffold.c/{k}"], ci[clients] = scaffold_control_step(
+                    arrays[f"scaffold.c/{k}"], ci[clients], None, gbar[n], self.info.num_clients, "scaffold")
+        return state_tensors(arrays)
 
 
 @register

@@ -49,8 +49,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, Union
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -68,9 +69,14 @@ CONTROLS = ("full", "none")
 HEAD_UPDATES = ("scaffold", "fedavg")
 DUAL_TRANSFERS = ("rotate", "none", "reset")
 
+Array = Union[torch.Tensor, np.ndarray]
+
 
 # ---------------------------------------------------------------------------------------------------------
-# pure maths (leading client dimension S where a tensor is per client)
+# pure maths (leading client dimension S where a tensor is per client). Except the projector, the functions take
+# torch tensors or NumPy arrays (one kind and dtype per call): the message contract runs them on the state's
+# tensors, the vectorised round on NumPy views of the same memory (at the toy's sizes a round is a few hundred
+# small products, and NumPy's per-call cost is a fraction of torch's).
 # ---------------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=256)
 def projector(seed: int, epoch: int, layer: int, dim: int, rank: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -79,14 +85,16 @@ def projector(seed: int, epoch: int, layer: int, dim: int, rank: int, dtype: tor
     return random_basis(dim, rank, torch_generator(seed, "subspace-projector", epoch, layer), dtype).T.contiguous()
 
 
-def project(x: torch.Tensor, P: torch.Tensor | None) -> torch.Tensor:
-    """``[..., out, in] → [..., out, r]``: ``x Pᵀ`` (the paper's ``P x``); identity when ``P`` is None."""
-    return x if P is None else x @ P.T
+def project(x: Array, P: Array | None) -> Array:
+    """``[..., out, in] → [..., out, r]``: ``x Pᵀ`` (the paper's ``P x``), one product over the leading dimensions
+    folded; identity when ``P`` is None."""
+    return x if P is None else (x.reshape(-1, x.shape[-1]) @ P.T).reshape(*x.shape[:-1], P.shape[0])
 
 
-def lift(y: torch.Tensor, P: torch.Tensor | None) -> torch.Tensor:
-    """``[..., out, r] → [..., out, in]``: ``y P`` (the paper's ``Pᵀ y``); identity when ``P`` is None."""
-    return y if P is None else y @ P
+def lift(y: Array, P: Array | None) -> Array:
+    """``[..., out, r] → [..., out, in]``: ``y P`` (the paper's ``Pᵀ y``), one product over the leading dimensions
+    folded; identity when ``P`` is None."""
+    return y if P is None else (y.reshape(-1, y.shape[-1]) @ P).reshape(*y.shape[:-1], P.shape[1])
 
 
 class BatchedOracle(Protocol):
@@ -95,14 +103,15 @@ class BatchedOracle(Protocol):
     steps: int   # K
     lr: float    # η_l
 
-    def grad(self, weights: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
-        """``{key: W [S, out, in]}`` → ``{key: ∇f_i(W_i; ξ_i^step) [S, out, in]}``."""
+    def grad(self, weights: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
+        """``{key: W [S, out, in]}`` → ``{key: ∇f_i(W_i; ξ_i^step) [S, out, in]}`` (NumPy arrays)."""
         ...
 
 
-def local_sgd(start: dict[str, torch.Tensor], proj: dict[str, torch.Tensor | None], corr: dict[str, torch.Tensor],
-              oracle: BatchedOracle) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """K corrected SGD steps of S clients in the subspace (Alg. 1 C2–C3), all clients at once.
+def local_sgd(start: dict[str, np.ndarray], proj: dict[str, np.ndarray | None], corr: dict[str, np.ndarray],
+              oracle: BatchedOracle) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """K corrected SGD steps of S clients in the subspace (Alg. 1 C2–C3), all clients at once, on NumPy arrays
+    (the vectorised runner's gradients are NumPy's; these products are small enough that per-call cost dominates).
 
     Args:
         start: global weights ``W [out, in]`` per key (frozen during the round: the backfilled residual).
@@ -111,29 +120,46 @@ def local_sgd(start: dict[str, torch.Tensor], proj: dict[str, torch.Tensor | Non
     Returns:
         ``Y_K [S, out, r]`` (the coefficients moved from 0) and ``ḡ = (1/K) Σ_k G_k Pᵀ [S, out, r]``.
     """
-    coef = {k: torch.zeros_like(c) for k, c in corr.items()}
-    acc = {k: torch.zeros_like(c) for k, c in corr.items()}
+    coef = {k: np.zeros_like(c) for k, c in corr.items()}
+    acc = {k: np.zeros_like(c) for k, c in corr.items()}
     for step in range(oracle.steps):
         grads = oracle.grad({k: start[k] + lift(coef[k], proj[k]) for k in start}, step)
         for k, g in grads.items():
             gp = project(g, proj[k])
             acc[k] += gp
-            coef[k].sub_(gp.add_(corr[k]), alpha=oracle.lr)
+            gp += corr[k]
+            gp *= oracle.lr
+            coef[k] -= gp
     return coef, {k: a / oracle.steps for k, a in acc.items()}
 
 
-def server_model_step(w: torch.Tensor, proj: torch.Tensor | None, coef: torch.Tensor, weights: torch.Tensor,
-                      server_lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+def client_sum(weights: Array, stacked: Array) -> Array:
+    """``Σᵢ pᵢ xᵢ`` over the leading axis: ``weights [S]`` (``stacked``'s kind and dtype), ``stacked [S, ...]``."""
+    return (weights @ stacked.reshape(len(weights), -1)).reshape(stacked.shape[1:])
+
+
+def state_arrays(server: State) -> State:
+    """``server`` with every tensor as a NumPy array sharing its memory (host state)."""
+    return State({k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in server.items()})
+
+
+def state_tensors(arrays: State) -> State:
+    """The inverse of :func:`state_arrays`: every NumPy array as a tensor sharing its memory."""
+    return State({k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()})
+
+
+def server_model_step(w: Array, proj: Array | None, coef: Array, weights: Array,
+                      server_lr: float) -> tuple[Array, Array]:
     """Projected averaging and backfill (Alg. 1 S4–S5): ``inc = η_g Σ pᵢ Yᵢ [out, r]``, ``W ← W + inc P``.
 
     Returns ``(W_new [out, in], inc [out, r])``; the residual ``W(I − PᵀP)`` is untouched.
     """
-    inc = server_lr * torch.einsum("s,s...->...", weights.to(coef.dtype), coef)
+    inc = server_lr * client_sum(weights, coef)
     return w + lift(inc, proj), inc
 
 
-def scaffold_control_step(c: torch.Tensor, ci: torch.Tensor, proj: torch.Tensor | None, gbar: torch.Tensor,
-                          num_clients: int, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+def scaffold_control_step(c: Array, ci: Array, proj: Array | None, gbar: Array, num_clients: int,
+                          rule: str) -> tuple[Array, Array]:
     """Control refresh on the active subspace (eq. 6–7) for the S participants.
 
     ``c [out, in]``, ``ci [S, out, in]`` (the participants' controls), ``gbar [S, out, r]`` (mean projected
@@ -147,21 +173,21 @@ def scaffold_control_step(c: torch.Tensor, ci: torch.Tensor, proj: torch.Tensor 
     return c + lift(gbar.mean(0) - project(c, proj), proj), ci_new
 
 
-def fedsub_correction(dual: torch.Tensor, steps: int, lr: float) -> torch.Tensor:
+def fedsub_correction(dual: Array, steps: int, lr: float) -> Array:
     """FedSub's step ``Y ← Y − η g − Λ/K`` written as a corrected gradient: ``corr = Λ / (K η)``."""
     return dual / (steps * lr)
 
 
-def fedsub_dual_step(dual: torch.Tensor, coef: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def fedsub_dual_step(dual: Array, coef: Array, weights: Array) -> Array:
     """``Λᵢ ← Λᵢ + Yᵢ − B̄`` for the participants (``dual, coef [S, out, r]``, ``B̄ = Σ pᵢ Yᵢ``)."""
-    return dual + coef - torch.einsum("s,s...->...", weights.to(coef.dtype), coef)
+    return dual + coef - client_sum(weights, coef)
 
 
-def rotate_duals(dual: torch.Tensor, p_old: torch.Tensor, p_new: torch.Tensor, transfer: str) -> torch.Tensor:
+def rotate_duals(dual: Array, p_old: Array, p_new: Array, transfer: str) -> Array:
     """Duals ``[..., out, r]`` at a projector refresh: ``Λ P_old P_newᵀ`` (rotate), unchanged (none) or 0 (reset)."""
     if transfer == "rotate":
         return project(lift(dual, p_old), p_new)
-    return dual if transfer == "none" else torch.zeros_like(dual)
+    return dual if transfer == "none" else dual * 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -265,50 +291,52 @@ class SubspaceMethod(Method):
     def epoch(self, rnd: int) -> int:
         return rnd // self.refresh_every
 
-    def projectors(self, epoch: int) -> dict[str, torch.Tensor | None]:
-        """``P [r, in]`` per layer key (model dtype), None for the head keys."""
-        out: dict[str, torch.Tensor | None] = {k: None for k in self._keys}
+    def projectors(self, epoch: int, arrays: bool = False) -> dict[str, Array | None]:
+        """``P [r, in]`` per layer key (model dtype), None for the head keys; NumPy views with ``arrays``."""
+        out: dict[str, Array | None] = {k: None for k in self._keys}
         for n in self._layers:
-            out[n] = projector(self.info.seed, epoch, self._index[n], self._dims[n], self._ranks[n], self._dtype)
+            P = projector(self.info.seed, epoch, self._index[n], self._dims[n], self._ranks[n], self._dtype)
+            out[n] = P.numpy() if arrays else P
         return out
 
     # -- the method's maths, per batch of clients ---------------------------------------------------------
-    def sent_corrections(self, server: State, clients: torch.Tensor, proj: dict, rnd: int) -> dict[str, torch.Tensor]:
-        """What the server sends each client to correct its steps, ``{key: [S, out, r]}`` (may omit keys)."""
+    def sent_corrections(self, server: State, clients: Array, proj: dict, rnd: int) -> dict[str, Array]:
+        """What the server sends each client to correct its steps, ``{key: [S, out, r]}`` (may omit keys).
+        ``server``, ``clients`` and ``proj`` are all tensors or all NumPy arrays (:func:`state_arrays`)."""
         raise NotImplementedError
 
     def corrections(self, sent: dict[str, torch.Tensor], steps: int, lr: float) -> dict[str, torch.Tensor]:
         """The constant gradient correction the client adds, from what it received."""
         return sent
 
-    def apply(self, server: State, clients: torch.Tensor, weights: torch.Tensor, coef: dict[str, torch.Tensor],
-              gbar: dict[str, torch.Tensor], proj: dict, rnd: int) -> dict[str, torch.Tensor]:
-        """Server update from the participants' ``Yᵢ`` and ``ḡᵢ`` (``[S, ...]``); returns the layers' increments."""
+    def apply(self, server: State, clients: Array, weights: Array, coef: dict[str, Array], gbar: dict[str, Array],
+              proj: dict, rnd: int) -> dict[str, Array]:
+        """Server update from the participants' ``Yᵢ`` and ``ḡᵢ`` (``[S, ...]``) with weights ``pᵢ`` (in the state's
+        dtype); returns the layers' increments. Tensors or NumPy arrays, as :meth:`sent_corrections`."""
         raise NotImplementedError
 
-    def client_weights_of(self, clients: torch.Tensor) -> torch.Tensor:
-        return self.client_weights([Reply(k, self.info.client_sizes[k], Message()) for k in clients.tolist()])
-
     # -- vectorised round (hook of runtime/vectorized.py) ------------------------------------------------
-    def batched_round(self, model: AdaptedModel, server: State, clients: torch.Tensor, oracle: BatchedOracle,
+    def batched_round(self, model: AdaptedModel, server: State, clients: np.ndarray, oracle: BatchedOracle,
                       rnd: int) -> State:
         """One round for the S sampled ``clients`` at once with closed-form minibatch gradients.
 
-        Same maths as broadcast/train/aggregate (plain SGD local steps), without messages: the result is the
-        server state the contract would produce, except the catch-up bookkeeping (not advanced).
+        Same maths as broadcast/train/aggregate (plain SGD local steps), on NumPy views of the state, without
+        messages: the result is the server state the contract would produce, except the catch-up bookkeeping (not
+        advanced).
         """
         if any(k not in self._layers for k in self._keys):
             raise ValueError(f"method {self.name!r}: the vectorised round supports target layers only, not a head")
-        server = State(server)
-        proj = self.projectors(self.epoch(rnd))
-        sent = self.sent_corrections(server, clients, proj, rnd)
-        corr = self.corrections(sent, oracle.steps, oracle.lr)
-        start = {k: server[f"w/{k}"] for k in self._keys}
-        corr = {k: corr[k] if k in corr else torch.zeros(len(clients), *project(start[k], proj[k]).shape,
-                                                         dtype=start[k].dtype) for k in self._keys}
+        arrays = state_arrays(server)
+        proj = self.projectors(self.epoch(rnd), arrays=True)
+        sent = self.corrections(self.sent_corrections(arrays, clients, proj, rnd), oracle.steps, oracle.lr)
+        start = {k: arrays[f"w/{k}"] for k in self._keys}
+        corr = {k: sent[k] if k in sent else np.zeros((len(clients), *project(start[k], proj[k]).shape), start[k].dtype)
+                for k in self._keys}
         coef, gbar = local_sgd(start, proj, corr, oracle)
-        self.apply(server, clients, self.client_weights_of(clients), coef, gbar, proj, rnd)
-        return server
+        dtype = start[self._keys[0]].dtype
+        weights = self.weights_of([self.info.client_sizes[k] for k in clients]).astype(dtype)
+        self.apply(arrays, clients, weights, coef, gbar, proj, rnd)
+        return state_tensors(arrays)
 
     # -- contract: server side ---------------------------------------------------------------------------
     def broadcast(self, server: State, client: int, rnd: int) -> Message:
@@ -352,7 +380,7 @@ class SubspaceMethod(Method):
         gbar = {k: torch.stack([r.message[f"g/{k}"] for r in replies]) for k in self._keys
                 if f"g/{k}" in replies[0].message}
         proj = self.projectors(self.epoch(rnd))
-        inc = self.apply(server, clients, self.client_weights(replies), coef, gbar, proj, rnd)
+        inc = self.apply(server, clients, self.client_weights(replies).to(self._dtype), coef, gbar, proj, rnd)
         self.record(server, clients.tolist(), inc, rnd)
         return server
 
@@ -498,13 +526,15 @@ class FedSub(SubspaceMethod):
             server[f"dual/{n}"] = torch.zeros(self.info.num_clients, w.shape[0], self._ranks[n], dtype=w.dtype)
         server["dual.epoch"] = 0
 
-    def duals_at(self, server: State, n: str, epoch: int, clients: torch.Tensor | None = None) -> torch.Tensor:
+    def duals_at(self, server: State, n: str, epoch: int, clients: Array | None = None) -> Array:
         """Layer ``n``'s duals (of ``clients``, or all) expressed in projector epoch ``epoch``: one rotation per
         refresh since the stored epoch, as if every dual had been rotated at each refresh (a product of successive
         rotations is not one direct rotation)."""
         dual = server[f"dual/{n}"] if clients is None else server[f"dual/{n}"][clients]
+        arrays = isinstance(dual, np.ndarray)
         for e in range(int(server["dual.epoch"]), epoch):
-            dual = rotate_duals(dual, self.projectors(e)[n], self.projectors(e + 1)[n], self.dual_transfer)
+            dual = rotate_duals(dual, self.projectors(e, arrays)[n], self.projectors(e + 1, arrays)[n],
+                                self.dual_transfer)
         return dual
 
     def sent_corrections(self, server, clients, proj, rnd):

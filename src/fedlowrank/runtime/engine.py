@@ -43,7 +43,7 @@ def setup_info(cfg, client_sizes: list[int]) -> SetupInfo:
 def sample_clients(seed: int, rnd: int, num_clients: int, per_round: int) -> list[int]:
     """K distinct clients for round ``rnd`` (sorted), uniformly without replacement, from the round's stream."""
     rng = numpy_rng(seed, "client-sampling", rnd)
-    return sorted(int(k) for k in rng.choice(num_clients, size=per_round, replace=False))
+    return np.sort(rng.choice(num_clients, size=per_round, replace=False)).tolist()
 
 
 def wire(msg: Message) -> Message:

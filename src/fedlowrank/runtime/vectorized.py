@@ -5,13 +5,15 @@ Same run as :class:`~fedlowrank.runtime.simulator.Simulation` — the same :func
 :class:`LocalTrainer` stream) and evaluation (``method.load_global`` + ``task.evaluate``) — but each round is one
 call of the method's hook::
 
-    server = method.batched_round(model, server, clients [S], oracle, rnd)
+    server = method.batched_round(model, server, clients [S] (NumPy), oracle, rnd)
 
 where ``oracle.grad({key: W [S, out, in]}, step)`` returns the S clients' minibatch gradients of step ``step``
 from ``task.batched_grad(weights, examples[step])`` (``examples = task.batched_examples(batch_indices [K, S, b])``,
 gathered once per round), and ``oracle.steps``/``oracle.lr`` are the local
-steps K and learning rate. The runner never looks at the method's name: a method without ``batched_round`` is
-refused. Local steps are plain SGD, so ``train.optimizer`` must be ``"sgd"`` without weight decay or clipping.
+steps K and learning rate. The oracle's arrays are NumPy's: at these sizes (S·out ≈ 100 rows) a round is a few
+hundred small products, and NumPy's per-call cost is a fraction of torch's. The runner never looks at the method's
+name: a method without ``batched_round`` is refused. Local steps are plain SGD, so ``train.optimizer`` must be
+``"sgd"`` without weight decay or clipping.
 
 It is a run like the simulator's (:class:`Vectorized` is a :class:`~.server_run.ServerRun`): the same run directory
 (``config.json``, ``partition.json``, ``metrics.jsonl``, ``summary.json``, ``checkpoints/``, plots), the same round
@@ -35,7 +37,7 @@ import torch
 
 from ..seeding import torch_generator
 from ..tasks import Task
-from ..training.local import LocalTrainer
+from ..training.local import LocalTrainer, steps_per_round
 from .engine import sample_clients
 from .run import DivergenceError, build_run, peak_rss_mb
 from .server_run import ServerRun
@@ -46,7 +48,7 @@ class ClosedFormOracle:
     """The round's minibatch gradients: ``batches [K, S, b]`` example indices, learning rate ``lr``."""
 
     task: Task
-    batches: torch.Tensor
+    batches: np.ndarray
     lr: float
 
     def __post_init__(self) -> None:
@@ -56,7 +58,7 @@ class ClosedFormOracle:
     def steps(self) -> int:
         return self.batches.shape[0]
 
-    def grad(self, weights: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    def grad(self, weights: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
         return self.task.batched_grad(weights, self.examples[step])  # type: ignore[attr-defined]
 
 
@@ -85,38 +87,60 @@ def check_train_config(train) -> None:
         raise ValueError("train.weight_decay and train.max_grad_norm must be 0 for the vectorised runner")
 
 
-def trainer_batches(task: Task, parts, train, clients: list[int], rnd: int, rounds: int, seed: int) -> ClosedFormOracle:
-    """The S clients' minibatches of round ``rnd``, exactly those their :class:`LocalTrainer` would use in the
+def smallest_first(values: np.ndarray, count: int) -> np.ndarray:
+    """Indices of the ``count`` smallest entries of each last-axis row of ``values`` (float32, ≥ 0), smallest first
+    and ties in index order, as a stable argsort gives them. Non-negative floats order as their bit patterns do, so
+    ``bits · n + index`` is a distinct integer key per entry and an unstable (faster) sort gives the same order."""
+    n = values.shape[-1]
+    keys = values.view(np.int32).astype(np.int64) * n + np.arange(n)
+    return np.argsort(keys, axis=-1)[..., :count]
+
+
+class TrainerBatches:
+    """The S clients' minibatches of each round, exactly those their :class:`LocalTrainer` would use in the
     simulator (one seeded stream per client and round; slow: for equivalence checks)."""
-    steps, lr = [], 0.0
-    for k in clients:
-        trainer = LocalTrainer(task, parts[k], train, k, rnd, rounds, seed)
-        it = trainer.batches()
-        steps.append(torch.stack([next(it) for _ in range(trainer.num_steps)]))
-        lr = trainer.lr
-    if len({s.shape for s in steps}) != 1:
-        raise ValueError("the vectorised runner needs the same number of local steps and batch size on every client")
-    return ClosedFormOracle(task, torch.stack(steps, 1), lr)
+
+    def __init__(self, task: Task, parts: list[np.ndarray], train, rounds: int, seed: int):
+        self.task, self.parts, self.train, self.rounds, self.seed = task, parts, train, rounds, seed
+
+    def __call__(self, clients: list[int], rnd: int) -> ClosedFormOracle:
+        steps, lr = [], 0.0
+        for k in clients:
+            trainer = LocalTrainer(self.task, self.parts[k], self.train, k, rnd, self.rounds, self.seed)
+            it = trainer.batches()
+            steps.append(np.stack([np.asarray(next(it)) for _ in range(trainer.num_steps)]))
+            lr = trainer.lr
+        if len({s.shape for s in steps}) != 1:
+            raise ValueError("the vectorised runner needs the same number of local steps and batch size on every "
+                             "client")
+        return ClosedFormOracle(self.task, np.stack(steps, 1), lr)
 
 
-def fresh_batches(task: Task, parts, train, clients: list[int], rnd: int, rounds: int, seed: int) -> ClosedFormOracle:
+class FreshBatches:
     """A fresh minibatch per client and step, without replacement within the batch (the SSF paper, arXiv:2604.25467
     §5.1, gives only its size), all drawn at once from the round's stream ``("vectorized-batches", rnd)``:
     ``[K, S, b]``. Needs equal client sizes."""
-    sizes = {len(parts[k]) for k in clients}
-    if len(sizes) != 1:
-        raise ValueError("batches = 'fresh' needs equal client sizes; use batches = 'trainer'")
-    trainer = LocalTrainer(task, parts[clients[0]], train, clients[0], rnd, rounds, seed)
-    n = sizes.pop()
-    b = min(train.batch_size, n)
-    own = np.stack([parts[k].numpy() for k in clients])                                    # [S, n]
-    local = torch.rand(trainer.num_steps, len(clients), n, generator=torch_generator(seed, "vectorized-batches", rnd))
-    picks = np.argsort(local.numpy(), axis=-1, kind="stable")[..., :b]                      # [K, S, b]
-    rows = own[np.arange(len(clients))[:, None], picks]                                     # [K, S, b]
-    return ClosedFormOracle(task, torch.from_numpy(rows), trainer.lr)
+
+    def __init__(self, task: Task, parts: list[np.ndarray], train, rounds: int, seed: int):
+        sizes = sorted({len(p) for p in parts})
+        if len(sizes) != 1:
+            raise ValueError(f"batches = 'fresh' needs equal client sizes, got sizes {sizes[0]}..{sizes[-1]}; use "
+                             f"batches = 'trainer'")
+        self.task, self.train, self.rounds, self.seed = task, train, rounds, seed
+        self.rows = np.stack(parts)                                                 # [N, n]
+        self.size = sizes[0]
+        self.batch = min(train.batch_size, self.size)
+        self.steps = steps_per_round(train, self.size)
+
+    def __call__(self, clients: list[int], rnd: int) -> ClosedFormOracle:
+        local = torch.rand(self.steps, len(clients), self.size,
+                           generator=torch_generator(self.seed, "vectorized-batches", rnd))
+        picks = smallest_first(local.numpy(), self.batch)                          # [K, S, b]
+        rows = self.rows[np.asarray(clients)[:, None], picks]                       # [K, S, b]
+        return ClosedFormOracle(self.task, rows, self.train.lr_at(rnd, self.rounds))
 
 
-BATCHES = {"fresh": fresh_batches, "trainer": trainer_batches}
+BATCHES = {"fresh": FreshBatches, "trainer": TrainerBatches}
 
 
 def check_vectorizable(cfg, batches: str = "fresh") -> None:
@@ -152,9 +176,8 @@ class Vectorized(ServerRun):
         run.model.cpu()  # closed-form rounds on the CPU, whatever run.device says
         run.device = torch.device("cpu")
         super().__init__(run, run_dir, log, overwrite)
-        self.draw = BATCHES[batches]
+        self.draw = BATCHES[batches](self.task, self.parts, cfg.train, cfg.run.rounds, cfg.run.seed)
         self.batched_round = self.method.batched_round
-        self.client_parts = [torch.as_tensor(p, dtype=torch.long) for p in self.parts]
         self.diverged_at: int | None = None
         self._block = (0, 0.0, 0.0)  # (rounds, compute seconds, start) since the last recorded row
 
@@ -170,8 +193,8 @@ class Vectorized(ServerRun):
             self.progress.round_start(rnd, cfg.run.clients_per_round)
         t0 = time.perf_counter()
         clients = sample_clients(cfg.run.seed, rnd, cfg.partition.num_clients, cfg.run.clients_per_round)
-        oracle = self.draw(self.task, self.client_parts, cfg.train, clients, rnd, cfg.run.rounds, cfg.run.seed)
-        self.server = self.batched_round(self.model, self.server, torch.tensor(clients), oracle, rnd)
+        oracle = self.draw(clients, rnd)
+        self.server = self.batched_round(self.model, self.server, np.asarray(clients), oracle, rnd)
         self.round = rnd
         self._block = (count + 1, compute + time.perf_counter() - t0, start)
         if self.evaluator.due(rnd):

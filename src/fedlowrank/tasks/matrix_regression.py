@@ -13,8 +13,8 @@ whose weight is ``Xᵀ: [m, d]`` (layout ``[out, in]``), initialised to 0 (so Re
 the project therefore trains X through the ordinary contract. The training set is the N·n rows in client
 order; :attr:`natural_partition` gives each row's client, so ``partition.kind = "natural"`` reproduces the
 paper's clients. For tasks like this one whose gradients are closed-form, :meth:`batched_examples` and
-:meth:`batched_grad` serve :mod:`fedlowrank.runtime.vectorized`; they compute with NumPy on the tensors' memory
-(CPU), whose BLAS multiplies these small stacks two to three times faster than torch's per call.
+:meth:`batched_grad` serve :mod:`fedlowrank.runtime.vectorized` with NumPy arrays (the task's tensors' memory),
+whose BLAS multiplies these small stacks two to three times faster than torch's per call.
 """
 
 from __future__ import annotations
@@ -145,30 +145,27 @@ class MatrixRegression(Task):
         out = net(torch.cat([self.A[rows], torch.eye(d, dtype=self.dtype)]).to(device))
         return 0.5 * ((out[:b] - self.B[rows].to(device)) ** 2).sum() / b + 0.5 * self.ridge * (out[b:] ** 2).sum()
 
-    def batched_examples(self, batches: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batched_examples(self, batches: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """The rows of a round's minibatches, gathered once: ``batches [K, S, b]`` → per step ``k`` the pair
-        ``(A_b [S, b, d], B_b [S, b, m])`` that :meth:`batched_grad` takes."""
-        rows = batches.numpy()
-        A = torch.from_numpy(self._A_np[rows])                         # [K, S, b, d]
-        B = torch.from_numpy(self._B_np[rows])                         # [K, S, b, m]
-        return list(zip(A.unbind(0), B.unbind(0)))
+        ``(A_b [S, b, d], B_b [S, b, m])`` (NumPy) that :meth:`batched_grad` takes."""
+        rows = np.asarray(batches)
+        return list(zip(np.take(self._A_np, rows, axis=0), np.take(self._B_np, rows, axis=0)))
 
-    def batched_grad(self, weights: dict[str, torch.Tensor],
-                     examples: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def batched_grad(self, weights: dict[str, np.ndarray],
+                     examples: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
         """Minibatch gradients of S clients at once: ``W [S, m, d]`` and one step of :meth:`batched_examples`
-        ``(A_b [S, b, d], B_b [S, b, m])`` → ``∇_W [S, m, d]``.
+        ``(A_b [S, b, d], B_b [S, b, m])`` → ``∇_W [S, m, d]``, NumPy arrays.
 
-        ``g = (A_b Wᵀ − B_b)ᵀ A_b / b + λ W`` (the gradient of :meth:`loss` in the ``[out, in]`` layout), with
-        NumPy's stacked matmul on CPU tensors (no autograd).
+        ``g = (A_b Wᵀ − B_b)ᵀ A_b / b + λ W`` (the gradient of :meth:`loss` in the ``[out, in]`` layout).
         """
-        W = weights[TARGET].detach().numpy()
-        A, B = (t.numpy() for t in examples)
+        W = weights[TARGET]
+        A, B = examples
         R = A @ W.transpose(0, 2, 1)                                   # A Wᵀ: [S, b, m]
         R -= B
         G = R.transpose(0, 2, 1) @ A                                   # [S, m, d]
         G *= 1.0 / A.shape[1]
         G += self.ridge * W
-        return {TARGET: torch.from_numpy(G)}
+        return {TARGET: G}
 
     def weight(self, net: nn.Module) -> torch.Tensor:
         """The model's X ``[d, m]`` (float64), the values of ``net(I_d)`` whatever adapter is attached: the frozen
