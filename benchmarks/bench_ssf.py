@@ -118,7 +118,8 @@ def one_stream(seed: int):
 
     def draw(self, clients, rnd):
         picks = rng.random((self.steps, len(clients), self.size)).argsort(-1)[..., :self.batch]
-        return vectorized.ClosedFormOracle(self.task, self.rows[np.asarray(clients)[:, None], picks], self.train.lr)
+        return vectorized.ClosedFormOracle(self.task, self.rows[np.asarray(clients)[:, None], picks],
+                                           self.train.lr_at(rnd, self.rounds))
 
     saved = vectorized.sample_clients, vectorized.FreshBatches.__call__
     vectorized.sample_clients, vectorized.FreshBatches.__call__ = sample, draw

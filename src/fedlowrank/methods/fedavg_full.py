@@ -90,12 +90,11 @@ class FedAvgFull(Method):
             raise ValueError("method.correction: the vectorised fedavg-full supports 'none' or 'scaffold' on "
                              f"target layers only; got {self.correction!r}")
         keys = {n: f"{n}.weight" for n in model.target_names}
-        if self.correction == "scaffold":
-            for k in keys.values():
-                if f"scaffold.ci/{k}" not in server:
-                    server = State(server)
-                    server[f"scaffold.ci/{k}"] = torch.zeros(self.info.num_clients, *server[k].shape,
-                                                             dtype=server[k].dtype)
+        missing = [k for k in keys.values() if self.correction == "scaffold" and f"scaffold.ci/{k}" not in server]
+        if missing:
+            server = State(server)
+            for k in missing:
+                server[f"scaffold.ci/{k}"] = torch.zeros(self.info.num_clients, *server[k].shape, dtype=server[k].dtype)
         arrays = state_arrays(server)
         start = {n: arrays[k] for n, k in keys.items()}
         if self.correction == "scaffold":
