@@ -139,7 +139,7 @@ def test_every_kind_of_method_runs_and_divergence_stops_the_run():
     assert not run.final["rel_error"] <= 1e6
 
 
-def test_vectorised_runner_refuses_what_it_cannot_do():
+def test_vectorised_runner_refuses_what_it_cannot_do(tmp_path):
     cfg = config("ssf")
     cfg.train.optimizer = "adamw"
     with pytest.raises(ValueError, match="train.optimizer"):
@@ -148,8 +148,9 @@ def test_vectorised_runner_refuses_what_it_cannot_do():
         run_vectorized(config("fedit"))
     unequal = config("ssf")
     unequal.partition.kind, unequal.partition.min_partition_size = "quantity", 2   # clients of different sizes
-    with pytest.raises(ValueError, match="batches = 'fresh' needs equal client sizes, got sizes .*'trainer'"):
-        run_vectorized(unequal)
+    with pytest.raises(ValueError, match="batches = 'fresh' needs equal client sizes.* got sizes .*'trainer'"):
+        run_vectorized(unequal, run_dir=tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()                    # refused before any file is written
     assert run_vectorized(unequal, batches="trainer").rounds == unequal.run.rounds
 
 

@@ -124,8 +124,9 @@ class FreshBatches:
     def __init__(self, task: Task, parts: list[np.ndarray], train, rounds: int, seed: int):
         sizes = sorted({len(p) for p in parts})
         if len(sizes) != 1:
-            raise ValueError(f"batches = 'fresh' needs equal client sizes, got sizes {sizes[0]}..{sizes[-1]}; use "
-                             f"batches = 'trainer'")
+            raise ValueError(f"batches = 'fresh' needs equal client sizes (partition.kind = natural gives them), got "
+                             f"sizes {sizes[0]}..{sizes[-1]}; use batches = 'trainer' (run_vectorized) or the "
+                             f"simulator (run without --vectorized)")
         self.task, self.train, self.rounds, self.seed = task, train, rounds, seed
         self.rows = np.stack(parts)                                                 # [N, n]
         self.size = sizes[0]
@@ -175,8 +176,9 @@ class Vectorized(ServerRun):
         run = build_run(cfg, task)
         run.model.cpu()  # closed-form rounds on the CPU, whatever run.device says
         run.device = torch.device("cpu")
+        draw = BATCHES[batches](run.task, run.parts, cfg.train, cfg.run.rounds, cfg.run.seed)  # refuses before any file
         super().__init__(run, run_dir, log, overwrite)
-        self.draw = BATCHES[batches](self.task, self.parts, cfg.train, cfg.run.rounds, cfg.run.seed)
+        self.draw = draw
         self.batched_round = self.method.batched_round
         self.diverged_at: int | None = None
         self._block = (0, 0.0, 0.0)  # (rounds, compute seconds, start) since the last recorded row
