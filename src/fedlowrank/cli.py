@@ -92,6 +92,8 @@ def cmd_methods(args) -> int:
         options = declared(cls)
         print(f"{name}\n  {cls.description}\n  paper: {cls.paper}\n  up:   {cls.uplink}\n  down: {cls.downlink}"
               + f"\n  ({'; '.join(flags)})"
+              + (f"\n  equal client ranks only: {cls.heterogeneous_ranks_refusal}"
+                 if args.name and cls.heterogeneous_ranks_refusal else "")
               + (f"\n  preset: {' '.join(preset_overrides(name))}" if cls.preset else "")
               + f"\n  lr grid: {' '.join(f'{lr:g}' for lr in lr_grid(name))}"
               + ("" if args.name else f"\n  options: {', '.join(options) or 'none'}"))

@@ -111,7 +111,8 @@ def _check_method(cfg: RunConfig) -> None:
     cfg.method = {"name": cfg.method_name, **{k: getattr(method, k) for k in cfg.method_options}}
     cls = type(method)
     _need(not cfg.lora.ranks or cls.supports_heterogeneous_ranks or len(set(cfg.client_ranks())) == 1,
-          f"lora.ranks: method {cfg.method_name!r} does not support heterogeneous ranks")
+          f"lora.ranks: method {cfg.method_name!r} does not support heterogeneous ranks"
+          + (f": {cls.heterogeneous_ranks_refusal}" if cls.heterogeneous_ranks_refusal else ""))
     check_privacy(cfg, cls)
     check_server(cfg, cls)
 

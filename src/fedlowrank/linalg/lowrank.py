@@ -110,3 +110,20 @@ def factored_basis(B_c: torch.Tensor, A_c: torch.Tensor, method: str = "qr") -> 
     U, S, Vh = factored_svd(B_c, A_c)
     U, Vh = normalize_svd_signs(U, Vh)
     return U, S[:, None] * Vh
+
+
+def orthonormal_refactor(B: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-factorise ``B A`` as ``B⁺ A⁺`` with orthonormal rows in ``A⁺``, in O((out + in)·r²) (float64).
+
+    ``B: [out, r]``, ``A: [r, in]`` with ``r ≤ in``. The QR ``Aᵀ = Q Rₐ`` (``Q: [in, r]``) and the SVD of the small
+    ``B Rₐᵀ = U Σ Wᵀ`` (``[out, r]``) give ``B A = U Σ (Q W)ᵀ``: ``B⁺ = U Σ: [out, r]``, ``A⁺ = Wᵀ Qᵀ: [r, in]``,
+    the thin SVD of ``B A`` (signs by :func:`normalize_svd_signs`) without forming the ``[out, in]`` product.
+    ``A⁺ A⁺ᵀ = I`` holds even when ``B A`` has rank below r (its trailing singular values are then 0).
+    """
+    B, A = B.to(torch.float64), A.to(torch.float64)
+    if A.shape[0] != B.shape[1] or A.shape[0] > A.shape[1]:
+        raise ValueError(f"need B [out, r] and A [r, in] with r <= in, got B{tuple(B.shape)} and A{tuple(A.shape)}")
+    Q, R_a = torch.linalg.qr(A.T)                          # [in, r], [r, r]
+    U, S, Wh = torch.linalg.svd(B @ R_a.T, full_matrices=False)
+    U, Vh = normalize_svd_signs(U, Wh @ Q.T)              # Vh = Wᵀ Qᵀ: [r, in], orthonormal rows
+    return U * S, Vh

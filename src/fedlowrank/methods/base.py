@@ -100,7 +100,8 @@ class Method(Schema):
             replies, needs a server step that is a fixed-weight sum of them; ``"local"``: noise on each reply,
             works with any server step); ``None`` = derived from ``needs_individual_replies``
             (:meth:`supported_privacy_modes`). A class that narrows it says why in ``privacy_refusal``.
-        supports_heterogeneous_ranks: whether clients may have different LoRA ranks.
+        supports_heterogeneous_ranks: whether clients may have different LoRA ranks; a class without them may
+            say why in ``heterogeneous_ranks_refusal`` (the config error quotes it).
         supports_cohorts: whether several clients' ``train`` may run together in a cohort
             (:mod:`fedlowrank.runtime.cohort`): ``train`` trains only adapter and head parameters, with one
             ``trainer.fit``, and changes nothing of the method's but its composed corrections (which
@@ -121,6 +122,7 @@ class Method(Schema):
     downlink: ClassVar[str] = ""
     needs_individual_replies: ClassVar[bool] = False
     supports_heterogeneous_ranks: ClassVar[bool] = False
+    heterogeneous_ranks_refusal: ClassVar[str] = ""
     supports_cohorts: ClassVar[bool] = False
     personalized: ClassVar[bool] = False
     preset: ClassVar[dict[str, Any]] = {}
