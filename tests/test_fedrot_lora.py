@@ -33,7 +33,8 @@ def _is_rotation(R: torch.Tensor, tol: float = 1e-10) -> bool:
 @pytest.mark.parametrize("factor", ["A", "B"])
 def test_procrustes_recovers_a_planted_rotation_of_either_factor(factor):
     g = torch.Generator().manual_seed(0)
-    B_ref, A_ref = torch.randn(9, 4, generator=g, dtype=torch.float64), torch.randn(4, 7, generator=g, dtype=torch.float64)
+    B_ref = torch.randn(9, 4, generator=g, dtype=torch.float64)
+    A_ref = torch.randn(4, 7, generator=g, dtype=torch.float64)
     Q = _orthogonal(4, 1)
     B, A = B_ref @ Q.T, Q @ A_ref                         # the same product in a rotated frame: B A = B_ref A_ref
     B_al, A_al, R = align_factors(B, A, B_ref, A_ref, factor, lam=1.0)
@@ -153,7 +154,8 @@ def test_hard_rotation_allows_reflections(monkeypatch):
         for name in _names(sim):
             ka, kb = f"{name}.lora_A", f"{name}.lora_B"
             A = trainer.trained[ka]
-            torch.testing.assert_close(reply.message[kb] @ reply.message[ka], trainer.trained[kb] @ A, rtol=0, atol=1e-5)
+            product = reply.message[kb] @ reply.message[ka]
+            torch.testing.assert_close(product, trainer.trained[kb] @ A, rtol=0, atol=1e-5)
             R = torch.linalg.lstsq(A.T.double(), reply.message[ka].T.double()).solution
             torch.testing.assert_close(R.T @ R, torch.eye(R.shape[0], dtype=torch.float64), rtol=0, atol=1e-5)
 

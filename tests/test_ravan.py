@@ -86,7 +86,8 @@ def test_head_subsets_are_averaged_per_head_over_the_clients_that_trained_them()
     old = {k: v.clone() for k, v in sim.server.items() if ".ravan_H." in k}
     out = play_round(sim, [0, 1, 2, 3], 1)
     for msg, reply, _ in out:
-        assert {int(k.rsplit(".", 1)[1]) for k in reply.message.tensors() if ".ravan_H." in k} == set(msg["ravan.heads"])
+        sent = {int(k.rsplit(".", 1)[1]) for k in reply.message.tensors() if ".ravan_H." in k}
+        assert sent == set(msg["ravan.heads"])
     for key, value in old.items():
         have = [(r.num_examples, r.message[key]) for _, r, _ in out if key in r.message]
         if not have:
@@ -166,3 +167,14 @@ def test_refusals_name_the_field_and_the_reason():
         get_method("ravan", correction="scaffold")
     with pytest.raises(ValueError, match="method.bases_init"):
         get_method("ravan", bases_init="uniform")
+
+
+def test_head_subsets_refuse_central_dp_and_robust_aggregation_at_config_time():
+    for setting, field in (("privacy.mode=central", "privacy.mode = 'central'"),
+                           ("server.aggregate=median", "server.aggregate = 'median'")):
+        with pytest.raises(ConfigError, match=f"^{field}.*method 'ravan' differ: with method.client_heads each client"):
+            tiny_config("method.name=ravan", "method.client_heads=[1, 4]", "server.weighting=uniform", setting)
+        tiny_config("method.name=ravan", "server.weighting=uniform", setting)              # every head: accepted
+    sim = run_tiny("ravan", "method.client_heads=[1, 4]", "privacy.mode=local", "privacy.clip=0.5",
+                   "privacy.noise_multiplier=0.1")
+    assert not any(r.get("rejected") for r in sim.history) and all(r["epsilon"] > 0 for r in sim.history)

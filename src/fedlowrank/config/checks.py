@@ -115,6 +115,13 @@ def _check_method(cfg: RunConfig) -> None:
           + (f": {cls.heterogeneous_ranks_refusal}" if cls.heterogeneous_ranks_refusal else ""))
     check_privacy(cfg, cls)
     check_server(cfg, cls)
+    why = method.unequal_replies()
+    if why:
+        _need(cfg.privacy.mode != "central", f"privacy.mode = 'central' adds one noise draw to equally shaped replies, "
+                                             f"and the replies of method {cfg.method_name!r} differ: {why}")
+        _need(cfg.server.aggregate == "mean",
+              f"server.aggregate = {cfg.server.aggregate!r} combines replies coordinate by coordinate, and the replies "
+              f"of method {cfg.method_name!r} differ: {why}")
 
 
 def check_server(cfg: RunConfig, method_cls) -> None:

@@ -176,6 +176,12 @@ class Method(Schema):
         """
         return None
 
+    def unequal_replies(self) -> str:
+        """Why honest replies of one round may differ in tensors or shapes with these options, or ``""`` when they
+        never do (at equal ranks). Central DP and robust aggregation, which combine replies coordinate by
+        coordinate, are refused at config time when it is not empty."""
+        return ""
+
     def max_reply_bytes(self, down: Message) -> int:
         """Upper bound on an honest reply's serialised size; larger replies are rejected."""
         return 2 * down.nbytes() + (1 << 20)

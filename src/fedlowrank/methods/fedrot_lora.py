@@ -2,7 +2,8 @@
 arXiv:2602.23638, ICML 2026).
 
 Clients train ``A: [r, in]`` and ``B: [out, r]`` as in FedIT; before upload, from the second round on, each client
-rotates its factors into the frame of the global factors it received (:func:`~fedlowrank.linalg.rotation.align_factors`):
+rotates its factors into the frame of the global factors it received
+(:func:`~fedlowrank.linalg.rotation.align_factors`):
 ``Ã = Rᵀ A``, ``B̃ = B R`` with ``R: [r, r]`` orthogonal, so ``B̃ Ã = B A`` and the client's model is unchanged.
 ``R`` solves an r×r orthogonal Procrustes problem on one factor, alternating by round: ``M = A Agᵀ``
 (``min ‖Rᵀ A − Ag‖``) or ``M = Bᵀ Bg`` (``min ‖B R − Bg‖``), ``M = U Σ Vᵀ``, ``R* = U Vᵀ``. The soft rotation (the

@@ -68,14 +68,21 @@ class Ravan(Method):
         super().__post_init__()
         bad = [k for k in self.client_heads if not 1 <= k <= self.heads]
         if bad:
-            raise ValueError(f"method.client_heads: each entry must be in [1, method.heads = {self.heads}], got {bad[0]}")
+            raise ValueError(f"method.client_heads: each entry must be in [1, method.heads = {self.heads}], "
+                             f"got {bad[0]}")
         self._corrections = make_corrections(self.correction, self.mu, "mean")
+
+    def unequal_replies(self) -> str:
+        if not self.client_heads:
+            return ""
+        return "with method.client_heads each client sends only the cores of the heads it trained"
 
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         """Attach a :class:`RavanLinear` to every target (bases from ``"ravan-bases"``, keyed by target index)."""
         if info.heterogeneous_ranks:
-            raise ValueError(f"lora.ranks: ravan does not support heterogeneous ranks: {self.heterogeneous_ranks_refusal}")
+            raise ValueError("lora.ranks: ravan does not support heterogeneous ranks: "
+                             + self.heterogeneous_ranks_refusal)
         self.info = info
         index = {name: i for i, name in enumerate(model.target_names)}
 
