@@ -124,6 +124,28 @@ PROTOCOLS = {
                              grid="1e-3,3e-3,1e-2"),
     "vision-domains": Protocol("the same under feature shift: 6 domains, one per client, 12 clients", VISION_METHODS,
                                VISION + RANKS + DOMAINS, config="fmnist", grid="1e-3,3e-3,1e-2"),
+    # FedRot-LoRA's Table 1 (r = 4, Dirichlet α = 0.5): its gain over FedIT grows with the clients, +2.2 / +4.6 / +10.5
+    # points at 3 / 10 / 50; the claim holds if the 50-client gain exceeds the 10-client one
+    "fedrot-10": Protocol("FedRot-LoRA beats FedIT at 10 clients, Dirichlet α = 0.5", ["fedrot-lora", "fedit"],
+                          TEXT + TEN + ["partition.alpha=0.5"], seeds="0,1,2,3,4,5", grid="3e-4,1e-3,3e-3",
+                          reference="fedrot-lora"),
+    "fedrot-50": Protocol("the same at 50 clients, 10 per round", ["fedrot-lora", "fedit"],
+                          TEXT + TEN + ["partition.alpha=0.5", "partition.num_clients=50"], seeds="0,1,2,3,4,5",
+                          grid="3e-4,1e-3,3e-3", reference="fedrot-lora"),
+    # FedSVD's claim, with and without client-level DP (central, ε = 6 after the run); each method's own grid
+    "fedsvd": Protocol("FedSVD beats FFA-LoRA and FedIT without DP (Dirichlet α = 0.5)",
+                       ["fedsvd", "ffa-lora", "fedit"], TEXT + TEN + ["partition.alpha=0.5"], seeds="0,1,2,3,4,5", reference="fedsvd"),
+    "fedsvd-dp": Protocol("FedSVD beats FFA-LoRA and FedIT under client-level DP at ε = 6",
+                          ["fedsvd", "ffa-lora", "fedit"], TEXT + TEN + ["partition.alpha=0.5", "privacy.mode=central", "privacy.target_epsilon=6",
+                                        "privacy.clip=0.5", "server.weighting=uniform"],  # C not tuned
+                          seeds="0,1,2,3,4,5", reference="fedsvd"),
+    # RAVAN at FedIT's trained parameters: MiniLM's 384×384 query/value at r = 4 train 4·(384 + 384) = 3,072 numbers
+    # per target, as many as 3 heads of 32 × 32 cores (3·32²); the ranks come from compare.overrides, since the
+    # protocol's own settings would override them
+    "ravan-params": Protocol("RAVAN (3 heads, r = 32) vs FedIT (r = 4) at equal trained parameters, label skew α = 0.1",
+                             ["ravan", "fedit"], [s for s in TEXT if not s.startswith("lora.rank")] + TEN + NONIID
+                             + ['compare.overrides={fedit = ["lora.rank=4"], ravan = ["method.heads=3", '
+                                '"lora.rank=32"]}'], seeds="0,1,2,3,4,5", reference="ravan"),
 }
 
 
