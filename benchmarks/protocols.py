@@ -134,9 +134,11 @@ PROTOCOLS = {
                           grid="3e-4,1e-3,3e-3", reference="fedrot-lora"),
     # FedSVD's claim, with and without client-level DP (central, ε = 6 after the run); each method's own grid
     "fedsvd": Protocol("FedSVD beats FFA-LoRA and FedIT without DP (Dirichlet α = 0.5)",
-                       ["fedsvd", "ffa-lora", "fedit"], TEXT + TEN + ["partition.alpha=0.5"], seeds="0,1,2,3,4,5", reference="fedsvd"),
+                       ["fedsvd", "ffa-lora", "fedit"], TEXT + TEN + ["partition.alpha=0.5"], seeds="0,1,2,3,4,5",
+                       reference="fedsvd"),
     "fedsvd-dp": Protocol("FedSVD beats FFA-LoRA and FedIT under client-level DP at ε = 6",
-                          ["fedsvd", "ffa-lora", "fedit"], TEXT + TEN + ["partition.alpha=0.5", "privacy.mode=central", "privacy.target_epsilon=6",
+                          ["fedsvd", "ffa-lora", "fedit"],
+                          TEXT + TEN + ["partition.alpha=0.5", "privacy.mode=central", "privacy.target_epsilon=6",
                                         "privacy.clip=0.5", "server.weighting=uniform"],  # C not tuned
                           seeds="0,1,2,3,4,5", reference="fedsvd"),
     # RAVAN at FedIT's trained parameters: MiniLM's 384×384 query/value at r = 4 train 4·(384 + 384) = 3,072 numbers
