@@ -1,0 +1,85 @@
+"""What FedSVD, FedRot-LoRA and RAVAN share: ``fedlowrank methods NAME`` shows every declaration and why mixed ranks
+are refused; a tampered reply is rejected and leaves the global state as without it; their protocols in
+benchmarks/protocols.py resolve to valid configs, RAVAN's at FedIT's number of trained parameters."""
+
+import json
+
+import pytest
+import torch
+from helpers import tiny_config, tiny_task
+from test_florg_protocol import protocols  # noqa: F401  (the fixture)
+
+from fedlowrank.cli import main
+from fedlowrank.config import load_config
+from fedlowrank.experiments.compare import method_settings
+from fedlowrank.methods import available_methods
+from fedlowrank.runtime.simulator import Simulation
+from fedlowrank.schema import declared
+
+METHODS = ["fedsvd", "fedrot-lora", "ravan"]
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_methods_name_shows_every_option_and_why_mixed_ranks_are_refused(name, capsys):
+    assert main(["methods", name]) == 0
+    out = capsys.readouterr().out
+    cls = available_methods()[name]
+    assert out.startswith(f"{name}\n  {cls.description}\n  paper: {cls.paper}\n") and "arXiv:" in cls.paper
+    assert f"\n  equal client ranks only: {cls.heterogeneous_ranks_refusal}\n" in out and "privacy: central, local" in out
+    for key, d in declared(cls).items():
+        assert f"    method.{key} = {json.dumps(d.default, ensure_ascii=False)}\n        {d.meaning}\n" in out, key
+
+
+def _first(reply, marker):
+    return next(k for k in sorted(reply.tensors()) if marker in k)
+
+
+TAMPER = {"a wrong shape": lambda r, k: r.update({k: torch.zeros(r[k].shape[0] + 1, r[k].shape[1])}),
+          "float64": lambda r, k: r.update({k: r[k].double()}),
+          "a missing tensor": lambda r, k: r.pop(k),
+          "an extra tensor": lambda r, k: r.update({k + "x": r[k]})}
+
+
+@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("tamper", sorted(TAMPER))
+def test_a_tampered_reply_is_rejected_and_the_round_aggregates_without_it(name, tamper):
+    marker = ".ravan_H." if name == "ravan" else ".lora_B"
+    sets = [f"method.name={name}", "run.rounds=1", "run.clients_per_round=3"]
+    honest = Simulation(tiny_config(*sets), task=tiny_task())
+    victim = honest.run_round()["clients"][0]
+    without = Simulation(tiny_config(*sets, f"run.dropout_schedule=[[1, {victim}]]"), task=tiny_task())
+    without.run()
+
+    def attack(rnd, k, reply):
+        if k == victim:
+            TAMPER[tamper](reply, _first(reply, marker))
+        return reply
+
+    attacked = Simulation(tiny_config(*sets), task=tiny_task(), tamper=attack)
+    attacked.run()
+    assert [r["client"] for r in attacked.history[0]["rejected"]] == [victim]
+    for k, v in without.server.items():
+        assert torch.equal(v, attacked.server[k]) if isinstance(v, torch.Tensor) else v == attacked.server[k], k
+
+NAMES = ["fedrot-10", "fedrot-50", "fedsvd", "fedsvd-dp", "ravan-params"]
+
+
+def resolved(p, method: str):
+    base = load_config(p.config, [f"method.name={method}", *p.sets])
+    return load_config(p.config, method_settings(base, method, p.sets))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_method_of_the_protocol_resolves_to_a_valid_config(protocols, name):  # noqa: F811
+    p = protocols[name]
+    assert len(p.seeds.split(",")) >= 6 and p.reference == p.methods[0]
+    for method in p.methods:
+        assert resolved(p, method).method_name == method
+
+
+def test_ravan_trains_as_many_parameters_per_target_as_fedit(protocols):  # noqa: F811
+    p = protocols["ravan-params"]
+    ravan, fedit = resolved(p, "ravan"), resolved(p, "fedit")
+    d = 384                                                   # MiniLM-L6's hidden size: query, value are 384×384
+    assert ravan.method_options["heads"] * ravan.lora.rank ** 2 == fedit.lora.rank * (d + d) == 3072
+    assert resolved(protocols["fedrot-50"], "fedit").partition.num_clients == 50
