@@ -178,3 +178,13 @@ def test_head_subsets_refuse_central_dp_and_robust_aggregation_at_config_time():
     sim = run_tiny("ravan", "method.client_heads=[1, 4]", "privacy.mode=local", "privacy.clip=0.5",
                    "privacy.noise_multiplier=0.1")
     assert not any(r.get("rejected") for r in sim.history) and all(r["epsilon"] > 0 for r in sim.history)
+
+
+def test_joint_output_of_cohort_members_equals_each_members_own():
+    members = [_layer(seed=s) for s in range(3)]
+    for m in members[1:]:                                      # one shared frozen base, as cohort views share it
+        m.base = members[0].base
+    x = torch.randn(3 * 4, 5, 5, generator=torch.Generator().manual_seed(2))
+    joint = RavanLinear.joint_adapter_output(members, x)
+    own = torch.cat([m.adapter_output(x[4 * k:4 * (k + 1)]) for k, m in enumerate(members)])
+    torch.testing.assert_close(joint, own, rtol=1e-5, atol=1e-6)

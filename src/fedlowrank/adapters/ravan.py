@@ -101,6 +101,18 @@ class RavanLinear(AdaptedLinear):
         B_eff, A_cat = self._factors()
         return self.output_map(self.input_map(self.dropout(x), A_cat), B_eff)
 
+    @classmethod
+    def joint_adapter_output(cls, members: list["RavanLinear"], x: torch.Tensor) -> torch.Tensor | None:
+        """Every member's adapter output on its share of ``x [K·n, ..., in]`` as two batched products over the K
+        members (each a rank-h·r pair ``(B_eff, A_cat)``); linear targets without adapter dropout, else ``None``."""
+        if isinstance(members[0].base, nn.Conv2d) or not all(isinstance(m.dropout, nn.Identity) for m in members):
+            return None
+        pairs = [m._factors() for m in members]
+        B = torch.stack([b for b, _ in pairs]).to(x.dtype)                       # [K, out, h·r]
+        A = torch.stack([a for _, a in pairs]).to(x.dtype)                       # [K, h·r, in]
+        out = torch.bmm(torch.bmm(x.reshape(len(members), -1, x.shape[-1]), A.mT), B.mT)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
 
 def ravan_modules(model: AdaptedModel) -> dict[str, RavanLinear]:
     mods = model.adapters()
