@@ -188,3 +188,24 @@ def test_joint_output_of_cohort_members_equals_each_members_own():
     joint = RavanLinear.joint_adapter_output(members, x)
     own = torch.cat([m.adapter_output(x[4 * k:4 * (k + 1)]) for k, m in enumerate(members)])
     torch.testing.assert_close(joint, own, rtol=1e-5, atol=1e-6)
+
+
+def test_flower_with_head_subsets_equals_the_simulator(monkeypatch):
+    """Each client's own downlink (its heads) and its shorter upload go through Flower as through the simulator."""
+    pytest.importorskip("flwr")
+    import test_flower as harness
+    from flwr.supercore.task_identity import TaskIdentity
+
+    import fedlowrank.runtime.run as run_module
+    from fedlowrank.runtime.flower import client_app
+
+    for name in ("run_id", "node_id", "task_id"):                  # as test_flower's flower_process fixture
+        monkeypatch.setattr(TaskIdentity, f"_{name}", 7)
+    monkeypatch.setattr(run_module, "build_task", lambda cfg: tiny_task())
+    client_app._runs.clear()
+    sets = ("method.client_heads=[1, 3]", "run.clients_per_round=3")
+    ref = run_tiny("ravan", *sets)
+    sim, _, _ = harness.run_flower("method.name=ravan", *sets)
+    client_app._runs.clear()
+    harness.assert_same_state(sim.server, ref.server)
+    assert sim.ledger.rows == ref.ledger.rows and len({r["up"] for r in ref.ledger.rows}) > 1   # uploads differ
