@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..adapters.model import AdaptedModel
+from ..adapters.model import AdaptedModel, matrix_shape
 from ..adapters.ravan import BASES_INITS, RavanLinear, ravan_bases, ravan_modules
 from ..message import Message, State
 from ..schema import setting
@@ -87,7 +87,7 @@ class Ravan(Method):
         index = {name: i for i, name in enumerate(model.target_names)}
 
         def make(name: str, lin: nn.Module) -> RavanLinear:
-            out_f, in_f = lin.weight.shape[0], lin.weight[0].numel()
+            out_f, in_f = matrix_shape(lin)
             B, A = ravan_bases(out_f, in_f, self.heads, info.rank, self.bases_init,
                                torch_generator(info.seed, "ravan-bases", index[name]), lin.weight.dtype)
             return RavanLinear(lin, B, A, info.dropout)
