@@ -73,6 +73,13 @@ def test_soft_rotation_stays_in_so_r_and_interpolates_from_identity_to_r_star():
         soft_rotation(R_star, 1.5)
 
 
+def test_a_diverged_client_is_not_rotated():
+    B, A = torch.ones(5, 2), torch.ones(2, 4)
+    A[0, 0] = float("nan")
+    B_al, A_al, R = align_factors(B, A, torch.ones(5, 2), torch.ones(2, 4), "A", 0.4)
+    assert torch.equal(R, torch.eye(2, dtype=torch.float64)) and torch.isnan(A_al[0, 0])
+
+
 # -- the method ----------------------------------------------------------------------------------------------
 class KeepTrained(FakeTrainer):
     """FakeTrainer that also keeps the trained (unrotated) parameters."""

@@ -44,7 +44,8 @@ def align_factors(B: torch.Tensor, A: torch.Tensor, B_ref: torch.Tensor, A_ref: 
 
     ``factor = "A"``: ``M = A A_refᵀ``; ``"B"``: ``M = Bᵀ B_ref`` (``[r, r]``). ``hard``: ``R = R*`` over O(r)
     (reflections allowed, λ unused); else ``R = soft_rotation(R* over SO(r), λ)``. Returns
-    ``(B R, Rᵀ A, R)`` in float64, with ``(B R)(Rᵀ A) = B A``.
+    ``(B R, Rᵀ A, R)`` in float64, with ``(B R)(Rᵀ A) = B A``. A non-finite ``M`` (a diverged client) gives
+    ``R = I``: the factors go up as they are, for the server's reply check to reject.
     """
     B, A = B.to(torch.float64), A.to(torch.float64)
     if factor == "A":
@@ -53,7 +54,12 @@ def align_factors(B: torch.Tensor, A: torch.Tensor, B_ref: torch.Tensor, A_ref: 
         M = B.T @ B_ref.to(torch.float64)
     else:
         raise ValueError(f"factor must be 'A' or 'B', got {factor!r}")
-    R = procrustes_rotation(M, special=False) if hard else soft_rotation(procrustes_rotation(M), lam)
+    if not bool(torch.isfinite(M).all()):
+        R = torch.eye(M.shape[0], dtype=torch.float64)
+    elif hard:
+        R = procrustes_rotation(M, special=False)
+    else:
+        R = soft_rotation(procrustes_rotation(M), lam)
     return B @ R, R.T @ A, R
 
 
