@@ -139,3 +139,14 @@ def test_a_reply_that_sends_a_or_a_wrong_dtype_is_rejected():
     key = next(k for k in doubled.tensors() if k.endswith("lora_B"))
     doubled[key] = doubled[key].double()
     assert "expected" in check_reply(sim.method, msg, doubled, 1)
+
+
+def test_client_level_dp_noises_b_before_the_svd():
+    """Central DP clips and noises the B uploads (the server step's input); the SVD after it keeps A orthonormal."""
+    sim = run_tiny("fedsvd", "privacy.mode=central", "privacy.clip=0.05", "privacy.noise_multiplier=1.0",
+                   "server.weighting=uniform")
+    assert all(0 < r["epsilon"] < float("inf") and r["privacy"]["noise_std"] > 0 for r in sim.history)
+    for key, A in sim.server.tensors().items():
+        if key.endswith("lora_A"):
+            A = A.double()
+            torch.testing.assert_close(A @ A.T, torch.eye(A.shape[0], dtype=torch.float64), rtol=0, atol=1e-5)
