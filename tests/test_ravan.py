@@ -209,3 +209,17 @@ def test_flower_with_head_subsets_equals_the_simulator(monkeypatch):
     client_app._runs.clear()
     harness.assert_same_state(sim.server, ref.server)
     assert sim.ledger.rows == ref.ledger.rows and len({r["up"] for r in ref.ledger.rows}) > 1   # uploads differ
+
+
+def test_a_convolution_target_adapts_its_kernel_matrix():
+    conv = torch.nn.Conv2d(3, 6, 3, padding=1)
+    g = torch.Generator().manual_seed(4)
+    B, A = ravan_bases(6, 27, 2, 2, "orthonormal", g)
+    mod = RavanLinear(conv, B, A)
+    with torch.no_grad():
+        for core in mod.cores:
+            core.copy_(torch.randn(2, 2, generator=g))
+    x = torch.randn(2, 3, 5, 5, generator=g)
+    kernel = (conv.weight.reshape(6, -1) + mod.adapter_delta()).reshape(conv.weight.shape)
+    dense = torch.nn.functional.conv2d(x, kernel, conv.bias, padding=1)
+    torch.testing.assert_close(mod(x), dense, rtol=1e-5, atol=1e-5)
