@@ -1,0 +1,171 @@
+"""FedALT (Bian, Wang, Zhang, Xu, "FedALT: Federated Fine-Tuning through Adaptive Local Training with Rest-of-World
+LoRA", arXiv:2503.11880, AAAI 2026). Personalised.
+
+Per target linear (:class:`~fedlowrank.adapters.routed.RoutedLoRALinear`, two experts, two slots, no top-k cut):
+client k keeps its own LoRA ``(A¹_k: [r, in], B¹_k: [out, r])``, its router ``W_k: [2, in]`` and its head in its
+client state across rounds; it receives a frozen Rest-of-World LoRA ``(A⁰_k, B⁰_k)``, and a token ``x`` gives
+``y = W0 x + s·[g₁(x) B¹_kA¹_k x + g₀(x) B⁰_kA⁰_k x]`` with ``g = softmax(W_k x)``. It trains ``A¹_k, B¹_k, W_k`` and
+its head, and uploads ``A¹_k, B¹_k`` only.
+
+Server: it keeps the latest upload of every client (``upload.<k>/<module>.lora_A|B``) and sends client k the uniform
+leave-one-out mean of the others' latest uploads (the official server's rule, for factors):
+``A⁰_k = (1/|U∖{k}|) Σ_{i∈U∖{k}} A¹_i``, ``B⁰_k`` alike, U = the clients that have uploaded at least once. With full
+participation this is the paper's ``(1/(N−1)) Σ_{i≠k}``; with partial participation a round uses the latest upload
+of every other client, not only the sampled ones (the official code samples every client every round, so both
+readings agree there; the latest uploads keep the Rest-of-World the same size from round to round). Before any other
+client has uploaded, the Rest-of-World is zero and contributes nothing (as the official round 0, where ``B⁰ = 0``).
+
+Own factors start as LoRA's (``A¹`` uniform in ``±1/√in``, ``B¹ = 0``) and the router as a linear layer's default,
+each from the seeded stream ``"fedalt-client"`` of the client. The head is the client's own (it starts from the
+model's and never travels). :meth:`load_global` is the uniform mean of every latest upload with an even router: what a
+client that never trained would get.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..adapters.model import AdaptedModel
+from ..adapters.routed import RoutedLoRALinear, routed_modules
+from ..message import Message, State
+from ..seeding import torch_generator
+from . import register
+from .base import Method, SetupInfo, head_tensors, load_head, on_host
+
+
+def upload_key(client: int, key: str) -> str:
+    """The server-state key of client ``client``'s latest upload of ``key`` (``"<module>.lora_A"``)."""
+    return f"upload.{client}/{key}"
+
+
+@register
+@dataclass
+class FedALT(Method):
+    name = "fedalt"
+    description = ("personalised: each client keeps its own LoRA and a per-token router mixing it with a "
+                   "leave-one-out Rest-of-World LoRA the server sends it")
+    paper = ("Bian, Wang, Zhang, Xu, FedALT: Federated Fine-Tuning through Adaptive Local Training with "
+             "Rest-of-World LoRA (arXiv:2503.11880, AAAI 2026)")
+    uplink = "own A¹_k [r,in], B¹_k [out,r] per target module (router and head stay on the client)"
+    downlink = ("client k's Rest-of-World A⁰_k [r,in], B⁰_k [out,r] per target module: the mean of every other "
+                "client's latest upload")
+    needs_individual_replies = True          # the server keeps each client's latest upload for the leave-one-out
+    personalized = True
+    supports_cohorts = True                  # train: one fit of own factors, router and head, routed per member
+    heterogeneous_ranks_refusal = ("the Rest-of-World is a mean of factors, which needs every client at the same "
+                                   "rank")
+    privacy_refusal = ("the server keeps each client's latest upload to form every leave-one-out mean, so neither "
+                       "secure aggregation nor noise on the sum of the replies applies; local DP noises each upload")
+    preset = {"train.optimizer": "adamw", "train.weight_decay": 0.05, "server.weighting": "uniform"}
+    lr_grid = (3e-4, 1e-3, 3e-3)
+
+    def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
+        """Attach a two-expert :class:`RoutedLoRALinear` to every target; the server starts with no uploads."""
+        if info.heterogeneous_ranks:
+            raise ValueError("lora.ranks: fedalt does not support heterogeneous ranks: "
+                             + self.heterogeneous_ranks_refusal)
+        self.info = info
+        model.attach(lambda name, lin: RoutedLoRALinear(lin, info.rank, info.alpha, info.scaling, info.dropout,
+                                                        slot_expert=[0, 1], top_k=2))
+        self._shapes = {name: (m.out_features, m.in_features) for name, m in routed_modules(model).items()}
+        self._head = head_tensors(model)
+        return State({"uploaded": torch.zeros(info.num_clients)})
+
+    def init_client(self, client: int) -> State:
+        """Own ``A¹`` (LoRA's init), ``B¹ = 0``, the router (``U(±1/√in)``, a linear layer's init), the model's
+        head and the client's index, from the stream ``"fedalt-client"`` of ``client``."""
+        gen = torch_generator(self.info.seed, "fedalt-client", client)
+        state = State({"client": int(client)})
+        for name, (out_f, in_f) in self._shapes.items():
+            bound = 1.0 / math.sqrt(in_f)
+            state[f"{name}.lora_A"] = (torch.rand(self.info.rank, in_f, generator=gen) * 2 - 1) * bound
+            state[f"{name}.lora_B"] = torch.zeros(out_f, self.info.rank)
+            state[f"{name}.router"] = (torch.rand(2, in_f, generator=gen) * 2 - 1) * bound
+        state.update({k: v.clone() for k, v in self._head.items()})
+        return state
+
+    # -- server side -----------------------------------------------------------------------------------
+    def rest_of_world(self, server: State, client: int) -> dict[str, torch.Tensor]:
+        """``{"<module>.lora_A": A⁰_k, "<module>.lora_B": B⁰_k}``: the uniform mean of the latest uploads of the
+        clients other than ``client`` that have uploaded (zeros when none has), accumulated in float64."""
+        others = [i for i in range(self.info.num_clients) if i != client and float(server["uploaded"][i]) > 0]
+        row = {}
+        for name, (out_f, in_f) in self._shapes.items():
+            for key, shape in ((f"{name}.lora_A", (self.info.rank, in_f)), (f"{name}.lora_B", (out_f, self.info.rank))):
+                acc = torch.zeros(shape, dtype=torch.float64)
+                for i in others:
+                    acc += server[upload_key(i, key)].double()
+                row[key] = (acc / max(len(others), 1)).float()
+        return row
+
+    def broadcast(self, server: State, client: int, rnd: int) -> Message:
+        return Message({k.replace(".lora_", ".row_"): v for k, v in self.rest_of_world(server, client).items()})
+
+    def reply_keys(self, down: Message, rnd: int) -> set[str]:
+        return {k.replace(".row_", ".lora_") for k in down.tensors() if ".row_" in k}
+
+    def aggregate(self, server: State, replies, rnd: int) -> State:
+        """Store each reply as its client's latest upload."""
+        new = State(server)
+        uploaded = server["uploaded"].clone()
+        for r in replies:
+            for key in self.reply_keys_of(r.message):
+                new[upload_key(r.client, key)] = r.message[key].clone()
+            uploaded[r.client] = 1.0
+        new["uploaded"] = uploaded
+        self.report(clients_known=float(uploaded.sum()))
+        return new
+
+    @staticmethod
+    def reply_keys_of(msg: Message) -> list[str]:
+        return sorted(k for k in msg.tensors() if k.endswith((".lora_A", ".lora_B")))
+
+    # -- client side -----------------------------------------------------------------------------------
+    def load(self, model: AdaptedModel, row: Message, state: State) -> None:
+        """Own factors, router and head from ``state``, the Rest-of-World from ``row`` (``.row_`` or ``.lora_``
+        keys)."""
+        for name, mod in routed_modules(model).items():
+            mod.set_base_delta(None)
+            mod.set_experts(state[f"{name}.lora_A"], state[f"{name}.lora_B"], row[f"{name}.row_A"][None],
+                            row[f"{name}.row_B"][None], state[f"{name}.router"])
+        load_head(model, state)
+
+    def trainable(self, model: AdaptedModel) -> dict[str, nn.Parameter]:
+        params: dict[str, nn.Parameter] = {}
+        for name, mod in routed_modules(model).items():
+            params[f"{name}.lora_A"], params[f"{name}.lora_B"] = mod.lora_A, mod.lora_B
+            params[f"{name}.router"] = mod.router
+        params.update({f"head/{n}": p for n, p in model.head_parameters().items()})
+        return params
+
+    def train(self, model, msg, state, trainer):
+        self.load(model, msg, state)
+        params = self.trainable(model)
+        model.set_trainable(params)
+        result = trainer.fit(model, params)
+        new_state = State({k: on_host(p) for k, p in params.items()})
+        new_state["client"] = int(state["client"])
+        up = Message({k: on_host(p) for k, p in params.items() if k.endswith((".lora_A", ".lora_B"))})
+        up["num_examples"] = int(trainer.num_examples)
+        up["train_loss"] = float(result.loss)
+        return up, new_state
+
+    def load_personal(self, model: AdaptedModel, server: State, state: State) -> None:
+        """Client k's model: its own factors, router and head, and the Rest-of-World it would receive now."""
+        self.load(model, self.broadcast(server, int(state["client"]), 0), state)
+
+    def load_global(self, model: AdaptedModel, server: State) -> None:
+        """The uniform mean of every latest upload as both experts, an even router, the model's head."""
+        mean = self.rest_of_world(server, -1)
+        state = State({k: v for k, v in mean.items()})
+        for name, (_, in_f) in self._shapes.items():
+            state[f"{name}.router"] = torch.zeros(2, in_f)
+        state.update(self._head)
+        self.load(model, Message({k.replace(".lora_", ".row_"): v for k, v in mean.items()}), state)
+
+
+__all__ = ["FedALT", "upload_key"]
