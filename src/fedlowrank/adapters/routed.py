@@ -81,8 +81,11 @@ class RoutedLoRALinear(AdaptedLinear):
                 raise ValueError(f"routed LoRA {what}: expected shape {tuple(old.shape)}, got "
                                  f"{None if new is None else tuple(new.shape)}")
         with torch.no_grad():
-            for new, old in shapes.values():
-                old.copy_(new)
+            for what, (new, old) in shapes.items():
+                if isinstance(old, nn.Parameter):
+                    old.copy_(new)
+                else:  # frozen buffers are replaced, never written into: cohort members share them
+                    setattr(self, what, new.detach().to(old.device, old.dtype, copy=True))
 
     def gates(self, x: torch.Tensor) -> torch.Tensor:
         """``g: [..., E]``, each expert's weight per token of ``x: [..., in]`` (top-k slots of the softmax, summed
