@@ -112,8 +112,12 @@ class RoutedLoRALinear(AdaptedLinear):
         return self.scale * self.output_map(h, B.permute(1, 0, 2).reshape(self.out_features, E * r))
 
     def adapter_delta(self) -> torch.Tensor:
-        """Not defined: the update depends on each token through the router."""
-        raise ValueError("a routed LoRA mixture has no token-independent weight update")
+        """``s · Σₑ gₑ(0) Bₑ Aₑ``: ``[out, in]``, the update at a token the router gives no signal (``x = 0``, gates
+        from the bias alone). The real update depends on each token, so this is for inspection only: export refuses
+        routed mixtures."""
+        A, B = self._stacked()
+        g = self.gates(A.new_zeros(self.in_features))                                     # [E]
+        return self.scale * torch.einsum("e,eor,eri->oi", g.to(A.dtype), B, A)
 
 
 def routed_modules(model: AdaptedModel) -> dict[str, RoutedLoRALinear]:

@@ -5,7 +5,8 @@ Per target linear (:class:`~fedlowrank.adapters.routed.RoutedLoRALinear`, two ex
 client k keeps its own LoRA ``(A¹_k: [r, in], B¹_k: [out, r])``, its router ``W_k: [2, in]`` and its head in its
 client state across rounds; it receives a frozen Rest-of-World LoRA ``(A⁰_k, B⁰_k)``, and a token ``x`` gives
 ``y = W0 x + s·[g₁(x) B¹_kA¹_k x + g₀(x) B⁰_kA⁰_k x]`` with ``g = softmax(W_k x)``. It trains ``A¹_k, B¹_k, W_k`` and
-its head, and uploads ``A¹_k, B¹_k`` only.
+its head, and uploads ``A¹_k, B¹_k`` only. Message keys, both ways: ``"<module>.lora_A"`` ``[r, in]``,
+``"<module>.lora_B"`` ``[out, r]`` (down: the Rest-of-World; up: the own factors, shaped as what came down).
 
 Server: it keeps the latest upload of every client (``upload.<k>/<module>.lora_A|B``) and sends client k the uniform
 leave-one-out mean of the others' latest uploads (the official server's rule, for factors):
@@ -58,10 +59,10 @@ class FedALT(Method):
     supports_cohorts = True                  # train: one fit of own factors, router and head, routed per member
     heterogeneous_ranks_refusal = ("the Rest-of-World is a mean of factors, which needs every client at the same "
                                    "rank")
-    privacy_refusal = ("the server keeps each client's latest upload to form every leave-one-out mean, so neither "
-                       "secure aggregation nor noise on the sum of the replies applies; local DP noises each upload")
-    preset = {"train.optimizer": "adamw", "train.weight_decay": 0.05, "server.weighting": "uniform"}
-    lr_grid = (3e-4, 1e-3, 3e-3)
+    # official main.py/config.py: AdamW, weight decay 0.05, lr 3e-4, 5 local epochs, batch 8, every client each round
+    preset = {"train.optimizer": "adamw", "train.weight_decay": 0.05, "train.local_epochs": 5.0,
+              "train.batch_size": 8}
+    lr_grid = (1e-4, 3e-4, 1e-3)
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         """Attach a two-expert :class:`RoutedLoRALinear` to every target; the server starts with no uploads."""
@@ -103,10 +104,11 @@ class FedALT(Method):
         return row
 
     def broadcast(self, server: State, client: int, rnd: int) -> Message:
-        return Message({k.replace(".lora_", ".row_"): v for k, v in self.rest_of_world(server, client).items()})
+        return Message(self.rest_of_world(server, client))
 
     def reply_keys(self, down: Message, rnd: int) -> set[str]:
-        return {k.replace(".row_", ".lora_") for k in down.tensors() if ".row_" in k}
+        """The own factors, named (and shaped) as the Rest-of-World factors of the download."""
+        return set(down.tensors())
 
     def aggregate(self, server: State, replies, rnd: int) -> State:
         """Store each reply as its client's latest upload."""
@@ -126,12 +128,11 @@ class FedALT(Method):
 
     # -- client side -----------------------------------------------------------------------------------
     def load(self, model: AdaptedModel, row: Message, state: State) -> None:
-        """Own factors, router and head from ``state``, the Rest-of-World from ``row`` (``.row_`` or ``.lora_``
-        keys)."""
+        """Own factors, router and head from ``state``, the Rest-of-World from ``row``."""
         for name, mod in routed_modules(model).items():
             mod.set_base_delta(None)
-            mod.set_experts(state[f"{name}.lora_A"], state[f"{name}.lora_B"], row[f"{name}.row_A"][None],
-                            row[f"{name}.row_B"][None], state[f"{name}.router"])
+            mod.set_experts(state[f"{name}.lora_A"], state[f"{name}.lora_B"], row[f"{name}.lora_A"][None],
+                            row[f"{name}.lora_B"][None], state[f"{name}.router"])
         load_head(model, state)
 
     def trainable(self, model: AdaptedModel) -> dict[str, nn.Parameter]:
@@ -161,11 +162,11 @@ class FedALT(Method):
     def load_global(self, model: AdaptedModel, server: State) -> None:
         """The uniform mean of every latest upload as both experts, an even router, the model's head."""
         mean = self.rest_of_world(server, -1)
-        state = State({k: v for k, v in mean.items()})
+        state = State(mean)
         for name, (_, in_f) in self._shapes.items():
             state[f"{name}.router"] = torch.zeros(2, in_f)
         state.update(self._head)
-        self.load(model, Message({k.replace(".lora_", ".row_"): v for k, v in mean.items()}), state)
+        self.load(model, Message(mean), state)
 
 
 __all__ = ["FedALT", "upload_key"]
