@@ -187,3 +187,15 @@ def test_methods_name_lists_the_personalised_method(capsys):
 @pytest.mark.parametrize("tamper", sorted(TAMPER))
 def test_a_tampered_reply_is_rejected(tamper):
     test_a_tampered_reply_is_rejected_and_the_round_aggregates_without_it("fedalt", tamper)
+
+
+@pytest.mark.parametrize("fmt, rank", [("peft", None), ("peft", 2), ("merged", None)])
+def test_export_refuses_a_routed_mixture_with_the_reason(tmp_path, fmt, rank):
+    from fedlowrank.export import export_run
+
+    run_dir = tmp_path / "run"
+    Simulation(tiny_config("method.name=fedalt", "run.rounds=1", "run.checkpoint_every=1"), task=tiny_task(),
+               run_dir=run_dir).run()
+    with pytest.raises(ValueError, match="routed mixture of LoRA experts whose update depends on each token"):
+        export_run(run_dir, tmp_path / "x", fmt, rank, task=tiny_task())
+    assert not (tmp_path / "x").exists()

@@ -42,6 +42,7 @@ from torch import nn
 
 from .adapters.lora import LoRALinear, lora_scale
 from .adapters.model import AdaptedLinear, AdaptedModel, weight_matrix
+from .adapters.routed import RoutedLoRALinear
 from .schema import check_choice
 
 FORMATS = ("peft", "merged")
@@ -309,6 +310,11 @@ def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str) 
     # the base the written files are loaded over: the unquantised backbone when task.quantize stored W0 in 4/8 bits
     base = loaded.net.eval() if loaded is not None and loaded.quantize else pristine
     report: dict[str, Any] = {"method": sim.method.name, "round": sim.round, "format": format}
+    routed = [n for n, m in model.targets() if isinstance(m, RoutedLoRALinear)]
+    if routed:
+        raise ValueError(f"method {sim.method.name!r}: target {routed[0]!r} is a routed mixture of LoRA experts whose "
+                         f"update depends on each token through its router; neither a PEFT LoRA nor merged weights "
+                         f"can hold it")
     if format == "merged":
         net = hf_backbone(merged_net(model, base))
         if not hasattr(net, "save_pretrained"):
