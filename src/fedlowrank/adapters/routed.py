@@ -45,12 +45,8 @@ class RoutedLoRALinear(AdaptedLinear):
         if rank < 1 or rank > min(self.in_features, self.out_features):
             raise ValueError(f"lora.rank must be in [1, {min(self.in_features, self.out_features)}], got {rank}")
         experts = max(slot_expert) + 1
-        if sorted(set(slot_expert)) != list(range(experts)) or not 1 <= top_k <= len(slot_expert):
-            raise ValueError(f"router slots {slot_expert} must cover experts 0..E-1 and top_k {top_k} be in "
-                             f"[1, {len(slot_expert)}]")
         self.scale = lora_scale(alpha, rank, scaling)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.top_k = top_k
         like = dict(dtype=base.weight.dtype, device=base.weight.device)
         self.lora_A = nn.Parameter(torch.zeros(rank, self.in_features, **like))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **like))
@@ -58,7 +54,8 @@ class RoutedLoRALinear(AdaptedLinear):
         self.register_buffer("others_B", torch.zeros(experts - 1, self.out_features, rank, **like), persistent=False)
         self.router = nn.Parameter(torch.zeros(len(slot_expert), self.in_features, **like))
         self.router_bias = nn.Parameter(torch.zeros(len(slot_expert), **like)) if bias else None
-        self.register_buffer("slot_expert", torch.tensor(slot_expert, device=base.weight.device), persistent=False)
+        self.register_buffer("slot_expert", torch.tensor([0]), persistent=False)
+        self.set_routing(slot_expert, top_k)
 
     @property
     def rank(self) -> int:
@@ -67,6 +64,24 @@ class RoutedLoRALinear(AdaptedLinear):
     @property
     def experts(self) -> int:
         return self.others_A.shape[0] + 1
+
+    def set_routing(self, slot_expert: list[int], top_k: int) -> None:
+        """Change the slots' experts and ``top_k``; when the number of experts or slots changes, the frozen experts
+        become zeros and the router (and bias) new zero parameters of the new sizes, to be loaded by
+        :meth:`set_experts`."""
+        experts = max(slot_expert) + 1
+        if sorted(set(slot_expert)) != list(range(experts)) or not 1 <= top_k <= len(slot_expert):
+            raise ValueError(f"router slots {slot_expert} must cover experts 0..E-1 and top_k {top_k} be in "
+                             f"[1, {len(slot_expert)}]")
+        self.top_k = top_k
+        if experts != self.experts:
+            self.others_A = self.others_A.new_zeros(experts - 1, *self.others_A.shape[1:])
+            self.others_B = self.others_B.new_zeros(experts - 1, *self.others_B.shape[1:])
+        if len(slot_expert) != self.router.shape[0]:
+            self.router = nn.Parameter(self.router.new_zeros(len(slot_expert), self.in_features))
+            if self.router_bias is not None:
+                self.router_bias = nn.Parameter(self.router_bias.new_zeros(len(slot_expert)))
+        self.slot_expert = torch.tensor(slot_expert, device=self.slot_expert.device)
 
     def set_experts(self, A: torch.Tensor, B: torch.Tensor, others_A: torch.Tensor, others_B: torch.Tensor,
                     router: torch.Tensor, router_bias: torch.Tensor | None = None) -> None:
