@@ -126,3 +126,16 @@ def test_refusals_name_the_field_and_the_reason():
 @pytest.mark.parametrize("tamper", sorted(TAMPER))
 def test_a_tampered_reply_is_rejected(tamper):
     test_a_tampered_reply_is_rejected_and_the_round_aggregates_without_it("fedlease", tamper)
+
+
+def test_export_refuses_the_routed_experts(tmp_path):
+    from fedlowrank.export import export_run
+    from fedlowrank.runtime.simulator import Simulation
+
+    from helpers import tiny_config, tiny_task
+
+    run_dir = tmp_path / "run"
+    Simulation(tiny_config("method.name=fedlease", "run.rounds=2", "run.clients_per_round=4",
+                           "run.checkpoint_every=1"), task=tiny_task(), run_dir=run_dir).run()
+    with pytest.raises(ValueError, match="routed mixture of LoRA experts"):
+        export_run(run_dir, tmp_path / "x", "peft", task=tiny_task())
