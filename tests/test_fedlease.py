@@ -139,3 +139,17 @@ def test_export_refuses_the_routed_experts(tmp_path):
                            "run.checkpoint_every=1"), task=tiny_task(), run_dir=run_dir).run()
     with pytest.raises(ValueError, match="routed mixture of LoRA experts"):
         export_run(run_dir, tmp_path / "x", "peft", task=tiny_task())
+
+
+def test_methods_name_lists_every_option_and_the_refusals(capsys):
+    import json
+
+    from fedlowrank.cli import main
+    from fedlowrank.methods import available_methods
+    from fedlowrank.schema import declared
+
+    assert main(["methods", "fedlease"]) == 0
+    out = capsys.readouterr().out
+    assert "arXiv:2509.15087" in out and "privacy: local" in out and "an expert is a mean" in out
+    for key, d in declared(available_methods()["fedlease"]).items():
+        assert f"    method.{key} = {json.dumps(d.default)}\n        {d.meaning}\n" in out, key
