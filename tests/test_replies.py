@@ -1,0 +1,101 @@
+"""A reply is checked against what its method declares it uploads (``Method.upload_spec``), and an outlying update is
+rejected: one bad node never ends a run nor moves the global state, in every registered method.
+
+Each attack below is sent by one client of round 1; the run must finish with the state of a run in which those
+clients simply did not reply (``run.dropout_schedule``), in the simulator and over Flower's message contract.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedlowrank.config import load_config
+from fedlowrank.message import Message
+from fedlowrank.methods import available_methods
+from fedlowrank.runtime.engine import sample_clients
+from fedlowrank.runtime.simulator import Simulation
+
+from helpers import tiny_task
+
+# settings a method requires on the tiny task (SSF's and FedSub's plain SGD local steps)
+METHOD_SETTINGS = {"ssf": ["train.optimizer=sgd", "train.lr=0.05"], "fedsub": ["train.optimizer=sgd", "train.lr=0.05"]}
+ROUND = ["partition.num_clients=8", "partition.kind=iid", "run.clients_per_round=8", "run.rounds=2"]
+
+
+def _target(reply: Message, i: int) -> str:
+    """The i-th floating tensor of the reply (cyclically, sorted by name): each attack hits a different one."""
+    keys = sorted(k for k, t in reply.tensors().items() if t.is_floating_point())
+    return keys[i % len(keys)]
+
+
+def _wrong_shape(reply, key):
+    reply[key] = torch.zeros(reply[key].shape[0] + 1, *reply[key].shape[1:], dtype=reply[key].dtype)
+
+
+def _extra(reply, key):
+    reply["evil"] = torch.zeros(7, 7)
+
+
+def _missing(reply, key):
+    del reply[key]
+
+
+def _float64(reply, key):
+    reply[key] = reply[key].double()
+
+
+def _nan(reply, key):
+    reply[key] = reply[key].clone()
+    reply[key].view(-1)[0] = float("nan")
+
+
+def _huge(reply, key):
+    reply[key] = torch.full_like(reply[key], 3e38)
+
+
+# attack -> what the rejection reason says
+ATTACKS = {_wrong_shape: "expected", _extra: "unexpected tensors: evil", _missing: "missing tensors", _float64:
+           "torch.float64", _nan: "non-finite", _huge: "server.outlier_ratio"}
+
+
+def attack(reply: Message, which: int) -> Message:
+    """``reply`` with attack number ``which`` (of :data:`ATTACKS`) applied (a new message)."""
+    out = Message(reply)
+    fn = list(ATTACKS)[which]
+    fn(out, _target(reply, which))
+    return out
+
+
+def _cfg(method: str, *sets: str):
+    return load_config("tiny", [f"method.name={method}", *ROUND, *METHOD_SETTINGS.get(method, []), *sets])
+
+
+def attackers(cfg) -> list[int]:
+    """The clients of round 1 that attack (one per attack); the others reply honestly."""
+    return sample_clients(cfg.run.seed, 1, cfg.partition.num_clients, cfg.run.clients_per_round)[:len(ATTACKS)]
+
+
+def assert_same_state(a, b):
+    assert set(a.tensors()) == set(b.tensors())
+    for k, v in a.tensors().items():
+        assert torch.equal(v, b[k]), k
+
+
+@pytest.mark.parametrize("method", sorted(available_methods()))
+def test_bad_replies_are_rejected_and_the_run_ends_with_the_honest_result(method):
+    cfg = _cfg(method)
+    bad = attackers(cfg)
+    plan = {k: i for i, k in enumerate(bad)}
+    attacked = Simulation(cfg, task=tiny_task(), tamper=lambda rnd, k, r: attack(r, plan[k]) if rnd == 1 and k in plan else r)
+    attacked.run()
+    absent = Simulation(_cfg(method, f"run.dropout_schedule={[[1, k] for k in bad]}"), task=tiny_task())
+    absent.run()
+    reasons = {r["client"]: r["reason"] for r in attacked.history[0]["rejected"]}
+    assert sorted(reasons) == sorted(bad)
+    for k, i in plan.items():
+        assert list(ATTACKS.values())[i] in reasons[k], (k, reasons[k])
+    assert "rejected" not in attacked.history[1]
+    assert_same_state(attacked.server, absent.server)
+    for ra, rb in zip(attacked.history, absent.history, strict=True):
+        assert (ra["replied"], ra["train_loss"], ra.get("accuracy")) == (rb["replied"], rb["train_loss"], rb.get("accuracy"))
