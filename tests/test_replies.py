@@ -20,7 +20,7 @@ from helpers import tiny_task
 
 # settings a method requires on the tiny task (SSF's and FedSub's plain SGD local steps)
 METHOD_SETTINGS = {"ssf": ["train.optimizer=sgd", "train.lr=0.05"], "fedsub": ["train.optimizer=sgd", "train.lr=0.05"]}
-ROUND = ["partition.num_clients=8", "partition.kind=iid", "run.clients_per_round=8", "run.rounds=2"]
+ROUND = ["partition.num_clients=7", "partition.kind=iid", "run.clients_per_round=7", "run.rounds=2"]  # 6 bad, 1 honest
 
 
 def _target(reply: Message, i: int) -> str:
@@ -99,3 +99,52 @@ def test_bad_replies_are_rejected_and_the_run_ends_with_the_honest_result(method
     assert_same_state(attacked.server, absent.server)
     for ra, rb in zip(attacked.history, absent.history, strict=True):
         assert (ra["replied"], ra["train_loss"], ra.get("accuracy")) == (rb["replied"], rb["train_loss"], rb.get("accuracy"))
+
+
+
+def _replies(*norms: float):
+    from fedlowrank.message import Reply
+
+    return [Reply(k, 1, Message({"w": torch.tensor([n, 0.0]), "num_examples": 1, "train_loss": 0.0}))
+            for k, n in enumerate(norms)], {k: Message({"w": torch.zeros(2)}) for k in range(len(norms))}
+
+
+@pytest.mark.parametrize("norms, rejected", [
+    ((1.0, 2.0, 100.0), [2]),         # median of the others: 1.5
+    ((1.0, 100.0), [1]),              # two replies: each measured against the other
+    ((5.0,), []),                     # a lone reply has nothing to be measured against
+    ((1.0, 1.0, 1.0, 10.0), []),      # at the bound: kept
+    ((1.0, 1.0, 1.0, 10.5), [3]),
+    ((0.0, 0.0, 0.0), []),
+])
+def test_an_update_is_measured_against_the_median_of_the_rounds_other_updates(norms, rejected):
+    from fedlowrank.runtime.robust import outlying_replies
+
+    replies, downs = _replies(*norms)
+    kept, out = outlying_replies(replies, downs, 10.0)
+    assert [r["client"] for r in out] == rejected
+    assert [r.client for r in kept] == [k for k in range(len(norms)) if k not in rejected]
+    assert all("server.outlier_ratio = 10 times" in r["reason"] for r in out)
+
+
+def test_the_outlier_rule_is_off_under_central_dp_and_when_inf():
+    from fedlowrank.runtime.robust import outlier_ratio
+
+    assert outlier_ratio(load_config("tiny")) == 10.0
+    assert outlier_ratio(load_config("tiny", ["server.outlier_ratio=inf"])) == float("inf")
+    assert outlier_ratio(load_config("tiny", ["privacy.mode=central", "privacy.clip=1.0",
+                                              "server.weighting=uniform"])) == float("inf")
+
+
+def test_one_bad_node_alone_in_its_round_skips_the_round_and_never_ends_the_run():
+    """One client per round: its NaN reply leaves round 1 without a usable reply; the round is skipped with the
+    global state unchanged (no DivergenceError: that is for a run diverging from honest replies)."""
+    sets = ["run.clients_per_round=1", "run.rounds=2"]
+    attacked = Simulation(load_config("tiny", sets), task=tiny_task(), tamper=lambda rnd, k, r: attack(r, 4) if rnd == 1 else r)
+    attacked.run()
+    first = attacked.history[0]
+    absent = Simulation(load_config("tiny", [*sets, f"run.dropout_schedule=[[1, {first['clients'][0]}]]"]),
+                        task=tiny_task())
+    absent.run()
+    assert first["skipped"] and "non-finite" in first["rejected"][0]["reason"]
+    assert_same_state(attacked.server, absent.server)
