@@ -82,14 +82,15 @@ def assert_same_state(a, b):
         assert torch.equal(v, b[k]), k
 
 
-@pytest.mark.parametrize("method", sorted(available_methods()))
-def test_bad_replies_are_rejected_and_the_run_ends_with_the_honest_result(method):
-    cfg = _cfg(method)
+@pytest.mark.parametrize("method, sets", [(m, ()) for m in sorted(available_methods())] +
+                         [("fedgalore", ("method.upload=segments",))])  # tensors whose number the client chooses
+def test_bad_replies_are_rejected_and_the_run_ends_with_the_honest_result(method, sets):
+    cfg = _cfg(method, *sets)
     bad = attackers(cfg)
     plan = {k: i for i, k in enumerate(bad)}
     attacked = Simulation(cfg, task=tiny_task(), tamper=lambda rnd, k, r: attack(r, plan[k]) if rnd == 1 and k in plan else r)
     attacked.run()
-    absent = Simulation(_cfg(method, f"run.dropout_schedule={[[1, k] for k in bad]}"), task=tiny_task())
+    absent = Simulation(_cfg(method, *sets, f"run.dropout_schedule={[[1, k] for k in bad]}"), task=tiny_task())
     absent.run()
     reasons = {r["client"]: r["reason"] for r in attacked.history[0]["rejected"]}
     assert sorted(reasons) == sorted(bad)
@@ -148,3 +149,18 @@ def test_one_bad_node_alone_in_its_round_skips_the_round_and_never_ends_the_run(
     absent.run()
     assert first["skipped"] and "non-finite" in first["rejected"][0]["reason"]
     assert_same_state(attacked.server, absent.server)
+
+
+@pytest.mark.parametrize("segments", ["0", list(range(2000)), [0, "1"], [-2]])
+def test_a_malformed_segment_list_is_rejected_with_the_reason(segments):
+    def tamper(rnd, k, reply):
+        out = Message(reply)
+        out["galore_segments"] = segments
+        return out if k == bad else reply
+
+    cfg = _cfg("fedgalore", "method.upload=segments", "run.rounds=1")
+    bad = attackers(cfg)[0]
+    sim = Simulation(cfg, task=tiny_task(), tamper=tamper)
+    sim.run()
+    assert sim.history[0]["rejected"] == [{"client": bad, "reason": "galore_segments must be a list of at most 1024 "
+                                                                      "basis indices >= -1"}]

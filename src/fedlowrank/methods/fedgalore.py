@@ -141,7 +141,8 @@ class FedGaLore(FedAvgFull):
         ``Q [d_p, r]`` (in the weight's dtype)."""
         specs = super().upload_spec(down, rnd)
         if self.upload == "segments":
-            specs = {k: s for k, s in specs.items() if not k.endswith(".weight")}
+            for n in self._shapes:
+                del specs[f"{n}.weight"]
         if self.state_sync != "none":
             for n in self._shapes:
                 (d_u, d_p), r, dtype = self.canonical_dims(n), self.block_rank(n), down[f"{n}.weight"].dtype
@@ -152,19 +153,21 @@ class FedGaLore(FedAvgFull):
 
     def chosen_upload_spec(self, down: Message, reply: Message) -> Upload:
         """With ``upload=segments``, per block and basis segment ``k`` of ``reply["galore_segments"]`` (at most one
-        per local step): ``C [d_u, r]`` float32 and, for an SVD basis, ``Q [d_p, r]`` in the weight's dtype."""
+        per local step): ``C [d_u, r]`` float32 and, for an SVD basis, ``Q [d_p, r]`` in the weight's dtype. The
+        client's SVD refreshes are S capped by its last refresh index, as in :meth:`train`."""
         if self.upload != "segments":
             return {}
         segments = reply.get(SEGMENTS_KEY)
         if not isinstance(segments, list) or not all(type(j) is int and j >= LOADED for j in segments) \
                 or len(segments) > MAX_SEGMENTS:
             raise ValueError(f"{SEGMENTS_KEY} must be a list of at most {MAX_SEGMENTS} basis indices >= {LOADED}")
+        svd = self.svd_refreshes if self.svd_refreshes < 0 else min(self.svd_refreshes, max([0, *segments]))
         specs: Upload = {}
         for n in self._shapes:
             (d_u, d_p), r, dtype = self.canonical_dims(n), self.block_rank(n), down[f"{n}.weight"].dtype
             for k, j in enumerate(segments):
                 specs[f"{n}.galore_seg{k}.C"] = TensorSpec((d_u, r), torch.float32)
-                if j != LOADED and (self.svd_refreshes < 0 or j < self.svd_refreshes):
+                if j != LOADED and (svd < 0 or j < svd):
                     specs[f"{n}.galore_seg{k}.Q"] = TensorSpec((d_p, r), dtype)
         return specs
 
