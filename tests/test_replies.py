@@ -151,16 +151,28 @@ def test_one_bad_node_alone_in_its_round_skips_the_round_and_never_ends_the_run(
     assert_same_state(attacked.server, absent.server)
 
 
-@pytest.mark.parametrize("segments", ["0", list(range(2000)), [0, "1"], [-2]])
-def test_a_malformed_segment_list_is_rejected_with_the_reason(segments):
+SEGMENTS_LIST = "galore_segments must be a list of at most 1024 basis indices >= -1"
+
+
+@pytest.mark.parametrize("key, value, reason", [
+    ("galore_segments", "0", SEGMENTS_LIST), ("galore_segments", list(range(2000)), SEGMENTS_LIST),
+    ("galore_segments", [0, "1"], SEGMENTS_LIST), ("galore_segments", [-2], SEGMENTS_LIST),
+    ("galore_decay", float("nan"), "galore_decay must be a number in (0, 1], got nan"),
+    ("galore_decay", 3e38, "galore_decay must be a number in (0, 1], got 3e+38"),
+    ("galore_basis_index", "x", "galore_basis_index must be an integer >= -1, got 'x'"),
+    ("galore_basis_index", None, "galore_basis_index must be an integer >= -1, got None"),
+])
+def test_fedgalore_scalars_the_server_reads_are_checked(key, value, reason):
     def tamper(rnd, k, reply):
         out = Message(reply)
-        out["galore_segments"] = segments
+        if value is None:
+            del out[key]
+        else:
+            out[key] = value
         return out if k == bad else reply
 
     cfg = _cfg("fedgalore", "method.upload=segments", "run.rounds=1")
     bad = attackers(cfg)[0]
     sim = Simulation(cfg, task=tiny_task(), tamper=tamper)
     sim.run()
-    assert sim.history[0]["rejected"] == [{"client": bad, "reason": "galore_segments must be a list of at most 1024 "
-                                                                      "basis indices >= -1"}]
+    assert sim.history[0]["rejected"] == [{"client": bad, "reason": reason}]

@@ -154,9 +154,17 @@ class FedGaLore(FedAvgFull):
     def chosen_upload_spec(self, down: Message, reply: Message) -> Upload:
         """With ``upload=segments``, per block and basis segment ``k`` of ``reply["galore_segments"]`` (at most one
         per local step): ``C [d_u, r]`` float32 and, for an SVD basis, ``Q [d_p, r]`` in the weight's dtype. The
-        client's SVD refreshes are S capped by its last refresh index, as in :meth:`train`."""
+        client's SVD refreshes are S capped by its last refresh index, as in :meth:`train`. Also checks the scalars
+        the server step reads: ``galore_basis_index`` an integer >= -1 (with a state sync), ``galore_decay`` D_T in
+        (0, 1] (with segments)."""
+        index = reply.get(INDEX_KEY)
+        if self.state_sync != "none" and (type(index) is not int or index < LOADED):
+            raise ValueError(f"{INDEX_KEY} must be an integer >= {LOADED}, got {index!r}")
         if self.upload != "segments":
             return {}
+        decay = reply.get(DECAY_KEY)
+        if type(decay) not in (int, float) or not 0 < decay <= 1:
+            raise ValueError(f"{DECAY_KEY} must be a number in (0, 1], got {decay!r}")
         segments = reply.get(SEGMENTS_KEY)
         if not isinstance(segments, list) or not all(type(j) is int and j >= LOADED for j in segments) \
                 or len(segments) > MAX_SEGMENTS:
