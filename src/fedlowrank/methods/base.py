@@ -356,7 +356,8 @@ class LoRAMethod(Method):
         client trains without receiving them."""
         specs: Upload = {}
         for name, (out, inp, dtype) in self._factors.items():
-            specs[f"{name}.lora_A"], specs[f"{name}.lora_B"] = TensorSpec((rank, inp), dtype), TensorSpec((out, rank), dtype)
+            specs[f"{name}.lora_A"] = TensorSpec((rank, inp), dtype)
+            specs[f"{name}.lora_B"] = TensorSpec((out, rank), dtype)
         return specs
 
     def trainable_keys(self, model: AdaptedModel) -> dict[str, tuple[int, ...]]:
@@ -440,5 +441,6 @@ class LoRAMethod(Method):
         self.load_message(model, Message(server))
 
 
-__all__ = ["Method", "LoRAMethod", "SetupInfo", "TensorSpec", "Upload", "specs_of", "correction_option", "cv_grad_option", "mu_option", "weighted_sum",
+__all__ = ["Method", "LoRAMethod", "SetupInfo", "TensorSpec", "Upload", "specs_of", "correction_option",
+           "cv_grad_option", "mu_option", "weighted_sum",
            "head_tensors", "load_head", "on_host"]

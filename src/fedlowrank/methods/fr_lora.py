@@ -68,7 +68,8 @@ class FRLoRA(LoRAMethod):
 
     def upload_spec(self, down: Message, rnd: int) -> Upload:
         """The PiSSA-initialised factors at the server rank (never sent), the head, the corrections' uploads."""
-        return self.with_corrections(down, {**self.factor_specs(self.info.rank), **specs_of(down, self.head_keys(down))})
+        trained = {**self.factor_specs(self.info.rank), **specs_of(down, self.head_keys(down))}
+        return self.with_corrections(down, trained)
 
     def load_message(self, model: AdaptedModel, msg: Message) -> None:
         """PiSSA factors of ``W₀`` (computed once in :meth:`setup`) and base delta ``R_g − s B₀A₀``; the head."""
