@@ -103,11 +103,12 @@ def test_bad_replies_are_rejected_and_the_run_ends_with_the_honest_result(method
 
 
 
-def _replies(*norms: float):
+def _replies(*norms: float, examples=None):
     from fedlowrank.message import Reply
 
-    return [Reply(k, 1, Message({"w": torch.tensor([n, 0.0]), "num_examples": 1, "train_loss": 0.0}))
-            for k, n in enumerate(norms)], {k: Message({"w": torch.zeros(2)}) for k in range(len(norms))}
+    examples = examples or [8] * len(norms)
+    return [Reply(k, n_k, Message({"w": torch.tensor([n, 0.0]), "num_examples": n_k, "train_loss": 0.0}))
+            for k, (n, n_k) in enumerate(zip(norms, examples))], {k: Message({"w": torch.zeros(2)}) for k in range(len(norms))}
 
 
 @pytest.mark.parametrize("norms, rejected", [
@@ -122,10 +123,21 @@ def test_an_update_is_measured_against_the_median_of_the_rounds_other_updates(no
     from fedlowrank.runtime.robust import outlying_replies
 
     replies, downs = _replies(*norms)
-    kept, out = outlying_replies(replies, downs, 10.0)
+    kept, out = outlying_replies(replies, downs, 10.0, load_config("tiny").train)
     assert [r["client"] for r in out] == rejected
     assert [r.client for r in kept] == [k for k in range(len(norms)) if k not in rejected]
     assert all("server.outlier_ratio = 10 times" in r["reason"] for r in out)
+
+
+def test_with_local_epochs_an_update_is_measured_per_local_step():
+    """train.local_epochs = 1, batch 8: a client with 80 examples takes 10 steps, one with 8 takes 1; its update
+    norm 100 is 10 per step, within 10 times the others' 1.5."""
+    from fedlowrank.runtime.robust import outlying_replies
+
+    replies, downs = _replies(1.0, 2.0, 100.0, examples=[8, 8, 80])
+    train = load_config("tiny", ["train.local_epochs=1", "train.batch_size=8"]).train
+    assert outlying_replies(replies, downs, 10.0, train)[1] == []
+    assert [r["client"] for r in outlying_replies(replies, downs, 10.0, load_config("tiny").train)[1]] == [2]
 
 
 def test_the_outlier_rule_is_off_under_central_dp_and_when_inf():

@@ -6,10 +6,12 @@ which runs last:
 
 1. :func:`outlying_replies` (``server.outlier_ratio`` = k, 10 by default; off when ``inf`` and under central DP,
    whose clipping bounds every reply and whose accounting knows no rule that looks at the other replies): a reply
-   whose update norm (each floating tensor minus what the client was sent, :mod:`fedlowrank.privacy.mechanisms`)
-   exceeds k times the median update norm of the round's *other* replies is rejected, with the reason. A leave-one-out
-   median, so that with two replies a huge one is measured against the honest one; it holds while fewer than half of
-   a round's replies are bad. A round's only reply has nothing to be measured against and is kept.
+   whose update norm per local step (each floating tensor minus what the client was sent,
+   :mod:`fedlowrank.privacy.mechanisms`, over the steps its ``num_examples`` gives: with ``train.local_epochs`` a
+   larger client takes more steps) exceeds k times the median of the round's *other* replies is rejected, with the
+   reason. A leave-one-out median, so that with two replies a huge one is measured against the honest one; it holds
+   while fewer than half of a round's replies are bad. A round's only reply has nothing to be measured against and is
+   kept.
 2. :func:`matching_replies` (with a robust aggregate or central DP, which combine the replies coordinate by
    coordinate): replies whose floating-point tensors differ in names, shapes or dtypes from the most common
    signature of the round are rejected, with the reason.
@@ -40,6 +42,7 @@ import torch
 from ..message import Message, Reply
 from ..privacy.mechanisms import clip_update, update_keys, update_norm
 from ..privacy.runtime import central_replies
+from ..training.local import steps_per_round
 
 
 def signature(reply: Message) -> tuple:
@@ -47,19 +50,22 @@ def signature(reply: Message) -> tuple:
     return tuple((k, tuple(reply[k].shape), str(reply[k].dtype)) for k in update_keys(reply))
 
 
-def outlying_replies(replies: list[Reply], downs: dict[int, Message], ratio: float
+def outlying_replies(replies: list[Reply], downs: dict[int, Message], ratio: float, train
                      ) -> tuple[list[Reply], list[dict[str, Any]]]:
-    """``(kept, rejected)``: the replies whose update norm is at most ``ratio`` times the median update norm of the
-    round's other replies (relative to ``downs[client]``, what each was sent), and ``{"client", "reason"}`` for
-    each other one. A lone reply is kept."""
-    norms = [update_norm(r.message, downs[r.client]) for r in replies]
+    """``(kept, rejected)``: the replies whose update norm per local step (relative to ``downs[client]``, what each
+    was sent; steps from ``train``, the ``[train]`` config, and the reply's ``num_examples``) is at most ``ratio``
+    times the median of the round's other replies, and ``{"client", "reason"}`` for each other one. A lone reply
+    is kept."""
+    norms = [update_norm(r.message, downs[r.client]) / max(1, steps_per_round(train, r.num_examples))
+             for r in replies]
     kept, rejected = [], []
     for i, r in enumerate(replies):
         others = norms[:i] + norms[i + 1:]
         median = float(np.median(others)) if others else math.inf
         if norms[i] > ratio * median:
-            rejected.append({"client": r.client, "reason": f"update norm {norms[i]:.4g} exceeds server.outlier_ratio "
-                             f"= {ratio:g} times {median:.4g}, the median update norm of the round's other replies"})
+            rejected.append({"client": r.client, "reason": f"update norm per local step {norms[i]:.4g} exceeds "
+                             f"server.outlier_ratio = {ratio:g} times {median:.4g}, the median of the round's other "
+                             f"replies"})
         else:
             kept.append(r)
     return kept, rejected

@@ -113,7 +113,7 @@ def close_round(run: Run, got: RoundReplies, started: float, warn: Warn | None =
     rejected = list(got.rejected)
     ratio = outlier_ratio(cfg)
     if math.isfinite(ratio):
-        replies, outliers = outlying_replies(replies, got.downs, ratio)
+        replies, outliers = outlying_replies(replies, got.downs, ratio, cfg.train)
         rejected += outliers
     if needs_matching(cfg):
         replies, mismatched = matching_replies(replies)
