@@ -207,6 +207,10 @@ class ServerSection(Schema):
     update_clip: float = setting(float("inf"), "bound on the L2 norm of each reply's update (what it sends minus "
                                  "what it was sent); larger updates are scaled down to it on the server (inf = off)",
                                  gt=0, allow_inf=True, reason="inf = off")
+    outlier_ratio: float = setting(10.0, "reject a reply whose update's L2 norm (what it sends minus what it was "
+                                   "sent) per local step exceeds this many times the median of the round's other "
+                                   "replies (a round's only reply is kept; off under central DP; inf = off)",
+                                   ge=1, allow_inf=True, reason="inf = off")
     aggregate: str = setting("mean", "how the server combines the replies of methods whose server step is a weighted "
                              "mean: mean, median or trimmed-mean (coordinate-wise; robust to a few bad clients)",
                              choices=AGGREGATES)

@@ -77,9 +77,10 @@ def client_update(method: Method, model: AdaptedModel, msg: Message, state: Stat
 def check_reply(method: Method, down: Message, reply: Message, rnd: int, client_size: int | None = None) -> str | None:
     """Why ``reply`` must be rejected, or ``None`` if it is acceptable.
 
-    Checks: ``num_examples`` an int in ``[1, client_size]``; ``train_loss`` a finite number; every tensor of a
-    floating dtype finite; tensors named as in ``down`` keep their shape and dtype; the serialised size within
-    ``method.max_reply_bytes(down)``; the key set equal to ``method.reply_keys(down, rnd)`` when declared.
+    Checks: ``num_examples`` an int in ``[1, client_size]``; ``train_loss`` a finite number; the serialised size
+    within ``method.max_reply_bytes(down)``; the tensors exactly those the method declares for ``down``
+    (:meth:`~fedlowrank.methods.base.Method.upload_spec`, :meth:`~fedlowrank.methods.base.Method.chosen_upload_spec`):
+    none missing, none extra, each of its declared shape and dtype, and finite.
     """
     n = reply.get("num_examples")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (client_size is not None and n > client_size):
@@ -90,18 +91,19 @@ def check_reply(method: Method, down: Message, reply: Message, rnd: int, client_
     size, limit = reply.nbytes(), method.max_reply_bytes(down)
     if size > limit:
         return f"reply of {size} bytes exceeds the method's bound of {limit} bytes"
+    try:
+        expected = {**method.upload_spec(down, rnd), **method.chosen_upload_spec(down, reply)}
+    except ValueError as exc:
+        return str(exc)
     tensors = reply.tensors()
-    expected = method.reply_keys(down, rnd)
-    if expected is not None:
-        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        if missing:
-            return f"missing tensors: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
-        if unexpected:
-            return f"unexpected tensors: {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}"
-    for key, t in tensors.items():
-        ref = down.get(key)
-        if isinstance(ref, torch.Tensor) and (t.shape != ref.shape or t.dtype != ref.dtype):
-            return f"tensor {key!r} is {t.dtype} {tuple(t.shape)}, expected {ref.dtype} {tuple(ref.shape)}"
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    for what, keys in (("missing", sorted(expected.keys() - tensors.keys())),
+                       ("unexpected", sorted(tensors.keys() - expected.keys()))):
+        if keys:
+            return f"{what} tensors: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+    for key, t in sorted(tensors.items()):
+        spec = expected[key]
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            return f"tensor {key!r} is {t.dtype} {tuple(t.shape)}, expected {spec.dtype} {spec.shape}"
+        if not bool(torch.isfinite(t).all()):
             return f"tensor {key!r} has non-finite values"
     return None

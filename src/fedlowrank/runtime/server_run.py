@@ -150,13 +150,14 @@ class ServerRun(Run):
         self.progress.round_end(row, metrics, rounds)
 
     def check_divergence(self, row: dict[str, Any]) -> None:
-        """Stop on a non-finite global parameter, a round whose every reply was non-finite, or a metric bound."""
+        """Stop on a non-finite global parameter, a round whose every reply was non-finite (from two clients or
+        more: one client's bad reply is that node's, not the run's), or a metric bound."""
         name, rnd = self.method.name, row["round"]
         bad = [k for k, v in self.server.tensors().items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
         if bad:
             raise DivergenceError(f"round {rnd}: method {name!r}: non-finite global parameter {bad[0]!r}")
         rejected = row.get("rejected", [])
-        if rejected and not row["replied"] and all("finite" in r["reason"] for r in rejected):
+        if len(rejected) > 1 and not row["replied"] and all("finite" in r["reason"] for r in rejected):
             raise DivergenceError(f"round {rnd}: method {name!r}: every client's training diverged "
                                   f"({rejected[0]['reason']})")
         bound_key = self.cfg.run.stop_metric

@@ -160,5 +160,7 @@ class Simulation(ServerRun):
                 if got.receive(self.method, k, down, wire(reply), len(self.parts[k]), reply.nbytes()):
                     new_states[k] = new_state
         outcome = self.close_round(got, started)
+        used = {r.client for r in outcome.replies}  # a reply rejected in close_round leaves its client's state
+        new_states = {k: state for k, state in new_states.items() if k in used}
         metrics, evaluation = self.evaluate_round(outcome, new_states)
         return self.commit_round(outcome, metrics, evaluation, new_states)
