@@ -20,10 +20,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import sys
+import threading
 import weakref
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -199,18 +202,38 @@ def module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def to_device(obj: Any, device: torch.device) -> Any:
-    """Tensors in ``obj`` (a tensor, or dicts/lists/tuples of them; other values kept) on ``device``; a dict
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` applied to the tensors in ``obj`` (a tensor, or dicts/lists/tuples of them; other values kept); a dict
     keeps its class (``Message``, ``State``)."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return fn(obj)
     if isinstance(obj, dict):
         out = type(obj)()
-        out.update({k: to_device(v, device) for k, v in obj.items()})
+        out.update({k: map_tensors(v, fn) for k, v in obj.items()})
         return out
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
+        return type(obj)(map_tensors(v, fn) for v in obj)
     return obj
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Tensors in ``obj`` (:func:`map_tensors`) on ``device``."""
+    return map_tensors(obj, lambda t: t.to(device))
+
+
+def stage_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` ahead of its use, without the host waiting: on CUDA a host tensor is copied into
+    pinned memory and moved with ``non_blocking=True`` (torch's pinned-memory allocator keeps the block until the
+    copy is done); elsewhere ``tensor.to(device)``."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def stage(obj: Any, device: torch.device) -> Any:
+    """The tensors in ``obj`` (:func:`map_tensors`) on ``device`` ahead of use (:func:`stage_tensor`): a local
+    step's inputs are staged before the step (:data:`LOCAL_STEP`), so that the step itself never moves a tensor."""
+    return map_tensors(obj, lambda t: stage_tensor(t, device))
 
 
 def measured_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
@@ -260,18 +283,86 @@ def dispatched_ops(fn: Callable[[], Any]) -> "collections.Counter[str]":
 
 def to_host(obj: Any) -> Any:
     """:func:`to_device` to the CPU, detached: where messages and states live."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu")
-    if isinstance(obj, dict):
-        out = type(obj)()
-        out.update({k: to_host(v) for k, v in obj.items()})
-        return out
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_host(v) for v in obj)
-    return obj
+    return map_tensors(obj, lambda t: t.detach().to("cpu"))
 
 
-__all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "OPTIMIZER_KERNELS", "check_device_spec", "check_dtype",
-           "compile_module", "dispatched_ops", "grad_scaler", "measured_peak_bytes", "module_device",
-           "optimizer_kernel", "prepare_training", "resolve_device", "run_compiled", "store_frozen", "to_device",
-           "to_host"]
+LOCAL_STEP = "fedlowrank.local_step"  # the profiler range of a local step (forward, backward, optimizer)
+_STEP = threading.local()  # .depth: local steps this thread is in; .count: local steps it began
+
+
+@contextlib.contextmanager
+def local_step() -> Iterator[None]:
+    """A local step's work (forward, backward, optimizer step): the profiler range :data:`LOCAL_STEP`, where
+    :func:`step_transfers` counts. Its inputs are staged before it (:func:`stage`)."""
+    _STEP.depth = getattr(_STEP, "depth", 0) + 1
+    _STEP.count = getattr(_STEP, "count", 0) + 1
+    try:
+        with torch.profiler.record_function(LOCAL_STEP):
+            yield
+    finally:
+        _STEP.depth -= 1
+
+
+_MOVES = (torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.pin_memory)
+_HOST_DATA = (torch.tensor, torch.as_tensor, torch.from_numpy)
+_READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__, torch.Tensor.__int__,
+          torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero,
+          torch.Tensor.masked_select, torch.masked_select, torch.Tensor.unique, torch.unique, torch.Tensor.bincount,
+          torch.bincount, torch.Tensor.repeat_interleave, torch.repeat_interleave)
+# a host read of a device value: the value itself, or an output whose size depends on the values
+
+
+def _is_move(func, args: tuple, kwargs: dict) -> bool:
+    """A call that moves a tensor to a device: ``.to`` with a device (or a tensor's), ``.cpu()``, ``.cuda()``."""
+    if func is not torch.Tensor.to:
+        return func in _MOVES
+    return "device" in kwargs or any(isinstance(a, (torch.device, str, torch.Tensor)) for a in args[1:])
+
+
+class _StepTransfers(torch.overrides.TorchFunctionMode):
+    """Counts (:func:`step_transfers`) the calls of our code inside a :func:`local_step` that move or read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(_STEP, "depth", 0):
+            kind = ("moves" if _is_move(func, args, kwargs) else "host_data" if func in _HOST_DATA
+                    else "reads" if func in _READS and not (func in (torch.Tensor.repeat_interleave,
+                                                                      torch.repeat_interleave)
+                                                            and "output_size" in kwargs) else None)
+            if kind is not None and _called_by_us():  # frames: this, __torch_function__, the caller
+                self.counts[kind] += 1
+        return func(*args, **kwargs)
+
+
+_PACKAGE = __file__.rsplit("/", 1)[0] + "/"
+
+
+def _called_by_us() -> bool:
+    """Whether the call comes from fedlowrank's code (not from torch's, e.g. the optimizer's step or
+    ``clip_grad_norm_``, nor from a model's own, e.g. transformers' masks)."""
+    return sys._getframe(3).f_code.co_filename.startswith(_PACKAGE)
+
+
+def step_transfers(fn: Callable[[], Any]) -> "collections.Counter[str]":
+    """What the local steps (:func:`local_step`) of one call of ``fn`` move between host and device, on any device,
+    the CPU included (where no copy would show): ``steps``, and the calls of our code that would on CUDA, counted
+    by a torch function mode: ``moves`` (``.to`` with a device, ``.cpu()``, ``.cuda()``: a copy, from pageable memory one the
+    host waits for), ``host_data`` (a tensor made from Python or NumPy data: a copy from the host) and ``reads``
+    (``.item()``, ``.tolist()``, a truth value, or an operation whose output size depends on values: the host waits
+    for the device). Calls from torch's code (the optimizer's step: on CUDA a fused kernel that reads nothing) and
+    a model's own (transformers') are left out."""
+    mode, before = _StepTransfers(), getattr(_STEP, "count", 0)
+    with mode:
+        fn()
+    mode.counts["steps"] = _STEP.count - before
+    return mode.counts
+
+
+__all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "LOCAL_STEP", "OPTIMIZER_KERNELS", "check_device_spec",
+           "check_dtype", "compile_module", "dispatched_ops", "grad_scaler", "local_step", "map_tensors", "measured_peak_bytes",
+           "module_device", "optimizer_kernel", "prepare_training", "resolve_device", "run_compiled", "stage",
+           "stage_tensor", "step_transfers", "store_frozen", "to_device", "to_host"]
