@@ -1,0 +1,102 @@
+"""Transfers and compilation of the GPU path, proven on the CPU: a local step neither moves a tensor nor reads the
+device (its inputs staged ahead of it), and on CUDA (skipped without it) no synchronisation of ours in a round."""
+
+from __future__ import annotations
+
+import warnings
+from functools import lru_cache
+
+import numpy as np
+import pytest
+import torch
+
+from fedlowrank import device
+from fedlowrank.adapters.model import Routing
+from fedlowrank.config import load_config
+from fedlowrank.device import local_step, stage, step_transfers, to_device
+from fedlowrank.runtime import cohort
+from fedlowrank.runtime.simulator import Simulation
+from fedlowrank.tasks import build_task
+from fedlowrank.training import local
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+LM = ["task.options.eval_generate=0", "partition.num_clients=8", "run.clients_per_round=8", "run.rounds=1",
+      "train.max_grad_norm=1.0"]
+
+
+@lru_cache(maxsize=None)
+def lm_task(pack: int = 0):
+    return build_task(load_config("tiny-lm", [*LM, f"task.options.pack={pack}"]))
+
+
+# -- item 1: a local step moves nothing and reads nothing ---------------------------------------------------------
+def test_the_counter_sees_moves_host_data_and_reads_inside_a_step_only():
+    """What the old step did inside it: ``.to(device)`` of a batch, ``torch.tensor`` of host lists and the routing's
+    ``int(counts.max())``; outside a step nothing counts."""
+    batch, tokens = {"input_ids": torch.zeros(2, 3, dtype=torch.long)}, torch.tensor([[0, 0, 1, -1]])
+
+    def work():
+        to_device(batch, torch.device("cpu"))
+        Routing(rows=[slice(0, 1), slice(1, 3)]).member_of_rows(torch.device("cpu"))
+        Routing(tokens=tokens, size=2).gather(torch.device("cpu"))
+
+    def steps():
+        work()
+        with local_step():
+            work()
+    counts = step_transfers(steps)
+    assert counts["steps"] == 1
+    assert counts["moves"] == 1 + 1 + 2 and counts["host_data"] == 1 and counts["reads"] >= 2, counts
+    assert dict(step_transfers(lambda: stage(batch, torch.device("cpu")))) == {"steps": 0}
+
+
+@pytest.mark.parametrize("size, pack", [(1, 0), (8, 0), (8, 1536)])
+def test_a_local_step_moves_no_tensor_and_reads_no_device_value(size, pack):
+    """A round of 8 tiny-llama clients, one at a time or as one cohort (padded, or packed with rows mixing the
+    members): inside every local step (forward, backward, clipping, optimizer), no ``.to(device)``, no tensor from
+    host data and no host read of a device value by our code; the inputs were staged before."""
+    sim = Simulation(load_config("tiny-lm", [*LM, f"run.cohort={size}", f"task.options.pack={pack}"]),
+                     task=lm_task(pack))
+    counts = step_transfers(sim.run_round)
+    assert sim.cohort_size() == size
+    assert counts["steps"] == (16 if size == 1 else 2), counts
+    assert counts["moves"] == counts["host_data"] == counts["reads"] == 0, counts
+
+
+def test_staged_inputs_hold_the_loss_positions_and_give_the_host_batch_s_loss():
+    """:meth:`CausalLM.device_batch`: token ids, mask, and the response positions found on the host; the loss of a
+    staged batch is the loss of the host batch (which is staged by the task itself)."""
+    task = lm_task()
+    net = task.build_model().net
+    batch = task.batch(np.arange(4))
+    staged = task.device_batch(batch, torch.device("cpu"))
+    assert set(staged) == {"input_ids", "attention_mask", "response_at", "response_tokens"}
+    assert len(staged["response_at"]) == int((batch["labels"][:, 1:] != -100).sum())
+    torch.testing.assert_close(task.loss(net, staged), task.loss(net, batch), rtol=0, atol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("size", [1, 4])
+def test_on_cuda_a_round_s_local_steps_never_synchronise_in_our_code(size, monkeypatch):
+    """CUDA's synchronisation checker (``torch.cuda.set_sync_debug_mode``) inside every local step of a round: no
+    warning from our code (a model's own mask checks are transformers'); staged inputs come from pinned memory."""
+    def checked_step():
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with local_step():
+                yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    from contextlib import contextmanager
+    monkeypatch.setattr(local, "local_step", contextmanager(checked_step))
+    monkeypatch.setattr(cohort, "local_step", contextmanager(checked_step))
+    sets = [*LM, "run.device=cuda", "train.dtype=bf16", f"run.cohort={size}", "run.clients_per_round=4",
+            "task.options.pack=1536"]
+    sim = Simulation(load_config("tiny-lm", sets), task=lm_task(1536))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sim.run_round()
+    ours = [w for w in caught if "synchroniz" in str(w.message) and "/fedlowrank/" in w.filename]
+    assert not ours, [(w.filename, w.lineno, str(w.message)[:80]) for w in ours]
+    assert device.stage_tensor(torch.zeros(2), torch.device("cuda")).device.type == "cuda"
