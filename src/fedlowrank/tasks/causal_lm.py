@@ -499,11 +499,6 @@ class CausalLM(Task):
         at, tokens, _ = response_positions(batch["labels"])
         return stage({**inputs, "response_at": at, "response_tokens": tokens}, device)
 
-    def _inputs(self, net: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
-        """``batch`` as :meth:`device_batch` gives it: a batch with labels (evaluation, or DP-SGD's per-example
-        rows: privacy.dpsgd slices every tensor of a step's batch) is staged here."""
-        return batch if "response_at" in batch else self.device_batch(batch, module_device(net))
-
     def hidden_states(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """The last hidden states ``[B, T, H]`` (after the final norm) of the network's decoder, without the
         language-model head, from a :meth:`device_batch`; a packed batch passes its positions and no mask
@@ -523,9 +518,12 @@ class CausalLM(Task):
     def output(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """At each position, the negative log-likelihood of the next token when it is a response token, and 1 (its
         count), else 0: ``[B, T, 2]`` (fp32); the head only at the response positions (:func:`response_nll`)."""
-        batch = self._inputs(net, batch)
+        staged = "response_at" in batch
+        if not staged:  # a batch as :meth:`batch` gives it (privacy.dpsgd slices its tensors per example)
+            batch = stage(batch, module_device(net))
         hidden = self.hidden_states(net, batch)
-        flat, targets = batch["response_at"], batch["response_tokens"]
+        flat, targets = ((batch["response_at"], batch["response_tokens"]) if staged
+                         else response_positions(batch["labels"])[:2])
         nll = response_nll(hidden.flatten(0, 1).index_select(0, flat), targets, LMHead.of(net))
         out = nll.new_zeros(hidden.shape[0] * hidden.shape[1], 2)
         return out.index_add(0, flat, torch.stack([nll, torch.ones_like(nll)], 1)).view(*hidden.shape[:2], 2)
@@ -560,7 +558,7 @@ class CausalLM(Task):
         if "attention_mask" not in batch:
             raise ValueError("task.options.pack: a packed row holds several examples, so a method that reads "
                              "each example's features (moon) needs pack = 0")
-        batch = self._inputs(net, batch)
+        batch = stage(batch, module_device(net))
         hidden = self.hidden_states(net, batch)
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
@@ -572,8 +570,8 @@ class CausalLM(Task):
         net.eval()
         total = torch.zeros(2, dtype=torch.float64, device=module_device(net))  # summed nll, response tokens
         for start in range(0, len(examples), self.eval_batch_size):
-            total += self.output(net, collate(examples[start:start + self.eval_batch_size],
-                                              self.tokenizer.pad_token_id)).reshape(-1, 2).sum(0)
+            batch = collate(examples[start:start + self.eval_batch_size], self.tokenizer.pad_token_id)
+            total += self.output(net, self.device_batch(batch, total.device)).reshape(-1, 2).sum(0)
         nll, count = total.tolist()
         loss = nll / max(count, 1)
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..device import DTYPES, grad_scaler, local_step, module_device, optimizer_kernel, run_compiled
+from ..device import DTYPES, grad_scaler, local_step, module_device, optimizer_kernel, run_compiled, stage
 from ..privacy.dpsgd import private_step_gradients
 from ..schema import Schema, setting
 from ..seeding import derive_seed, numpy_rng
@@ -246,8 +246,12 @@ class FitRun:
         self.step(loss)
 
     def stage_next(self) -> None:
-        """Prepare the next step's batch on the host and start its move to the device (staged, not waited for)."""
-        self.staged = self.trainer.task.device_batch(next(self.batches), self.device)
+        """Prepare the next step's batch on the host and start its move to the device (staged, not waited for):
+        the task's step inputs (:meth:`Task.device_batch`), or with ``privacy.dpsgd``, which slices every tensor of
+        a batch per example, the batch's own tensors."""
+        batch = next(self.batches)
+        task = self.trainer.task
+        self.staged = stage(batch, self.device) if self.trainer.dpsgd else task.device_batch(batch, self.device)
 
     def next_batch(self):
         """The next step's batch on the device: the staged one (:meth:`stage_next`), else staged now."""
