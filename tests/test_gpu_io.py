@@ -100,3 +100,53 @@ def test_on_cuda_a_round_s_local_steps_never_synchronise_in_our_code(size, monke
     ours = [w for w in caught if "synchroniz" in str(w.message) and "/fedlowrank/" in w.filename]
     assert not ours, [(w.filename, w.lineno, str(w.message)[:80]) for w in ours]
     assert device.stage_tensor(torch.zeros(2), torch.device("cuda")).device.type == "cuda"
+
+
+# -- item 4: compilation decided and contained ----------------------------------------------------------------------
+@pytest.fixture
+def fast_compile(monkeypatch):
+    """torch.compile with the ``aot_eager`` backend (traced graphs, no code generation); dynamo reset around."""
+    import torch._dynamo
+
+    monkeypatch.setattr(device, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield torch._dynamo.utils.counters
+    torch._dynamo.reset()
+
+
+def test_a_finished_run_releases_its_compiled_network(fast_compile):
+    """A compiled run's network (and with it its graphs) is freed once the run is over: the compiled call no
+    longer holds it."""
+    import gc
+    import weakref
+
+    sim = Simulation(load_config("tiny-lm", [*LM, "run.compile=true", "run.clients_per_round=2"]), task=lm_task())
+    sim.run()
+    assert fast_compile["stats"]["unique_graphs"] >= 1
+    decoder = weakref.ref(sim.model.net.get_decoder())
+    del sim
+    gc.collect()
+    assert decoder() is None
+
+
+@pytest.mark.parametrize("sets, where, compiled", [
+    ([], "cpu", False),                                                     # never on the CPU
+    ([], "cuda", False),                                                    # no buckets: no static shapes
+    (["task.length_buckets=[256, 512]"], "cuda", False),                    # 2 rounds × 2 steps per bucket
+    (["task.length_buckets=[256, 512]", "run.rounds=800"], "cuda", True),   # 800 steps per bucket
+    (["task.length_buckets=[256, 512]", "run.rounds=800", "run.cohort=1"], "cuda", True),
+    (["run.compile=true"], "cpu", True),
+    (["task.length_buckets=[256]", "run.rounds=2000", "run.compile=false"], "cuda", False),
+])
+def test_run_compile_auto_compiles_when_the_steps_per_bucket_repay_the_warm_up(sets, where, compiled):
+    """``run.compile = auto`` (the default): compiled on CUDA with length buckets when the planned steps per bucket
+    reach the measured break-even (≈ 766); the rule is one line; true and false are obeyed."""
+    cfg = load_config("tiny-lm", ["run.clients_per_round=2", *sets])
+    wanted, rule = device.compile_decision(cfg, lm_task(), torch.device(where))
+    assert wanted is compiled and rule.startswith("run.compile = ") and "\n" not in rule
+    steps = cfg.run.rounds * cfg.train.local_steps * (2 if cfg.run.cohort == 1 else 1)
+    assert device.planned_steps(cfg, lm_task()) == steps
+    if cfg.run.compile == "auto" and cfg.task.length_buckets and where == "cuda":
+        per_bucket = steps / len(cfg.task.length_buckets)
+        assert f"= {per_bucket:.0f} per bucket" in rule and str(device.COMPILE_BREAK_EVEN) in rule
