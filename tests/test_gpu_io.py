@@ -136,6 +136,7 @@ def test_a_finished_run_releases_its_compiled_network(fast_compile):
     (["task.length_buckets=[256, 512]"], "cuda", False),                    # 2 rounds × 2 steps per bucket
     (["task.length_buckets=[256, 512]", "run.rounds=800"], "cuda", True),   # 800 steps per bucket
     (["task.length_buckets=[256, 512]", "run.rounds=800", "run.cohort=1"], "cuda", True),
+    (["task.length_buckets=[128, 256, 512, 768]", "run.rounds=400"], "cuda", False),  # 2 buckets would pay
     (["run.compile=true"], "cpu", True),
     (["task.length_buckets=[256]", "run.rounds=2000", "run.compile=false"], "cuda", False),
 ])
@@ -150,3 +151,5 @@ def test_run_compile_auto_compiles_when_the_steps_per_bucket_repay_the_warm_up(s
     if cfg.run.compile == "auto" and cfg.task.length_buckets and where == "cuda":
         per_bucket = steps / len(cfg.task.length_buckets)
         assert f"= {per_bucket:.0f} per bucket" in rule and str(device.COMPILE_BREAK_EVEN) in rule
+        fewer = steps // device.COMPILE_BREAK_EVEN
+        assert (f"; {fewer} length bucket(s) would repay it" in rule) == (not compiled and fewer >= 1)

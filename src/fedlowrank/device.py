@@ -142,7 +142,8 @@ def compile_decision(cfg, task, device: torch.device) -> tuple[bool, str]:
     """Whether a run compiles (``run.compile``), and the rule in one line. ``auto``: on CUDA with length buckets
     (static shapes: each compiled once, replayed as a CUDA graph) when the planned steps per bucket
     (:func:`planned_steps`) reach :data:`COMPILE_BREAK_EVEN`, a measured warm-up per shape over the time a step
-    saved; never on the CPU (tiny-llama, inductor: 3 rounds took 106.6 s compiled against 3.4 s eager)."""
+    saved, else eager, naming how many buckets would repay it; never on the CPU (tiny-llama, inductor: 3 rounds
+    took 106.6 s compiled against 3.4 s eager)."""
     if cfg.run.compile != "auto":
         return cfg.run.compile == "true", f"run.compile = {cfg.run.compile}"
     shapes = len(cfg.task.length_buckets)
@@ -152,10 +153,12 @@ def compile_decision(cfg, task, device: torch.device) -> tuple[bool, str]:
         return False, f"run.compile = auto: eager {why}"
     per_shape = steps / shapes
     wanted = per_shape >= COMPILE_BREAK_EVEN
+    fewer = steps // COMPILE_BREAK_EVEN
+    advice = f"; {fewer} length bucket(s) would repay it" if not wanted and fewer else ""
     return wanted, (f"run.compile = auto: {'compiled' if wanted else 'eager'}: {steps} planned steps over {shapes} "
                     f"length buckets = {per_shape:.0f} per bucket {'≥' if wanted else '<'} {COMPILE_BREAK_EVEN}, the "
                     f"steps that repay a bucket's warm-up (≈ {COMPILE_WARMUP_S:.0f} s against "
-                    f"{1000 * COMPILE_SAVED_S:.0f} ms saved per step, measured on an H100)")
+                    f"{1000 * COMPILE_SAVED_S:.0f} ms saved per step, measured on an H100){advice}")
 
 
 def release_compiled(model) -> None:
