@@ -181,8 +181,7 @@ class FitRun:
     Each step: ``opt.zero_grad``; the task loss of :meth:`next_batch`, plus the corrections' loss terms
     (:meth:`with_corrections`), backward through :meth:`scaled`; then :meth:`step`. A step's inputs are staged on
     the device before it (:meth:`stage_next`, :meth:`Task.device_batch <fedlowrank.tasks.base.Task.device_batch>`):
-    inside the step (:func:`~fedlowrank.device.local_step`) nothing moves between host and
-    device.
+    inside the step (:func:`~fedlowrank.device.local_step`) nothing moves between host and device.
     """
 
     def __init__(self, trainer: LocalTrainer, model, params: dict[str, nn.Parameter], corrections: Sequence = (),
@@ -220,7 +219,7 @@ class FitRun:
         """One local step alone: :meth:`next_batch`, ``zero_grad``, the task loss plus the corrections' terms and
         backward (compiled with ``run.compile``; with ``privacy.dpsgd``: the noisy mean of clipped per-example
         gradients instead), :meth:`step`."""
-        trainer, batch = self.trainer, self.next_batch()
+        batch = self.next_batch()
         with local_step():
             self._train_step(batch)
 
