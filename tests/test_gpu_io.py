@@ -153,3 +153,21 @@ def test_run_compile_auto_compiles_when_the_steps_per_bucket_repay_the_warm_up(s
         assert f"= {per_bucket:.0f} per bucket" in rule and str(device.COMPILE_BREAK_EVEN) in rule
         fewer = steps // device.COMPILE_BREAK_EVEN
         assert (f"; {fewer} length bucket(s) would repay it" in rule) == (not compiled and fewer >= 1)
+
+
+# -- item 3 (in part): a compiled packed cohort step has no graph break -------------------------------------------------
+@pytest.mark.slow  # ≈ 70 s on one CPU thread
+def test_a_compiled_packed_cohort_has_no_graph_break_and_equals_eager(fast_compile):
+    """The routing's gather and the response positions are prepared before the step, so the compiled decoder of a
+    packed cohort (rows mixing members) traces without a break (the step that computed them inside broke 12 times
+    in its first round); two rounds equal the eager run."""
+    sets = [*LM, "task.options.pack=768", "task.length_buckets=[512, 768]", "run.cohort=2", "run.clients_per_round=2",
+            "run.rounds=2"]
+    task = build_task(load_config("tiny-lm", sets))
+    compiled = Simulation(load_config("tiny-lm", ["run.compile=true", *sets]), task=task)
+    compiled.run()
+    assert fast_compile["stats"]["unique_graphs"] >= 1 and sum(fast_compile["graph_break"].values()) == 0
+    eager = Simulation(load_config("tiny-lm", sets), task=task)
+    eager.run()
+    for key, value in eager.server.tensors().items():
+        torch.testing.assert_close(compiled.server[key], value, rtol=1e-5, atol=1e-7, msg=key)
