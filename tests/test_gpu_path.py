@@ -336,7 +336,7 @@ def test_a_bf16_run_exports_its_fp32_model(tmp_path):
     ("task.length_buckets=[1]", "task.length_buckets[0] must be >= 2"),
     ("run.gpu_memory_fraction=0", "run.gpu_memory_fraction must be in (0, 1], got 0.0"),
     ("run.gpu_memory_fraction=1.5", "run.gpu_memory_fraction must be in (0, 1], got 1.5"),
-    ("run.compile=1", "run.compile must be true or false, got 1"),
+    ("run.compile=1", "run.compile must be one of auto, true, false; got '1'"),
     ("train.gradient_checkpointing='yes'", "train.gradient_checkpointing must be true or false, got 'yes'"),
 ])
 def test_bad_gpu_settings_are_named(setting, message):

@@ -116,10 +116,11 @@ class RunSection(Schema):
                           reason="0 = automatic, 1 = one client at a time, N = up to N clients together")
     gpu_memory_fraction: float = setting(0.9, "run.cohort = 0 on CUDA: the share of the device's free memory a "
                                          "cohort's estimated peak may take", gt=0, le=1)
-    compile: bool = setting(False, "torch.compile the local step's network (CUDA graphs on CUDA; with "
-                            "task.length_buckets each bucket compiles once for the whole run); pays off after some "
-                            "hundreds of steps (docs/models.md); a run that cannot compile goes on eagerly, saying so "
-                            "in one line")
+    compile: str = setting("auto", "torch.compile the local step's network (CUDA graphs on CUDA; with "
+                           "task.length_buckets each bucket compiles once for the whole run); auto = on CUDA with "
+                           "length buckets when the run's planned steps per bucket repay the measured warm-up "
+                           "(docs/models.md), the rule logged once; a run that cannot compile goes on eagerly, "
+                           "saying so in one line", choices=("auto", "true", "false"))
     vectorized: bool = setting(False, "run every round's clients as one batched step (closed-form tasks such as "
                                "matrix-regression, methods with a batched_round: ssf, fedsub, fedavg-full); "
                                "`fedlowrank run --vectorized` sets it")

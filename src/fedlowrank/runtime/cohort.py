@@ -51,7 +51,8 @@ import torch
 from torch import nn
 
 from ..adapters.model import AdaptedModel
-from ..device import measured_peak_bytes, module_device, optimizer_kernel, prepare_training, run_compiled
+from ..device import (local_step, measured_peak_bytes, module_device, optimizer_kernel, prepare_training,
+                      run_compiled, stage_tensor)
 from ..message import Message, State
 from ..methods.base import Method
 from ..seeding import derive_seed
@@ -280,14 +281,32 @@ class JointFit:
         self.device = module_device(self.net)
         self.steps = max(run.steps for run in self.runs)
         self.losses: list[tuple[list[int], torch.Tensor]] = []  # per step: the members that stepped, their losses
+        self.staged: dict[int, tuple] = {}  # step → its inputs on the device (stage)
+
+    def stage(self, step: int) -> None:
+        """Prepare joint step ``step``'s inputs on the host and start their move to the device, before the step:
+        the active members' next batches (:meth:`Task.device_batch`), joined (:meth:`Task.join_batches` of the
+        host batches), and the routing (:meth:`Routing.prepare`)."""
+        members = [i for i, run in enumerate(self.runs) if step < run.steps]
+        host = [next(self.runs[i].batches) for i in members]
+        joined, routing = self.task.join_batches(host)
+        routing.prepare(self.device, stage_tensor)
+        self.staged[step] = (members, [self.task.device_batch(b, self.device) for b in host],
+                             self.task.device_batch(joined, self.device), routing)
 
     def step(self, step: int) -> None:
-        """Joint step ``step`` (0-based) of the members that have steps left."""
-        members = [i for i, run in enumerate(self.runs) if step < run.steps]
+        """Joint step ``step`` (0-based) of the members that have steps left, on its staged inputs (:meth:`stage`;
+        staged now if it was not)."""
+        if step not in self.staged:
+            self.stage(step)
+        members, batches, joined, routing = self.staged.pop(step)
+        with local_step():
+            self._step(members, batches, joined, routing)
+
+    def _step(self, members: list[int], batches: list, joined, routing) -> None:
         active = [self.runs[i] for i in members]
-        batches = [run.next_batch() for run in active]
         self.zero_grad()
-        joined, routing = self.task.join_batches(batches)
+
         def forward_backward() -> torch.Tensor:
             with self.model.routed([run.model for run in active], routing):  # backward too: checkpointed layers
                 out = self.task.output(self.net, joined)
@@ -349,6 +368,8 @@ def joint_fit(model: AdaptedModel, requests: list[FitRequest], seed: int,
     t0 = time.perf_counter()
     for step in range(fit.steps):
         fit.step(step)
+        if step + 1 < fit.steps:
+            fit.stage(step + 1)  # while the device still runs this step
         if on_step is not None:
             on_step(step + 1, fit.steps)
     elapsed = time.perf_counter() - t0

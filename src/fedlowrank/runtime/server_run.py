@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..device import release_compiled
 from ..message import State
 from ..privacy.runtime import accounting
 from ..reporting.progress import Progress
@@ -257,7 +258,9 @@ class ServerRun(Run):
 
     def close(self) -> None:
         """Close the progress bars and the tracker (a later round reopens the tracker) and release the run
-        directory's lock (nothing is written to it after this)."""
+        directory's lock (nothing is written to it after this); compiled modules are released
+        (:func:`~fedlowrank.device.release_compiled`)."""
+        release_compiled(self.model)
         self.progress.close()
         self.tracker.close()
         if self._lock is not None:

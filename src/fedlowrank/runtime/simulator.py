@@ -44,6 +44,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..adapters.model import AdaptedModel
+from ..device import compile_decision
 from ..message import Message, State
 from ..seeding import numpy_rng
 from ..tasks import Task
@@ -87,6 +88,8 @@ class Simulation(ServerRun):
         self.check(cfg, run_dir, overwrite)  # refuse before building anything
         super().__init__(build_run(cfg, task, parts), run_dir, log, overwrite, log_partition)
         self.tamper = tamper
+        if self.log and (self.device.type == "cuda" or self.cfg.run.compile != "auto"):  # the CPU: always eager
+            self.log(compile_decision(self.cfg, self.task, self.device)[1])
         self._cohort: int | None = None  # clients trained together (run.cohort resolved at the first round)
         self._views: list[AdaptedModel] = []  # the cohort members' models (shared frozen backbone)
 

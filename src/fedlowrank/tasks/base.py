@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..adapters.model import AdaptedModel, Routing
-from ..device import to_device
+from ..device import stage
 from ..adapters.targets import default_targets, resolve_targets
 from ..schema import Schema
 
@@ -75,8 +75,9 @@ def padded_length(longest: int, buckets: list[int], max_length: int) -> int:
 
 def mean_by_member(values: Tensor, routing: Routing) -> Tensor:
     """``[K]`` the mean of ``values: [B]`` over each member's rows (row routing)."""
-    sums = values.new_zeros(routing.size).index_add(0, routing.member_of_rows(values.device), values)
-    return sums / torch.tensor([s.stop - s.start for s in routing.rows], dtype=values.dtype, device=values.device)
+    member = routing.member_of_rows(values.device)
+    sums = values.new_zeros(routing.size).index_add(0, member, values)
+    return sums / values.new_zeros(routing.size).index_add(0, member, torch.ones_like(values))
 
 
 @dataclass
@@ -168,9 +169,11 @@ class Task:
         return batch_size
 
     def device_batch(self, batch: Any, device: torch.device) -> Any:
-        """``batch`` as a training step on ``device`` uses it: every tensor moved there (default). A task may keep
-        on the host what only the host reads, so that a step never waits for the device to read it back."""
-        return to_device(batch, device)
+        """``batch`` as a training step on ``device`` uses it, staged there before the step (default: every tensor,
+        :func:`~fedlowrank.device.stage`). A task may add what it would otherwise compute from host values in the
+        step (e.g. a causal LM's response positions), so that a step neither moves a tensor nor waits for the
+        device."""
+        return stage(batch, device)
 
     def loss(self, net: nn.Module, batch: Any) -> Tensor:
         """Scalar training loss of ``net`` on ``batch`` (with autograd)."""
