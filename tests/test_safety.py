@@ -86,7 +86,7 @@ def test_resume_of_a_comparison_never_writes_into_a_user_folder(tmp_path, capsys
     folder = user_folder(tmp_path)
     assert main(["compare", "tiny", "--methods", "fedit", "--seeds", "0", "--out", str(folder), "--resume",
                  "--quiet"]) == 2
-    assert "holds neither a fedlowrank run" in capsys.readouterr().err and untouched(folder)
+    assert "holds neither a fedlowrank compare" in capsys.readouterr().err and untouched(folder)
 
 
 def test_overwrite_refuses_a_model_folder_whose_config_json_is_not_a_runs(tmp_path, capsys):

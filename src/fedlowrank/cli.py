@@ -153,10 +153,12 @@ def _finish(run, run_dir: Path, as_json: bool = False) -> int:
         return getattr(stop, "exit_status", 130)
     from .experiments.compare import data_name
     from .reporting.plots import plot_run
+    from .runtime.rundir import own
     from .tasks import headline_metric
 
     cfg = run.cfg
     title = f"{run.method.name} on {data_name(cfg)}: {run_dir.name}"
+    own(run_dir, "curves.png")
     plots = plot_run(run.history, run_dir, headline_metric(cfg), title)
     if run.log:
         run.log(f"plot: {plots[0]}" if plots else "no plots: matplotlib is not installed (pip install matplotlib==3.11.2)")
@@ -253,7 +255,7 @@ def _claimed_output(args, kind: str):
     cfg = load_config(args.config, args.set, method_checks=False)  # each compared method is checked on its own
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
     with _output_dir(args, cfg, kind) as out:
-        lock = continue_run_dir(out) if args.resume else claim_run_dir(out, args.overwrite)
+        lock = continue_run_dir(out, kind=kind) if args.resume else claim_run_dir(out, args.overwrite, kind=kind)
         try:
             yield out
         finally:

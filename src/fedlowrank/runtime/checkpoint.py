@@ -105,7 +105,9 @@ def _unflatten_clients(flat: State) -> dict[int, State]:
 
 def save_checkpoint(run_dir: Path, ck: Checkpoint, keep: int = 2) -> Path:
     """Write ``ck`` atomically; keep the newest ``keep`` checkpoints. Returns its folder."""
-    root = Path(run_dir) / "checkpoints"
+    from .rundir import own
+
+    root = own(Path(run_dir), "checkpoints")
     root.mkdir(parents=True, exist_ok=True)
     name = f"round-{ck.round:05d}"
     tmp = root / f".{name}.tmp-{os.getpid()}"

@@ -38,7 +38,7 @@ from .evaluation import Evaluator
 from .rounds import RoundOutcome, RoundReplies, Warn, client_rows, close_round
 from .run import DivergenceError, Run, peak_rss_mb
 from .run_files import RunFiles
-from .rundir import check_run_dir, claim_run_dir, lock_run_dir
+from .rundir import RunDirError, check_run_dir, claim_run_dir, lock_run_dir, read_claim
 from .stopping import StopRequested, check_stop, stop_signals
 from .store import ClientStore
 from .tracker import RunTracker
@@ -240,6 +240,11 @@ class ServerRun(Run):
         (:func:`~.checkpoint.restart_from`)."""
         lock = lock_run_dir(run_dir) if Path(run_dir).is_dir() else None
         try:
+            claim = read_claim(run_dir) if lock is not None else None
+            if lock is not None and (claim is None or claim.kind != "run"):
+                what = "no valid claim file" if claim is None else f"the output of `fedlowrank {claim.kind}`"
+                raise RunDirError(f"{run_dir} holds no fedlowrank run ({what}): nothing to resume, and nothing is "
+                                  f"written into it")
             run = cls.from_checkpoint(run_dir, task, log, round, warn)
         except BaseException:
             if lock is not None:
