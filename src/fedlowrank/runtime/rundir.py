@@ -114,9 +114,9 @@ def foreign_entries(folder: str | Path, kinds: tuple[str, ...] = KINDS) -> list[
     holds no valid claim of those kinds); sub-directories holding a claim of their own are checked inside."""
     folder = Path(folder)
     claim = read_claim(folder)
-    names = sorted(p.name for p in folder.iterdir() if p.name not in _BOOKKEEPING)
     if claim is None or claim.kind not in kinds:
-        return names
+        return sorted(p.name for p in folder.iterdir())
+    names = sorted(p.name for p in folder.iterdir() if p.name not in _BOOKKEEPING)
     out = []
     for name in names:
         entry = folder / name
@@ -233,7 +233,7 @@ def is_run_dir(path: str | Path) -> bool:
     return claim is not None and claim.kind in RUN_KINDS
 
 
-def _old_run(path: Path, overwrite: bool, flag: str, kind: str) -> list[str]:
+def _old_run(path: Path, overwrite: bool, flag: str, kind: str, locked: bool = False) -> list[str]:
     """The own entries of ``path`` that an ``overwrite`` would remove; :class:`RunDirError` when ``path`` holds
     files and ``overwrite`` is not set, or holds files that no ``kind`` command recorded as its own (``flag`` is
     how the user asks to overwrite)."""
@@ -241,7 +241,7 @@ def _old_run(path: Path, overwrite: bool, flag: str, kind: str) -> list[str]:
         raise RunDirError(f"run directory {path} is a file or a symbolic link; choose a directory")
     if not path.exists():
         return []
-    old = sorted(p.name for p in path.iterdir() if p.name not in _BOOKKEEPING)
+    old = _entries(path, locked)
     if old and not overwrite:
         shown = ", ".join(old[:4]) + (", ..." if len(old) > 4 else "")
         raise RunDirError(f"run directory {path} is not empty (holds {shown}); pass {flag} to replace "
@@ -258,6 +258,13 @@ def _old_run(path: Path, overwrite: bool, flag: str, kind: str) -> list[str]:
                           f"anything with {flag}; move {'it' if len(foreign) == 1 else 'them'} away or choose "
                           f"another directory")
     return old
+
+
+def _entries(path: Path, locked: bool = False) -> list[str]:
+    """The names in the directory ``path``, without the lock and claim files when it holds a valid claim (without
+    the lock file when this process holds it: ``locked``)."""
+    names = sorted(p.name for p in path.iterdir() if not (locked and p.name == LOCK_FILE))
+    return [n for n in names if n not in _BOOKKEEPING] if read_claim(path) is not None else names
 
 
 def _check_runs_inside(path: Path) -> None:
@@ -290,8 +297,8 @@ def remove_own(path: Path, names: list[str]) -> None:
             os.rename(path / name, trash / name)
             moved.append(name)
     except OSError as exc:
-        for name in reversed(moved):
-            os.rename(trash / name, path / name)
+        for back in reversed(moved):
+            os.rename(trash / back, path / back)
         trash.rmdir()
         raise RunDirError(f"run directory {path}: cannot remove {name} ({exc.strerror}): nothing was removed; "
                           f"make it removable or choose another directory") from None
@@ -320,7 +327,7 @@ def claim_run_dir(path: str | Path, overwrite: bool = False, flag: str = "--over
     lock = lock_run_dir(path)
     try:
         remove_dead_temporaries(path, "overwrite")
-        old = _old_run(path, overwrite, flag, kind)  # again under the lock: another claim may have come first
+        old = _old_run(path, overwrite, flag, kind, locked=True)  # again under the lock: another claim may have come first
         _check_runs_inside(path)
         if old:
             remove_own(path, old)
@@ -339,7 +346,7 @@ def continue_run_dir(path: str | Path, flag: str = "--resume", kind: str = "comp
     path = Path(path)
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise RunDirError(f"run directory {path} is a file or a symbolic link; choose a directory")
-    entries = [p for p in path.iterdir() if p.name not in _BOOKKEEPING] if path.is_dir() else []
+    entries = [path / n for n in _entries(path)] if path.is_dir() else []
     if not entries:
         return claim_run_dir(path, kind=kind)
     claim = read_claim(path)

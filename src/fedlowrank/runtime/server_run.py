@@ -238,13 +238,13 @@ class ServerRun(Run):
         ``round``), ready to continue, holding the directory's lock; ``metrics.jsonl`` and ``ledger.jsonl`` are
         cut back to the checkpoint's round (saying so when that drops rounds) and later checkpoints deleted
         (:func:`~.checkpoint.restart_from`)."""
+        claim = read_claim(run_dir) if Path(run_dir).is_dir() else None
+        if Path(run_dir).is_dir() and (claim is None or claim.kind != "run"):
+            what = "no valid claim file" if claim is None else f"the output of `fedlowrank {claim.kind}`"
+            raise RunDirError(f"{run_dir} holds no fedlowrank run ({what}): nothing to resume, and nothing is "
+                              f"written into it")
         lock = lock_run_dir(run_dir) if Path(run_dir).is_dir() else None
         try:
-            claim = read_claim(run_dir) if lock is not None else None
-            if lock is not None and (claim is None or claim.kind != "run"):
-                what = "no valid claim file" if claim is None else f"the output of `fedlowrank {claim.kind}`"
-                raise RunDirError(f"{run_dir} holds no fedlowrank run ({what}): nothing to resume, and nothing is "
-                                  f"written into it")
             run = cls.from_checkpoint(run_dir, task, log, round, warn)
         except BaseException:
             if lock is not None:
