@@ -277,3 +277,62 @@ def test_checkpoint_integrity_records_are_checked_field_by_field(three_rounds, t
     assert {"a name outside the folder": "malformed entry '../../config.json'", "an unlisted record": "does not list",
             "a renamed folder": "round 3 in the folder of round 00002"}[damage] in line
     assert rounds_in(run_dir) == [1, 2, 3]  # a refused resume cuts nothing
+
+
+def _forge(folder, record=None, meta=None, server=None, clients=None):
+    """Rewrite the checkpoint ``folder`` with its run.json, server and client states changed by the given functions
+    and its integrity record recomputed over them (then ``meta`` changes meta.json itself): a crafted checkpoint
+    whose hashes all match."""
+    import hashlib
+
+    from fedlowrank.message import State
+
+    meta_path = folder / "meta.json"
+    record_meta = json.loads(meta_path.read_text())
+    for name, change, load, dump in (
+            ("run.json", record, lambda b: json.loads(b), lambda v: json.dumps(v).encode()),
+            ("server.safetensors", server, State.from_bytes, lambda v: v.to_bytes()),
+            ("clients.safetensors", clients, State.from_bytes, lambda v: v.to_bytes())):
+        if change is None:
+            continue
+        data = dump(change(load((folder / name).read_bytes())))
+        (folder / name).write_bytes(data)
+        record_meta["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    meta_path.write_text(json.dumps(meta(record_meta) if meta else record_meta))
+
+
+def _without(state, word):
+    from fedlowrank.message import State
+
+    return State({k: v for k, v in state.items() if word not in k})
+
+
+def _with_key(state, key):
+    import torch
+
+    from fedlowrank.message import State
+
+    return State({**state, key: torch.zeros(2)})
+
+
+CRAFTED = {
+    "history cut, hash recomputed": dict(record=lambda r: {**r, "history": r["history"][:1]}),
+    "history without times": dict(record=lambda r: {**r, "history": [{"round": x["round"]} for x in r["history"]]}),
+    "meta.json with another key": dict(meta=lambda m: {**m, "note": "added"}),
+    "server state without lora_A": dict(server=lambda s: _without(s, "lora_A")),
+    "client key without a client": dict(clients=lambda s: _with_key(s, "lora_A")),
+}
+
+
+@pytest.mark.parametrize("craft", sorted(CRAFTED))
+def test_a_crafted_checkpoint_with_matching_hashes_falls_back_to_the_last_intact_one(three_rounds, tmp_path,
+                                                                                    capsys, craft):
+    run_dir = _copy(three_rounds[0], tmp_path)
+    _forge(run_dir / "checkpoints" / "round-00003", **CRAFTED[craft])
+    assert main(["resume", str(run_dir), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "round-00003" in err.splitlines()[0] and "using round-00002" in err.splitlines()[0], err
+    assert "Traceback" not in err and "internal error" not in err
+    assert rounds_in(run_dir) == [1, 2, 3]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["accuracy"] == three_rounds[1]["accuracy"] and summary["bytes_up"] == three_rounds[1]["bytes_up"]

@@ -32,12 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from ..message import State
 from ..serialization import FormatError
 
 FORMAT_VERSION = 2  # 1: run metadata in meta.json, unverified (refused)
 RECORD = "run.json"
 TENSOR_FILES = ("server.safetensors", "clients.safetensors")
+ROW_TIMES = ("client_compute", "aggregation", "evaluation", "other", "total")  # seconds in every history row
 
 
 class CheckpointError(RuntimeError):
@@ -96,9 +99,12 @@ def _flatten_clients(clients: dict[int, State]) -> State:
 
 
 def _unflatten_clients(flat: State) -> dict[int, State]:
+    """``{client: State}`` of the keys ``"<client>/<key>"``; :class:`ValueError` naming a key of another form."""
     out: dict[int, State] = {}
     for key, value in flat.items():
-        client, name = key.split("/", 1)
+        client, _, name = key.partition("/")
+        if not (client.isdigit() and name):
+            raise ValueError(f"key {key!r} is not <client>/<name>")
         out.setdefault(int(client), State())[name] = value
     return out
 
@@ -167,20 +173,44 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return path
 
 
-def _intact_rounds(folders: dict[int, Path]) -> list[int]:
+def check_state(path: Path, state: State, initial: State) -> None:
+    """:class:`CheckpointError` unless the server ``state`` of the checkpoint ``path`` holds every entry of the
+    method's ``initial`` state as the same kind of value: a tensor of the same dtype and number of dimensions (the
+    sizes may change, e.g. with the rank), or a scalar. Entries the method adds later are allowed."""
+    for key, value in initial.items():
+        got = state.get(key)
+        if isinstance(value, torch.Tensor):
+            ok = isinstance(got, torch.Tensor) and got.dtype == value.dtype and got.dim() == value.dim()
+        else:
+            ok = key in state and not isinstance(got, torch.Tensor)
+        if not ok:
+            what = "missing" if key not in state else "of another kind, dtype or number of dimensions"
+            raise CheckpointError(f"checkpoint {path}: server.safetensors: entry {key!r} is {what} than the "
+                                  f"method's")
+
+
+def _load(path: Path, check: Callable[[Path, Checkpoint], None] | None) -> Checkpoint:
+    ck = load_checkpoint(path)
+    if check is not None:
+        check(path, ck)
+    return ck
+
+
+def _intact_rounds(folders: dict[int, Path], check=None) -> list[int]:
     intact = []
     for rnd in sorted(folders):
         try:
-            load_checkpoint(folders[rnd])
+            _load(folders[rnd], check)
         except CheckpointError:
             continue
         intact.append(rnd)
     return intact
 
 
-def find_checkpoint(run_dir: str | Path, round: int | None = None,
-                    warn: Callable[[str], None] | None = None) -> tuple[Path, Checkpoint]:
-    """The checkpoint to continue ``run_dir`` from, verified: ``(folder, checkpoint)``.
+def find_checkpoint(run_dir: str | Path, round: int | None = None, warn: Callable[[str], None] | None = None,
+                    check: Callable[[Path, Checkpoint], None] | None = None) -> tuple[Path, Checkpoint]:
+    """The checkpoint to continue ``run_dir`` from, verified (and passed by ``check``, which raises
+    :class:`CheckpointError` for a checkpoint that does not fit the run): ``(folder, checkpoint)``.
 
     With ``round``: that round's checkpoint; :class:`CheckpointError` listing the intact rounds when it is
     missing or damaged. Without: the one ``checkpoints/latest`` names; when that is damaged, or ``latest`` is
@@ -192,12 +222,12 @@ def find_checkpoint(run_dir: str | Path, round: int | None = None,
     if round is not None:
         if round in folders:
             try:
-                return folders[round], load_checkpoint(folders[round])
+                return folders[round], _load(folders[round], check)
             except CheckpointError as exc:
                 problem = str(exc)
         else:
             problem = f"{run_dir} has no checkpoint of round {round}"
-        intact = _intact_rounds(folders)
+        intact = _intact_rounds(folders, check)
         raise CheckpointError(f"{problem}; rounds with an intact checkpoint: "
                               f"{', '.join(map(str, intact)) if intact else 'none'}")
     if not folders:
@@ -212,7 +242,7 @@ def find_checkpoint(run_dir: str | Path, round: int | None = None,
         newest = max(folders)
     for rnd in sorted((r for r in folders if r <= newest), reverse=True):
         try:
-            ck = load_checkpoint(folders[rnd])
+            ck = _load(folders[rnd], check)
         except CheckpointError as exc:
             skipped.append(str(exc))
             continue
@@ -237,6 +267,9 @@ def _read_integrity(path: Path) -> dict[str, dict[str, Any]]:
         raise CheckpointError(f"checkpoint {path}: format {found!r}, expected {FORMAT_VERSION}"
                               + (" (written by an older fedlowrank, whose metadata cannot be verified)"
                                  if found == 1 else ""))
+    if set(meta) != {"format", "files"}:
+        raise CheckpointError(f"checkpoint {path}: meta.json holds other keys than format and files "
+                              f"({', '.join(sorted(set(meta) - {'format', 'files'}))})")
     files = meta.get("files")
     if not isinstance(files, dict) or not set(TENSOR_FILES + (RECORD,)) <= set(files):
         raise CheckpointError(f"checkpoint {path}: meta.json does not list {', '.join(TENSOR_FILES + (RECORD,))}")
@@ -269,10 +302,14 @@ def _check_record(path: Path, record: Any, files: dict[str, Any]) -> None:
     history, ledger = record["history"], record["ledger"]
     need(isinstance(history, list) and all(isinstance(r, dict) and _is_count(r.get("round")) for r in history),
          "history malformed")
+    need(all(isinstance(r.get("time"), dict) and all(type(r["time"].get(k)) in (int, float) for k in ROW_TIMES)
+             for r in history), f"a history row lacks its times ({', '.join(ROW_TIMES)})")
     rounds = [r["round"] for r in history]
-    # one row per round, or per evaluated round (the vectorised runner): increasing, none beyond the checkpoint's
-    need(rounds == sorted(set(rounds)) and all(r <= rnd for r in rounds),
-         f"history rounds {rounds[:3]}... are not increasing up to {rnd}")
+    # one row per round, or per evaluated round (the vectorised runner, which checkpoints at those): increasing,
+    # ending at the checkpoint's round
+    need(rounds == sorted(set(rounds)) and (rounds[-1] == rnd if rounds else rnd == 0),
+         f"history rounds {rounds[:3]}{'...' if len(rounds) > 3 else ''} do not increase to round {rnd}, the "
+         f"checkpoint's")
     need(isinstance(ledger, list) and all(
         isinstance(r, dict) and all(_is_count(r.get(k)) for k in ("round", "client", "down", "up"))
         and 1 <= r["round"] <= rnd for r in ledger), "ledger malformed")
@@ -302,7 +339,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
     try:
         server = State.from_bytes(blobs["server.safetensors"])
         clients = _unflatten_clients(State.from_bytes(blobs["clients.safetensors"]))
-    except FormatError as exc:
+    except (FormatError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from exc
     spilled = {int(k): path / v for k, v in record["spilled"].items()}
     return Checkpoint(record["round"], record["method"], server, clients, record["history"], record["ledger"],

@@ -32,7 +32,7 @@ from ..message import State
 from ..privacy.runtime import accounting
 from ..reporting.progress import Progress
 from ..reporting.tracking import require_package
-from .checkpoint import restart_from
+from .checkpoint import ROW_TIMES, restart_from
 from .checkpointing import Checkpointer, read_run_checkpoint, restore
 from .evaluation import Evaluator
 from .rounds import RoundOutcome, RoundReplies, Warn, client_rows, close_round
@@ -207,7 +207,7 @@ class ServerRun(Run):
     def summary(self) -> dict[str, Any]:
         """The run's summary (also ``summary.json``): method, rounds, bytes, time by part, peak memory, the last
         evaluation's metrics, ``epsilon`` under DP, ``best_accuracy``."""
-        times = {k: sum(r["time"][k] for r in self.history) for k in ("client_compute", "aggregation", "evaluation", "other", "total")}
+        times = {k: sum(r["time"][k] for r in self.history) for k in ROW_TIMES}
         out = {"method": self.method.name, "rounds": self.round, "bytes_up": self.ledger.total_up,
                "bytes_down": self.ledger.total_down, "time": times, "peak_rss_mb": peak_rss_mb()}
         out.update(self.last_eval)
@@ -226,10 +226,15 @@ class ServerRun(Run):
         checkpoint is of the directory's ``config.json``. Reads only: nothing in ``run_dir`` is written.
         ``warn`` (default ``log``) gets a line when a damaged checkpoint is skipped. For the runners built as
         ``cls(cfg, task=..., log=...)`` (:class:`~.simulator.Simulation`, :class:`~.vectorized.Vectorized`)."""
-        cfg, ck = read_run_checkpoint(run_dir, round, warn or log)
-        run = cls(cfg, task=task, log=log)
-        restore(run, ck)
-        return run
+        built = []
+
+        def initial(cfg):
+            built.append(cls(cfg, task=task, log=log))
+            return built[0].server
+
+        cfg, ck = read_run_checkpoint(run_dir, round, warn or log, initial)
+        restore(built[0], ck)
+        return built[0]
 
     @classmethod
     def resume(cls, run_dir: str | Path, task=None, log: Callable[[str], None] | None = None,
