@@ -173,6 +173,18 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return path
 
 
+def check_history(path: Path, ck: Checkpoint, rounds: list[int]) -> None:
+    """:class:`CheckpointError` unless the history of the checkpoint ``path`` has a row for exactly ``rounds``
+    (those the run records up to the checkpoint's round)."""
+    got = [r["round"] for r in ck.history]
+    if got != rounds:
+        def show(xs: list[int]) -> str:
+            return str(xs) if len(xs) <= 4 else f"[{xs[0]}, {xs[1]}, ..., {xs[-1]}] ({len(xs)} rows)"
+
+        raise CheckpointError(f"checkpoint {path}: {RECORD}: the history holds rounds {show(got)}, the run records "
+                              f"{show(rounds)} up to round {ck.round}")
+
+
 def check_state(path: Path, state: State, initial: State) -> None:
     """:class:`CheckpointError` unless the server ``state`` of the checkpoint ``path`` holds every entry of the
     method's ``initial`` state as the same kind of value: a tensor of the same dtype and number of dimensions (the
@@ -305,11 +317,10 @@ def _check_record(path: Path, record: Any, files: dict[str, Any]) -> None:
     need(all(isinstance(r.get("time"), dict) and all(type(r["time"].get(k)) in (int, float) for k in ROW_TIMES)
              for r in history), f"a history row lacks its times ({', '.join(ROW_TIMES)})")
     rounds = [r["round"] for r in history]
-    # one row per round, or per evaluated round (the vectorised runner, which checkpoints at those): increasing,
-    # ending at the checkpoint's round
-    need(rounds == sorted(set(rounds)) and (rounds[-1] == rnd if rounds else rnd == 0),
-         f"history rounds {rounds[:3]}{'...' if len(rounds) > 3 else ''} do not increase to round {rnd}, the "
-         f"checkpoint's")
+    # one row per round, or per evaluated round (the vectorised runner): increasing, none beyond the checkpoint's
+    # (which rounds exactly, the runner says: checkpointing.read_run_checkpoint)
+    need(rounds == sorted(set(rounds)) and all(r <= rnd for r in rounds),
+         f"history rounds {rounds[:3]}... are not increasing up to {rnd}")
     need(isinstance(ledger, list) and all(
         isinstance(r, dict) and all(_is_count(r.get(k)) for k in ("round", "client", "down", "up"))
         and 1 <= r["round"] <= rnd for r in ledger), "ledger malformed")

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .checkpoint import (Checkpoint, CheckpointError, check_state, checkpoint_folders, config_fingerprint,
-                         find_checkpoint, save_checkpoint)
+from .checkpoint import (Checkpoint, CheckpointError, checkpoint_folders, config_fingerprint, find_checkpoint,
+                         save_checkpoint)
 
 
 MAX_COST = 0.02  # the share of a run's time that checkpoints saved for run.checkpoint_seconds may take
@@ -64,11 +64,13 @@ class Checkpointer:
 
 
 def read_run_checkpoint(run_dir: str | Path, round: int | None = None, warn: Callable[[str], None] | None = None,
-                        initial: Callable[[Any], Any] | None = None) -> tuple[Any, Checkpoint]:
+                        fits: Callable[[Any], Callable[[Path, Checkpoint], None]] | None = None
+                        ) -> tuple[Any, Checkpoint]:
     """``(config, checkpoint)`` of the run in ``run_dir``: its ``config.json`` and its newest intact checkpoint (or
     that of ``round``; ``warn`` gets a line when a damaged one is skipped), after checking that the checkpoint is
-    of that config. ``initial(config)``: the method's initial server state; a checkpoint whose server state does
-    not hold its entries (:func:`~.checkpoint.check_state`) counts as damaged. Reads only."""
+    of that config. ``fits(config)``: a check ``(folder, checkpoint)`` raising :class:`CheckpointError` when the
+    checkpoint does not fit the run (its history, its server state); such a checkpoint counts as damaged. Reads
+    only."""
     from ..config import ConfigError, from_dict
 
     run_dir = Path(run_dir)
@@ -78,9 +80,7 @@ def read_run_checkpoint(run_dir: str | Path, round: int | None = None, warn: Cal
         cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
     except (OSError, ValueError, ConfigError) as exc:
         raise CheckpointError(f"{run_dir}: config.json unreadable ({exc})") from exc
-    state = initial(cfg) if initial is not None else None
-    path, ck = find_checkpoint(run_dir, round, warn,
-                               None if state is None else lambda folder, c: check_state(folder, c.server, state))
+    path, ck = find_checkpoint(run_dir, round, warn, None if fits is None else fits(cfg))
     if ck.method != cfg.method_name:
         raise CheckpointError(f"checkpoint {path} is of method {ck.method!r}, {run_dir / 'config.json'} says "
                               f"{cfg.method_name!r}: they are not of the same run")

@@ -32,7 +32,7 @@ from ..message import State
 from ..privacy.runtime import accounting
 from ..reporting.progress import Progress
 from ..reporting.tracking import require_package
-from .checkpoint import ROW_TIMES, restart_from
+from .checkpoint import ROW_TIMES, check_history, check_state, restart_from
 from .checkpointing import Checkpointer, read_run_checkpoint, restore
 from .evaluation import Evaluator
 from .rounds import RoundOutcome, RoundReplies, Warn, client_rows, close_round
@@ -219,6 +219,17 @@ class ServerRun(Run):
         self.files.write_summary(out)
         return out
 
+    def history_rounds(self, rnd: int) -> list[int]:
+        """The rounds of the metrics rows this runner records up to round ``rnd``: every round."""
+        return list(range(1, rnd + 1))
+
+    def check_checkpoint(self, path: Path, ck) -> None:
+        """:class:`~.checkpoint.CheckpointError` when checkpoint ``ck`` (of folder ``path``) does not fit this run:
+        its history rows are not those of :meth:`history_rounds`, or its server state lacks an entry of the
+        method's (:func:`~.checkpoint.check_state`)."""
+        check_history(path, ck, self.history_rounds(ck.round))
+        check_state(path, ck.server, self.server)
+
     @classmethod
     def from_checkpoint(cls, run_dir: str | Path, task=None, log: Callable[[str], None] | None = None,
                         round: int | None = None, warn: Callable[[str], None] | None = None):
@@ -228,11 +239,11 @@ class ServerRun(Run):
         ``cls(cfg, task=..., log=...)`` (:class:`~.simulator.Simulation`, :class:`~.vectorized.Vectorized`)."""
         built = []
 
-        def initial(cfg):
+        def fits(cfg):
             built.append(cls(cfg, task=task, log=log))
-            return built[0].server
+            return built[0].check_checkpoint
 
-        cfg, ck = read_run_checkpoint(run_dir, round, warn or log, initial)
+        _, ck = read_run_checkpoint(run_dir, round, warn or log, fits)
         restore(built[0], ck)
         return built[0]
 
