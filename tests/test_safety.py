@@ -336,3 +336,72 @@ def test_a_crafted_checkpoint_with_matching_hashes_falls_back_to_the_last_intact
     assert rounds_in(run_dir) == [1, 2, 3]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["accuracy"] == three_rounds[1]["accuracy"] and summary["bytes_up"] == three_rounds[1]["bytes_up"]
+
+
+# -- what resume cannot delete, a full disk, an emptied finished run: one line each --------------------------------
+def test_resume_before_a_checkpoint_it_cannot_delete_changes_nothing(three_rounds, tmp_path, capsys, monkeypatch):
+    import fedlowrank.runtime.rundir as rundir
+
+    run_dir = _copy(three_rounds[0], tmp_path)
+    before = listing(run_dir)
+    rename = os.rename
+
+    def immutable(src, dst, *args, **kwargs):
+        if os.path.basename(src) == "round-00003":
+            raise PermissionError(1, "Operation not permitted")
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(rundir.os, "rename", immutable)
+    assert main(["resume", str(run_dir), "--round", "2", "--quiet"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert len(line.splitlines()) == 1 and line.startswith("error: resuming after round 2") and \
+        "round-00003 (Operation not permitted)" in line, line
+    assert listing(run_dir) == before
+
+
+def test_resume_refuses_a_linked_checkpoint_and_never_follows_it(three_rounds, tmp_path, capsys):
+    import shutil
+
+    run_dir = _copy(three_rounds[0], tmp_path)
+    elsewhere = shutil.copytree(run_dir / "checkpoints" / "round-00003", tmp_path / "elsewhere")
+    (run_dir / "checkpoints" / "round-00009").symlink_to(elsewhere, target_is_directory=True)
+    before = listing(run_dir), listing(elsewhere)
+    assert main(["resume", str(run_dir), "--quiet"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert len(line.splitlines()) == 1 and "round-00009 is a symbolic link" in line and "move it out" in line, line
+    assert (listing(run_dir), listing(elsewhere)) == before
+
+
+def test_a_full_disk_is_one_line_naming_the_directory(finished_run, tmp_path, capsys, monkeypatch):
+    import fedlowrank.export as export
+    from fedlowrank.runtime.run_files import RunFiles
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(RunFiles, "append_round", full)
+    out = tmp_path / "run"
+    assert main(["run", "tiny", "--out", str(out), "--quiet", "--set", "run.rounds=1"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line == f"error: run directory {out}: No space left on device while writing it; free space on that " \
+                   f"disk or choose another directory", line
+
+    def full_in_a_library(*args, **kwargs):
+        raise Exception("No space left on device (os error 28)")
+
+    monkeypatch.setattr(export, "_write_export", full_in_a_library)
+    assert main(["export", str(finished_run), "--out", str(tmp_path / "exp")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"error: --out {tmp_path / 'exp'}: No space left on device"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_compare_resume_runs_again_a_finished_run_whose_metrics_were_emptied(tmp_path, capsys):
+    cmp = tmp_path / "cmp"
+    argv = ["compare", "tiny", "--methods", "fedit", "--seeds", "0", "--out", str(cmp), "--quiet",
+            "--set", "run.rounds=2"]
+    assert main(argv) == 0
+    (cmp / "fedit-seed0" / "metrics.jsonl").write_text("")
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0, capsys.readouterr().err
+    assert rounds_in(cmp / "fedit-seed0") == [1, 2]

@@ -115,14 +115,16 @@ def _need_config(args) -> None:
 
 def cmd_run(args) -> int:
     from .config import check_writable, load_config
+    from .runtime.rundir import writing
     from .runtime.vectorized import runner_for
 
     _need_config(args)
     cfg = load_config(args.config, [*args.set, *(["run.vectorized=true"] if args.vectorized else [])])
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
-    with _output_dir(args, cfg, cfg.method_name) as run_dir:
+    with _output_dir(args, cfg, cfg.method_name) as run_dir, writing(run_dir, "run directory"):
         run = runner_for(cfg)(cfg, run_dir=run_dir, log=None if args.quiet else _log, overwrite=args.overwrite)
-    return _finish(run, run_dir, args.json)
+    with writing(run_dir, "run directory"):
+        return _finish(run, run_dir, args.json)
 
 
 @contextlib.contextmanager
@@ -201,14 +203,16 @@ def summary_table(summary: dict) -> str:
 
 
 def cmd_resume(args) -> int:
+    from .runtime.rundir import writing
     from .runtime.simulator import Simulation
     from .runtime.vectorized import Vectorized
 
     run_dir = Path(args.run_dir)
     runner = Vectorized if _vectorized_run(run_dir) else Simulation
-    run = runner.resume(run_dir, log=None if args.quiet else _log, round=args.round, warn=_log)
-    _log(f"resuming {run_dir} after round {run.round} of {run.cfg.run.rounds}")
-    return _finish(run, run_dir, args.json)
+    with writing(run_dir, "run directory"):
+        run = runner.resume(run_dir, log=None if args.quiet else _log, round=args.round, warn=_log)
+        _log(f"resuming {run_dir} after round {run.round} of {run.cfg.run.rounds}")
+        return _finish(run, run_dir, args.json)
 
 
 def _vectorized_run(run_dir: Path) -> bool:
@@ -222,12 +226,14 @@ def _vectorized_run(run_dir: Path) -> bool:
 def cmd_export(args) -> int:
     from .config import ConfigError
     from .export import export_run
+    from .runtime.rundir import writing
 
     if args.rank is not None and args.rank < 1:
         raise ConfigError(f"--rank must be >= 1, got {args.rank}")
     suffix = args.format + (f"-r{args.rank}" if args.rank is not None else "")
     out = Path(args.out) if args.out else Path(args.run_dir) / f"export-{suffix}"
-    report = export_run(args.run_dir, out, args.format, args.rank, warn=_log, overwrite=args.overwrite)
+    with writing(out, "--out"):
+        report = export_run(args.run_dir, out, args.format, args.rank, warn=_log, overwrite=args.overwrite)
     _log(f"exported to {out}")
     print(json.dumps(report, indent=1))
     return 0
@@ -247,7 +253,7 @@ def _claimed_output(args, kind: str):
     and claimed (``--resume``: locked, its finished runs kept) for the block (each run locks its own subdirectory);
     what a failed block leaves unused is removed (:meth:`~.runtime.rundir.RunDirLock.release`)."""
     from .config import ConfigError, check_writable, load_config
-    from .runtime.rundir import claim_run_dir, continue_run_dir
+    from .runtime.rundir import claim_run_dir, continue_run_dir, writing
 
     _need_config(args)
     if args.resume and (args.overwrite or not args.out):
@@ -257,7 +263,8 @@ def _claimed_output(args, kind: str):
     with _output_dir(args, cfg, kind) as out:
         lock = continue_run_dir(out, kind=kind) if args.resume else claim_run_dir(out, args.overwrite, kind=kind)
         try:
-            yield out
+            with writing(out, "--out" if args.out else "output directory"):
+                yield out
         finally:
             lock.release()
 

@@ -158,7 +158,7 @@ def checkpoint_folders(run_dir: Path) -> dict[int, Path]:
     if not root.is_dir():
         return {}
     return {int(p.name[6:]): p for p in root.iterdir()
-            if p.is_dir() and p.name.startswith("round-") and p.name[6:].isdigit()}
+            if p.is_dir() and not p.is_symlink() and p.name.startswith("round-") and p.name[6:].isdigit()}
 
 
 def latest_checkpoint(run_dir: Path) -> Path:
@@ -377,14 +377,21 @@ def restart_from(run_dir: Path, round: int, history: list[dict[str, Any]], ledge
     """Make ``run_dir`` continue from its checkpoint of ``round``: delete later checkpoints and the temporaries of
     writers that were killed, point ``latest`` at it, and rewrite ``metrics.jsonl`` and ``ledger.jsonl`` from the
     checkpoint's ``history`` and ``ledger``; when that drops rounds they held, ``warn`` gets one line saying so."""
-    from .rundir import remove_dead_temporaries
+    from .rundir import RunDirError, remove_dead_temporaries, remove_own
 
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
+    links = sorted(p.name for p in root.glob("round-*") if p.is_symlink())
+    if links:
+        raise CheckpointError(f"{root / links[0]} is a symbolic link, not a checkpoint this run wrote; move it out "
+                              f"of {root} to resume")
+    later = sorted(folder.name for rnd, folder in checkpoint_folders(run_dir).items() if rnd > round)
+    try:
+        remove_own(root, later)  # all or none
+    except RunDirError as exc:
+        raise CheckpointError(f"resuming after round {round} deletes the later checkpoints, but {exc}; make them "
+                              f"removable or move them out of {root}") from None
     remove_dead_temporaries(root)
-    for rnd, folder in checkpoint_folders(run_dir).items():
-        if rnd > round:
-            shutil.rmtree(folder)
     pointer = root / f".latest.tmp-{os.getpid()}"
     _fsync_write(pointer, f"round-{round:05d}".encode())
     os.replace(pointer, root / "latest")

@@ -30,6 +30,8 @@ the parents it made) when the lock created it and it is empty.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -50,6 +52,28 @@ _NOTE = ("This directory is the output of a fedlowrank command. `--overwrite` re
 
 class RunDirError(ValueError):
     """A run directory cannot be used: it holds another run or other files, or another process is writing it."""
+
+
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, what: str):
+    """Turn a disk's error while the block writes into ``path`` (full, over quota, read-only, failing: an
+    ``OSError``, or a library's error quoting ``os error N``) into one :class:`RunDirError` naming ``path``
+    (``what`` says what it is, e.g. ``--out``)."""
+    try:
+        yield
+    except Exception as exc:
+        code = exc.errno if isinstance(exc, OSError) else None
+        if code is None:
+            found = re.search(r"\(os error (\d+)\)", str(exc))
+            code = int(found.group(1)) if found else None
+        if code not in DISK_ERRORS:
+            raise
+        where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
+        raise RunDirError(f"{what} {path}: {os.strerror(code)} while writing it{where}; free space on that disk "
+                          f"or choose another directory") from None
 
 
 @dataclass
@@ -281,13 +305,15 @@ def _check_removable(path: Path, names: list[str]) -> None:
         folders += [Path(d) for d, _, _ in os.walk(top) if Path(d) != top]
     for folder in folders:
         if not os.access(folder, os.W_OK | os.X_OK):
-            raise RunDirError(f"run directory {path}: cannot remove the entries of {folder} (not writable): nothing "
-                              f"was removed; make it writable or choose another directory")
+            raise RunDirError(f"cannot remove the entries of {folder} (not writable); nothing was removed")
 
 
 def remove_own(path: Path, names: list[str]) -> None:
     """Remove the entries ``names`` of ``path`` all or none: each is renamed into a temporary folder (renames are
-    undone when one fails), then that folder is deleted; links are removed, never followed."""
+    undone when one fails), then that folder is deleted; links are removed, never followed. :class:`RunDirError`
+    (saying what cannot be removed) when one cannot be."""
+    if not names:
+        return
     _check_removable(path, names)
     trash = path / f".overwrite.tmp-{os.getpid()}"
     trash.mkdir()
@@ -300,8 +326,7 @@ def remove_own(path: Path, names: list[str]) -> None:
         for back in reversed(moved):
             os.rename(trash / back, path / back)
         trash.rmdir()
-        raise RunDirError(f"run directory {path}: cannot remove {name} ({exc.strerror}): nothing was removed; "
-                          f"make it removable or choose another directory") from None
+        raise RunDirError(f"cannot remove {path / name} ({exc.strerror}); nothing was removed") from None
     shutil.rmtree(trash, ignore_errors=True)  # what stays (a file made immutable inside) goes with the next claim
 
 
@@ -314,7 +339,11 @@ def check_run_dir(path: str | Path, overwrite: bool = False, flag: str = "--over
         lock_run_dir(path).release()
         _check_runs_inside(path)
         if old:
-            _check_removable(path, old)
+            try:
+                _check_removable(path, old)
+            except RunDirError as exc:
+                raise RunDirError(f"run directory {path}: {exc}; make it writable or choose another directory") \
+                    from None
 
 
 def claim_run_dir(path: str | Path, overwrite: bool = False, flag: str = "--overwrite",
@@ -329,8 +358,11 @@ def claim_run_dir(path: str | Path, overwrite: bool = False, flag: str = "--over
         remove_dead_temporaries(path, "overwrite")
         old = _old_run(path, overwrite, flag, kind, locked=True)  # again under the lock: another claim may have come first
         _check_runs_inside(path)
-        if old:
+        try:
             remove_own(path, old)
+        except RunDirError as exc:
+            raise RunDirError(f"run directory {path}: {exc}; make it removable or choose another directory") \
+                from None
         write_claim(path, new_claim(kind))
     except BaseException:
         lock.release()
