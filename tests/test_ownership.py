@@ -197,3 +197,15 @@ def test_no_command_modifies_a_users_file_inside_a_run_or_an_export(files, tmp_p
     assert (snapshot(run_dir), snapshot(export)) == (runs, exports)
     assert main(["resume", str(run_dir), "--quiet"]) == 0  # continues the run (complete: nothing to do)
     assert all((run_dir / name).read_bytes() == data for name, data in files.items())
+
+
+def test_overwrite_removes_the_claim_temporary_of_a_killed_writer(tmp_path, finished):
+    import subprocess
+    import sys
+
+    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                             text=True).stdout)
+    run_dir = shutil.copytree(finished[0], tmp_path / "run")
+    (run_dir / f".claim.tmp-{pid}").write_text("{")  # killed while recording a name
+    assert main(["run", "tiny", "--overwrite", "--out", str(run_dir), *ONE_ROUND]) == 0
+    assert not (run_dir / f".claim.tmp-{pid}").exists() and read_claim(run_dir).kind == "run"

@@ -147,9 +147,15 @@ def foreign_entries(folder: str | Path, kinds: tuple[str, ...] = KINDS) -> list[
         nested = entry.is_dir() and not entry.is_symlink() and read_claim(entry) is not None
         if nested:
             out += [f"{name}/{n}" for n in foreign_entries(entry)]
-        elif name not in claim.own:
+        elif name not in claim.own and not _dead_temporary(name):
             out.append(name)
     return out
+
+
+def _dead_temporary(name: str) -> bool:
+    """Whether ``name`` is a claim or overwrite temporary of this module whose writer is no longer alive."""
+    found = re.fullmatch(r"\.(?:claim|overwrite)\.tmp-(\d+)", name)
+    return found is not None and not _alive(int(found.group(1)))
 
 
 class RunDirLock:
