@@ -117,14 +117,16 @@ def _need_config(args) -> None:
 
 def cmd_run(args) -> int:
     from .config import check_writable, load_config
+    from .runtime.rundir import writing
     from .runtime.vectorized import runner_for
 
     _need_config(args)
     cfg = load_config(args.config, [*args.set, *(["run.vectorized=true"] if args.vectorized else [])])
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
-    with _output_dir(args, cfg, cfg.method_name) as run_dir:
+    with _output_dir(args, cfg, cfg.method_name) as run_dir, writing(run_dir, "run directory"):
         run = runner_for(cfg)(cfg, run_dir=run_dir, log=None if args.quiet else _log, overwrite=args.overwrite)
-    return _finish(run, run_dir, args.json)
+    with writing(run_dir, "run directory"):
+        return _finish(run, run_dir, args.json)
 
 
 @contextlib.contextmanager
@@ -155,10 +157,12 @@ def _finish(run, run_dir: Path, as_json: bool = False) -> int:
         return getattr(stop, "exit_status", 130)
     from .experiments.compare import data_name
     from .reporting.plots import plot_run
+    from .runtime.rundir import own
     from .tasks import headline_metric
 
     cfg = run.cfg
     title = f"{run.method.name} on {data_name(cfg)}: {run_dir.name}"
+    own(run_dir, "curves.png")
     plots = plot_run(run.history, run_dir, headline_metric(cfg), title)
     if run.log:
         run.log(f"plot: {plots[0]}" if plots else "no plots: matplotlib is not installed (pip install matplotlib==3.11.2)")
@@ -201,14 +205,16 @@ def summary_table(summary: dict) -> str:
 
 
 def cmd_resume(args) -> int:
+    from .runtime.rundir import writing
     from .runtime.simulator import Simulation
     from .runtime.vectorized import Vectorized
 
     run_dir = Path(args.run_dir)
     runner = Vectorized if _vectorized_run(run_dir) else Simulation
-    run = runner.resume(run_dir, log=None if args.quiet else _log, round=args.round, warn=_log)
-    _log(f"resuming {run_dir} after round {run.round} of {run.cfg.run.rounds}")
-    return _finish(run, run_dir, args.json)
+    with writing(run_dir, "run directory"):
+        run = runner.resume(run_dir, log=None if args.quiet else _log, round=args.round, warn=_log)
+        _log(f"resuming {run_dir} after round {run.round} of {run.cfg.run.rounds}")
+        return _finish(run, run_dir, args.json)
 
 
 def _vectorized_run(run_dir: Path) -> bool:
@@ -222,12 +228,14 @@ def _vectorized_run(run_dir: Path) -> bool:
 def cmd_export(args) -> int:
     from .config import ConfigError
     from .export import export_run
+    from .runtime.rundir import writing
 
     if args.rank is not None and args.rank < 1:
         raise ConfigError(f"--rank must be >= 1, got {args.rank}")
     suffix = args.format + (f"-r{args.rank}" if args.rank is not None else "")
     out = Path(args.out) if args.out else Path(args.run_dir) / f"export-{suffix}"
-    report = export_run(args.run_dir, out, args.format, args.rank, warn=_log, overwrite=args.overwrite)
+    with writing(out, "--out"):
+        report = export_run(args.run_dir, out, args.format, args.rank, warn=_log, overwrite=args.overwrite)
     _log(f"exported to {out}")
     print(json.dumps(report, indent=1))
     return 0
@@ -247,7 +255,7 @@ def _claimed_output(args, kind: str):
     and claimed (``--resume``: locked, its finished runs kept) for the block (each run locks its own subdirectory);
     what a failed block leaves unused is removed (:meth:`~.runtime.rundir.RunDirLock.release`)."""
     from .config import ConfigError, check_writable, load_config
-    from .runtime.rundir import claim_run_dir, continue_run_dir
+    from .runtime.rundir import claim_run_dir, continue_run_dir, writing
 
     _need_config(args)
     if args.resume and (args.overwrite or not args.out):
@@ -255,9 +263,10 @@ def _claimed_output(args, kind: str):
     cfg = load_config(args.config, args.set, method_checks=False)  # each compared method is checked on its own
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
     with _output_dir(args, cfg, kind) as out:
-        lock = continue_run_dir(out) if args.resume else claim_run_dir(out, args.overwrite)
+        lock = continue_run_dir(out, kind=kind) if args.resume else claim_run_dir(out, args.overwrite, kind=kind)
         try:
-            yield out
+            with writing(out, "--out" if args.out else "output directory"):
+                yield out
         finally:
             lock.release()
 

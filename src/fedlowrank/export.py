@@ -224,7 +224,7 @@ def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> None:
     directly in a run is allowed), a file or not writable, or a non-empty folder: that one is replaced with
     ``overwrite`` when it holds an export (``export.json``), never otherwise."""
     from .config import check_writable
-    from .runtime.rundir import is_run_dir
+    from .runtime.rundir import CLAIM, foreign_entries, is_run_dir, read_claim
 
     out = Path(out_dir).resolve()  # "..", symbolic links: where it really is
     if out.is_dir() and is_run_dir(out):
@@ -234,15 +234,23 @@ def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> None:
     if run is not None and not (out.parent == run and out.name.startswith("export-")):
         raise ValueError(f"--out {out_dir} is inside the run directory {run}; export to a folder outside it or to "
                          f"{run}/export-NAME")
+    if Path(out_dir).is_symlink():
+        raise ValueError(f"--out {out_dir} is a symbolic link; export to a folder itself")
     check_writable(out, "--out")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held and not overwrite:
         shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
         raise ValueError(f"--out {out_dir} is not empty (holds {shown}); pass --overwrite to replace the export in "
                          f"it, or choose another folder")
-    if held and not (out / REPORT_FILE).is_file():
-        raise ValueError(f"--out {out_dir} is not empty and holds no fedlowrank export (no {REPORT_FILE}): not "
-                         f"replacing it with --overwrite; choose another folder")
+    claim = read_claim(out) if held else None
+    if held and (claim is None or claim.kind != "export"):
+        raise ValueError(f"--out {out_dir} is not empty and holds no fedlowrank export (no valid {CLAIM} of an "
+                         f"export): not replacing it with --overwrite; choose another folder")
+    foreign = foreign_entries(out, ("export",)) if held else []
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise ValueError(f"--out {out_dir} holds {shown}, which the export did not write: not replacing it with "
+                         f"--overwrite; move {'it' if len(foreign) == 1 else 'them'} away or choose another folder")
 
 
 def _install(tmp: Path, out_dir: Path, overwrite: bool) -> None:
@@ -274,7 +282,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
         warn: gets a line when the newest checkpoint is damaged and an older one is exported.
         overwrite: replace the export already in ``out_dir`` (see :func:`check_export_dir`).
     """
-    from .runtime.rundir import make_dirs, remove_created_dirs, remove_dead_temporaries
+    from .runtime.rundir import make_dirs, new_claim, remove_created_dirs, remove_dead_temporaries, write_claim
 
     check_choice("--format", format, FORMATS)
     if rank is not None and format != "peft":
@@ -291,6 +299,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
         report = _write_export(sim, tmp, format, rank, out_dir.name)
         report.update(run_dir=str(run_dir), out_dir=str(out_dir))
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
+        write_claim(tmp, new_claim("export", sorted(p.name for p in tmp.iterdir())))
         _install(tmp, out_dir, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

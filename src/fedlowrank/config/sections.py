@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,17 @@ def check_model(model: str, key: str = "task.model") -> None:
 LABELS_FORM = "a list of non-empty class names without surrounding spaces"
 
 
+RUN_NAME_MAX = 64  # characters; the run directory adds -<method>-<time stamp> (+ 30)
+
+
+def check_run_name(name: str, key: str = "run.name") -> None:
+    """A plain name: the start of a directory name inside ``run.out_dir`` (no separator, no ``..``, bounded)."""
+    if not (0 < len(name) <= RUN_NAME_MAX and re.fullmatch(r"[A-Za-z0-9_.+=,@-]+", name)
+            and not name.startswith(".")):
+        raise ValueError(f"{key} must be a plain name of 1 to {RUN_NAME_MAX} letters, digits and _.+=,@- not "
+                         f"starting with '.' (it names a directory inside run.out_dir), got {name!r}")
+
+
 def check_labels(labels: list[str], key: str) -> None:
     """``data.labels``: distinct, non-empty class names without surrounding spaces, at least two (or none)."""
     if not all(x and x.strip() == x for x in labels):
@@ -76,7 +88,9 @@ class RunSection(Schema):
 
     prefix = "run"
 
-    name: str = setting("run", "name of the run: prefix of its run directory")
+    name: str = setting("run", "name of the run: prefix of its run directory in run.out_dir", check=check_run_name,
+                        form=f"a plain name of 1 to {RUN_NAME_MAX} letters, digits and _.+=,@- (no '/', not "
+                             f"starting with '.')")
     seed: int = setting(0, "seed of every random stream (split, partition, sampling, initialisation, batches)")
     rounds: int = setting(10, "federated rounds", ge=1)
     clients_per_round: int = setting(5, "clients sampled per round (at most partition.num_clients)", ge=1)

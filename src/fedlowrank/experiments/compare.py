@@ -277,9 +277,11 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
                "alpha": ALPHA, "setup": setup, "seeds": seed_list, "reference": reference,
                "tuned": str(tuned) if tuned else None, "rows": rows, "paired": paired}
     if out is not None:
+        from ..runtime.rundir import own
         from .plots import plot_comparison
 
         out.mkdir(parents=True, exist_ok=True)
+        own(out, "results.json", "results.md", *(f"{metric}_vs_{x}.png" for x in ("round", "bytes")))
         results["plots"] = [str(p) for p in plot_comparison(histories, out, metric, plot_title(setup))]
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "results.md").write_text(results_markdown(results))

@@ -73,7 +73,8 @@ def check_jobs(jobs: int, out: Path | None) -> None:
 
 def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     """``{"summary": summary.json, "history": metrics.jsonl rows, "metrics": the final evaluation}`` of the run
-    that ended in ``run_dir``, or ``None`` when none did there (no ``summary.json``: never started or interrupted).
+    that ended in ``run_dir``, or ``None`` when none did there (no ``summary.json``: never started or interrupted; or
+    ``metrics.jsonl`` does not reach the round ``summary.json`` ends at).
 
     A run that ended with another config than ``cfg`` (its ``config.json`` has another fingerprint,
     :func:`fedlowrank.runtime.checkpoint.config_fingerprint`) raises :class:`ConfigError`: reusing it would mix
@@ -94,6 +95,8 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError, ConfigError) as exc:
         raise ConfigError(f"--resume: the finished run in {run_dir} is unreadable ({exc}); delete it to run it "
                           "again") from None
+    if not history or history[-1].get("round") != summary.get("rounds"):  # its metrics were cut: run it again
+        return None
     if config_fingerprint(old) != config_fingerprint(cfg):
         raise ConfigError(f"--resume: {run_dir} holds a run of another config than this one (different settings "
                           "or learning rate); use another --out, or delete that directory")

@@ -33,13 +33,13 @@ from ..message import State
 from ..privacy.runtime import accounting
 from ..reporting.progress import Progress
 from ..reporting.tracking import require_package
-from .checkpoint import restart_from
+from .checkpoint import ROW_TIMES, check_history, check_state, restart_from
 from .checkpointing import Checkpointer, read_run_checkpoint, restore
 from .evaluation import Evaluator
 from .rounds import RoundOutcome, RoundReplies, Warn, client_rows, close_round
 from .run import DivergenceError, Run, peak_rss_mb
 from .run_files import RunFiles
-from .rundir import check_run_dir, claim_run_dir, lock_run_dir
+from .rundir import RunDirError, check_run_dir, claim_run_dir, lock_run_dir, read_claim
 from .stopping import StopRequested, check_stop, stop_signals
 from .store import ClientStore
 from .tracker import RunTracker
@@ -209,7 +209,7 @@ class ServerRun(Run):
     def summary(self) -> dict[str, Any]:
         """The run's summary (also ``summary.json``): method, rounds, bytes, time by part, peak memory, the last
         evaluation's metrics, ``epsilon`` under DP, ``best_accuracy``."""
-        times = {k: sum(r["time"][k] for r in self.history) for k in ("client_compute", "aggregation", "evaluation", "other", "total")}
+        times = {k: sum(r["time"][k] for r in self.history) for k in ROW_TIMES}
         out = {"method": self.method.name, "rounds": self.round, "bytes_up": self.ledger.total_up,
                "bytes_down": self.ledger.total_down, "time": times, "peak_rss_mb": peak_rss_mb()}
         out.update(self.last_eval)
@@ -221,6 +221,17 @@ class ServerRun(Run):
         self.files.write_summary(out)
         return out
 
+    def history_rounds(self, rnd: int) -> list[int]:
+        """The rounds of the metrics rows this runner records up to round ``rnd``: every round."""
+        return list(range(1, rnd + 1))
+
+    def check_checkpoint(self, path: Path, ck) -> None:
+        """:class:`~.checkpoint.CheckpointError` when checkpoint ``ck`` (of folder ``path``) does not fit this run:
+        its history rows are not those of :meth:`history_rounds`, or its server state lacks an entry of the
+        method's (:func:`~.checkpoint.check_state`)."""
+        check_history(path, ck, self.history_rounds(ck.round))
+        check_state(path, ck.server, self.server)
+
     @classmethod
     def from_checkpoint(cls, run_dir: str | Path, task=None, log: Callable[[str], None] | None = None,
                         round: int | None = None, warn: Callable[[str], None] | None = None):
@@ -228,10 +239,15 @@ class ServerRun(Run):
         checkpoint is of the directory's ``config.json``. Reads only: nothing in ``run_dir`` is written.
         ``warn`` (default ``log``) gets a line when a damaged checkpoint is skipped. For the runners built as
         ``cls(cfg, task=..., log=...)`` (:class:`~.simulator.Simulation`, :class:`~.vectorized.Vectorized`)."""
-        cfg, ck = read_run_checkpoint(run_dir, round, warn or log)
-        run = cls(cfg, task=task, log=log)
-        restore(run, ck)
-        return run
+        built = []
+
+        def fits(cfg):
+            built.append(cls(cfg, task=task, log=log))
+            return built[0].check_checkpoint
+
+        _, ck = read_run_checkpoint(run_dir, round, warn or log, fits)
+        restore(built[0], ck)
+        return built[0]
 
     @classmethod
     def resume(cls, run_dir: str | Path, task=None, log: Callable[[str], None] | None = None,
@@ -240,6 +256,11 @@ class ServerRun(Run):
         ``round``), ready to continue, holding the directory's lock; ``metrics.jsonl`` and ``ledger.jsonl`` are
         cut back to the checkpoint's round (saying so when that drops rounds) and later checkpoints deleted
         (:func:`~.checkpoint.restart_from`)."""
+        claim = read_claim(run_dir) if Path(run_dir).is_dir() else None
+        if Path(run_dir).is_dir() and (claim is None or claim.kind != "run"):
+            what = "no valid claim file" if claim is None else f"the output of `fedlowrank {claim.kind}`"
+            raise RunDirError(f"{run_dir} holds no fedlowrank run ({what}): nothing to resume, and nothing is "
+                              f"written into it")
         lock = lock_run_dir(run_dir) if Path(run_dir).is_dir() else None
         try:
             run = cls.from_checkpoint(run_dir, task, log, round, warn)
