@@ -19,7 +19,8 @@ get no gradient; attention scores left out), peak memory (CUDA: ``max_memory_all
 process's peak RSS over the round) beside the runtime's own estimate
 (:func:`fedlowrank.runtime.cohort.cohort_memory`, which sizes ``run.cohort = 0``: the planned peak on CUDA, what a
 step allocates on the CPU; none for plain peft), and from one profiled extra round
-the dispatched aten ops, host syncs (``aten::_local_scalar_dense``) and CUDA kernel launches per client step.
+the dispatched aten ops, scalar reads, host syncs (CUDA runtime calls that wait), host-to-device copies, CUDA kernel
+launches and CUDA-graph replays per client step (:func:`event_counts`).
 
 On a GPU (the targets are set for an H100)::
 
@@ -69,8 +70,10 @@ from fedlowrank.training.local import LocalTrainer  # noqa: E402
 MODES = ("cohort", "one", "one-compiled", "peft")
 GPU_MODELS = {"smollm2-135m": "arch:smollm2-135m", "llama-3.2-1b": "arch:llama-3.2-1b",
               "qwen2.5-0.5b": "arch:qwen2.5-0.5b", "llama-3.1-8b": "arch:llama-3.1-8b"}
-SYNC_OPS = ("aten::_local_scalar_dense",)  # .item(), float(t), bool(t): each waits for the device
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
+READ_OPS = ("aten::_local_scalar_dense",)  # .item(), float(t), bool(t) of any tensor (on CUDA: a device read)
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # the host waits
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+GRAPH_REPLAYS = ("cudaGraphLaunch", "cuGraphLaunch")  # one replay of a captured CUDA graph (many kernels)
 GIB = 2 ** 30
 
 
@@ -94,7 +97,10 @@ class TokenCounter:
 
     def batch(self, indices):
         out = self._batch(indices)
-        self.real += int(out["attention_mask"].sum())
+        if "attention_mask" in out:
+            self.real += int(out["attention_mask"].sum())
+        else:  # packed rows (task.options.pack): no mask, the examples' own lengths
+            self.real += sum(len(self.task.train[int(i)].ids) for i in out["example_index"])
         self.padded += out["input_ids"].numel()
         self.steps += 1
         self._see(out["input_ids"])
@@ -169,25 +175,39 @@ class PeakRSS:
         return float("nan")
 
 
+def event_counts(events) -> dict[str, int]:
+    """Counts of profiler ``events`` (each with ``name`` and ``cpu_parent``): top-level aten ops, scalar reads of
+    tensors (``host_reads``; on the CPU these wait for nothing), CUDA runtime calls that make the host wait
+    (``syncs``), host-to-device copies (``copies_h2d``, of which ``pageable_h2d`` from pageable memory, which
+    stall the host), kernel launches and CUDA-graph replays (each a whole captured graph of kernels)."""
+    counts = dict.fromkeys(("aten_ops", "host_reads", "syncs", "copies_h2d", "pageable_h2d", "kernel_launches",
+                            "graph_replays"), 0)
+    for e in events:
+        name = e.name
+        if name.startswith("aten::"):
+            parent = e.cpu_parent
+            if parent is None or not parent.name.startswith("aten::"):
+                counts["aten_ops"] += 1
+            counts["host_reads"] += name in READ_OPS
+        elif name.startswith("Memcpy HtoD"):
+            counts["copies_h2d"] += 1
+            counts["pageable_h2d"] += "Pageable" in name
+        else:
+            counts["syncs"] += name in SYNCS
+            counts["kernel_launches"] += name in LAUNCHES
+            counts["graph_replays"] += name in GRAPH_REPLAYS
+    return counts
+
+
 def profile_counts(fn, device: torch.device) -> dict[str, int]:
-    """Run ``fn`` under the torch profiler: top-level aten ops, host syncs and CUDA kernel launches."""
+    """Run ``fn`` under the torch profiler (CUDA activity too on CUDA) and count its events (:func:`event_counts`)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         fn()
-    ops = syncs = launches = 0
-    for e in prof.events():
-        name = e.name
-        if name.startswith("aten::"):
-            parent = e.cpu_parent
-            if parent is None or not parent.name.startswith("aten::"):
-                ops += 1
-            if name in SYNC_OPS:
-                syncs += 1
-        elif name in LAUNCHES:
-            launches += 1
-    return {"aten_ops": ops, "host_syncs": syncs, "kernel_launches": launches}
+    sync(device)
+    return event_counts(prof.events())
 
 
 # -- figures -------------------------------------------------------------------------------------------------------
@@ -271,7 +291,8 @@ def plain_peft(args, cfg, task, counter: TokenCounter, device, dtype: str, round
             batches = trainer.batches()
             for _ in range(trainer.num_steps):
                 batch = next(batches)
-                inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
+                inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids", "labels")
+                          if k in batch}  # packed rows: positions, no mask (transformers' packed sequences)
                 model(**inputs).loss.backward()  # transformers' own loss: every position's logits
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -358,8 +379,9 @@ def device_name(device: torch.device) -> str:
 
 
 # -- output --------------------------------------------------------------------------------------------------------
+COUNTS = ("aten_ops", "host_reads", "syncs", "copies_h2d", "kernel_launches", "graph_replays")
 COLUMNS = ("figure", "s/round", "aggregation", "real tok/s", "padded tok/s", "MFU", "peak GiB", "estimate GiB",
-           "ops/step", "syncs/step", "launches/step")
+           "ops/step", "reads/step", "syncs/step", "H2D copies/step", "launches/step", "graph replays/step")
 
 
 def markdown_row(r: dict) -> str:
@@ -371,7 +393,7 @@ def markdown_row(r: dict) -> str:
     cells = [r["figure"], f"{r['seconds_per_round']:.3f}", "–" if share is None else f"{100 * share:.1f} %",
              f"{r['real_tokens_per_s']:,.0f}",
              f"{r['padded_tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f} %", f"{peak:.2f}", "–" if est is None else f"{est:.2f}",
-             *(f"{prof[k]:.0f}" if k in prof else "–" for k in ("aten_ops", "host_syncs", "kernel_launches"))]
+             *(f"{prof[k]:.1f}" if k in prof else "–" for k in COUNTS)]
     return "| " + " | ".join(cells) + " |"
 
 
