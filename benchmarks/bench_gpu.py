@@ -397,39 +397,77 @@ def markdown_row(r: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def targets(rows: list[dict]) -> list[str]:
-    """The targets (H100) against the figures measured in this run."""
+def target_checks(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
+    """The targets (H100) against the figures measured in this run: ``(target, measured, holds)``, ``holds`` None
+    (and measured "–") when the figure is missing."""
     by = {r["figure"]: r for r in rows}
-    lines = []
-
-    def check(what: str, ok) -> None:
-        lines.append(f"- {what}: {'not measured' if ok is None else ('met' if ok else 'NOT met')}")
+    checks: list[tuple[str, str, bool | None]] = []
 
     def get(fig: str, key: str):
         return by[fig][key] if fig in by else None
 
+    def check(what: str, value, text: str, ok) -> None:
+        checks.append((what, "–" if value is None else text, None if value is None else bool(ok)))
+
     s = "smollm2-135m bf16"
-    check("SmolLM2 bf16 cohort ≥ 150k real tokens/s",
-          None if get(f"{s} cohort", "real_tokens_per_s") is None else get(f"{s} cohort", "real_tokens_per_s") >= 150e3)
+    tps = get(f"{s} cohort", "real_tokens_per_s")
+    check("SmolLM2 bf16 cohort ≥ 150k real tokens/s", tps, f"{tps or 0:,.0f} tokens/s", tps and tps >= 150e3)
     peak = get(f"{s} cohort", "peak_memory_gib")
-    check("SmolLM2 bf16 cohort peak ≤ 12 GiB", None if peak is None else peak <= 12)
+    check("SmolLM2 bf16 cohort peak ≤ 12 GiB", peak, f"{peak or 0:.2f} GiB", peak is not None and peak <= 12)
     one, peft = get(f"{s} one", "seconds_per_round"), get(f"{s} peft", "seconds_per_round")
-    check("SmolLM2 bf16 one at a time ≤ 1.1× plain peft", None if one is None or peft is None else one <= 1.1 * peft)
+    ratio = None if one is None or peft is None else one / peft
+    check("SmolLM2 bf16 one at a time ≤ 1.1× plain peft", ratio, f"{ratio or 0:.2f}×", ratio and ratio <= 1.1)
     comp = get(f"{s} one-compiled", "real_tokens_per_s")
-    check("SmolLM2 bf16 one at a time compiled ≥ 40k real tokens/s", None if comp is None else comp >= 40e3)
+    check("SmolLM2 bf16 one at a time compiled ≥ 40k real tokens/s", comp, f"{comp or 0:,.0f} tokens/s",
+          comp and comp >= 40e3)
     fp32 = get("smollm2-135m fp32 cohort", "real_tokens_per_s")
-    bf16 = get(f"{s} cohort", "real_tokens_per_s")
-    check("SmolLM2 cohort bf16 ≥ fp32 speed", None if fp32 is None or bf16 is None else bf16 >= fp32)
+    speed = None if fp32 is None or tps is None else tps / fp32
+    check("SmolLM2 cohort bf16 ≥ fp32 speed", speed, f"bf16/fp32 {speed or 0:.2f}×", speed and speed >= 1)
     peak = get("llama-3.2-1b bf16 cohort", "peak_memory_gib")
-    check("1B cohort of 32 within 40 GiB", None if peak is None else peak <= 40 and by["llama-3.2-1b bf16 cohort"]
-          ["cohort"] >= 32)
+    size = get("llama-3.2-1b bf16 cohort", "cohort")
+    check("1B cohort of 32 within 40 GiB", peak, f"{peak or 0:.2f} GiB at {size} clients",
+          peak is not None and peak <= 40 and size >= 32)
     mfu = get("llama-3.2-1b bf16 cohort", "mfu")
-    check("1B cohort ≥ 25 % MFU", None if mfu is None else mfu >= 0.25)
+    check("1B cohort ≥ 25 % MFU", mfu, f"{100 * (mfu or 0):.1f} %", mfu and mfu >= 0.25)
     for r in rows:
         if r.get("method") == "fedrpca" and r["mode"] != "peft":
-            check(f"{r['figure']}: FedRPCA's aggregation ≤ 5 % of the round ({100 * r['aggregation_share']:.1f} %)",
-                  r["aggregation_share"] <= 0.05)
-    return lines
+            share = r["aggregation_share"]
+            check(f"{r['figure']}: FedRPCA's aggregation ≤ 5 % of the round", share, f"{100 * share:.1f} %",
+                  share <= 0.05)
+    return checks
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """:func:`target_checks` as Markdown list lines."""
+    word = {None: "not measured", True: "met", False: "NOT met"}
+    return [f"- {what}: {word[ok]}" for what, _, ok in target_checks(rows)]
+
+
+def report(folder: str) -> str:
+    """``benchmarks/gpu_check.sh``'s summary of ``folder``: its steps (``steps.tsv``: name, exit status, seconds)
+    and figures (``raw/bench_gpu.jsonl``) as one Markdown table (target, measured, holds?) in ``gpu_check.md`` and
+    a JSON line per figure and target in ``gpu_check.jsonl``. Returns the Markdown."""
+    root = Path(folder)
+    figures = root / "raw" / "bench_gpu.jsonl"
+    rows = [json.loads(x) for x in figures.read_text().splitlines() if x.strip()] if figures.exists() else []
+    steps = [line.split("\t") for line in (root / "steps.tsv").read_text().splitlines() if line.strip()] \
+        if (root / "steps.tsv").exists() else []
+    word = {None: "not measured", True: "yes", False: "**no**"}
+    status = {"0": "ok", "124": "**timed out**"}
+    lines = ["| target | measured | holds? |", "|---|---|---|"]
+    lines += [f"| step {name} | {status.get(rc, f'**failed (exit {rc})**')} in {float(sec):.0f} s | "
+              f"{'yes' if rc == '0' else '**no**'} |" for name, rc, sec in steps]
+    checks = target_checks(rows)
+    lines += [f"| {what} | {measured} | {word[ok]} |" for what, measured, ok in checks]
+    device = rows[0]["device"] if rows else "no figure"
+    md = "\n".join([f"GPU check on {device}; {len(rows)} figures", "", *lines]) + "\n"
+    (root / "gpu_check.md").write_text(md)
+    with (root / "gpu_check.jsonl").open("w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+        for what, measured, ok in checks:
+            fh.write(json.dumps({"target": what, "measured": measured, "holds": ok}) + "\n")
+    return md
 
 
 def save_tokenizer(folder: str) -> None:
@@ -470,6 +508,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled extra round")
     ap.add_argument("--out", default="", help="folder for bench_gpu.jsonl and bench_gpu.md")
     ap.add_argument("--save-tokenizer", default="", help="write SmolLM2's tokenizer files to this folder and stop")
+    ap.add_argument("--report", default="", help="write gpu_check.sh's table of this folder (report()) and stop")
     args = ap.parse_args(argv)
     device = resolve_device(args.device)
     cpu = device.type != "cuda"
@@ -487,6 +526,9 @@ def parse_args(argv=None):
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args, device = parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return []
     if args.save_tokenizer:
         save_tokenizer(args.save_tokenizer)
         return []
