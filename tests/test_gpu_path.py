@@ -337,7 +337,8 @@ def test_a_bf16_run_exports_its_fp32_model(tmp_path):
     ("run.gpu_memory_fraction=0", "run.gpu_memory_fraction must be in (0, 1], got 0.0"),
     ("run.gpu_memory_fraction=1.5", "run.gpu_memory_fraction must be in (0, 1], got 1.5"),
     ("run.compile=1", "run.compile must be true or false, got 1"),
-    ("train.gradient_checkpointing='yes'", "train.gradient_checkpointing must be true or false, got 'yes'"),
+    ("train.gradient_checkpointing='yes'", "train.gradient_checkpointing must be one of auto, true, false; "
+                                           "got 'yes'"),
 ])
 def test_bad_gpu_settings_are_named(setting, message):
     with pytest.raises(ConfigError) as err:
@@ -491,7 +492,7 @@ def test_the_cohort_memory_estimate_is_within_25_percent_of_the_measured_peak(se
 def test_the_automatic_cohort_on_cuda_is_the_largest_that_fits(monkeypatch, caplog):
     """``run.cohort = 0`` on CUDA: the largest cohort whose estimated peak fits ``run.gpu_memory_fraction`` of the
     free memory (the device's memory is simulated here; the estimate is the CPU's)."""
-    sim = lm_simulation("run.clients_per_round=4")
+    sim = lm_simulation("run.clients_per_round=4", "train.gradient_checkpointing=false")
     memory = cohort_memory(sim.cfg, sim.task, sim.model)
     free = (memory.peak(2) + memory.peak(3)) / 2 / 0.9  # 0.9 of it holds 2 members, not 3
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free), 2 * int(free)))
@@ -501,12 +502,37 @@ def test_the_automatic_cohort_on_cuda_is_the_largest_that_fits(monkeypatch, capl
         assert cohort_size(sim.cfg, sim.method, sim.task, sim.model, cuda) == (2, "")
     assert [r.getMessage() for r in caplog.records][-1].startswith("run.cohort = 0: 2 of 4 clients train together")
     tight = load_config("tiny-lm", ["task.options.eval_generate=0", "run.clients_per_round=4",
-                                    "run.gpu_memory_fraction=0.3"])
+                                    "run.gpu_memory_fraction=0.3", "train.gradient_checkpointing=false"])
     assert cohort_size(tight, sim.method, sim.task, sim.model, cuda) == (1, "")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * int(free), 200 * int(free)))
     assert cohort_size(sim.cfg, sim.method, sim.task, sim.model, cuda) == (4, "")      # at most the round's
     explicit = load_config("tiny-lm", ["task.options.eval_generate=0", "run.clients_per_round=4", "run.cohort=3"])
     assert cohort_size(explicit, sim.method, sim.task, sim.model, cuda) == (3, "")     # run.cohort > 0 is obeyed
+
+
+def test_the_automatic_cohort_turns_checkpointing_on_when_that_fits_more_clients(monkeypatch, caplog):
+    """``train.gradient_checkpointing = "auto"`` (the default) with ``run.cohort = 0`` on CUDA: checkpointing is
+    switched on exactly when it lets a larger cohort fit (simulated device memory; CPU estimates)."""
+    sim = lm_simulation("run.clients_per_round=4")
+    assert sim.cfg.train.gradient_checkpointing == "auto"
+    plain, checkpointed = (cohort_memory(sim.cfg, sim.task, sim.model, on) for on in (False, True))
+    assert checkpointed.per_row < 0.8 * plain.per_row and not sim.model.net.is_gradient_checkpointing
+    assert plain.peak(1) < checkpointed.peak(4) < plain.peak(4)
+    free = checkpointed.peak(4) / 0.9 * 1.01  # 4 members fit with checkpointing only
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free), 2 * int(free)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    cuda = torch.device("cuda")
+    with caplog.at_level("INFO", logger="fedlowrank"):
+        assert cohort_size(sim.cfg, sim.method, sim.task, sim.model, cuda) == (4, "")
+    assert sim.model.net.is_gradient_checkpointing
+    assert caplog.records[-1].getMessage().endswith("gradient checkpointing on (auto))")
+    off = load_config("tiny-lm", ["task.options.eval_generate=0", "run.clients_per_round=4",
+                                  "train.gradient_checkpointing=false"])
+    assert cohort_size(off, sim.method, sim.task, sim.model, cuda)[0] < 4      # false: never switched on
+    assert not sim.model.net.is_gradient_checkpointing
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * int(free), 200 * int(free)))
+    assert cohort_size(sim.cfg, sim.method, sim.task, sim.model, cuda) == (4, "")
+    assert not sim.model.net.is_gradient_checkpointing                          # all fit without: left off
 
 
 # -- packing ------------------------------------------------------------------------------------------------------

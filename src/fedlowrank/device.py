@@ -102,17 +102,34 @@ COMPILE_BACKEND = "inductor"  # torch.compile's backend for run.compile (tests u
 
 def prepare_training(model, task, cfg) -> None:
     """Everything a model needs before a client trains on it, once per model (idempotent): the frozen backbone in
-    ``train.dtype`` (:func:`store_frozen`), ``train.gradient_checkpointing`` and, with ``run.compile``, the
+    ``train.dtype`` (:func:`store_frozen`), ``train.gradient_checkpointing = true`` (:func:`set_checkpointing`;
+    ``auto``: the cohort planner decides) and, with ``run.compile``, the
     compiled forward of the task's :meth:`~fedlowrank.tasks.base.Task.compiled_module` (:func:`compile_module`)."""
     store_frozen(model, cfg.train.dtype)
     net = model.net
-    if cfg.train.gradient_checkpointing and not getattr(net, "is_gradient_checkpointing", False):
-        if not getattr(net, "supports_gradient_checkpointing", False):
-            raise ValueError(f"train.gradient_checkpointing: the model ({type(net).__name__}) does not support it; "
-                             f"set train.gradient_checkpointing = false")
-        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.train.gradient_checkpointing == "true":
+        set_checkpointing(net, True)
     if cfg.run.compile:
         compile_module(task.compiled_module(net), module_device(net), static_shapes=bool(cfg.task.length_buckets))
+
+
+def can_checkpoint(net: nn.Module) -> bool:
+    """Whether ``net`` supports transformers' gradient checkpointing."""
+    return bool(getattr(net, "supports_gradient_checkpointing", False))
+
+
+def set_checkpointing(net: nn.Module, on: bool) -> None:
+    """Gradient checkpointing (transformers', non-reentrant) of ``net`` on or off; on needs :func:`can_checkpoint`
+    (one line naming ``train.gradient_checkpointing`` otherwise)."""
+    if on == bool(getattr(net, "is_gradient_checkpointing", False)):
+        return
+    if not on:
+        net.gradient_checkpointing_disable()
+    elif not can_checkpoint(net):
+        raise ValueError(f"train.gradient_checkpointing: the model ({type(net).__name__}) does not support it; "
+                         f"set train.gradient_checkpointing = false")
+    else:
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 _COMPILED: "weakref.WeakKeyDictionary[nn.Module, Callable | None]" = weakref.WeakKeyDictionary()
@@ -271,7 +288,8 @@ def to_host(obj: Any) -> Any:
     return obj
 
 
-__all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "OPTIMIZER_KERNELS", "check_device_spec", "check_dtype",
+__all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "OPTIMIZER_KERNELS", "can_checkpoint", "check_device_spec",
+           "check_dtype", "set_checkpointing",
            "compile_module", "dispatched_ops", "grad_scaler", "measured_peak_bytes", "module_device",
            "optimizer_kernel", "prepare_training", "resolve_device", "run_compiled", "store_frozen", "to_device",
            "to_host"]

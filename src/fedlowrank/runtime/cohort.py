@@ -51,9 +51,11 @@ import torch
 from torch import nn
 
 from ..adapters.model import AdaptedModel
-from ..device import measured_peak_bytes, module_device, optimizer_kernel, prepare_training, run_compiled
+from ..device import (can_checkpoint, measured_peak_bytes, module_device, optimizer_kernel, prepare_training,
+                      run_compiled, set_checkpointing)
 from ..message import Message, State
 from ..methods.base import Method
+from ..models.quantize import weight_bytes
 from ..seeding import derive_seed
 from ..training.local import FitResult, FitRun, LocalTrainer, OptimizerFactory, make_optimizer
 from .engine import client_update
@@ -65,7 +67,7 @@ def cohort_size(cfg, method: Method, task, model: AdaptedModel, device: torch.de
     """How many clients train together (``run.cohort`` resolved for ``device``), and why it is 1 when ``run.cohort``
     asked for more ("" otherwise). Automatic (``run.cohort = 0``): one on the CPU; on CUDA the most of a round's
     clients whose estimated peak (:func:`cohort_memory`) fits ``run.gpu_memory_fraction`` of the memory this
-    process can still use (:func:`largest_fitting_cohort`)."""
+    process can still use, with gradient checkpointing when that fits more (:func:`largest_fitting_cohort`)."""
     asked = cfg.run.cohort or (cfg.run.clients_per_round if device.type == "cuda" else 1)
     if asked == 1:
         return 1, ""
@@ -87,14 +89,16 @@ def cohort_size(cfg, method: Method, task, model: AdaptedModel, device: torch.de
 class CohortMemory:
     """Estimated peak bytes of a cohort of ``k`` members: :meth:`resident` (the shared model as stored, each
     member's own parameters and optimizer state) plus :meth:`step` (what a joint step allocates: a fixed part, each
-    member's gradients and its rows' activations at the longest padded length)."""
+    member's gradients and its rows' activations at the longest padded length), with or without gradient
+    checkpointing (``checkpointing``)."""
 
-    base: int         # the shared model's parameters and buffers, as stored (train.dtype)
+    base: int         # the shared model's parameters and buffers, as stored (train.dtype; 4/8-bit weights packed)
     own: int          # one member's own parameters (adapters, head), fp32
     slots: int        # optimizer state per parameter element (AdamW: 2)
     fixed: float      # a step's allocations that do not grow with its rows (workspace, a chunk of logits)
     per_row: float    # a step's activations per training row (at the task's longest padded length)
     rows: float       # rows per member per step (train.batch_size; packed rows: Task.rows_per_step)
+    checkpointing: bool = False  # the probes ran with gradient checkpointing
 
     def resident(self, k: int) -> float:
         return self.base + k * self.own * (1 + self.slots)
@@ -105,19 +109,26 @@ class CohortMemory:
     def peak(self, k: int) -> float:
         return self.resident(k) + self.step(k)
 
+    def largest(self, budget: float, most: int) -> int:
+        """The largest cohort up to ``most`` whose :meth:`peak` fits ``budget`` bytes; at least 1."""
+        return max([k for k in range(1, most + 1) if self.peak(k) <= budget] or [1])
 
-def cohort_memory(cfg, task, model: AdaptedModel) -> CohortMemory:
+
+def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = None) -> CohortMemory:
     """:class:`CohortMemory` from the model's size and dtype (its tensors as training stores them,
-    :func:`~fedlowrank.device.prepare_training`), the trained parameters (adapters at their rank, head), the
-    optimizer, the batch size, and two probe steps (forward and backward, no optimizer) on the model's device of
-    1 and 3 rows of the task's longest padded batch (:meth:`~fedlowrank.tasks.base.Task.probe_batch`), whose
-    difference is the activations of 2 rows."""
+    :func:`~fedlowrank.device.prepare_training`; quantised weights at their packed size), the trained parameters
+    (adapters at their rank, head), the optimizer, the batch size, and two probe steps (forward and backward, no
+    optimizer) on the model's device of 1 and 3 rows of the task's longest padded batch
+    (:meth:`~fedlowrank.tasks.base.Task.probe_batch`), whose difference is the activations of 2 rows. The probes
+    run with gradient checkpointing on or off as ``checkpointing`` says (``None``: as the model is); the model is
+    left as it was."""
     prepare_training(model, task, cfg)
     net, device = model.net, module_device(model.net)
     own = model.own_parameters()
     own_bytes = sum(p.numel() * 4 for p in own)
-    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in (*net.parameters(), *net.buffers())}
     was_training, requires = net.training, [p.requires_grad for p in own]
+    was_checkpointing = bool(getattr(net, "is_gradient_checkpointing", False))
+    checkpointing = was_checkpointing if checkpointing is None else checkpointing
 
     def probe(rows: int) -> int:
         batch = task.device_batch(task.probe_batch(rows), device)
@@ -133,30 +144,44 @@ def cohort_memory(cfg, task, model: AdaptedModel) -> CohortMemory:
     net.train()
     for p in own:
         p.requires_grad_(True)
+    set_checkpointing(net, checkpointing)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws: not the run's
             one, three = probe(1), probe(3)
     finally:
+        set_checkpointing(net, was_checkpointing)
         net.train(was_training)
         for p, r in zip(own, requires):
             p.requires_grad_(r)
     per_row = max(three - one, 0) / 2
     slots = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}[cfg.train.optimizer]
-    return CohortMemory(base=sum(tensors.values()), own=own_bytes, slots=slots, fixed=max(one - per_row - own_bytes, 0),
-                        per_row=per_row, rows=task.rows_per_step(cfg.train.batch_size))
+    return CohortMemory(base=weight_bytes(net), own=own_bytes, slots=slots, fixed=max(one - per_row - own_bytes, 0),
+                        per_row=per_row, rows=task.rows_per_step(cfg.train.batch_size), checkpointing=checkpointing)
 
 
 def largest_fitting_cohort(cfg, task, model: AdaptedModel, device: torch.device, most: int) -> int:
     """The largest cohort up to ``most`` whose estimated peak (:func:`cohort_memory`) fits ``run.gpu_memory_fraction``
     of the memory this process can use on ``device`` (free plus what torch's allocator already holds); at least 1.
-    Logs the choice in one line."""
-    memory = cohort_memory(cfg, task, model)
+    With ``train.gradient_checkpointing = "auto"`` (and a model that supports it) checkpointing is switched on
+    when that fits a larger cohort than without (a joint step of more members gains more than checkpointing's
+    recomputation costs), else left off. Logs the choice in one line."""
     free, _ = torch.cuda.mem_get_info(device)
     budget = cfg.run.gpu_memory_fraction * (free + torch.cuda.memory_reserved(device))
-    size = max([k for k in range(1, most + 1) if memory.peak(k) <= budget] or [1])
+    mode = cfg.train.gradient_checkpointing
+    choices = [False, True] if mode == "auto" and can_checkpoint(model.net) else [mode == "true"]
+    size, memory = 0, None
+    for checkpointing in choices:
+        estimate = cohort_memory(cfg, task, model, checkpointing)
+        fits = estimate.largest(budget, most)
+        if fits > size:
+            size, memory = fits, estimate
+        if size == most:
+            break
+    set_checkpointing(model.net, memory.checkpointing)
     log.info("run.cohort = 0: %d of %d clients train together (estimated peak %.2f GiB; budget %.2f GiB = "
-             "run.gpu_memory_fraction %.2f of the free memory)", size, most, memory.peak(size) / 2**30,
-             budget / 2**30, cfg.run.gpu_memory_fraction)
+             "run.gpu_memory_fraction %.2f of the free memory; gradient checkpointing %s)", size, most,
+             memory.peak(size) / 2**30, budget / 2**30, cfg.run.gpu_memory_fraction,
+             ("on" if memory.checkpointing else "off") + (" (auto)" if mode == "auto" else ""))
     return size
 
 
