@@ -14,7 +14,9 @@ steps are shared:
    into one batch (:meth:`Task.join_batches`: rows in member order, sequences padded), one forward runs through
    the shared backbone with every adapted target and the head routing member k's rows through member k's own
    modules (:meth:`AdaptedModel.routed`: the shared ``W0`` multiplies all rows at once, and LoRA's paths run as
-   products batched over the members when they have as many rows each), the members' losses come out together
+   products batched over the members when they have as many rows each, their factors slices of one tensor per
+   target and factor, :class:`~fedlowrank.adapters.lora.LoRAStack`, so that the backward fills one gradient
+   buffer for all members), the members' losses come out together
    (:meth:`Task.output_losses`), and one backward of ``Σₖ (lossₖ + correction termsₖ)`` puts each member's
    gradient on its own parameters. Then each member does what :meth:`LocalTrainer.fit` does after backward
    (:meth:`~fedlowrank.training.local.FitRun.final_gradients`): its gradient clipping, its corrections' ``grad``
@@ -50,6 +52,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ..adapters.lora import LoRAStack
 from ..adapters.model import AdaptedModel
 from ..device import (can_checkpoint, measured_peak_bytes, module_device, optimizer_kernel, prepare_training,
                       run_compiled, set_checkpointing)
@@ -118,8 +121,11 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
     """:class:`CohortMemory` from the model's size and dtype (its tensors as training stores them,
     :func:`~fedlowrank.device.prepare_training`; quantised weights at their packed size), the trained parameters
     (adapters at their rank, head), the optimizer, the batch size, and two probe steps (forward and backward, no
-    optimizer) on the model's device of 1 and 3 rows of the task's longest padded batch
-    (:meth:`~fedlowrank.tasks.base.Task.probe_batch`), whose difference is the activations of 2 rows. The probes
+    optimizer) on the model's device of r and r + 2 rows of the task's longest padded batch
+    (:meth:`~fedlowrank.tasks.base.Task.probe_batch`; r from :meth:`~fedlowrank.tasks.base.Task.probe_rows`: enough
+    rows for a full chunk of logits when a round's joint batch fills one, so that the chunk is part of the fixed
+    bytes and the estimate holds from r rows on, above it for fewer), whose difference is the activations of 2
+    rows. The probes
     run with gradient checkpointing on or off as ``checkpointing`` says (``None``: as the model is); the model is
     left as it was."""
     prepare_training(model, task, cfg)
@@ -147,15 +153,17 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
     set_checkpointing(net, checkpointing)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws: not the run's
-            one, three = probe(1), probe(3)
+            rows = task.probe_rows(cfg.run.clients_per_round * task.rows_per_step(cfg.train.batch_size))
+            small, large = probe(rows), probe(rows + 2)
     finally:
         set_checkpointing(net, was_checkpointing)
         net.train(was_training)
         for p, r in zip(own, requires):
             p.requires_grad_(r)
-    per_row = max(three - one, 0) / 2
+    per_row = max(large - small, 0) / 2
     slots = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}[cfg.train.optimizer]
-    return CohortMemory(base=weight_bytes(net), own=own_bytes, slots=slots, fixed=max(one - per_row - own_bytes, 0),
+    fixed = max(small - rows * per_row - own_bytes, 0)
+    return CohortMemory(base=weight_bytes(net), own=own_bytes, slots=slots, fixed=fixed,
                         per_row=per_row, rows=task.rows_per_step(cfg.train.batch_size), checkpointing=checkpointing)
 
 
@@ -299,6 +307,8 @@ class JointFit:
         self.task, self.cfg = self.trainers[0].task, self.trainers[0].cfg
         torch.manual_seed(derive_seed(seed, "cohort-dropout", self.trainers[0].rnd, *(t.client for t in self.trainers)))
         self.runs = [FitRun(r.trainer, r.model, r.params, r.corrections, r.optimizer) for r in requests]
+        layers = ([r.model.net.get_submodule(name) for r in requests] for name in model.target_names)
+        self.stacks = [LoRAStack(members) for members in layers if LoRAStack.fits(members)]
         self.opt = joint_optimizer(self.runs)
         self.net = model.net
         self.net.train()
@@ -326,6 +336,8 @@ class JointFit:
             return losses
 
         losses = run_compiled(self.task.compiled_module(self.net), forward_backward, self.zero_grad)
+        for stack in self.stacks:
+            stack.hand_out_grads()
         self.losses.append((members, losses.detach()))
         for run in active:
             run.final_gradients()
@@ -337,6 +349,8 @@ class JointFit:
     def zero_grad(self) -> None:
         for opt in [self.opt] if self.opt is not None else [run.opt for run in self.runs]:
             opt.zero_grad(set_to_none=True)
+        for stack in self.stacks:
+            stack.zero_grad()
 
     def finish(self) -> list[FitResult]:
         """Each member's :class:`FitResult`; the step losses read from the device at once."""
@@ -348,6 +362,8 @@ class JointFit:
                 per_member[i].append(values[at])
                 at += 1
         self.net.eval()
+        for stack in self.stacks:
+            stack.release()
         return [run.finish(losses) for run, losses in zip(self.runs, per_member)]
 
 
