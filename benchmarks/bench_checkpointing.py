@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     print(provenance(argv))
     cfg = load_config("tiny-lm", ["task.options.eval_generate=0", f"task.model={args.model}",
-                                  f"run.clients_per_round={args.cohort}", "train.gradient_checkpointing=false"])
+                                  f"run.clients_per_round={args.cohort}", "train.gradient_checkpointing=false",
+                                  f"train.local_steps={args.steps + 2}"])
     sim = Simulation(cfg, task=build_task(cfg))
     longest = np.argsort([-len(e.ids) for e in sim.task.train], kind="stable")[:cfg.train.batch_size]
     batch = sim.task.batch(longest)

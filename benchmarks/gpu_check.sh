@@ -55,5 +55,6 @@ step smollm2-bf16 "$(lim 120)" "${B[@]}" --models "$SMOL" --dtypes bf16 --modes 
 step smollm2-fp32 "$(lim 45)" "${B[@]}" --models "$SMOL" --dtypes fp32 --modes cohort --no-profile
 step smollm2-compiled "$(lim 130)" "${B[@]}" --models "$SMOL" --dtypes bf16 --modes "$COMPILED" --buckets 384 \
   --no-profile
-step 1b-cohort "$(lim 90)" "${B[@]}" --models "$BIG" --dtypes bf16 --modes cohort --no-profile
+step 1b-cohort "$(lim 90)" "${B[@]}" --models "$BIG" --dtypes bf16 --modes cohort --no-profile \
+  --set train.gradient_checkpointing=true
 "$PY" benchmarks/bench_gpu.py --report "$OUT" --device cpu

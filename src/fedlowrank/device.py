@@ -231,15 +231,22 @@ def to_device(obj: Any, device: torch.device) -> Any:
 
 
 def measured_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
-    """Peak bytes of tensors allocated on ``device`` while ``fn()`` runs, above what was allocated before: CUDA's
-    allocator statistics, or on the CPU the allocation events of the torch profiler (``profile_memory``)."""
+    """Peak bytes of tensors allocated on ``device`` while ``fn()`` runs, above what was allocated before
+    (:func:`measured_bytes`)."""
+    return measured_bytes(fn, device)[0]
+
+
+def measured_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[int, int]:
+    """``(peak, held)``: the peak bytes of tensors allocated on ``device`` while ``fn()`` runs and the bytes still
+    allocated when it returns, both above what was allocated before: CUDA's allocator statistics, or on the CPU the
+    allocation events of the torch profiler (``profile_memory``)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         fn()
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
+        return torch.cuda.max_memory_allocated(device) - before, torch.cuda.memory_allocated(device) - before
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -250,7 +257,7 @@ def measured_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
     for e in events:
         held += e.nbytes()
         peak = max(peak, held)
-    return peak
+    return peak, held
 
 
 def dispatched_ops(fn: Callable[[], Any]) -> "collections.Counter[str]":
@@ -290,6 +297,6 @@ def to_host(obj: Any) -> Any:
 
 __all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "OPTIMIZER_KERNELS", "can_checkpoint", "check_device_spec",
            "check_dtype", "set_checkpointing",
-           "compile_module", "dispatched_ops", "grad_scaler", "measured_peak_bytes", "module_device",
+           "compile_module", "dispatched_ops", "grad_scaler", "measured_bytes", "measured_peak_bytes", "module_device",
            "optimizer_kernel", "prepare_training", "resolve_device", "run_compiled", "store_frozen", "to_device",
            "to_host"]

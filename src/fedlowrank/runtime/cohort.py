@@ -54,8 +54,8 @@ from torch import nn
 
 from ..adapters.lora import LoRAStack
 from ..adapters.model import AdaptedModel
-from ..device import (can_checkpoint, measured_peak_bytes, module_device, optimizer_kernel, prepare_training,
-                      run_compiled, set_checkpointing)
+from ..device import (can_checkpoint, measured_bytes, module_device, optimizer_kernel, prepare_training, run_compiled,
+                      set_checkpointing)
 from ..message import Message, State
 from ..methods.base import Method
 from ..models.quantize import weight_bytes
@@ -91,23 +91,24 @@ def cohort_size(cfg, method: Method, task, model: AdaptedModel, device: torch.de
 @dataclass
 class CohortMemory:
     """Estimated peak bytes of a cohort of ``k`` members: :meth:`resident` (the shared model as stored, each
-    member's own parameters and optimizer state) plus :meth:`step` (what a joint step allocates: a fixed part, each
-    member's gradients and its rows' activations at the longest padded length), with or without gradient
-    checkpointing (``checkpointing``)."""
+    member's own parameters and optimizer state) plus :meth:`step` (what a joint step allocates at its peak: the
+    larger of its forward's peak and its backward's, each a fixed part plus a part per row, the backward's with
+    each member's gradients), with or without gradient checkpointing (``checkpointing``)."""
 
     base: int         # the shared model's parameters and buffers, as stored (train.dtype; 4/8-bit weights packed)
     own: int          # one member's own parameters (adapters, head), fp32
     slots: int        # optimizer state per parameter element (AdamW: 2)
-    fixed: float      # a step's allocations that do not grow with its rows (workspace, a chunk of logits)
-    per_row: float    # a step's activations per training row (at the task's longest padded length)
+    forward: tuple[float, float]   # (fixed, per row): the forward's peak (workspace, a chunk of logits, activations)
+    backward: tuple[float, float]  # (fixed, per row): the activations the forward left plus the backward's peak
     rows: float       # rows per member per step (train.batch_size; packed rows: Task.rows_per_step)
-    checkpointing: bool = False  # the probes ran with gradient checkpointing
+    checkpointing: bool = False    # the probes ran with gradient checkpointing
 
     def resident(self, k: int) -> float:
         return self.base + k * self.own * (1 + self.slots)
 
     def step(self, k: int) -> float:
-        return self.fixed + k * (self.own + self.per_row * self.rows)
+        rows = k * self.rows
+        return max(self.forward[0] + self.forward[1] * rows, self.backward[0] + self.backward[1] * rows + k * self.own)
 
     def peak(self, k: int) -> float:
         return self.resident(k) + self.step(k)
@@ -121,13 +122,13 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
     """:class:`CohortMemory` from the model's size and dtype (its tensors as training stores them,
     :func:`~fedlowrank.device.prepare_training`; quantised weights at their packed size), the trained parameters
     (adapters at their rank, head), the optimizer, the batch size, and two probe steps (forward and backward, no
-    optimizer) on the model's device of r and r + 2 rows of the task's longest padded batch
-    (:meth:`~fedlowrank.tasks.base.Task.probe_batch`; r from :meth:`~fedlowrank.tasks.base.Task.probe_rows`: enough
-    rows for a full chunk of logits when a round's joint batch fills one, so that the chunk is part of the fixed
-    bytes and the estimate holds from r rows on, above it for fewer), whose difference is the activations of 2
-    rows. The probes
-    run with gradient checkpointing on or off as ``checkpointing`` says (``None``: as the model is); the model is
-    left as it was."""
+    optimizer, each phase's peak measured apart: which one is the step's peak can change with the rows, e.g. a
+    chunk of logits in the forward against a checkpointed layer's recomputation in the backward) on the model's
+    device of r and r + 2 rows of the task's longest padded batch (:meth:`~fedlowrank.tasks.base.Task.probe_batch`;
+    r from :meth:`~fedlowrank.tasks.base.Task.probe_rows`: enough rows for a full chunk of logits when a round's
+    joint batch fills one, so that the chunk is part of the fixed bytes and the estimate holds from r rows on,
+    above it for fewer), whose differences are what 2 rows add. The probes run with gradient checkpointing on or
+    off as ``checkpointing`` says (``None``: as the model is); the model is left as it was."""
     prepare_training(model, task, cfg)
     net, device = model.net, module_device(model.net)
     own = model.own_parameters()
@@ -136,13 +137,17 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
     was_checkpointing = bool(getattr(net, "is_gradient_checkpointing", False))
     checkpointing = was_checkpointing if checkpointing is None else checkpointing
 
-    def probe(rows: int) -> int:
+    def probe(rows: int) -> tuple[int, int]:
+        """(forward peak, backward peak above what was allocated before the forward) of ``rows`` rows."""
         batch = task.device_batch(task.probe_batch(rows), device)
+        out = {}
 
-        def step():
-            task.loss(net, batch).backward()
+        def forward():
+            out["loss"] = task.loss(net, batch)
         try:
-            return measured_peak_bytes(step, device)
+            forward_peak, held = measured_bytes(forward, device)
+            backward_peak, _ = measured_bytes(lambda: out.pop("loss").backward(), device)
+            return forward_peak, held + backward_peak
         finally:
             for p in own:
                 p.grad = None
@@ -160,11 +165,15 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
         net.train(was_training)
         for p, r in zip(own, requires):
             p.requires_grad_(r)
-    per_row = max(large - small, 0) / 2
+
+    def line(phase: int, member_bytes: int) -> tuple[float, float]:
+        per_row = max(large[phase] - small[phase], 0) / 2
+        return max(small[phase] - rows * per_row - member_bytes, 0), per_row
+
     slots = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}[cfg.train.optimizer]
-    fixed = max(small - rows * per_row - own_bytes, 0)
-    return CohortMemory(base=weight_bytes(net), own=own_bytes, slots=slots, fixed=fixed,
-                        per_row=per_row, rows=task.rows_per_step(cfg.train.batch_size), checkpointing=checkpointing)
+    return CohortMemory(base=weight_bytes(net), own=own_bytes, slots=slots, forward=line(0, 0),
+                        backward=line(1, own_bytes), rows=task.rows_per_step(cfg.train.batch_size),
+                        checkpointing=checkpointing)
 
 
 def largest_fitting_cohort(cfg, task, model: AdaptedModel, device: torch.device, most: int) -> int:
