@@ -470,11 +470,9 @@ def joint_fit_of(sim: Simulation, size: int, batch) -> JointFit:
     return fit
 
 
-@lru_cache(maxsize=None)
-def smollm2_two_layers() -> str:
+@pytest.fixture(scope="module")
+def smollm2_two_layers(tmp_path_factory) -> str:
     """A folder holding SmolLM2-135M's architecture cut to 2 layers (random weights) with SmolLM2's tokenizer."""
-    import tempfile
-
     from transformers import LlamaForCausalLM
 
     from fedlowrank.models.architectures import ARCHITECTURES, architecture_config
@@ -483,11 +481,11 @@ def smollm2_two_layers() -> str:
     tokenizer = smollm2_tokenizer()
     config = architecture_config(ARCHITECTURES["smollm2-135m"], tokenizer)
     config.num_hidden_layers = 2
-    folder = tempfile.mkdtemp(prefix="smollm2-2l-")
+    folder = tmp_path_factory.mktemp("smollm2-2l")
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return folder
+    return str(folder)
 
 
 MEMORY_GRID = [(model, sets) for model in ("tiny-llama", "smollm2-2l") for sets in (
@@ -496,7 +494,7 @@ MEMORY_GRID = [(model, sets) for model in ("tiny-llama", "smollm2-2l") for sets 
 
 
 @pytest.mark.parametrize("model, sets", MEMORY_GRID, ids=[f"{m}-{'-'.join(s) or 'fp32'}" for m, s in MEMORY_GRID])
-def test_the_cohort_memory_estimate_is_within_15_percent_of_the_measured_peak(model, sets, monkeypatch):
+def test_the_cohort_memory_estimate_is_within_15_percent_of_the_measured_peak(model, sets, monkeypatch, request):
     """The planner's estimate of a joint step (two probe steps) against the bytes a joint step of 1 and 4 members
     allocates at its peak (the longest examples for every member; CPU allocator events), on tiny-llama and a
     2-layer SmolLM2 (49,152-token vocabulary, its logits chunk cut to 40 positions here so that a joint batch of 4
@@ -505,7 +503,7 @@ def test_the_cohort_memory_estimate_is_within_15_percent_of_the_measured_peak(mo
 
     if model == "smollm2-2l":
         monkeypatch.setattr(causal_lm, "LOGITS_CHUNK_ELEMENTS", 49152 * 40)
-        model = smollm2_two_layers()
+        model = request.getfixturevalue("smollm2_two_layers")
     cfg = load_config("tiny-lm", ["task.options.eval_generate=0", f"task.model={model}", "run.clients_per_round=4",
                                   "train.gradient_checkpointing=false", *sets])
     sim = Simulation(cfg, task=build_task(cfg))
