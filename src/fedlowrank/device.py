@@ -106,16 +106,14 @@ COMPILE_BACKEND = "inductor"  # torch.compile's backend for run.compile (tests u
 
 def prepare_training(model, task, cfg) -> None:
     """Everything a model needs before a client trains on it, once per model (idempotent): the frozen backbone in
-    ``train.dtype`` (:func:`store_frozen`), ``train.gradient_checkpointing`` and, when the run compiles
+    ``train.dtype`` (:func:`store_frozen`), ``train.gradient_checkpointing = true`` (:func:`set_checkpointing`;
+    ``auto``: the cohort planner decides) and, when the run compiles
     (:func:`compile_decision`; the run logs its rule once), the compiled forward of the task's
     :meth:`~fedlowrank.tasks.base.Task.compiled_module` (:func:`compile_module`)."""
     store_frozen(model, cfg.train.dtype)
     net = model.net
-    if cfg.train.gradient_checkpointing and not getattr(net, "is_gradient_checkpointing", False):
-        if not getattr(net, "supports_gradient_checkpointing", False):
-            raise ValueError(f"train.gradient_checkpointing: the model ({type(net).__name__}) does not support it; "
-                             f"set train.gradient_checkpointing = false")
-        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.train.gradient_checkpointing == "true":
+        set_checkpointing(net, True)
     if getattr(model, "compiling", None) is None:
         model.compiling = compile_decision(cfg, task, module_device(net))[0]
     if model.compiling:
@@ -174,6 +172,25 @@ def release_compiled(model) -> None:
     model.compiling = None
     if not len(_COMPILED):
         torch._dynamo.reset()
+
+
+def can_checkpoint(net: nn.Module) -> bool:
+    """Whether ``net`` supports transformers' gradient checkpointing."""
+    return bool(getattr(net, "supports_gradient_checkpointing", False))
+
+
+def set_checkpointing(net: nn.Module, on: bool) -> None:
+    """Gradient checkpointing (transformers', non-reentrant) of ``net`` on or off; on needs :func:`can_checkpoint`
+    (one line naming ``train.gradient_checkpointing`` otherwise)."""
+    if on == bool(getattr(net, "is_gradient_checkpointing", False)):
+        return
+    if not on:
+        net.gradient_checkpointing_disable()
+    elif not can_checkpoint(net):
+        raise ValueError(f"train.gradient_checkpointing: the model ({type(net).__name__}) does not support it; "
+                         f"set train.gradient_checkpointing = false")
+    else:
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 _COMPILED: "weakref.WeakKeyDictionary[nn.Module, Callable | None]" = weakref.WeakKeyDictionary()
@@ -295,15 +312,22 @@ def stage(obj: Any, device: torch.device) -> Any:
 
 
 def measured_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
-    """Peak bytes of tensors allocated on ``device`` while ``fn()`` runs, above what was allocated before: CUDA's
-    allocator statistics, or on the CPU the allocation events of the torch profiler (``profile_memory``)."""
+    """Peak bytes of tensors allocated on ``device`` while ``fn()`` runs, above what was allocated before
+    (:func:`measured_bytes`)."""
+    return measured_bytes(fn, device)[0]
+
+
+def measured_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[int, int]:
+    """``(peak, held)``: the peak bytes of tensors allocated on ``device`` while ``fn()`` runs and the bytes still
+    allocated when it returns, both above what was allocated before: CUDA's allocator statistics, or on the CPU the
+    allocation events of the torch profiler (``profile_memory``)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         fn()
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
+        return torch.cuda.max_memory_allocated(device) - before, torch.cuda.memory_allocated(device) - before
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -314,7 +338,7 @@ def measured_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
     for e in events:
         held += e.nbytes()
         peak = max(peak, held)
-    return peak
+    return peak, held
 
 
 def dispatched_ops(fn: Callable[[], Any]) -> "collections.Counter[str]":
@@ -420,7 +444,8 @@ def step_transfers(fn: Callable[[], Any]) -> "collections.Counter[str]":
     return mode.counts
 
 
-__all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "LOCAL_STEP", "OPTIMIZER_KERNELS", "check_device_spec",
-           "check_dtype", "compile_decision", "compile_module", "dispatched_ops", "grad_scaler", "local_step", "map_tensors", "measured_peak_bytes",
-           "module_device", "optimizer_kernel", "planned_steps", "prepare_training", "release_compiled", "resolve_device", "run_compiled", "stage",
-           "stage_tensor", "step_transfers", "store_frozen", "to_device", "to_host"]
+__all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "LOCAL_STEP", "OPTIMIZER_KERNELS", "can_checkpoint",
+           "check_device_spec", "check_dtype", "compile_decision", "compile_module", "dispatched_ops", "grad_scaler",
+           "local_step", "map_tensors", "measured_bytes", "measured_peak_bytes", "module_device", "optimizer_kernel",
+           "planned_steps", "prepare_training", "release_compiled", "resolve_device", "run_compiled",
+           "set_checkpointing", "stage", "stage_tensor", "step_transfers", "store_frozen", "to_device", "to_host"]

@@ -168,6 +168,13 @@ class Task:
         """Rows of a client's training batch of ``batch_size`` examples at most (the memory planner's unit)."""
         return batch_size
 
+    def probe_rows(self, most: float) -> int:
+        """Rows of the memory planner's smaller probe batch (the larger has 2 more): enough that whatever the loss
+        allocates at once up to a cap (a chunk of logits) has stopped growing, so that the probes' difference is
+        what grows with the rows; 1 when that takes more than ``most`` rows (a whole round's joint batch), so that
+        the cap is never reached. Default 1."""
+        return 1
+
     def device_batch(self, batch: Any, device: torch.device) -> Any:
         """``batch`` as a training step on ``device`` uses it, staged there before the step (default: every tensor,
         :func:`~fedlowrank.device.stage`). A task may add what it would otherwise compute from host values in the
@@ -290,6 +297,9 @@ class ValidationView(Task):
 
     def rows_per_step(self, batch_size: int) -> float:
         return self.task.rows_per_step(batch_size)
+
+    def probe_rows(self, most: float) -> int:
+        return self.task.probe_rows(most)
 
     def device_batch(self, batch: Any, device: torch.device) -> Any:
         return self.task.device_batch(batch, device)

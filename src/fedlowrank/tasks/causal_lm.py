@@ -487,9 +487,18 @@ class CausalLM(Task):
 
     def rows_per_step(self, batch_size: int) -> float:
         """Rows of a client's training batch at most: ``batch_size``, or the packed rows its longest examples
-        fill."""
+        fill (as many whole ones as a row holds: :meth:`probe_batch`'s rows)."""
         longest = max(len(e.ids) for e in self.train)
-        return batch_size * longest / self.pack if self.pack else batch_size
+        return batch_size / max(1, self.pack // longest) if self.pack else batch_size
+
+    def probe_rows(self, most: float) -> int:
+        """Rows of the planner's smaller probe: enough response positions for a full chunk of logits
+        (:data:`LOGITS_CHUNK_ELEMENTS`, :func:`response_nll`), so that only activations grow between the probes;
+        1 when a chunk is never full within ``most`` rows."""
+        positions = int((self.probe_batch(1)["labels"][:, 1:] != IGNORE).sum())
+        chunk = max(1, LOGITS_CHUNK_ELEMENTS // self.loaded.net.get_output_embeddings().weight.shape[0])
+        rows = math.ceil(chunk / max(positions, 1))
+        return rows if rows + 2 <= most else 1
 
     def device_batch(self, batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
         """A step's inputs staged on ``device`` (:func:`~fedlowrank.device.stage`): the token ids, mask or

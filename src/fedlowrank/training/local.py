@@ -25,6 +25,7 @@ from ..seeding import derive_seed, numpy_rng
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
+CHECKPOINTING = ("auto", "true", "false")
 
 
 @dataclass
@@ -56,9 +57,10 @@ class TrainConfig(Schema):
     warmup_rounds: int = setting(0, "rounds of linear learning-rate warm-up", ge=0)
     dtype: str = setting("fp32", "compute dtype: fp32, bf16 or fp16 (CUDA); the frozen backbone is stored in it, what "
                          "is trained (adapters, head, optimizer state) stays fp32", choices=tuple(DTYPES))
-    gradient_checkpointing: bool = setting(False, "recompute each layer's activations during backward (transformers' "
-                                           "gradient checkpointing): far less activation memory for about a third "
-                                           "more compute, for long sequences and large cohorts")
+    gradient_checkpointing: str = setting("auto", "recompute each layer's activations during backward (transformers' "
+                                          "gradient checkpointing): far less activation memory for about a third "
+                                          "more compute; auto = on when run.cohort = 0 finds that it lets a larger "
+                                          "cohort fit on CUDA, else off", choices=CHECKPOINTING)
 
     def lr_at(self, rnd: int, rounds: int, base: float | None = None) -> float:
         """Learning rate in round ``rnd`` (1-based) of ``rounds``."""
