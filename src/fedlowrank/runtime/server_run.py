@@ -34,7 +34,7 @@ from ..reporting.progress import Progress
 from ..reporting.tracking import require_package
 from .checkpoint import restart_from
 from .checkpointing import Checkpointer, read_run_checkpoint, restore
-from .evaluation import Evaluator
+from .evaluation import Evaluator, collapse_line, collapse_of, run_collapse
 from .rounds import RoundOutcome, RoundReplies, Warn, client_rows, close_round
 from .run import DivergenceError, Run, peak_rss_mb
 from .run_files import RunFiles
@@ -148,6 +148,8 @@ class ServerRun(Run):
         if self.checkpoints.due(self.round):
             self.save_checkpoint()
         self.progress.round_end(row, metrics, rounds)
+        if collapse_of(row) and not any(collapse_of(r) for r in self.history[:-1]):
+            self.warn(collapse_line(collapse_of(row)))
 
     def check_divergence(self, row: dict[str, Any]) -> None:
         """Stop on a non-finite global parameter, a round whose every reply was non-finite, or a metric bound."""
@@ -206,13 +208,17 @@ class ServerRun(Run):
 
     def summary(self) -> dict[str, Any]:
         """The run's summary (also ``summary.json``): method, rounds, bytes, time by part, peak memory, the last
-        evaluation's metrics, ``epsilon`` under DP, ``best_accuracy``."""
+        evaluation's metrics, ``epsilon`` under DP, ``best_accuracy``, ``collapse`` when the global model collapsed
+        (:func:`~.evaluation.run_collapse`)."""
         times = {k: sum(r["time"][k] for r in self.history) for k in ("client_compute", "aggregation", "evaluation", "other", "total")}
         out = {"method": self.method.name, "rounds": self.round, "bytes_up": self.ledger.total_up,
                "bytes_down": self.ledger.total_down, "time": times, "peak_rss_mb": peak_rss_mb()}
         out.update(self.last_eval)
         if self.history and "epsilon" in self.history[-1]:
             out["epsilon"] = self.history[-1]["epsilon"]
+        collapse = run_collapse(self.history)
+        if collapse:
+            out["collapse"] = collapse
         accuracies = [r["accuracy"] for r in self.history if "accuracy" in r]
         if accuracies:
             out["best_accuracy"] = max(accuracies)

@@ -20,7 +20,8 @@ while a run writes it (:mod:`.rundir`); ``resume`` checks that the checkpoint is
 
 A metrics row: ``round``, ``clients`` (sampled), ``replied`` (used), ``train_loss`` (mean over the used
 replies), the test metrics when the round was evaluated (``accuracy``, ``loss``; for personalised methods the
-mean over the clients' own models), ``bytes_up``/``bytes_down`` (this round), ``cum_bytes_up``/
+mean over the clients' own models; a classification task's evaluation of the global model adds ``predictions``:
+the most-predicted class, its share of the test set, the per-class recall, the chance level), ``bytes_up``/``bytes_down`` (this round), ``cum_bytes_up``/
 ``cum_bytes_down``, ``time`` (``client_compute``, ``aggregation``, ``evaluation``, ``other``, ``total``, in
 seconds), ``peak_rss_mb``, optional ``dropped``, ``rejected``, ``skipped``, ``diagnostics``, ``privacy``, ``robust``
 (``server.update_clip``, ``server.aggregate``: :mod:`.robust`), and ``per_client``:

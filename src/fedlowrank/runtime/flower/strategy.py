@@ -44,6 +44,7 @@ from flwr.serverapp.strategy import Strategy
 
 from ...message import Message, State
 from ..engine import sample_clients
+from ..evaluation import scalar_metrics
 from ..rounds import RoundOutcome, RoundReplies
 from ..server_run import ServerRun
 from .node import ROUTE
@@ -287,7 +288,7 @@ class MethodStrategy(Strategy):
         metrics, evaluation = self.run.evaluate_round(outcome)
         self.run.commit_round(outcome, metrics, evaluation)
         self.accepted.update({r.client: outcome.row["round"] for r in outcome.replies})  # their nodes commit
-        return MetricRecord(metrics) if metrics else None
+        return MetricRecord(scalar_metrics(metrics)) if metrics else None
 
     # -- no client-side evaluation: the global test set is evaluated on the server ----------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
