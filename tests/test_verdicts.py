@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from fedlowrank.config import from_dict
+from fedlowrank.message import Message, State
 from fedlowrank.runtime.evaluation import COLLAPSE_SHARE, collapse_of, run_collapse
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks.base import confusion_counts, prediction_summary
+from helpers import run_tiny, tiny_config, tiny_simulation, tiny_task
 from test_image import image_config, image_task
 
 
@@ -68,3 +70,77 @@ def test_a_healthy_run_says_nothing_of_a_collapse():
     sim = image_run(lines, eval_every=2)
     assert sim.history[-1]["accuracy"] > 0.9
     assert not [line for line in lines if "collapse" in line] and "collapse" not in sim.summary()
+
+
+# -- reference rows ---------------------------------------------------------------------------------------------
+def assert_same_state(a, b) -> None:
+    assert sorted(a.tensors()) == sorted(b.tensors())
+    for key, t in a.tensors().items():
+        torch.testing.assert_close(t, b[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_centralized_with_one_client_is_plain_training_of_that_client():
+    """One client holding all the data: the pooled round is that client's round with the same steps, so the
+    centralised reference is FedIT's run (β = 1, one reply: the global model is what the client trained)."""
+    one = ("partition.kind=iid", "partition.num_clients=1", "run.clients_per_round=1")
+    central, fedit = run_tiny("centralized", *one, rounds=2), run_tiny("fedit", *one, rounds=2)
+    assert_same_state(central.server, fedit.server)
+    assert [r["accuracy"] for r in central.history] == pytest.approx([r["accuracy"] for r in fedit.history])
+    assert central.ledger.total_up == central.ledger.total_down == 0
+
+
+def test_centralized_trains_on_the_pooled_data_of_the_round_for_the_clients_total_steps():
+    """A round of four clients with 3 local steps each is one fit of 12 steps on their pooled examples, with the
+    first client's data-order stream, from the initial model; the global model is its result."""
+    from fedlowrank.methods import get_method
+    from fedlowrank.runtime.engine import sample_clients
+    from fedlowrank.training.local import LocalTrainer
+
+    sets = ("run.clients_per_round=4", "train.local_steps=3")
+    sim = tiny_simulation("centralized", *sets, rounds=1)
+    clients = sample_clients(sim.cfg.run.seed, 1, 4, 4)
+    pooled = np.concatenate([sim.parts[k] for k in clients])
+    fedit = get_method("fedit")
+    fedit.info = sim.info
+    start = Message(sim.server)
+    sim.run()
+    import dataclasses
+
+    trainer = LocalTrainer(tiny_task(), pooled, dataclasses.replace(sim.cfg.train, local_steps=12), clients[0], 1,
+                           sim.cfg.run.rounds, sim.cfg.run.seed)
+    reply, _ = fedit.train(sim.model, start, State(), trainer)
+    assert trainer.num_examples == sum(len(sim.parts[k]) for k in clients)
+    for key in sim.server.tensors():
+        torch.testing.assert_close(sim.server[key], reply[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert sim.history[0]["replied"] == [clients[0]] and sim.history[0]["bytes_up"] == 0
+
+
+def test_local_only_never_communicates_and_each_client_keeps_its_own_model():
+    sim = run_tiny("local-only", rounds=3)
+    assert sim.ledger.rows and all(r["up"] == r["down"] == 0 for r in sim.ledger.rows)
+    assert all(r["bytes_up"] == r["bytes_down"] == r["cum_bytes_up"] == 0 for r in sim.history)
+    summary = sim.summary()
+    assert summary["bytes_up"] == summary["bytes_down"] == 0
+    initial = tiny_simulation("local-only").server
+    assert_same_state(sim.server, initial)  # nothing is ever averaged
+    trained = sorted(sim.store)
+    assert len(trained) >= 2
+    a, b = (sim.store[k] for k in trained[:2])
+    assert any(not torch.equal(a[k], b[k]) for k in a.tensors())  # each its own model
+    tests = [c for c in sim.history[-1]["per_client"] if "test" in c]
+    assert sorted(c["client"] for c in tests) == trained
+    assert sim.history[-1]["accuracy"] == pytest.approx(np.mean([c["test"]["accuracy"] for c in tests]))
+
+
+@pytest.mark.parametrize("name", ["centralized", "local-only"])
+def test_references_declare_what_they_are_and_refuse_privacy_and_corrections(name):
+    from fedlowrank.config import ConfigError
+    from fedlowrank.methods import method_class
+
+    cls = method_class(name)
+    assert cls.reference and not cls.communicates and cls.pooled == (name == "centralized")
+    assert cls.personalized == (name == "local-only")
+    with pytest.raises(ConfigError, match="method.correction"):
+        tiny_config(f"method.name={name}", "method.correction=fedprox")
+    with pytest.raises(ConfigError, match="privacy"):
+        tiny_config(f"method.name={name}", 'privacy.mode="central"', "privacy.noise_multiplier=1.0")

@@ -101,6 +101,10 @@ class MethodStrategy(Strategy):
     """
 
     def __init__(self, run: ServerRun, settings: FlowerSettings):
+        if run.method.pooled:
+            raise ValueError(f"method.name = {run.method.name!r} trains on the pooled data of each round's clients "
+                             f"(a centralised reference); on Flower each client's data stays on its node: run it "
+                             f"with `fedlowrank run` or `fedlowrank compare`")
         self.run = run
         run.client_states = False  # they live on the SuperNodes; the run's checkpoints say so
         self.settings = settings
