@@ -144,3 +144,50 @@ def test_references_declare_what_they_are_and_refuse_privacy_and_corrections(nam
         tiny_config(f"method.name={name}", "method.correction=fedprox")
     with pytest.raises(ConfigError, match="privacy"):
         tiny_config(f"method.name={name}", 'privacy.mode="central"', "privacy.noise_multiplier=1.0")
+
+
+# -- what compare applies, and what its tables say ---------------------------------------------------------------
+def config_value(config: dict, key: str):
+    section, _, name = key.partition(".")
+    return config[section][name]
+
+
+def test_settings_cell_and_config_preview_agree_with_the_resolved_config(tmp_path, capsys):
+    import json
+    import tomllib
+
+    from fedlowrank.cli import main
+    from fedlowrank.experiments.compare import run_comparison
+
+    sets = ["run.rounds=1", 'compare.overrides.ffa-lora=["train.lr=0.2", "train.lr=0.05"]', "train.batch_size=4"]
+    res = run_comparison("tiny", "ffa-lora,centralized,local-only", "0", sets, tmp_path / "c")
+    md = (tmp_path / "c" / "results.md").read_text()
+    row = next(r for r in res["rows"] if r["method"] == "ffa-lora")
+    config = json.loads((tmp_path / "c" / "ffa-lora-seed0" / "config.json").read_text())
+    keys = [s["key"] for s in row["in_force"]]
+    assert len(keys) == len(set(keys)) and "train.lr" in keys and "train.optimizer" in keys
+    for s in row["in_force"]:
+        assert tomllib.loads(f"v = {s['value']}")["v"] == config_value(config, s["key"]), s
+        assert f"`{s['key']}={s['value']}` ({s['source']})" in md
+    assert "`train.lr=0.2`" not in md and "`train.lr=0.05` (compare.overrides)" in md  # only the value in force
+    assert "(preset)" in md
+    assert main(["config", "tiny", "--set", "method.name=ffa-lora", *(x for s in sets for x in ("--set", s))]) == 0
+    shown = {}
+    for line in capsys.readouterr().out.splitlines():
+        if " = " in line and not line.startswith((" ", "#")):
+            key, _, value = line.partition(" = ")
+            shown[key] = value
+    for s in row["in_force"]:
+        value, _, mark = shown[s["key"]].partition("  [")
+        assert json.loads(value) == config_value(config, s["key"]), s
+        assert (mark == "preset of ffa-lora]") == (s["source"] == "preset"), (s, mark)
+    assert "| centralized (reference) |" in md and "| local-only (reference) |" in md
+    assert "Reference rows, not federated methods: centralized: " in md
+
+
+def test_differences_are_signed_in_every_column():
+    from fedlowrank.experiments.stats import Interval
+
+    assert Interval(0.0125, 0.031, 4, 0.02).format(signed=True) == "+0.0125 ± 0.0310"
+    assert Interval(-0.0125, None, 1, None).format(signed=True) == "-0.0125 (n = 1, no interval)"
+    assert Interval(0.0125, 0.031, 4, 0.02).format() == "0.0125 ± 0.0310"

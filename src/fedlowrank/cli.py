@@ -288,8 +288,17 @@ def cmd_config(args) -> int:
 
     cfg = load_config(args.config, args.set)
     if not args.markdown:
+        from .experiments.compare import method_settings, settings_in_force
+
+        marks = {s["key"]: f"{s['source']} of {cfg.method_name}" if s["source"] == "preset" else s["source"]
+                 for s in settings_in_force(cfg, cfg.method_name, args.set) if s["source"] != "--set"}
+        if marks:  # compare and tune apply the method's preset and compare.overrides; run does not
+            cfg = load_config(args.config, method_settings(cfg, cfg.method_name, args.set))
+            print(f"# the values `fedlowrank compare` and `tune` apply to {cfg.method_name}: its preset and "
+                  f"compare.overrides, then --set (each marked); `fedlowrank run` applies --set only")
         for key, value, decl in config_rows(cfg):
-            print(_setting_lines(key, value, decl))
+            line = _setting_lines(key, value, decl)
+            print(line.replace("\n", f"  [{marks[key]}]\n", 1) if key in marks else line)
         return 0
     print("| key | default | allowed | meaning |\n|---|---|---|---|")
     for key, value, decl in config_rows(cfg):
