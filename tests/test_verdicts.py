@@ -191,3 +191,49 @@ def test_differences_are_signed_in_every_column():
     assert Interval(0.0125, 0.031, 4, 0.02).format(signed=True) == "+0.0125 ± 0.0310"
     assert Interval(-0.0125, None, 1, None).format(signed=True) == "-0.0125 (n = 1, no interval)"
     assert Interval(0.0125, 0.031, 4, 0.02).format() == "0.0125 ± 0.0310"
+
+
+# -- plots -------------------------------------------------------------------------------------------------------
+def rows_of(values: dict[int, float], rounds: int = 6, chance: float = 0.4) -> list[dict]:
+    rows = []
+    for t in range(1, rounds + 1):
+        row = {"round": t, "train_loss": 1.0, "cum_bytes_up": 100 * t, "cum_bytes_down": 100 * t}
+        if t in values:
+            row.update(accuracy=values[t], loss=1.0, predictions={"top_class": 0, "top_label": "a", "top_share": 0.5,
+                                                                  "recall": [1.0, 0.0], "majority_share": chance})
+        rows.append(row)
+    return rows
+
+
+def test_comparison_plot_marks_references_and_chance_clips_intervals_and_ends_at_the_last_round():
+    from fedlowrank.experiments.plots import comparison_figure
+
+    histories = {"fedit": [rows_of({2: 0.95, 4: 0.99, 6: 0.98}), rows_of({2: 0.55, 4: 0.8, 6: 0.99})],
+                 "centralized": [rows_of({2: 0.9, 4: 0.9, 6: 0.9}), rows_of({2: 0.92, 4: 0.93, 6: 0.94})]}
+    ax = comparison_figure(histories, "accuracy", "round", "t", {"centralized"}).axes[0]
+    labels = {line.get_label(): line for line in ax.lines}
+    assert labels["centralized (reference)"].get_linestyle() == "--" and labels["fedit"].get_linestyle() == "-"
+    chance = next(line for name, line in labels.items() if name.startswith("chance level"))
+    assert list(chance.get_ydata()) == [0.4, 0.4]
+    for bars in ax.collections:  # every interval within [0, 1]
+        for segment in bars.get_segments():
+            assert 0.0 <= segment[:, 1].min() and segment[:, 1].max() <= 1.0 + 1e-12
+    low, high = ax.get_xlim()
+    assert 6.0 <= high <= 6.0 + 0.5 and ax.get_ylim()[1] <= 1.0
+
+
+def test_run_plot_shows_the_chance_level_and_ends_at_the_last_round():
+    from fedlowrank.reporting.plots import run_figure
+
+    fig = run_figure(rows_of({2: 0.5, 4: 0.6, 5: 0.7}, rounds=5, chance=0.3), "accuracy")
+    ax = fig.axes[0]
+    assert any(line.get_label().startswith("chance level (0.300)") for line in ax.lines)
+    assert ax.get_xlim()[1] == 5 and fig.axes[1].get_xlim()[1] == 5
+
+
+def test_titles_name_the_data_set_not_the_file(tmp_path):
+    from fedlowrank.experiments.compare import data_name
+
+    for train, name in (("reviews.tsv", "reviews"), ("sst2/train.tsv", "sst2"), ("imdb/data.jsonl", "imdb")):
+        cfg = tiny_config("data.source=files", f"data.train={tmp_path / train}", "data.test_fraction=0.2")
+        assert data_name(cfg) == name

@@ -165,8 +165,9 @@ def data_source(cfg: RunConfig) -> str:
 
 
 def data_name(cfg: RunConfig) -> str:
-    """The data set's short name, for plot titles: ``AG News``, ``GSM8K``, ``Fashion-MNIST``, a file or folder
-    name, a Hugging Face dataset name."""
+    """The data set's short name, for plot titles: ``AG News``, ``GSM8K``, ``Fashion-MNIST``, a Hugging Face
+    dataset name; for files, the data set they hold, not a file: ``reviews.tsv`` → ``reviews``, ``sst2/train.tsv``
+    → ``sst2``."""
     d = cfg.data
     if cfg.task.kind == "matrix-regression":
         return "synthetic matrix regression"
@@ -175,7 +176,10 @@ def data_name(cfg: RunConfig) -> str:
         return named[d.source]
     if d.source in ("hf", "hf-images"):
         return d.hf_name
-    return Path(d.train).name or d.source
+    path = Path(d.train)
+    if path.stem.lower() in ("train", "training", "data", "dataset", "all", "full"):  # a split's file or folder
+        path = path.absolute().parent
+    return path.stem or d.source
 
 
 def setup_of(cfg: RunConfig, task_description: dict[str, Any], seeds: list[int]) -> dict[str, Any]:
@@ -335,7 +339,8 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         from .plots import plot_comparison
 
         out.mkdir(parents=True, exist_ok=True)
-        results["plots"] = [str(p) for p in plot_comparison(histories, out, metric, plot_title(setup))]
+        results["plots"] = [str(p) for p in plot_comparison(histories, out, metric, plot_title(setup),
+                                                              {r["method"] for r in rows if r["reference_row"]})]
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "results.md").write_text(results_markdown(results))
     return results
