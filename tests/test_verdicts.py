@@ -237,3 +237,20 @@ def test_titles_name_the_data_set_not_the_file(tmp_path):
     for train, name in (("reviews.tsv", "reviews"), ("sst2/train.tsv", "sst2"), ("imdb/data.jsonl", "imdb")):
         cfg = tiny_config("data.source=files", f"data.train={tmp_path / train}", "data.test_fraction=0.2")
         assert data_name(cfg) == name
+
+
+def test_round_zero_is_the_model_before_training_and_is_drawn_on_the_round_axis_only():
+    from fedlowrank.experiments.plots import comparison_curves
+    from fedlowrank.reporting.plots import with_round_zero
+
+    sim = run_tiny("fedit", rounds=1)
+    before = tiny_simulation("fedit", rounds=1).evaluate()
+    initial = sim.summary()["initial"]
+    assert initial["loss"] == pytest.approx(before["loss"]) and initial["accuracy"] == before["accuracy"]
+    assert initial["loss"] != sim.history[-1]["loss"]  # training moved the model
+    history = with_round_zero(sim.history, initial)
+    assert history[0]["round"] == 0 and history[0]["cum_bytes_up"] == 0 and history[1:] == sim.history
+    assert comparison_curves({"fedit": [history]}, "accuracy", "round")["fedit"].x.tolist() == [0.0, 1.0]
+    assert comparison_curves({"fedit": [history]}, "accuracy", "bytes")["fedit"].x.tolist() == [
+        sim.history[0]["cum_bytes_up"] + sim.history[0]["cum_bytes_down"]]
+    assert with_round_zero(sim.history, None) == sim.history

@@ -152,12 +152,12 @@ def _finish(run, run_dir: Path, as_json: bool = False) -> int:
         _log(_stopped_line(run, run_dir, getattr(stop, "name", "SIGINT")))
         return getattr(stop, "exit_status", 130)
     from .experiments.compare import data_name
-    from .reporting.plots import plot_run
+    from .reporting.plots import plot_run, with_round_zero
     from .tasks import headline_metric
 
     cfg = run.cfg
     title = f"{run.method.name} on {data_name(cfg)}: {run_dir.name}"
-    plots = plot_run(run.history, run_dir, headline_metric(cfg), title)
+    plots = plot_run(with_round_zero(run.history, summary.get("initial")), run_dir, headline_metric(cfg), title)
     if run.log:
         run.log(f"plot: {plots[0]}" if plots else "no plots: matplotlib is not installed (pip install matplotlib==3.11.2)")
     _log(f"run directory: {run_dir}")
@@ -184,10 +184,19 @@ def summary_table(summary: dict) -> str:
 
     t = summary["time"]
     rows = [("method", f"{summary['method']}, {summary['rounds']} rounds")]
-    skip = {"method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy"}
+    skip = {"method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy", "predictions",
+            "collapse", "initial"}
     for key, value in summary.items():
         if key not in skip:
             rows.append((key, f"{value:.4g}" if isinstance(value, float) else str(value)))
+    if "predictions" in summary:
+        p = summary["predictions"]
+        rows.append(("most predicted", f"class {p['top_label']!r}, {100 * p['top_share']:.1f} % of the test set "
+                                       f"(chance level {100 * p['majority_share']:.1f} %)"))
+    if "collapse" in summary:
+        c = summary["collapse"]
+        rows.append(("collapse", f"from round {c['round']}: class {c['top_label']!r}, {100 * c['top_share']:.1f} % "
+                                 f"of the test set ({'to the end' if c['at_end'] else 'recovered'})"))
     if "best_accuracy" in summary:
         rows.append(("best accuracy", f"{summary['best_accuracy']:.4g}"))
     rows.append(("bytes up / down", f"{format_bytes(summary['bytes_up'])} / {format_bytes(summary['bytes_down'])}"))

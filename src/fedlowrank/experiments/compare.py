@@ -32,6 +32,7 @@ import numpy as np
 
 from ..config import ConfigError, RunConfig, load_config
 from ..models.architectures import check_measures_quality
+from ..reporting.plots import with_round_zero
 from ..reporting.progress import format_bytes
 from ..runtime.evaluation import COLLAPSE_SHARE, run_collapse
 from ..tasks import headline_metric, higher_is_better
@@ -294,7 +295,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
             raise ConfigError(f"run.stop_metric: the task reports no {metric!r} "
                               f"(it reports {', '.join(sorted(outcome.metrics)) or 'nothing'})")
         summary = outcome.summary
-        histories.setdefault(run.method, []).append(outcome.history)
+        histories.setdefault(run.method, []).append(with_round_zero(outcome.history, outcome.summary.get("initial")))
         per_method.setdefault(run.method, []).append({
             "seed": run.cfg.run.seed, "final": values[-1], "best": max(values) if higher_is_better(metric) else min(values),
             "bytes_up": summary["bytes_up"], "bytes_down": summary["bytes_down"], "time": summary["time"]["total"],

@@ -37,11 +37,13 @@ class Curve:
 def comparison_curves(histories: dict[str, list[list[dict[str, Any]]]], metric: str,
                       xkey: str) -> dict[str, Curve]:
     """Per method, its curve against ``xkey`` (``"round"`` or ``"bytes"``: cumulative bytes up + down, mean over
-    seeds) at the rounds where every seed reported ``metric``. ``histories[method]``: one list of
+    seeds; on that log axis, only the rounds after some were sent) at the rounds where every seed reported ``metric``
+    (round 0, before training, where every seed has it: :func:`~fedlowrank.reporting.plots.with_round_zero`). ``histories[method]``: one list of
     ``metrics.jsonl`` rows per seed. Methods with no such round are left out."""
     curves = {}
     for method, runs in histories.items():
-        rows = [{r["round"]: r for r in run if metric in r} for run in runs]
+        rows = [{r["round"]: r for r in run if metric in r
+                 and (xkey == "round" or r["cum_bytes_up"] + r["cum_bytes_down"] > 0)} for run in runs]
         rounds = sorted(set.intersection(*(set(r) for r in rows))) if rows else []
         if not rounds:
             continue
