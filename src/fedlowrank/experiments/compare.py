@@ -438,9 +438,10 @@ def results_markdown(results: dict[str, Any]) -> str:
         lines += ["", f"## Paired differences against {ref}", "", *paired_explanation(results), "",
                   f"| method | Δ {metric} | mean ± {conf} t | median | {conf} bootstrap | wins–ties–losses | "
                   "signed-rank p | verdict |", "|---|---|---|---|---|---|---|---|"]
+        rows = {r["method"]: r for r in results["rows"]}
         for p in results["paired"]:
             for key in ("final", "best"):
-                lines.append(f"| {p['method']} | {key} | {_interval(p[key]).format(signed=True)} | "
+                lines.append(f"| {method_cell(rows[p['method']])} | {key} | {_interval(p[key]).format(signed=True)} | "
                              f"{paired_cells(p[key])} |")
         lines += ["", f"Δ final {metric} per seed:", "", "| method | " + " | ".join(
             f"seed {s}" for s in results["seeds"]) + " |", "|---|" + "---|" * n]
