@@ -81,14 +81,16 @@ def cmd_methods(args) -> int:
 
     methods = {args.name: method_class(args.name)} if args.name else available_methods()
     for name, cls in methods.items():
-        flags = []
+        flags = [f"reference row: {cls.reference}"] if cls.reference else []
+        if not cls.communicates:
+            flags.append("sends nothing")
         if cls.needs_individual_replies:
             flags.append("needs individual replies")
         if cls.supports_heterogeneous_ranks:
             flags.append("heterogeneous ranks")
         if cls.supports_cohorts:
             flags.append("cohorts")
-        flags.append(f"privacy: {', '.join(cls.supported_privacy_modes())}")
+        flags.append(f"privacy: {', '.join(cls.supported_privacy_modes()) or 'none'}")
         options = declared(cls)
         print(f"{name}\n  {cls.description}\n  paper: {cls.paper}\n  up:   {cls.uplink}\n  down: {cls.downlink}"
               + f"\n  ({'; '.join(flags)})"
