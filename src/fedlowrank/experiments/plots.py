@@ -37,9 +37,9 @@ class Curve:
 def comparison_curves(histories: dict[str, list[list[dict[str, Any]]]], metric: str,
                       xkey: str) -> dict[str, Curve]:
     """Per method, its curve against ``xkey`` (``"round"`` or ``"bytes"``: cumulative bytes up + down, mean over
-    seeds; on that log axis, only the rounds after some were sent) at the rounds where every seed reported ``metric``
-    (round 0, before training, where every seed has it: :func:`~fedlowrank.reporting.plots.with_round_zero`). ``histories[method]``: one list of
-    ``metrics.jsonl`` rows per seed. Methods with no such round are left out."""
+    seeds; on that log axis, only the rounds after some were sent) at the rounds where every seed reported
+    ``metric`` (round 0, before training, where every seed has it: :func:`~fedlowrank.reporting.plots.with_round_zero`).
+    ``histories[method]``: one list of ``metrics.jsonl`` rows per seed. Methods with no such round are left out."""
     curves = {}
     for method, runs in histories.items():
         rows = [{r["round"]: r for r in run if metric in r
@@ -86,8 +86,9 @@ def comparison_figure(histories: dict[str, list[list[dict[str, Any]]]], metric: 
         if c.half is not None:
             ax.errorbar(x, c.mean, yerr=error_bars(c, metric), fmt="none", ecolor=line.get_color(), elinewidth=1.0,
                         capsize=3)
-    chance = chance_level([row for runs in histories.values() for run in runs for row in run])
-    if chance is not None and metric == "accuracy":
+    chance = (chance_level([row for runs in histories.values() for run in runs for row in run])
+              if metric == "accuracy" else None)
+    if chance is not None:
         ax.axhline(chance, color="0.4", linestyle=":", linewidth=1.0,
                    label=f"chance level ({chance:.3f}: the majority class)")
     ax.margins(y=0.08)

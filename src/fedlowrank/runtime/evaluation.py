@@ -99,8 +99,8 @@ def run_collapse(history: list[Mapping[str, Any]]) -> dict[str, Any] | None:
 
 
 def collapse_line(collapse: Mapping[str, Any]) -> str:
-    """``collapse: round 3: the global model predicts class 'World' for 97.4 % of the test set (chance level
-    25.0 %)``."""
+    """``collapse: round 3: the global model predicts class 'World' for 97.4 % of the test set (≥ 95 %; chance
+    level 25.0 %)``."""
     return (f"collapse: round {collapse['round']}: the global model predicts class {collapse['top_label']!r} for "
             f"{100 * collapse['top_share']:.1f} % of the test set (≥ {100 * COLLAPSE_SHARE:.0f} %; chance level "
             f"{100 * collapse['majority_share']:.1f} %)")
