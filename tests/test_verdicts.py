@@ -183,6 +183,9 @@ def test_settings_cell_and_config_preview_agree_with_the_resolved_config(tmp_pat
         assert (mark == "preset of ffa-lora]") == (s["source"] == "preset"), (s, mark)
     assert "| centralized (reference) |" in md and "| local-only (reference) |" in md
     assert "Reference rows, not federated methods: centralized: " in md
+    # the tiny random model predicts one class from the start: said once per method that is not personalised
+    assert "- collapse: ffa-lora predicted one class for ≥ 95 % of the test set in 1 of 1 seeds (seed 0: round 1" in md
+    assert "collapse: local-only" not in md
 
 
 def test_differences_are_signed_in_every_column():
@@ -254,3 +257,14 @@ def test_round_zero_is_the_model_before_training_and_is_drawn_on_the_round_axis_
     assert comparison_curves({"fedit": [history]}, "accuracy", "bytes")["fedit"].x.tolist() == [
         sim.history[0]["cum_bytes_up"] + sim.history[0]["cum_bytes_down"]]
     assert with_round_zero(sim.history, None) == sim.history
+
+
+def test_a_table_interval_beyond_the_metric_range_is_given_clipped():
+    from fedlowrank.experiments.compare import interval_cell
+    from fedlowrank.experiments.stats import Interval
+
+    assert interval_cell(Interval(0.1953, 0.2978, 2, 0.03), "accuracy") == "0.1953 ± 0.2978 (in [0, 0.4931])"
+    assert interval_cell(Interval(0.95, 0.08, 2, 0.01), "accuracy") == "0.9500 ± 0.0800 (in [0.87, 1])"
+    assert interval_cell(Interval(0.5, 0.1, 2, 0.01), "accuracy") == "0.5000 ± 0.1000"
+    assert interval_cell(Interval(0.5, 0.9, 2, 0.01), "loss") == "0.5000 ± 0.9000 (in [0, 1.4])"
+    assert interval_cell(Interval(0.5, None, 1, None), "accuracy") == "0.5000 (n = 1, no interval)"

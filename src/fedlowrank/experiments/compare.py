@@ -35,7 +35,7 @@ from ..models.architectures import check_measures_quality
 from ..reporting.plots import with_round_zero
 from ..reporting.progress import format_bytes
 from ..runtime.evaluation import COLLAPSE_SHARE, run_collapse
-from ..tasks import headline_metric, higher_is_better
+from ..tasks import headline_metric, higher_is_better, metric_range
 from .stats import (ALPHA, BOOTSTRAP_RESAMPLES, CONFIDENCE, Interval, bootstrap_interval, mean_interval, median,
                     paired_interval, rank_verdict, verdict, wilcoxon_signed_rank, wins_losses)
 from .sweep import Log, Run, Sweep, partition_digest
@@ -79,6 +79,15 @@ def settings_in_force(cfg: RunConfig, name: str, user_sets: list[str] | tuple[st
 def settings_cell(in_force: list[dict[str, str]]) -> str:
     """The "settings applied" cell of results.md: each key once, its value in force and its source."""
     return ", ".join(f"`{s['key']}={s['value']}` ({s['source']})" for s in in_force) or "–"
+
+
+def interval_cell(iv: Interval, metric: str) -> str:
+    """``mean ± half-width``, and where the interval crosses a bound of the metric's range
+    (:func:`~fedlowrank.tasks.metric_range`) the interval clipped to it: ``0.1953 ± 0.2978 (in [0, 0.4931])``."""
+    low, high = metric_range(metric)
+    if iv.half_width is None or low <= iv.mean - iv.half_width and iv.mean + iv.half_width <= high:
+        return iv.format()
+    return f"{iv.format()} (in [{max(iv.mean - iv.half_width, low):.4g}, {min(iv.mean + iv.half_width, high):.4g}])"
 
 
 def method_cell(row: dict[str, Any]) -> str:
@@ -429,7 +438,8 @@ def results_markdown(results: dict[str, Any]) -> str:
               + (" ε (client-level DP) |" if private else ""), "|---|---|---|---|---|---|" + ("---|" if private else "")]
     for r in results["rows"]:
         eps = (f" {r['epsilon']:.3g} |" if r.get("epsilon") is not None else " – |") if private else ""
-        lines.append(f"| {method_cell(r)} | {_interval(r['final']).format()} | {_interval(r['best']).format()} | "
+        lines.append(f"| {method_cell(r)} | {interval_cell(_interval(r['final']), metric)} | "
+                     f"{interval_cell(_interval(r['best']), metric)} | "
                      f"{format_bytes(r['bytes_up'])} | {format_bytes(r['bytes_down'])} | {r['time']:.1f} |{eps}")
     collapses = [line for line in map(collapse_summary, results["rows"]) if line]
     if collapses:
