@@ -201,6 +201,12 @@ def test_a_pooled_reference_is_refused_on_flower():
         run_flower("method.name=centralized")
 
 
+def test_flower_evaluates_the_model_before_training_as_round_zero():
+    sim, *_ = run_flower("method.name=fedit", "run.rounds=1")
+    before = simulator.Simulation(sim.cfg, task=tiny_task()).evaluate()
+    assert sim.initial_eval["loss"] == pytest.approx(before["loss"]) and sim.summary()["initial"] == sim.initial_eval
+
+
 def assert_same_node_states(grid, strategy, ref) -> None:
     """Each client's state in its node's context.state, once committed by what the server aggregated, is the
     simulator's state of that client (and a client the simulator never committed has none)."""

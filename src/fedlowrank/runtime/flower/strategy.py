@@ -286,6 +286,8 @@ class MethodStrategy(Strategy):
     def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """``evaluate_fn`` of ``Strategy.start``: evaluates the closed round (global test set every
         ``run.eval_every`` rounds and at the last) and commits it to the run (history, run directory)."""
+        if server_round == 0 and self.run.round == 0 and not self.run.initial_eval:
+            self.run.evaluate_initial()  # the model before training: the summary's ``initial``
         if server_round == 0 or self.outcome is None:
             return None
         outcome, self.outcome = self.outcome, None
