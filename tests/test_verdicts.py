@@ -3,6 +3,8 @@ comparison applies."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -104,8 +106,6 @@ def test_centralized_trains_on_the_pooled_data_of_the_round_for_the_clients_tota
     fedit.info = sim.info
     start = Message(sim.server)
     sim.run()
-    import dataclasses
-
     trainer = LocalTrainer(tiny_task(), pooled, dataclasses.replace(sim.cfg.train, local_steps=12), clients[0], 1,
                            sim.cfg.run.rounds, sim.cfg.run.seed)
     reply, _ = fedit.train(sim.model, start, State(), trainer)
