@@ -285,8 +285,11 @@ def test_run_prints_a_short_table_and_json_on_request(tmp_path, capsys):
     table = capsys.readouterr().out.splitlines()
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert table[0].split() == ["method", "fedit,", "2", "rounds"]
-    assert [line.split()[0] for line in table[1:]] == ["accuracy", "loss", "best", "bytes", "time", "peak"]
-    assert table[1].split()[1] == f"{summary['accuracy']:.4g}" and len(table) == 7
+    # the tiny random model predicts one class: the table says which, and that it collapsed
+    assert [line.split()[0] for line in table[1:]] == ["accuracy", "loss", "most", "collapse", "best", "bytes",
+                                                       "time", "peak"]
+    assert table[1].split()[1] == f"{summary['accuracy']:.4g}" and len(table) == 9
+    assert f"class {summary['predictions']['top_label']!r}" in table[3]
     assert main(["run", "tiny", "--out", str(tmp_path / "b"), "--quiet", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["bytes_up"] == summary["bytes_up"]
 

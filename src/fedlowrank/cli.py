@@ -81,14 +81,16 @@ def cmd_methods(args) -> int:
 
     methods = {args.name: method_class(args.name)} if args.name else available_methods()
     for name, cls in methods.items():
-        flags = []
+        flags = [f"reference row: {cls.reference}"] if cls.reference else []
+        if not cls.communicates:
+            flags.append("sends nothing")
         if cls.needs_individual_replies:
             flags.append("needs individual replies")
         if cls.supports_heterogeneous_ranks:
             flags.append("heterogeneous ranks")
         if cls.supports_cohorts:
             flags.append("cohorts")
-        flags.append(f"privacy: {', '.join(cls.supported_privacy_modes())}")
+        flags.append(f"privacy: {', '.join(cls.supported_privacy_modes()) or 'none'}")
         options = declared(cls)
         print(f"{name}\n  {cls.description}\n  paper: {cls.paper}\n  up:   {cls.uplink}\n  down: {cls.downlink}"
               + f"\n  ({'; '.join(flags)})"
@@ -156,14 +158,14 @@ def _finish(run, run_dir: Path, as_json: bool = False) -> int:
         _log(_stopped_line(run, run_dir, getattr(stop, "name", "SIGINT")))
         return getattr(stop, "exit_status", 130)
     from .experiments.compare import data_name
-    from .reporting.plots import plot_run
+    from .reporting.plots import plot_run, with_round_zero
     from .runtime.rundir import own
     from .tasks import headline_metric
 
     cfg = run.cfg
     title = f"{run.method.name} on {data_name(cfg)}: {run_dir.name}"
     own(run_dir, "curves.png")
-    plots = plot_run(run.history, run_dir, headline_metric(cfg), title)
+    plots = plot_run(with_round_zero(run.history, summary.get("initial")), run_dir, headline_metric(cfg), title)
     if run.log:
         run.log(f"plot: {plots[0]}" if plots else "no plots: matplotlib is not installed (pip install matplotlib==3.11.2)")
     _log(f"run directory: {run_dir}")
@@ -190,10 +192,19 @@ def summary_table(summary: dict) -> str:
 
     t = summary["time"]
     rows = [("method", f"{summary['method']}, {summary['rounds']} rounds")]
-    skip = {"method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy"}
+    skip = {"method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy", "predictions",
+            "collapse", "initial"}
     for key, value in summary.items():
         if key not in skip:
             rows.append((key, f"{value:.4g}" if isinstance(value, float) else str(value)))
+    if "predictions" in summary:
+        p = summary["predictions"]
+        rows.append(("most predicted", f"class {p['top_label']!r}, {100 * p['top_share']:.1f} % of the test set "
+                                       f"(chance level {100 * p['majority_share']:.1f} %)"))
+    if "collapse" in summary:
+        c = summary["collapse"]
+        rows.append(("collapse", f"from round {c['round']}: class {c['top_label']!r}, {100 * c['top_share']:.1f} % "
+                                 f"of the test set ({'to the end' if c['at_end'] else 'recovered'})"))
     if "best_accuracy" in summary:
         rows.append(("best accuracy", f"{summary['best_accuracy']:.4g}"))
     rows.append(("bytes up / down", f"{format_bytes(summary['bytes_up'])} / {format_bytes(summary['bytes_down'])}"))
@@ -299,8 +310,17 @@ def cmd_config(args) -> int:
 
     cfg = load_config(args.config, args.set)
     if not args.markdown:
+        from .experiments.compare import method_settings, settings_in_force
+
+        marks = {s["key"]: f"{s['source']} of {cfg.method_name}" if s["source"] == "preset" else s["source"]
+                 for s in settings_in_force(cfg, cfg.method_name, args.set) if s["source"] != "--set"}
+        if marks:  # compare and tune apply the method's preset and compare.overrides; run does not
+            cfg = load_config(args.config, method_settings(cfg, cfg.method_name, args.set))
+            print(f"# the values `fedlowrank compare` and `tune` apply to {cfg.method_name}: its preset and "
+                  f"compare.overrides, then --set (each marked); `fedlowrank run` applies --set only")
         for key, value, decl in config_rows(cfg):
-            print(_setting_lines(key, value, decl))
+            line = _setting_lines(key, value, decl)
+            print(line.replace("\n", f"  [{marks[key]}]\n", 1) if key in marks else line)
         return 0
     print("| key | default | allowed | meaning |\n|---|---|---|---|")
     for key, value, decl in config_rows(cfg):

@@ -427,7 +427,8 @@ def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
     ]
     if privacy:
         lines.append(f"* privacy: `{privacy}`" + (f", epsilon = {eps:.3g} after the last round" if eps else ""))
-    metrics = sorted(set(report["check"]["run"]) | set(report["check"]["exported"]))
+    metrics = sorted({k for check in report["check"].values() for k, v in check.items()
+                      if isinstance(v, (int, float))})  # not a classifier's summary of its predictions
     lines += ["", "## Test metrics", "", "| metric | run | this export, loaded back |", "|---|---|---|"]
     lines += [f"| {m} | {report['check']['run'].get(m, float('nan')):.6g} | "
               f"{report['check']['exported'].get(m, float('nan')):.6g} |" for m in metrics]

@@ -133,6 +133,14 @@ class Method(Schema):
         preset: the paper's own run settings as ``{"section.key": value}`` config overrides (client weighting,
             local optimizer, ...); ``compare``/``tune`` apply them before the user's overrides, which win.
         lr_grid: the learning rates to tune over (the paper's grid; empty = :data:`DEFAULT_LR_GRID`).
+        reference: non-empty for a reference row rather than a federated method: what it is, in words
+            (``compare`` marks it as a reference in its tables and plots).
+        communicates: False for a method whose clients send and receive nothing (a reference that trains where the
+            data is): the runtime's ledger counts zero bytes for it.
+        pooled: True for a method that each round trains one model on the pooled data of the round's sampled
+            clients, for the sum of their local steps (a centralised reference); the simulator then runs the
+            round as one client, the first sampled, holding that data (:func:`~fedlowrank.runtime.engine.pool`).
+            Such a method cannot run where each client's data stays on its own node (Flower).
     """
 
     prefix = "method"
@@ -150,6 +158,9 @@ class Method(Schema):
     lr_grid: ClassVar[tuple[float, ...]] = ()
     privacy_modes: ClassVar[tuple[str, ...] | None] = None
     privacy_refusal: ClassVar[str] = ""
+    reference: ClassVar[str] = ""
+    communicates: ClassVar[bool] = True
+    pooled: ClassVar[bool] = False
 
     info: SetupInfo
 

@@ -9,11 +9,13 @@ with the same seeds produce the same global model:
 * :func:`wire` — what crosses the network: a message serialised and parsed back;
 * :func:`client_update` — one client's round: fresh base deltas, ``method.train``, the reply (the simulator's
   cohorts run several at once, :mod:`.cohort`);
-* :func:`check_reply` — whether the server may use a reply (shapes, dtypes, finiteness, size, keys).
+* :func:`check_reply` — whether the server may use a reply (shapes, dtypes, finiteness, size, keys);
+* :func:`pool` — the round of a method that trains on pooled data (``method.pooled``, a centralised reference).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -27,7 +29,7 @@ from ..methods.base import Method, SetupInfo
 from ..privacy.dpsgd import DPSGD
 from ..privacy.runtime import local_reply
 from ..seeding import numpy_rng, torch_generator
-from ..training.local import LocalTrainer
+from ..training.local import LocalTrainer, steps_per_round
 
 
 def setup_info(cfg, client_sizes: list[int]) -> SetupInfo:
@@ -44,6 +46,18 @@ def sample_clients(seed: int, rnd: int, num_clients: int, per_round: int) -> lis
     """K distinct clients for round ``rnd`` (sorted), uniformly without replacement, from the round's stream."""
     rng = numpy_rng(seed, "client-sampling", rnd)
     return np.sort(rng.choice(num_clients, size=per_round, replace=False)).tolist()
+
+
+def pool(cfg, data: dict[int, np.ndarray]):
+    """A pooled method's round (``method.pooled``): the round's clients' ``data`` (client -> example indices) as
+    one client, the first of them (whose streams it uses), holding all of it in client order, and the run config
+    whose local training takes the sum of their local steps (``train.local_steps``; ``train.local_epochs`` 0), so
+    that the pool trains on as many examples with as many steps as the clients would together.
+    Returns ``(client, {client: indices}, cfg)``."""
+    first = min(data)
+    steps = sum(steps_per_round(cfg.train, len(ix)) for ix in data.values())
+    train = dataclasses.replace(cfg.train, local_steps=steps, local_epochs=0.0)
+    return first, {first: np.concatenate([data[k] for k in sorted(data)])}, dataclasses.replace(cfg, train=train)
 
 
 def wire(msg: Message) -> Message:

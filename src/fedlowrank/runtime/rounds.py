@@ -12,7 +12,8 @@ missing (dropped, with the reason). :func:`close_round` then does the rest, iden
 3. otherwise transforms the replies on the server (:func:`.robust.server_replies`: ``server.update_clip``,
    ``server.aggregate``, central DP) and runs ``method.aggregate`` on them, sorted by client (sums in the same
    order everywhere);
-4. opens the round's metrics row (see :mod:`.simulator` for its keys).
+4. opens the round's metrics row (see :mod:`.simulator` for its keys); the ledger rows of a method that declares
+   that it does not communicate (``method.communicates``, a reference) count zero bytes.
 
 It changes nothing of the run: the :class:`RoundOutcome` (new server state, row, ledger rows, aggregated replies)
 is committed by :meth:`~.server_run.ServerRun.commit_round` once the round is evaluated.
@@ -124,6 +125,8 @@ def close_round(run: Run, got: RoundReplies, started: float, warn: Warn | None =
     for r in rejected:
         say(f"round {rnd}: rejected the reply of client {r['client']}: {r['reason']}")
     ledger = sorted(got.ledger, key=lambda r: r["client"])
+    if not run.method.communicates:  # a reference that trains where the data is: nothing crosses a network
+        ledger = [{**r, "down": 0, "up": 0} for r in ledger]
     sampled, server, aggregation = len(got.clients), None, 0.0
     notes: dict[str, Any] = {}
     if len(replies) < cfg.run.min_replies:

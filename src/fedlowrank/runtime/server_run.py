@@ -12,8 +12,9 @@ checkpoints (:mod:`.checkpointing`), the experiment tracker (:mod:`.tracker`) an
 * :meth:`ServerRun.commit_round` — the round becomes the run's: server state, client states, ledger, history,
   files, tracker, divergence check, checkpoint, progress line.
 
-:meth:`ServerRun.run` is the loop of the in-process runners (the simulator, the vectorised runner): their
-``run_round`` until the last round, stopping cleanly on SIGINT or SIGTERM (:mod:`.stopping`); :meth:`ServerRun.resume`
+:meth:`ServerRun.run` is the loop of the in-process runners (the simulator, the vectorised runner): a fresh run's
+model evaluated before training (round 0, :meth:`ServerRun.evaluate_initial`), then their ``run_round`` until the
+last round, stopping cleanly on SIGINT or SIGTERM (:mod:`.stopping`); :meth:`ServerRun.resume`
 continues a run from its checkpoint.
 """
 
@@ -35,7 +36,7 @@ from ..reporting.progress import Progress
 from ..reporting.tracking import require_package
 from .checkpoint import ROW_TIMES, check_history, check_state, restart_from
 from .checkpointing import Checkpointer, read_run_checkpoint, restore
-from .evaluation import Evaluator
+from .evaluation import Evaluator, collapse_line, collapse_of, run_collapse, scalar_metrics
 from .rounds import RoundOutcome, RoundReplies, Warn, client_rows, close_round
 from .run import DivergenceError, Run, peak_rss_mb
 from .run_files import RunFiles
@@ -64,6 +65,7 @@ class ServerRun(Run):
         super().__init__(**{f.name: getattr(run, f.name) for f in fields(Run)})
         cfg = self.cfg
         self.client_states = client_states
+        self.initial_eval: dict[str, Any] = {}  # round 0, before training (:meth:`evaluate_initial`)
         self.store = ClientStore(cfg.run.state_memory_mb, None if run_dir is None else Path(run_dir) / "client_states")
         self.progress = Progress(log, self.method.name, cfg.run.rounds, counts=self.task.metric_counts)
         self.log = self.progress.write if log is not None else None
@@ -149,6 +151,8 @@ class ServerRun(Run):
         if self.checkpoints.due(self.round):
             self.save_checkpoint()
         self.progress.round_end(row, metrics, rounds)
+        if collapse_of(row) and not any(collapse_of(r) for r in self.history[:-1]):
+            self.warn(collapse_line(collapse_of(row)))
 
     def check_divergence(self, row: dict[str, Any]) -> None:
         """Stop on a non-finite global parameter, a round whose every reply was non-finite (from two clients or
@@ -182,6 +186,8 @@ class ServerRun(Run):
         try:
             with stop_signals():
                 try:
+                    if self.round == 0 and not self.initial_eval:
+                        self.evaluate_initial()
                     while not self.done():
                         check_stop()
                         self.run_round()
@@ -203,18 +209,32 @@ class ServerRun(Run):
         mean over the evaluated clients of their own models'."""
         return self.evaluator.evaluate(self.server, self.store)
 
+    def evaluate_initial(self) -> None:
+        """Round 0: the model before training on the test set (:attr:`initial_eval`, the summary's ``initial``)."""
+        self.initial_eval = self.evaluate()
+        if self.log is not None:
+            self.log(f"[{self.method.name}] before training (round 0): " + ", ".join(
+                f"{k} {v:.4g}" for k, v in scalar_metrics(self.initial_eval).items()))
+
     def save_checkpoint(self) -> Path:
         return self.checkpoints.save(self)
 
     def summary(self) -> dict[str, Any]:
         """The run's summary (also ``summary.json``): method, rounds, bytes, time by part, peak memory, the last
-        evaluation's metrics, ``epsilon`` under DP, ``best_accuracy``."""
+        evaluation's metrics, ``initial`` (round 0: the model before training, when this process ran it), ``epsilon``
+        under DP, ``best_accuracy``, ``collapse`` when the global model collapsed
+        (:func:`~.evaluation.run_collapse`)."""
         times = {k: sum(r["time"][k] for r in self.history) for k in ROW_TIMES}
         out = {"method": self.method.name, "rounds": self.round, "bytes_up": self.ledger.total_up,
                "bytes_down": self.ledger.total_down, "time": times, "peak_rss_mb": peak_rss_mb()}
         out.update(self.last_eval)
+        if self.initial_eval:
+            out["initial"] = self.initial_eval
         if self.history and "epsilon" in self.history[-1]:
             out["epsilon"] = self.history[-1]["epsilon"]
+        collapse = run_collapse(self.history)
+        if collapse:
+            out["collapse"] = collapse
         accuracies = [r["accuracy"] for r in self.history if "accuracy" in r]
         if accuracies:
             out["best_accuracy"] = max(accuracies)

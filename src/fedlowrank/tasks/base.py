@@ -80,6 +80,28 @@ def mean_by_member(values: Tensor, routing: Routing) -> Tensor:
     return sums / values.new_zeros(routing.size).index_add(0, member, torch.ones_like(values))
 
 
+def confusion_counts(predicted: Tensor, labels: Tensor, num_classes: int) -> Tensor:
+    """``[C, C]`` counts of (true class, predicted class) pairs of ``[n]`` predictions and labels (on the CPU)."""
+    pairs = labels.long().cpu() * num_classes + predicted.long().cpu()
+    return torch.bincount(pairs, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+
+
+def prediction_summary(confusion: Tensor | np.ndarray, label_names: list[str] | None = None) -> dict[str, Any]:
+    """What a classifier predicted on a test set, from its ``[C, C]`` confusion counts (rows: true class, columns:
+    predicted class): ``top_class`` (the most-predicted class), ``top_label`` (its name), ``top_share`` (the share
+    of predictions in it), ``recall`` (per class, the share of its examples predicted right; ``None`` for a class
+    with no test example) and ``majority_share`` (the share of the test set in its most frequent class: the
+    accuracy of always predicting it, the chance level)."""
+    counts = np.asarray(confusion, dtype=np.int64)
+    n = int(counts.sum())
+    predicted, true = counts.sum(0), counts.sum(1)
+    top = int(predicted.argmax())
+    return {"top_class": top, "top_label": label_names[top] if label_names else str(top),
+            "top_share": float(predicted[top] / n),
+            "recall": [float(counts[c, c] / true[c]) if true[c] else None for c in range(len(true))],
+            "majority_share": float(true.max() / n)}
+
+
 @dataclass
 class NoOptions(Schema):
     """The options of a task that has none."""
@@ -93,7 +115,8 @@ class Task:
 
     Class attributes (declarations):
         name: the task's kind, the value of ``task.kind`` (e.g. ``"text-classification"``).
-        metrics: the names :meth:`evaluate` returns (``run.stop_metric`` must be one of them).
+        metrics: the names :meth:`evaluate` returns (``run.stop_metric`` must be one of them); a classification
+            task's :meth:`evaluate` also returns ``"predictions"``, its :func:`prediction_summary` (not a metric).
         primary_metric: the metric a run is judged, compared and plotted by when ``run.stop_metric`` is ``""``.
         maximize: the metrics where higher is better (the others are minimised).
         validation_metric: the key of :meth:`evaluate_examples` that learning-rate tuning selects on.
@@ -217,8 +240,9 @@ class Task:
         (default: :meth:`output_loss` of each one's rows; a task computes them together in a few operations)."""
         return torch.stack([self.output_loss(out[s], b) for s, b in zip(routing.rows, batches)])
 
-    def evaluate(self, net: nn.Module) -> dict[str, float]:
-        """Metrics on the global test set, e.g. ``{"accuracy": .., "loss": ..}`` (no autograd)."""
+    def evaluate(self, net: nn.Module) -> dict[str, Any]:
+        """Metrics on the global test set, e.g. ``{"accuracy": .., "loss": ..}`` (no autograd); a classification
+        task adds ``"predictions"`` (:func:`prediction_summary`)."""
         raise NotImplementedError
 
     def column_values(self, name: str) -> list[str]:
