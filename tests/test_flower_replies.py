@@ -10,15 +10,14 @@ pytest.importorskip("flwr")
 
 from helpers import tiny_task  # noqa: E402
 from test_flower import assert_same_state, flower_process, run_flower  # noqa: E402,F401 (flower_process: autouse)
-from test_replies import METHOD_SETTINGS, ROUND, _cfg, attack, attackers  # noqa: E402
+from test_replies import FEDERATED, METHOD_SETTINGS, ROUND, _cfg, attack, attackers  # noqa: E402
 
 from fedlowrank.message import Message  # noqa: E402
-from fedlowrank.methods import available_methods  # noqa: E402
 from fedlowrank.runtime.flower.records import from_records, put_records  # noqa: E402
 from fedlowrank.runtime.simulator import Simulation  # noqa: E402
 
 
-@pytest.mark.parametrize("method", sorted(available_methods()))
+@pytest.mark.parametrize("method", FEDERATED)
 def test_bad_replies_over_the_message_contract_leave_the_honest_result(method):
     cfg = _cfg(method)
     plan = {k: i for i, k in enumerate(attackers(cfg))}
