@@ -296,3 +296,45 @@ def test_the_state_in_a_checkpoint_is_the_runs(tmp_path):
     sim.run()
     saved: State = load_checkpoint(latest_checkpoint(tmp_path)).server
     assert all(torch.equal(v, saved[k]) for k, v in sim.server.tensors().items())
+
+
+# -- a signal during the last round's checkpoint; compare stops and says how to continue ------------------------------
+def _signal_while_saving(monkeypatch, rnd: int, signum=signal.SIGTERM):
+    """Send ``signum`` to this process while the checkpoint of round ``rnd`` is being written (the signal is held)."""
+    real = Checkpointer.save
+
+    def save(self, run):
+        if run.round == rnd:
+            os.kill(os.getpid(), signum)
+        return real(self, run)
+
+    monkeypatch.setattr(Checkpointer, "save", save)
+
+
+def test_a_signal_during_the_last_checkpoint_stops_the_run_once_it_is_written(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    _signal_while_saving(monkeypatch, rnd=2)
+    assert main(["run", "tiny", "--out", str(out), "--quiet"]) == 143
+    monkeypatch.undo()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"stopped by SIGTERM after the last round; saved the state after round 2; continue with: fedlowrank resume {out}")
+    assert load_checkpoint(latest_checkpoint(out)).round == 2 and not (out / "summary.json").exists()
+    assert main(["resume", str(out), "--quiet"]) == 0
+    assert [r["round"] for r in rows(out)] == [1, 2] and (out / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_compare_stopped_during_a_runs_last_checkpoint_does_not_start_the_next_and_says_how_to_continue(
+        tmp_path, monkeypatch, capsys, signum):
+    out = tmp_path / "cmp"
+    argv = ["compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0", "--quiet", "--set", "run.rounds=2"]
+    _signal_while_saving(monkeypatch, rnd=2, signum=signum)
+    assert main([*argv, "--out", str(out)]) == 128 + signum
+    monkeypatch.undo()
+    what = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"{what}; the runs are in {out}; continue with: fedlowrank compare tiny --methods fedit,ffa-lora --seeds 0 "
+        f"--quiet --set run.rounds=2 --out {out} --resume")
+    assert not (out / "ffa-lora-seed0").exists() and load_checkpoint(latest_checkpoint(out / "fedit-seed0")).round == 2
+    assert main([*argv, "--out", str(out), "--resume"]) == 0
+    assert (out / "results.md").is_file() and [r["round"] for r in rows(out / "ffa-lora-seed0")] == [1, 2]
