@@ -338,3 +338,35 @@ def test_compare_stopped_during_a_runs_last_checkpoint_does_not_start_the_next_a
     assert not (out / "ffa-lora-seed0").exists() and load_checkpoint(latest_checkpoint(out / "fedit-seed0")).round == 2
     assert main([*argv, "--out", str(out), "--resume"]) == 0
     assert (out / "results.md").is_file() and [r["round"] for r in rows(out / "ffa-lora-seed0")] == [1, 2]
+
+
+@pytest.mark.parametrize("signum, group", [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_compare_with_jobs_stops_its_workers_which_save_their_runs(tmp_path, signum, group):
+    """SIGTERM to ``compare --jobs 2`` (or Ctrl-C, which reaches its whole process group): each worker's round lines
+    show as they come; the workers are stopped, each saves its run's state, and the command says how to continue."""
+    out, err_file = tmp_path / "cmp", tmp_path / "stderr.txt"
+    argv = [sys.executable, "-m", "fedlowrank", "compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0",
+            "--jobs", "2", "--out", str(out), "--set", "run.rounds=2000", "--set", "run.threads=1"]
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not all(f"[{m}] seed 0: [{m}] round 1/2000" in err_file.read_text() for m in ("fedit", "ffa-lora")):
+        assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+        time.sleep(0.1)
+    (os.killpg if group else os.kill)(proc.pid, signum)
+    try:
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = err_file.read_text()
+    assert proc.returncode == 128 + signum, text
+    what = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
+    assert text.strip().splitlines()[-1].startswith(f"{what}; the runs are in {out}; continue with: fedlowrank "
+                                                    f"compare tiny --methods fedit,ffa-lora") and "Traceback" not in text
+    for pid in (int(p) for p in __import__("re").findall(r"\(worker process (\d+)\)", text)):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    for method in ("fedit", "ffa-lora"):
+        stopped = load_checkpoint(latest_checkpoint(out / f"{method}-seed0")).round
+        assert 1 <= stopped < 2000 and len(rows(out / f"{method}-seed0")) == stopped
