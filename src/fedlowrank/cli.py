@@ -33,7 +33,8 @@ installed, a corrupt checkpoint, a diverged run — prints one line ``error: ...
 a bug in fedlowrank: one line ``error: internal error ...`` and exit 1. ``--debug`` shows the traceback
 instead. Ctrl-C prints one line and exits 130, SIGTERM likewise with 143; a run or resume stopped either way first
 saves the state after its last finished round and says ``continue with: fedlowrank resume RUN_DIR``
-(:mod:`fedlowrank.runtime.stopping`). ``run`` and ``resume`` print the summary as a short table (``--json``: as
+(:mod:`fedlowrank.runtime.stopping`); ``compare`` and ``tune`` (their worker processes too) likewise, and say the
+command that continues them (this one with ``--out DIR --resume``). ``run`` and ``resume`` print the summary as a short table (``--json``: as
 JSON). A closed output pipe (``fedlowrank methods | head``) exits
 quietly with 141, as a shell tool killed by SIGPIPE does. Only light modules (the standard library and
 :mod:`fedlowrank.reporting.progress`) are imported at module level, so that Ctrl-C during start-up is caught too.
