@@ -190,8 +190,10 @@ def run_in_processes(runs: list[tuple[str, RunConfig, Path, list[np.ndarray], np
     Stopped (``KeyboardInterrupt``: Ctrl-C, or SIGTERM through the command line), or on a worker's error, it
     forwards SIGTERM to every worker, waits for each to save its run's state (a run stops at once in local
     training or evaluation, else as soon as its round is committed), then raises; a second stop while it waits
-    kills the workers at once."""
+    kills the workers at once. A worker stopped by a signal from elsewhere stops the sweep the same way."""
     import multiprocessing
+
+    from ..runtime.stopping import StopRequested
 
     report = report or (lambda kind, i, value: None)
     threads = max(1, (os.cpu_count() or 1) // jobs)
@@ -219,6 +221,8 @@ def run_in_processes(runs: list[tuple[str, RunConfig, Path, list[np.ndarray], np
                 running[i] = next(w for w in workers if w.pid == value)
             elif kind == "failed":
                 raise value
+            elif kind == "stopped":  # a worker stopped by a signal from elsewhere stops the sweep
+                raise StopRequested(signal.SIGTERM)
             elif kind == "done":
                 running.pop(i)
                 left -= 1
@@ -269,7 +273,8 @@ def _stop_workers(workers: list, events, report: Callable[[str, int, Any], None]
         raise
     finally:
         for w in workers:
-            w.join()
+            if w.pid is not None:  # started
+                w.join()
 
 
 @dataclass(frozen=True)
