@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -340,10 +341,12 @@ def test_compare_stopped_during_a_runs_last_checkpoint_does_not_start_the_next_a
     assert (out / "results.md").is_file() and [r["round"] for r in rows(out / "ffa-lora-seed0")] == [1, 2]
 
 
-@pytest.mark.parametrize("signum, group", [(signal.SIGTERM, False), (signal.SIGINT, True)])
-def test_compare_with_jobs_stops_its_workers_which_save_their_runs(tmp_path, signum, group):
-    """SIGTERM to ``compare --jobs 2`` (or Ctrl-C, which reaches its whole process group): each worker's round lines
-    show as they come; the workers are stopped, each saves its run's state, and the command says how to continue."""
+@pytest.mark.parametrize("signum, to", [(signal.SIGTERM, "command"), (signal.SIGINT, "group"),
+                                        (signal.SIGTERM, "workers")])
+def test_compare_with_jobs_stops_its_workers_which_save_their_runs(tmp_path, signum, to):
+    """SIGTERM to ``compare --jobs 2``, Ctrl-C (which reaches its whole process group) or SIGTERM to its workers
+    (``pkill``): each worker's round lines show as they come; the workers stop, each saves its run's state, no
+    other run starts, and the command says how to continue."""
     out, err_file = tmp_path / "cmp", tmp_path / "stderr.txt"
     argv = [sys.executable, "-m", "fedlowrank", "compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0",
             "--jobs", "2", "--out", str(out), "--set", "run.rounds=2000", "--set", "run.threads=1"]
@@ -354,7 +357,13 @@ def test_compare_with_jobs_stops_its_workers_which_save_their_runs(tmp_path, sig
     while not all(f"[{m}] seed 0: [{m}] round 1/2000" in err_file.read_text() for m in ("fedit", "ffa-lora")):
         assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
         time.sleep(0.1)
-    (os.killpg if group else os.kill)(proc.pid, signum)
+    workers = [int(p) for p in re.findall(r"\(worker process (\d+)\)", err_file.read_text())]
+    assert len(workers) == 2
+    if to == "workers":
+        for pid in workers:
+            os.kill(pid, signum)
+    else:
+        (os.killpg if to == "group" else os.kill)(proc.pid, signum)
     try:
         proc.wait(timeout=90)
     finally:
@@ -365,7 +374,7 @@ def test_compare_with_jobs_stops_its_workers_which_save_their_runs(tmp_path, sig
     what = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
     assert text.strip().splitlines()[-1].startswith(f"{what}; the runs are in {out}; continue with: fedlowrank "
                                                     f"compare tiny --methods fedit,ffa-lora") and "Traceback" not in text
-    for pid in (int(p) for p in __import__("re").findall(r"\(worker process (\d+)\)", text)):
+    for pid in workers:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     for method in ("fedit", "ffa-lora"):
