@@ -30,6 +30,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,7 +146,9 @@ def _worker(tasks, events, lines: bool) -> None:
 
     It ignores SIGINT (Ctrl-C on a terminal reaches the whole process group: the parent decides) and stops on
     the SIGTERM its parent forwards: a run in progress saves the state after its last finished round
-    (:mod:`fedlowrank.runtime.stopping`), then the worker ends."""
+    (:mod:`fedlowrank.runtime.stopping`), then the worker ends. Its runs' files closed and its events sent, it
+    ends without the interpreter's teardown, which takes seconds with torch loaded (and much longer on a busy
+    machine) while the parent waits for it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _stop_worker)
     i = None
@@ -157,12 +160,16 @@ def _worker(tasks, events, lines: bool) -> None:
                 message = _run_one(*arguments, log=log)
             except Exception as exc:
                 events.put(("failed", i, _picklable(exc)))
-                return
+                break
             events.put(("done", i, message))
             i = None
     except KeyboardInterrupt:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         events.put(("stopped", i, os.getpid()))
+    events.close()
+    events.join_thread()  # every event is in the pipe
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _picklable(exc: Exception) -> Exception:
