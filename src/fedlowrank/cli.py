@@ -33,7 +33,8 @@ installed, a corrupt checkpoint, a diverged run — prints one line ``error: ...
 a bug in fedlowrank: one line ``error: internal error ...`` and exit 1. ``--debug`` shows the traceback
 instead. Ctrl-C prints one line and exits 130, SIGTERM likewise with 143; a run or resume stopped either way first
 saves the state after its last finished round and says ``continue with: fedlowrank resume RUN_DIR``
-(:mod:`fedlowrank.runtime.stopping`). ``run`` and ``resume`` print the summary as a short table (``--json``: as
+(:mod:`fedlowrank.runtime.stopping`); ``compare`` and ``tune`` (their worker processes too) likewise, and say the
+command that continues them (this one with ``--out DIR --resume``). ``run`` and ``resume`` print the summary as a short table (``--json``: as
 JSON). A closed output pipe (``fedlowrank methods | head``) exits
 quietly with 141, as a shell tool killed by SIGPIPE does. Only light modules (the standard library and
 :mod:`fedlowrank.reporting.progress`) are imported at module level, so that Ctrl-C during start-up is caught too.
@@ -178,7 +179,8 @@ def _stopped_line(run, run_dir: Path, signal_name: str) -> str:
     from .runtime.checkpoint import CheckpointError, find_checkpoint
 
     what = "interrupted" if signal_name == "SIGINT" else f"stopped by {signal_name}"
-    where = f"{what} in round {run.round + 1} of {run.cfg.run.rounds}"
+    rounds = run.cfg.run.rounds
+    where = f"{what} in round {run.round + 1} of {rounds}" if run.round < rounds else f"{what} after the last round"
     try:
         _, ck = find_checkpoint(run_dir)
     except CheckpointError:
@@ -281,13 +283,36 @@ def _claimed_output(args, kind: str):
         finally:
             lock.release()
 
+def _sweep_stopped(args, out: Path, stop: KeyboardInterrupt) -> int:
+    """What a stopped ``compare``/``tune`` says (its runs saved their state, :mod:`~.experiments.sweep`): the
+    command that continues it, i.e. this one with ``--out`` and ``--resume``; exit 128 + the signal's number."""
+    import shlex
+
+    words, skip = [], False
+    for word in args.argv:
+        if skip or word in ("--overwrite", "--resume") or word.startswith("--out="):
+            skip = False
+            continue
+        skip = word == "--out"
+        if not skip:
+            words.append(word)
+    name = getattr(stop, "name", "SIGINT")
+    what = "interrupted" if name == "SIGINT" else f"stopped by {name}"
+    _log(f"{what}; the runs are in {out}; continue with: "
+         f"{shlex.join(['fedlowrank', *words, '--out', str(out), '--resume'])}")
+    return getattr(stop, "exit_status", 130)
+
+
 def cmd_compare(args) -> int:
     from .experiments.compare import results_markdown, run_comparison
 
     with _claimed_output(args, "compare") as out:
-        results = run_comparison(args.config, args.methods, args.seeds, args.set, out, None if args.quiet else _log,
-                                 reference=args.reference, tuned=args.tuned, resume=args.resume,
-                                 jobs=args.jobs)
+        try:
+            results = run_comparison(args.config, args.methods, args.seeds, args.set, out,
+                                     None if args.quiet else _log, reference=args.reference, tuned=args.tuned,
+                                     resume=args.resume, jobs=args.jobs)
+        except KeyboardInterrupt as stop:
+            return _sweep_stopped(args, out, stop)
     print(results_markdown(results))
     _log(f"results: {out / 'results.md'}" + "".join(f"\nplot: {p}" for p in results.get("plots", [])))
     return 0
@@ -297,9 +322,12 @@ def cmd_tune(args) -> int:
     from .experiments.tune import run_tuning, tune_markdown
 
     with _claimed_output(args, "tune") as out:
-        result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out,
-                            None if args.quiet else _log, resume=args.resume, jobs=args.jobs, param=args.param,
-                            tuned=args.tuned, extend=args.extend)
+        try:
+            result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out,
+                                None if args.quiet else _log, resume=args.resume, jobs=args.jobs, param=args.param,
+                                tuned=args.tuned, extend=args.extend)
+        except KeyboardInterrupt as stop:
+            return _sweep_stopped(args, out, stop)
     print(tune_markdown(result))
     _log(f"tuning: {out / 'tune.json'}; use it with: fedlowrank compare ... --tuned {out / 'tune.json'}")
     return 0
@@ -543,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _terminate_as_interrupt():
             args = build_parser().parse_args(argv)
+            args.argv = list(sys.argv[1:] if argv is None else argv)
             status = args.func(args)
             sys.stdout.flush()  # a closed pipe shows here, not at exit
         return status

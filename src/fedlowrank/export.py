@@ -382,9 +382,27 @@ def _how_to_load(report: dict[str, Any], kind: str | None, folder: str) -> str:
                  "causal-lm": "AutoPeftModelForCausalLM"}.get(kind)
     if peft_auto is not None:
         return f"from peft import {peft_auto}\nmodel = {peft_auto}.from_pretrained({folder!r}{extra})"
+    return _over_base(auto, repr(report["base_model"]), extra, folder)
+
+
+def _over_base(auto: str, base: str, extra: str, folder: str) -> str:
+    """Python that loads the base from ``base`` (a Python expression) and the adapter in ``folder`` over it."""
     return (f"from peft import PeftModel\nfrom transformers import {auto}\n"
-            f"base = {auto}.from_pretrained({report['base_model']!r}{extra})\n"
+            f"base = {auto}.from_pretrained({base}{extra})\n"
             f"model = PeftModel.from_pretrained(base, {folder!r})")
+
+
+def _how_to_load_offline(report: dict[str, Any], kind: str | None, folder: str) -> str | None:
+    """For an adapter over a bundled model that the hub publishes (:data:`~.models.loading.HUB_IDS`): Python that
+    loads it over the copy fedlowrank packages, for when the hub cannot be reached; else ``None``."""
+    from .models.loading import HUB_IDS
+
+    name, auto = report.get("task_model"), _AUTO_CLASSES.get(kind or "")
+    if report["format"] != "peft" or name not in HUB_IDS or auto is None:
+        return None
+    labels = len(report.get("id2label", {}))
+    return ("from fedlowrank.models.bundled import BUNDLED_FOLDERS\n"
+            + _over_base(auto, f"BUNDLED_FOLDERS[{name!r}]()", f", num_labels={labels}" if labels else "", folder))
 
 
 def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
@@ -437,8 +455,18 @@ def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
     files = ("The tokenizer is in this folder. " if getattr(loaded, "tokenizer", None) is not None else "") + (
         "`preprocessor_config.json` gives the input size, mean and std. " if getattr(loaded, "preprocess", None)
         else "")
-    lines += ["", "## How to load", "", "```python", _how_to_load(report, kind, folder), "```", "",
-              f"{files}`export.json` holds the full report.", ""]
+    lines += ["", "## How to load", "", "```python", _how_to_load(report, kind, folder), "```", ""]
+    offline = _how_to_load_offline(report, kind, folder)
+    if offline is not None:
+        from .assets import ASSETS
+
+        name = report["task_model"]
+        asset = next(a.name for a in ASSETS.values() if a.used_by == f"task.model = {name!r}")
+        lines += [f"This loads the base `{base}` from the Hugging Face hub (or its local cache). Where the hub cannot "
+                  f"be reached, load the adapter over the copy of `{name}` that fedlowrank packages, the base the run "
+                  f"trained on (`pip install fedlowrank`, then `fedlowrank assets install {asset}`):", "",
+                  "```python", offline, "```", ""]
+    lines += [f"{files}`export.json` holds the full report.", ""]
     return "\n".join(lines)
 
 

@@ -191,6 +191,7 @@ class ServerRun(Run):
                     while not self.done():
                         check_stop()
                         self.run_round()
+                    check_stop()  # one held through the last round's checkpoint stops the caller too
                 except StopRequested:
                     if self.run_dir is not None and self.checkpoints.saved_round != self.round:
                         self.save_checkpoint()
