@@ -19,7 +19,8 @@ get no gradient; attention scores left out), peak memory (CUDA: ``max_memory_all
 process's peak RSS over the round) beside the runtime's own estimate
 (:func:`fedlowrank.runtime.cohort.cohort_memory`, which sizes ``run.cohort = 0``: the planned peak on CUDA, what a
 step allocates on the CPU; none for plain peft), and from one profiled extra round
-the dispatched aten ops, host syncs (``aten::_local_scalar_dense``) and CUDA kernel launches per client step.
+the dispatched aten ops, scalar reads, host syncs (CUDA runtime calls that wait), host-to-device copies, CUDA kernel
+launches and CUDA-graph replays per client step (:func:`event_counts`).
 
 On a GPU (the targets are set for an H100)::
 
@@ -69,8 +70,10 @@ from fedlowrank.training.local import LocalTrainer  # noqa: E402
 MODES = ("cohort", "one", "one-compiled", "peft")
 GPU_MODELS = {"smollm2-135m": "arch:smollm2-135m", "llama-3.2-1b": "arch:llama-3.2-1b",
               "qwen2.5-0.5b": "arch:qwen2.5-0.5b", "llama-3.1-8b": "arch:llama-3.1-8b"}
-SYNC_OPS = ("aten::_local_scalar_dense",)  # .item(), float(t), bool(t): each waits for the device
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
+READ_OPS = ("aten::_local_scalar_dense",)  # .item(), float(t), bool(t) of any tensor (on CUDA: a device read)
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # the host waits
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+GRAPH_REPLAYS = ("cudaGraphLaunch", "cuGraphLaunch")  # one replay of a captured CUDA graph (many kernels)
 GIB = 2 ** 30
 
 
@@ -94,7 +97,10 @@ class TokenCounter:
 
     def batch(self, indices):
         out = self._batch(indices)
-        self.real += int(out["attention_mask"].sum())
+        if "attention_mask" in out:
+            self.real += int(out["attention_mask"].sum())
+        else:  # packed rows (task.options.pack): no mask, the examples' own lengths
+            self.real += sum(len(self.task.train[int(i)].ids) for i in out["example_index"])
         self.padded += out["input_ids"].numel()
         self.steps += 1
         self._see(out["input_ids"])
@@ -169,25 +175,39 @@ class PeakRSS:
         return float("nan")
 
 
+def event_counts(events) -> dict[str, int]:
+    """Counts of profiler ``events`` (each with ``name`` and ``cpu_parent``): top-level aten ops, scalar reads of
+    tensors (``host_reads``; on the CPU these wait for nothing), CUDA runtime calls that make the host wait
+    (``syncs``), host-to-device copies (``copies_h2d``, of which ``pageable_h2d`` from pageable memory, which
+    stall the host), kernel launches and CUDA-graph replays (each a whole captured graph of kernels)."""
+    counts = dict.fromkeys(("aten_ops", "host_reads", "syncs", "copies_h2d", "pageable_h2d", "kernel_launches",
+                            "graph_replays"), 0)
+    for e in events:
+        name = e.name
+        if name.startswith("aten::"):
+            parent = e.cpu_parent
+            if parent is None or not parent.name.startswith("aten::"):
+                counts["aten_ops"] += 1
+            counts["host_reads"] += name in READ_OPS
+        elif name.startswith("Memcpy HtoD"):
+            counts["copies_h2d"] += 1
+            counts["pageable_h2d"] += "Pageable" in name
+        else:
+            counts["syncs"] += name in SYNCS
+            counts["kernel_launches"] += name in LAUNCHES
+            counts["graph_replays"] += name in GRAPH_REPLAYS
+    return counts
+
+
 def profile_counts(fn, device: torch.device) -> dict[str, int]:
-    """Run ``fn`` under the torch profiler: top-level aten ops, host syncs and CUDA kernel launches."""
+    """Run ``fn`` under the torch profiler (CUDA activity too on CUDA) and count its events (:func:`event_counts`)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         fn()
-    ops = syncs = launches = 0
-    for e in prof.events():
-        name = e.name
-        if name.startswith("aten::"):
-            parent = e.cpu_parent
-            if parent is None or not parent.name.startswith("aten::"):
-                ops += 1
-            if name in SYNC_OPS:
-                syncs += 1
-        elif name in LAUNCHES:
-            launches += 1
-    return {"aten_ops": ops, "host_syncs": syncs, "kernel_launches": launches}
+    sync(device)
+    return event_counts(prof.events())
 
 
 # -- figures -------------------------------------------------------------------------------------------------------
@@ -271,7 +291,8 @@ def plain_peft(args, cfg, task, counter: TokenCounter, device, dtype: str, round
             batches = trainer.batches()
             for _ in range(trainer.num_steps):
                 batch = next(batches)
-                inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
+                inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids", "labels")
+                          if k in batch}  # packed rows: positions, no mask (transformers' packed sequences)
                 model(**inputs).loss.backward()  # transformers' own loss: every position's logits
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -358,8 +379,9 @@ def device_name(device: torch.device) -> str:
 
 
 # -- output --------------------------------------------------------------------------------------------------------
+COUNTS = ("aten_ops", "host_reads", "syncs", "copies_h2d", "kernel_launches", "graph_replays")
 COLUMNS = ("figure", "s/round", "aggregation", "real tok/s", "padded tok/s", "MFU", "peak GiB", "estimate GiB",
-           "ops/step", "syncs/step", "launches/step")
+           "ops/step", "reads/step", "syncs/step", "H2D copies/step", "launches/step", "graph replays/step")
 
 
 def markdown_row(r: dict) -> str:
@@ -371,43 +393,81 @@ def markdown_row(r: dict) -> str:
     cells = [r["figure"], f"{r['seconds_per_round']:.3f}", "–" if share is None else f"{100 * share:.1f} %",
              f"{r['real_tokens_per_s']:,.0f}",
              f"{r['padded_tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f} %", f"{peak:.2f}", "–" if est is None else f"{est:.2f}",
-             *(f"{prof[k]:.0f}" if k in prof else "–" for k in ("aten_ops", "host_syncs", "kernel_launches"))]
+             *(f"{prof[k]:.1f}" if k in prof else "–" for k in COUNTS)]
     return "| " + " | ".join(cells) + " |"
 
 
-def targets(rows: list[dict]) -> list[str]:
-    """The targets (H100) against the figures measured in this run."""
+def target_checks(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
+    """The targets (H100) against the figures measured in this run: ``(target, measured, holds)``, ``holds`` None
+    (and measured "–") when the figure is missing."""
     by = {r["figure"]: r for r in rows}
-    lines = []
-
-    def check(what: str, ok) -> None:
-        lines.append(f"- {what}: {'not measured' if ok is None else ('met' if ok else 'NOT met')}")
+    checks: list[tuple[str, str, bool | None]] = []
 
     def get(fig: str, key: str):
         return by[fig][key] if fig in by else None
 
+    def check(what: str, value, text: str, ok) -> None:
+        checks.append((what, "–" if value is None else text, None if value is None else bool(ok)))
+
     s = "smollm2-135m bf16"
-    check("SmolLM2 bf16 cohort ≥ 150k real tokens/s",
-          None if get(f"{s} cohort", "real_tokens_per_s") is None else get(f"{s} cohort", "real_tokens_per_s") >= 150e3)
+    tps = get(f"{s} cohort", "real_tokens_per_s")
+    check("SmolLM2 bf16 cohort ≥ 150k real tokens/s", tps, f"{tps or 0:,.0f} tokens/s", tps and tps >= 150e3)
     peak = get(f"{s} cohort", "peak_memory_gib")
-    check("SmolLM2 bf16 cohort peak ≤ 12 GiB", None if peak is None else peak <= 12)
+    check("SmolLM2 bf16 cohort peak ≤ 12 GiB", peak, f"{peak or 0:.2f} GiB", peak is not None and peak <= 12)
     one, peft = get(f"{s} one", "seconds_per_round"), get(f"{s} peft", "seconds_per_round")
-    check("SmolLM2 bf16 one at a time ≤ 1.1× plain peft", None if one is None or peft is None else one <= 1.1 * peft)
+    ratio = None if one is None or peft is None else one / peft
+    check("SmolLM2 bf16 one at a time ≤ 1.1× plain peft", ratio, f"{ratio or 0:.2f}×", ratio and ratio <= 1.1)
     comp = get(f"{s} one-compiled", "real_tokens_per_s")
-    check("SmolLM2 bf16 one at a time compiled ≥ 40k real tokens/s", None if comp is None else comp >= 40e3)
+    check("SmolLM2 bf16 one at a time compiled ≥ 40k real tokens/s", comp, f"{comp or 0:,.0f} tokens/s",
+          comp and comp >= 40e3)
     fp32 = get("smollm2-135m fp32 cohort", "real_tokens_per_s")
-    bf16 = get(f"{s} cohort", "real_tokens_per_s")
-    check("SmolLM2 cohort bf16 ≥ fp32 speed", None if fp32 is None or bf16 is None else bf16 >= fp32)
+    speed = None if fp32 is None or tps is None else tps / fp32
+    check("SmolLM2 cohort bf16 ≥ fp32 speed", speed, f"bf16/fp32 {speed or 0:.2f}×", speed and speed >= 1)
     peak = get("llama-3.2-1b bf16 cohort", "peak_memory_gib")
-    check("1B cohort of 32 within 40 GiB", None if peak is None else peak <= 40 and by["llama-3.2-1b bf16 cohort"]
-          ["cohort"] >= 32)
+    size = get("llama-3.2-1b bf16 cohort", "cohort")
+    check("1B cohort of 32 within 40 GiB", peak, f"{peak or 0:.2f} GiB at {size} clients",
+          peak is not None and peak <= 40 and size >= 32)
     mfu = get("llama-3.2-1b bf16 cohort", "mfu")
-    check("1B cohort ≥ 25 % MFU", None if mfu is None else mfu >= 0.25)
+    check("1B cohort ≥ 25 % MFU", mfu, f"{100 * (mfu or 0):.1f} %", mfu and mfu >= 0.25)
     for r in rows:
         if r.get("method") == "fedrpca" and r["mode"] != "peft":
-            check(f"{r['figure']}: FedRPCA's aggregation ≤ 5 % of the round ({100 * r['aggregation_share']:.1f} %)",
-                  r["aggregation_share"] <= 0.05)
-    return lines
+            share = r["aggregation_share"]
+            check(f"{r['figure']}: FedRPCA's aggregation ≤ 5 % of the round", share, f"{100 * share:.1f} %",
+                  share <= 0.05)
+    return checks
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """:func:`target_checks` as Markdown list lines."""
+    word = {None: "not measured", True: "met", False: "NOT met"}
+    return [f"- {what}: {word[ok]}" for what, _, ok in target_checks(rows)]
+
+
+def report(folder: str) -> str:
+    """``benchmarks/gpu_check.sh``'s summary of ``folder``: its steps (``steps.tsv``: name, exit status, seconds)
+    and figures (``raw/bench_gpu.jsonl``) as one Markdown table (target, measured, holds?) in ``gpu_check.md`` and
+    a JSON line per figure and target in ``gpu_check.jsonl``. Returns the Markdown."""
+    root = Path(folder)
+    figures = root / "raw" / "bench_gpu.jsonl"
+    rows = [json.loads(x) for x in figures.read_text().splitlines() if x.strip()] if figures.exists() else []
+    steps = [line.split("\t") for line in (root / "steps.tsv").read_text().splitlines() if line.strip()] \
+        if (root / "steps.tsv").exists() else []
+    word = {None: "not measured", True: "yes", False: "**no**"}
+    status = {"0": "ok", "124": "**timed out**"}
+    lines = ["| target | measured | holds? |", "|---|---|---|"]
+    lines += [f"| step {name} | {status.get(rc, f'**failed (exit {rc})**')} in {float(sec):.0f} s | "
+              f"{'yes' if rc == '0' else '**no**'} |" for name, rc, sec in steps]
+    checks = target_checks(rows)
+    lines += [f"| {what} | {measured} | {word[ok]} |" for what, measured, ok in checks]
+    device = rows[0]["device"] if rows else "no figure"
+    md = "\n".join([f"GPU check on {device}; {len(rows)} figures", "", *lines]) + "\n"
+    (root / "gpu_check.md").write_text(md)
+    with (root / "gpu_check.jsonl").open("w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+        for what, measured, ok in checks:
+            fh.write(json.dumps({"target": what, "measured": measured, "holds": ok}) + "\n")
+    return md
 
 
 def save_tokenizer(folder: str) -> None:
@@ -448,6 +508,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled extra round")
     ap.add_argument("--out", default="", help="folder for bench_gpu.jsonl and bench_gpu.md")
     ap.add_argument("--save-tokenizer", default="", help="write SmolLM2's tokenizer files to this folder and stop")
+    ap.add_argument("--report", default="", help="write gpu_check.sh's table of this folder (report()) and stop")
     args = ap.parse_args(argv)
     device = resolve_device(args.device)
     cpu = device.type != "cuda"
@@ -465,6 +526,9 @@ def parse_args(argv=None):
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args, device = parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return []
     if args.save_tokenizer:
         save_tokenizer(args.save_tokenizer)
         return []

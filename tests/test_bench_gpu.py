@@ -38,3 +38,28 @@ def test_cpu_mode_writes_a_json_line_and_a_markdown_row_per_figure(tmp_path, cap
     assert "- not checked: a CPU run" in md
     lines = bench_gpu.targets(rows)
     assert "- SmolLM2 bf16 cohort ≥ 150k real tokens/s: not measured" in lines and len(lines) == 7
+
+
+def test_packed_rows_are_counted_in_every_mode(tmp_path):
+    rows = bench_gpu.main(["--device", "cpu", "--models", "tiny-llama", "--clients", "2", "--steps", "1",
+                           "--batch", "2", "--rounds", "1", "--max-length", "256", "--source", "arithmetic",
+                           "--modes", "cohort,peft", "--no-profile", "--set", "task.options.pack=256",
+                           "--out", str(tmp_path)])
+    cohort, peft = rows
+    assert cohort["real_tokens_per_round"] == peft["real_tokens_per_round"] > 0
+    assert cohort["padded_tokens_per_round"] >= cohort["real_tokens_per_round"]
+
+
+def test_event_counts_count_copies_syncs_and_graph_replays():
+    from types import SimpleNamespace as E
+
+    mm = E(name="aten::mm", cpu_parent=None)
+    events = [mm, E(name="aten::_local_scalar_dense", cpu_parent=E(name="aten::item", cpu_parent=None)),
+              E(name="aten::item", cpu_parent=None), E(name="cudaLaunchKernel", cpu_parent=mm),
+              E(name="cudaGraphLaunch", cpu_parent=None), E(name="cudaGraphLaunch", cpu_parent=None),
+              E(name="cudaStreamSynchronize", cpu_parent=None), E(name="cudaMemcpyAsync", cpu_parent=None),
+              E(name="Memcpy HtoD (Pageable -> Device)", cpu_parent=None),
+              E(name="Memcpy HtoD (Pinned -> Device)", cpu_parent=None),
+              E(name="Memcpy DtoH (Device -> Pageable)", cpu_parent=None)]
+    assert bench_gpu.event_counts(events) == {"aten_ops": 2, "host_reads": 1, "syncs": 1, "copies_h2d": 2,
+                                              "pageable_h2d": 1, "kernel_launches": 1, "graph_replays": 2}

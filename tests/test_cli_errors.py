@@ -291,3 +291,19 @@ def test_flower_run_config_errors_name_the_key(run_config, names):
         load_run_config({"config": "tiny", **run_config})
     line = str(exc.value)
     assert "\n" not in line and all(n in line for n in names), line
+
+
+def test_toml_with_a_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + b'[run]\nrounds = 3\n')
+    assert read_toml(path) == {"run": {"rounds": 3}}
+    assert load_config(path).run.rounds == 3
+
+
+def test_toml_nested_deeper_than_the_parser_goes_is_one_error_line(tmp_path, capsys):
+    path = tmp_path / "deep.toml"
+    path.write_text("x = " + "[" * 5000 + "]" * 5000 + "\n")
+    assert main(["config", str(path)]) == 2
+    one_error_line(capsys, str(path), "nested deeper")
+    assert main(["config", "tiny", "--set", "run.rounds=" + "[" * 5000 + "]" * 5000]) == 2
+    one_error_line(capsys, "--set run.rounds", "nested deeper")

@@ -271,3 +271,58 @@ def test_cli_run_with_a_bad_file_prints_one_error_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0
     assert len(err) == 1 and err[0].startswith("error: ") and "bad.tsv:3: expected 2 fields" in err[0]
+
+
+# -- JSON labels by value, huge numbers, line ends, long fields ---------------------------------------------------
+def test_jsonl_numeric_labels_compare_as_values(tmp_path):
+    """``1`` and ``1.0`` are one class, ``0`` and ``0.0`` another (they were four)."""
+    path = write(tmp_path / "d.jsonl", [json.dumps({"text": f"s{i}", "label": [0, 1, 0.0, 1.0][i % 4]})
+                                        for i in range(20)])
+    data = load_text_files(path, None, "text", "label")
+    assert data.label_names == ["0", "1"]
+    texts, labels = data.train_texts + data.test_texts, [*data.train_labels, *data.test_labels]
+    assert all(int(texts[j][1:]) % 2 == labels[j] for j in range(20))
+    table = read_table(write(tmp_path / "f.jsonl", [json.dumps({"t": "a", "y": y}) for y in (0.5, 2.50, 1e20, 3)]),
+                       ["t", "y"])
+    assert table.column(1) == ["0.5", "2.5", "100000000000000000000", "3"]
+
+
+def test_jsonl_label_mixing_strings_and_numbers_is_refused_with_its_lines(tmp_path):
+    rows = [json.dumps({"text": f"s{i}", "label": i % 2}) for i in range(6)]
+    rows[4] = json.dumps({"text": "s4", "label": "1.0"})
+    path = write(tmp_path / "d.jsonl", rows)
+    with pytest.raises(ValueError, match=r"^.*d\.jsonl:5: key 'label' \(data.label_column\) mixes strings and numbers "
+                                         r"\(line 5: \"1\.0\", line 1: 0\); write every label the same way$"):
+        load_text_files(path, None, "text", "label")
+
+
+@pytest.mark.parametrize("value, reason", [("1" * 5000, "Exceeds the limit"), ("NaN", "NaN is not a JSON value"),
+                                           ("[" * 5000 + "]" * 5000, "nested deeper")])
+def test_jsonl_value_python_cannot_read_is_one_user_error_line(tmp_path, value, reason):
+    rows = [json.dumps({"text": f"s{i}", "label": i % 2}) for i in range(4)] + ['{"text": "x", "label": ' + value + "}"]
+    path = write(tmp_path / "d.jsonl", rows)
+    with pytest.raises(ValueError, match=rf"d\.jsonl:5: invalid JSON \(.*{reason}") as exc:
+        load_text_files(path, None, "text", "label")
+    line = cli.error_line(exc.value)
+    assert line.startswith("error: ") and "internal error" not in line and len(line) < 300, line
+
+
+def test_jsonl_lines_end_at_newline_only(tmp_path):
+    """U+2028, U+2029 and U+0085 are valid raw inside a JSON string; ``splitlines`` would cut the line there."""
+    texts = ["a\u2028b", "c\u0085d", "e\u2029f", "g\x1ch", "i\rj"]
+    lines = [json.dumps({"text": t, "label": i % 2}, ensure_ascii=False) for i, t in enumerate(texts)]
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(("\n".join(lines) + "\r\n").encode())
+    table = read_table(path, ["text", "label"])
+    assert table.column(0) == texts and table.lines == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("suffix, sep", [(".csv", ","), (".tsv", "\t")])
+def test_delimited_field_as_long_as_jsonl_accepts(tmp_path, suffix, sep):
+    import csv
+
+    long = "w" * 1_000_000
+    path = write(tmp_path / f"d{suffix}", [f"{long}{sep}x", f"short{sep}y", f"s{sep}x"])
+    before = csv.field_size_limit()
+    assert read_table(path, [0, 1], "false").column(0)[0] == long
+    assert csv.field_size_limit() == before  # the process-wide limit is put back

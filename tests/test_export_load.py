@@ -135,3 +135,26 @@ def test_pretrained_id(tmp_path):
     for name in ("tiny-bert", "tiny-llama", "tiny-gpt2", "tiny-vit", "tiny-clip"):
         folder = Path(pretrained_id(name))
         assert folder.is_absolute() and (folder / "config.json").is_file(), name
+
+
+def test_the_model_cards_offline_snippet_loads_the_adapter_over_the_packaged_base(loaded_back, tmp_path):
+    """Where the hub cannot be reached (offline, no cache, no hub-id folder in the working directory), the card's
+    second snippet loads the adapter over fedlowrank's packaged MiniLM and gives the run's logits."""
+    import re
+
+    report, run_logits, *_, path = loaded_back["minilm-peft"]
+    snippets = re.findall(r"```python\n(.*?)```", (path / "README.md").read_text(), re.S)
+    assert len(snippets) == 2 and "BUNDLED_FOLDERS['minilm']()" in snippets[1], snippets
+    assert "fedlowrank assets install minilm" in (path / "README.md").read_text()
+    assert len(re.findall("```python", (loaded_back["tiny-bert-peft"][-1] / "README.md").read_text())) == 1
+    assert len(re.findall("```python", (loaded_back["minilm-merged"][-1] / "README.md").read_text())) == 1
+    (tmp_path / path.name).symlink_to(path)
+    inputs = path.parent / "inputs-minilm.safetensors"
+    code = (snippets[1] + "import torch\nfrom safetensors.torch import load_file, save_file\nwith torch.no_grad():\n"
+            f"    logits = model.eval()(**load_file({str(inputs)!r})).logits\n"
+            "save_file({'logits': logits.contiguous()}, 'out.safetensors')\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(SRC)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert torch.allclose(load_file(str(tmp_path / "out.safetensors"))["logits"], run_logits, atol=1e-5)

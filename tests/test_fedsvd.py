@@ -55,7 +55,7 @@ def test_server_step_is_bbar_times_a_refactorised_in_float64():
     for k, n in enumerate(sizes):
         msg = method.broadcast(server, k, 1)
         up = {key: torch.randn(v.shape, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
-              for key, v in msg.tensors().items() if key in method.reply_keys(msg, 1)}
+              for key, v in msg.tensors().items() if key in method.upload_spec(msg, 1)}
         replies.append(Reply(k, n, State({**up, "num_examples": n, "train_loss": 0.0})))
     new = method.aggregate(server, replies, 1)
     p = torch.tensor(sizes, dtype=torch.float64) / sum(sizes)

@@ -168,7 +168,8 @@ def test_run_config_maps_to_set_overrides():
 
 # -- every method, Flower vs simulator ----------------------------------------------------------------
 SGD_ONLY = ("ssf", "fedsub")  # methods defined with plain SGD local steps
-CASES = [(name, ("train.optimizer=sgd",) if name in SGD_ONLY else ()) for name in available_methods()] + [
+CASES = [(name, ("train.optimizer=sgd",) if name in SGD_ONLY else ()) for name, cls in available_methods().items()
+         if not cls.pooled] + [
     ("fedit", ("method.correction=scaffold",)),
     *[(name, ("lora.ranks=[1,2]", f'compare.methods=["{name}"]')) for name, cls in available_methods().items() if cls.supports_heterogeneous_ranks],
 ]
@@ -192,6 +193,18 @@ def test_flower_run_equals_simulator(method, sets):
             assert flower_row.get(key) == sim_row.get(key), key
         assert flower_row["flower_bytes_up"] > 0 and "dropped" not in flower_row
     assert_same_node_states(grid, strategy, ref)
+
+
+def test_a_pooled_reference_is_refused_on_flower():
+    """``centralized`` pools the round's clients' data, which on Flower stays on each node."""
+    with pytest.raises(ValueError, match="method.name = 'centralized'.*pooled data"):
+        run_flower("method.name=centralized")
+
+
+def test_flower_evaluates_the_model_before_training_as_round_zero():
+    sim, *_ = run_flower("method.name=fedit", "run.rounds=1")
+    before = simulator.Simulation(sim.cfg, task=tiny_task()).evaluate()
+    assert sim.initial_eval["loss"] == pytest.approx(before["loss"]) and sim.summary()["initial"] == sim.initial_eval
 
 
 def assert_same_node_states(grid, strategy, ref) -> None:

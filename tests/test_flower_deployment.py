@@ -122,13 +122,13 @@ class Federation:
                              f'"flower.run-dir" = "{run_dir}"\n"flower.round-timeout" = {round_timeout}\n')
         return self.launch_app(run_dir.name, "--run-config", str(overrides))
 
-    def launch_app(self, name: str, *args: str) -> subprocess.Popen:
-        """``flwr run`` of the app on the ``test`` connection through fedlowrank's launcher, which exits non-zero when
+    def launch_app(self, name: str, *args: str, app: Path = APP) -> subprocess.Popen:
+        """``flwr run`` of ``app`` on the ``test`` connection through fedlowrank's launcher, which exits non-zero when
         the run did not complete (``flwr run`` itself exits 0 either way)."""
         log = self.tmp / f"{name}-flwr-run.log"
         self.logs.append(log)
         self.files.append(log.open("w"))
-        self.procs.append(subprocess.Popen([sys.executable, "-m", "fedlowrank.runtime.flower.launch", str(APP), "test",
+        self.procs.append(subprocess.Popen([sys.executable, "-m", "fedlowrank.runtime.flower.launch", str(app), "test",
                                             *args], cwd=ROOT, env=self.env, stdout=self.files[-1],
                                            stderr=subprocess.STDOUT))
         return self.procs[-1]

@@ -234,12 +234,15 @@ def _global_max(sim) -> float:
 
 def test_update_clip_and_robust_aggregates_bound_a_huge_update():
     bad = victim("run.clients_per_round=3")
-    assert _global_max(_simulate(poisoned=bad)) > 1e36  # the default (off): one client writes 3e38 into the model
-    clipped = _simulate("server.update_clip=1.0", poisoned=bad)
+    default = _simulate(poisoned=bad)  # server.outlier_ratio rejects it
+    assert _global_max(default) < 10 and default.history[0]["rejected"][0]["client"] == bad
+    off = "server.outlier_ratio=inf"  # below: the other defences alone
+    assert _global_max(_simulate(off, poisoned=bad)) > 1e36  # no defence: one client writes 3e38 into the model
+    clipped = _simulate(off, "server.update_clip=1.0", poisoned=bad)
     assert _global_max(clipped) < 10
     assert clipped.history[0]["robust"]["clipped"] >= 1 and clipped.history[0]["robust"]["max_update_norm"] > 1e38
     for name in ("median", "trimmed-mean"):
-        robust = _simulate(f"server.aggregate={name}", "server.trim_fraction=0.34", poisoned=bad)
+        robust = _simulate(off, f"server.aggregate={name}", "server.trim_fraction=0.34", poisoned=bad)
         assert _global_max(robust) < 10 and robust.history[0]["robust"]["aggregate"] == name
 
 
@@ -252,9 +255,11 @@ def test_defaults_change_nothing_bit_for_bit():
     assert "robust" not in plain.history[0]
 
 
-@pytest.mark.parametrize("sets", [("server.update_clip=0.5",),
-                                  ("server.aggregate=trimmed-mean", "server.trim_fraction=0.34", "run.clients_per_round=3"),
-                                  ("server.aggregate=median", "run.clients_per_round=3")])
+@pytest.mark.parametrize("sets", [("server.update_clip=0.5", "server.outlier_ratio=inf"),
+                                  ("server.aggregate=trimmed-mean", "server.trim_fraction=0.34", "run.clients_per_round=3",
+                                   "server.outlier_ratio=inf"),
+                                  ("server.aggregate=median", "run.clients_per_round=3", "server.outlier_ratio=inf"),
+                                  ("run.clients_per_round=3",)])
 def test_server_side_defences_are_the_same_on_flower_and_in_the_simulator(sets):
     bad = victim(*sets)
 
@@ -277,6 +282,7 @@ def test_server_side_defences_are_the_same_on_flower_and_in_the_simulator(sets):
     ref.run()
     assert_same_state(sim.server, ref.server)
     assert [r.get("robust") for r in sim.history] == [r.get("robust") for r in ref.history]
+    assert [r.get("rejected") for r in sim.history] == [r.get("rejected") for r in ref.history]
     assert _global_max(ref) < 10
 
 
@@ -299,6 +305,7 @@ def test_coordinate_median_and_trimmed_mean():
     (("server.aggregate=mode",), "server.aggregate must be one of mean, median, trimmed-mean; got 'mode'"),
     (("server.trim_fraction=0.5",), r"server.trim_fraction must be in \[0, 0.5\), got 0.5"),
     (("server.update_clip=0",), r"server.update_clip must be > 0 \(inf = off\), got 0.0"),
+    (("server.outlier_ratio=0.5",), r"server.outlier_ratio must be >= 1 \(inf = off\), got 0.5"),
 ])
 def test_robust_settings_are_refused_with_the_reason(sets, message):
     with pytest.raises(ConfigError, match=message):

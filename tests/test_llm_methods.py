@@ -58,7 +58,7 @@ def test_every_method_runs_a_round_on_tiny_llama_with_non_square_targets(method)
     before = float(task.evaluate(sim.model.net)["loss"])
     sim.run()
     row = sim.history[-1]
-    assert len(row["replied"]) == 2 and row["loss"] != before and row["loss"] == pytest.approx(before, abs=0.05)
+    assert len(row["replied"]) == (1 if sim.method.pooled else 2) and row["loss"] != before and row["loss"] == pytest.approx(before, abs=0.05)
     sim.method.load_global(sim.model, sim.server)
     for name, mod in sim.model.adapters().items():
         delta = mod.adapter_delta() if mod.base_delta is None else mod.base_delta + mod.adapter_delta()

@@ -108,7 +108,8 @@ def test_bars_count_rounds_clients_steps_and_evaluation(tmp_path, monkeypatch):
     assert [(b.desc, b.total, b.n) for b in bars["round 1 clients"] + bars["round 2 clients"]] == [
         ("round 1 clients", 2, 2), ("round 2 clients", 2, 2)]
     assert [(b.total, b.n) for b in bars["steps"]] == [(3, 3)] * 4  # 2 clients × 2 rounds
-    assert [(b.total, b.n) for b in bars["evaluate"]] == [(None, 1)] * 2  # forward passes: 64 examples, 1 batch
+    # forward passes: 64 examples, 1 batch; before training (round 0) and after each round
+    assert [(b.total, b.n) for b in bars["evaluate"]] == [(None, 1)] * 3
     assert all(b.closed for b in _FakeBar.made)
     assert sum("] round " in line for line in log) == 2
 

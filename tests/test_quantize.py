@@ -136,3 +136,38 @@ def test_methods_that_train_the_backbone_are_refused_over_a_quantized_one():
     cfg = load_config("tiny-lm", ["task.quantize=8bit", *SETS, "run.rounds=1", "method.name=fedavg-full"])
     with pytest.raises(ValueError, match="with task.quantize the backbone's weights are frozen in 4/8 bits"):
         Simulation(cfg).run()
+
+
+class FloatOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shape of every fp32 tensor an operation produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.fp32_shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.fp32_shapes.append((str(func), tuple(t.shape)))
+        return out
+
+
+@needs_bnb
+@pytest.mark.parametrize("mode", ["4bit", "8bit"])
+def test_qlora_in_bf16_never_dequantises_the_frozen_weight_to_fp32(mode):
+    from fedlowrank.adapters.lora import LoRALinear
+
+    torch.manual_seed(0)
+    layer = LoRALinear(QuantizedLinear(nn.Linear(128, 64), mode), rank=4, alpha=8)
+    layer.lora_B.data.normal_()
+    x = torch.randn(6, 128, dtype=torch.bfloat16, requires_grad=True)
+    with FloatOps() as ops:
+        y = layer(x)
+        y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+    weight_sized = [(f, s) for f, s in ops.fp32_shapes if len(s) == 2 and s[0] * s[1] >= 64 * 128]
+    assert weight_sized == []
+    assert layer.base.weight.dtype == torch.bfloat16
+    dense = x.detach().float() @ layer.base.weight.float().T + layer.base.bias.float()
+    assert torch.allclose(layer.frozen_output(x.detach()).float(), dense, rtol=0.05, atol=0.05)

@@ -86,7 +86,7 @@ def test_resume_of_a_comparison_never_writes_into_a_user_folder(tmp_path, capsys
     folder = user_folder(tmp_path)
     assert main(["compare", "tiny", "--methods", "fedit", "--seeds", "0", "--out", str(folder), "--resume",
                  "--quiet"]) == 2
-    assert "holds neither a fedlowrank run" in capsys.readouterr().err and untouched(folder)
+    assert "holds neither a fedlowrank compare" in capsys.readouterr().err and untouched(folder)
 
 
 def test_overwrite_refuses_a_model_folder_whose_config_json_is_not_a_runs(tmp_path, capsys):
@@ -277,3 +277,131 @@ def test_checkpoint_integrity_records_are_checked_field_by_field(three_rounds, t
     assert {"a name outside the folder": "malformed entry '../../config.json'", "an unlisted record": "does not list",
             "a renamed folder": "round 3 in the folder of round 00002"}[damage] in line
     assert rounds_in(run_dir) == [1, 2, 3]  # a refused resume cuts nothing
+
+
+def _forge(folder, record=None, meta=None, server=None, clients=None):
+    """Rewrite the checkpoint ``folder`` with its run.json, server and client states changed by the given functions
+    and its integrity record recomputed over them (then ``meta`` changes meta.json itself): a crafted checkpoint
+    whose hashes all match."""
+    import hashlib
+
+    from fedlowrank.message import State
+
+    meta_path = folder / "meta.json"
+    record_meta = json.loads(meta_path.read_text())
+    for name, change, load, dump in (
+            ("run.json", record, lambda b: json.loads(b), lambda v: json.dumps(v).encode()),
+            ("server.safetensors", server, State.from_bytes, lambda v: v.to_bytes()),
+            ("clients.safetensors", clients, State.from_bytes, lambda v: v.to_bytes())):
+        if change is None:
+            continue
+        data = dump(change(load((folder / name).read_bytes())))
+        (folder / name).write_bytes(data)
+        record_meta["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    meta_path.write_text(json.dumps(meta(record_meta) if meta else record_meta))
+
+
+def _without(state, word):
+    from fedlowrank.message import State
+
+    return State({k: v for k, v in state.items() if word not in k})
+
+
+def _with_key(state, key):
+    import torch
+
+    from fedlowrank.message import State
+
+    return State({**state, key: torch.zeros(2)})
+
+
+CRAFTED = {
+    "history cut, hash recomputed": dict(record=lambda r: {**r, "history": r["history"][:1]}),
+    "history without times": dict(record=lambda r: {**r, "history": [{"round": x["round"]} for x in r["history"]]}),
+    "meta.json with another key": dict(meta=lambda m: {**m, "note": "added"}),
+    "server state without lora_A": dict(server=lambda s: _without(s, "lora_A")),
+    "client key without a client": dict(clients=lambda s: _with_key(s, "lora_A")),
+}
+
+
+@pytest.mark.parametrize("craft", sorted(CRAFTED))
+def test_a_crafted_checkpoint_with_matching_hashes_falls_back_to_the_last_intact_one(three_rounds, tmp_path,
+                                                                                    capsys, craft):
+    run_dir = _copy(three_rounds[0], tmp_path)
+    _forge(run_dir / "checkpoints" / "round-00003", **CRAFTED[craft])
+    assert main(["resume", str(run_dir), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "round-00003" in err.splitlines()[0] and "using round-00002" in err.splitlines()[0], err
+    assert "Traceback" not in err and "internal error" not in err
+    assert rounds_in(run_dir) == [1, 2, 3]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["accuracy"] == three_rounds[1]["accuracy"] and summary["bytes_up"] == three_rounds[1]["bytes_up"]
+
+
+# -- what resume cannot delete, a full disk, an emptied finished run: one line each --------------------------------
+def test_resume_before_a_checkpoint_it_cannot_delete_changes_nothing(three_rounds, tmp_path, capsys, monkeypatch):
+    import fedlowrank.runtime.rundir as rundir
+
+    run_dir = _copy(three_rounds[0], tmp_path)
+    before = listing(run_dir)
+    rename = os.rename
+
+    def immutable(src, dst, *args, **kwargs):
+        if os.path.basename(src) == "round-00003":
+            raise PermissionError(1, "Operation not permitted")
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(rundir.os, "rename", immutable)
+    assert main(["resume", str(run_dir), "--round", "2", "--quiet"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert len(line.splitlines()) == 1 and line.startswith("error: resuming after round 2") and \
+        "round-00003 (Operation not permitted)" in line, line
+    assert listing(run_dir) == before
+
+
+def test_resume_refuses_a_linked_checkpoint_and_never_follows_it(three_rounds, tmp_path, capsys):
+    import shutil
+
+    run_dir = _copy(three_rounds[0], tmp_path)
+    elsewhere = shutil.copytree(run_dir / "checkpoints" / "round-00003", tmp_path / "elsewhere")
+    (run_dir / "checkpoints" / "round-00009").symlink_to(elsewhere, target_is_directory=True)
+    before = listing(run_dir), listing(elsewhere)
+    assert main(["resume", str(run_dir), "--quiet"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert len(line.splitlines()) == 1 and "round-00009 is a symbolic link" in line and "move it out" in line, line
+    assert (listing(run_dir), listing(elsewhere)) == before
+
+
+def test_a_full_disk_is_one_line_naming_the_directory(finished_run, tmp_path, capsys, monkeypatch):
+    import fedlowrank.export as export
+    from fedlowrank.runtime.run_files import RunFiles
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(RunFiles, "append_round", full)
+    out = tmp_path / "run"
+    assert main(["run", "tiny", "--out", str(out), "--quiet", "--set", "run.rounds=1"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line == f"error: run directory {out}: No space left on device while writing it; free space on that " \
+                   f"disk or choose another directory", line
+
+    def full_in_a_library(*args, **kwargs):
+        raise Exception("No space left on device (os error 28)")
+
+    monkeypatch.setattr(export, "_write_export", full_in_a_library)
+    assert main(["export", str(finished_run), "--out", str(tmp_path / "exp")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"error: --out {tmp_path / 'exp'}: No space left on device"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_compare_resume_runs_again_a_finished_run_whose_metrics_were_emptied(tmp_path, capsys):
+    cmp = tmp_path / "cmp"
+    argv = ["compare", "tiny", "--methods", "fedit", "--seeds", "0", "--out", str(cmp), "--quiet",
+            "--set", "run.rounds=2"]
+    assert main(argv) == 0
+    (cmp / "fedit-seed0" / "metrics.jsonl").write_text("")
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0, capsys.readouterr().err
+    assert rounds_in(cmp / "fedit-seed0") == [1, 2]

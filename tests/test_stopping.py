@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -285,8 +286,11 @@ def test_run_prints_a_short_table_and_json_on_request(tmp_path, capsys):
     table = capsys.readouterr().out.splitlines()
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert table[0].split() == ["method", "fedit,", "2", "rounds"]
-    assert [line.split()[0] for line in table[1:]] == ["accuracy", "loss", "best", "bytes", "time", "peak"]
-    assert table[1].split()[1] == f"{summary['accuracy']:.4g}" and len(table) == 7
+    # the tiny random model predicts one class: the table says which, and that it collapsed
+    assert [line.split()[0] for line in table[1:]] == ["accuracy", "loss", "most", "collapse", "best", "bytes",
+                                                       "time", "peak"]
+    assert table[1].split()[1] == f"{summary['accuracy']:.4g}" and len(table) == 9
+    assert f"class {summary['predictions']['top_label']!r}" in table[3]
     assert main(["run", "tiny", "--out", str(tmp_path / "b"), "--quiet", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["bytes_up"] == summary["bytes_up"]
 
@@ -296,3 +300,86 @@ def test_the_state_in_a_checkpoint_is_the_runs(tmp_path):
     sim.run()
     saved: State = load_checkpoint(latest_checkpoint(tmp_path)).server
     assert all(torch.equal(v, saved[k]) for k, v in sim.server.tensors().items())
+
+
+# -- a signal during the last round's checkpoint; compare stops and says how to continue ------------------------------
+def _signal_while_saving(monkeypatch, rnd: int, signum=signal.SIGTERM):
+    """Send ``signum`` to this process while the checkpoint of round ``rnd`` is being written (the signal is held)."""
+    real = Checkpointer.save
+
+    def save(self, run):
+        if run.round == rnd:
+            os.kill(os.getpid(), signum)
+        return real(self, run)
+
+    monkeypatch.setattr(Checkpointer, "save", save)
+
+
+def test_a_signal_during_the_last_checkpoint_stops_the_run_once_it_is_written(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    _signal_while_saving(monkeypatch, rnd=2)
+    assert main(["run", "tiny", "--out", str(out), "--quiet"]) == 143
+    monkeypatch.undo()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"stopped by SIGTERM after the last round; saved the state after round 2; continue with: fedlowrank resume {out}")
+    assert load_checkpoint(latest_checkpoint(out)).round == 2 and not (out / "summary.json").exists()
+    assert main(["resume", str(out), "--quiet"]) == 0
+    assert [r["round"] for r in rows(out)] == [1, 2] and (out / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_compare_stopped_during_a_runs_last_checkpoint_does_not_start_the_next_and_says_how_to_continue(
+        tmp_path, monkeypatch, capsys, signum):
+    out = tmp_path / "cmp"
+    argv = ["compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0", "--quiet", "--set", "run.rounds=2"]
+    _signal_while_saving(monkeypatch, rnd=2, signum=signum)
+    assert main([*argv, "--out", str(out)]) == 128 + signum
+    monkeypatch.undo()
+    what = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"{what}; the runs are in {out}; continue with: fedlowrank compare tiny --methods fedit,ffa-lora --seeds 0 "
+        f"--quiet --set run.rounds=2 --out {out} --resume")
+    assert not (out / "ffa-lora-seed0").exists() and load_checkpoint(latest_checkpoint(out / "fedit-seed0")).round == 2
+    assert main([*argv, "--out", str(out), "--resume"]) == 0
+    assert (out / "results.md").is_file() and [r["round"] for r in rows(out / "ffa-lora-seed0")] == [1, 2]
+
+
+@pytest.mark.parametrize("signum, to", [(signal.SIGTERM, "command"), (signal.SIGINT, "group"),
+                                        (signal.SIGTERM, "workers")])
+def test_compare_with_jobs_stops_its_workers_which_save_their_runs(tmp_path, signum, to):
+    """SIGTERM to ``compare --jobs 2``, Ctrl-C (which reaches its whole process group) or SIGTERM to its workers
+    (``pkill``): each worker's round lines show as they come; the workers stop, each saves its run's state, no
+    other run starts, and the command says how to continue."""
+    out, err_file = tmp_path / "cmp", tmp_path / "stderr.txt"
+    argv = [sys.executable, "-m", "fedlowrank", "compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0",
+            "--jobs", "2", "--out", str(out), "--set", "run.rounds=2000", "--set", "run.threads=1"]
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal does
+    deadline = time.monotonic() + 240
+    while not all(f"[{m}] seed 0: [{m}] round 1/2000" in err_file.read_text() for m in ("fedit", "ffa-lora")):
+        assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+        time.sleep(0.1)
+    workers = [int(p) for p in re.findall(r"\(worker process (\d+)\)", err_file.read_text())]
+    assert len(workers) == 2
+    if to == "workers":
+        for pid in workers:
+            os.kill(pid, signum)
+    else:
+        (os.killpg if to == "group" else os.kill)(proc.pid, signum)
+    try:
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = err_file.read_text()
+    assert proc.returncode == 128 + signum, text
+    what = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
+    assert text.strip().splitlines()[-1].startswith(f"{what}; the runs are in {out}; continue with: fedlowrank "
+                                                    f"compare tiny --methods fedit,ffa-lora") and "Traceback" not in text
+    for pid in workers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    for method in ("fedit", "ffa-lora"):
+        stopped = load_checkpoint(latest_checkpoint(out / f"{method}-seed0")).round
+        assert 1 <= stopped < 2000 and len(rows(out / f"{method}-seed0")) == stopped

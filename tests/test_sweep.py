@@ -102,3 +102,49 @@ def test_tune_json_records_collapse_for_every_run(monkeypatch, tmp_path):
     saved = json.loads((tmp_path / "t" / "tune.json").read_text())
     assert [(r["seed"], r["collapsed"]) for r in saved["runs"]] == [(0, None), (1, None)]
     assert all(0 < r["chance"] < 0.9 for r in saved["runs"])
+
+
+# -- worker processes: lines as they come, done lines in order, an ETA from measured run times -----------------------
+def test_worker_progress_lines_are_shown_and_done_lines_come_in_the_order_of_the_runs(monkeypatch, tmp_path):
+    """Run 2 ends before run 1: its done line waits for run 1's; each run's own lines are prefixed with its label."""
+    from helpers import tiny_config
+
+    from fedlowrank.experiments.sweep import Outcome, Run, Sweep
+
+    runs = [Run("fedit", f"[fedit] seed {s}", tiny_config(), tmp_path / str(s), "accuracy") for s in range(3)]
+    monkeypatch.setattr(Sweep, "data_of", lambda self, run: (None, [], None))
+    monkeypatch.setattr(Sweep, "_read", staticmethod(lambda run: Outcome(metrics={"accuracy": 0.5})))
+
+    def workers(work, jobs, overwrite, report, lines=False):
+        assert lines and [w[0] for w in work] == [r.label for r in runs]
+        for event in [("start", 0, 11), ("start", 1, 12), ("line", 1, "[fedit] round 1/2"), ("done", 1, None),
+                      ("start", 2, 12), ("done", 2, None), ("line", 0, "[fedit] round 2/2"), ("done", 0, None)]:
+            report(*event)
+        return {}
+
+    monkeypatch.setattr(sweep_module, "run_in_processes", workers)
+    lines: list[str] = []
+    Sweep(tmp_path, jobs=2, log=lines.append).run(runs)
+    assert lines[1:5] == ["run 1 of 3: [fedit] seed 0 (worker process 11)",
+                          "run 2 of 3: [fedit] seed 1 (worker process 12)", "[fedit] seed 1: [fedit] round 1/2",
+                          "run 3 of 3: [fedit] seed 2 (worker process 12)"]
+    assert lines[5] == "[fedit] seed 0: [fedit] round 2/2"
+    assert [line.split(":")[0] for line in lines[6:]] == ["run 1 of 3 done", "run 2 of 3 done", "run 3 of 3 done"]
+
+
+def test_the_eta_counts_the_runs_going_at_once_and_what_they_have_done():
+    """5 runs of 10 s on 2 workers: when the first ends (runs 2 and 3 going, run 2 for 10 s) 15 s are left by the
+    measure (20 s in truth); the wall time per run × the runs left said 40 s."""
+    now = [0.0]
+    clock = sweep_module._Clock(5, jobs=2, clock=lambda: now[0])
+    clock.start(0)
+    clock.start(1)
+    assert clock.suffix() == ""
+    now[0] = 10.0
+    clock.end(0)
+    clock.start(2)
+    assert clock.eta() == 15.0 and clock.suffix() == " (ETA 0:00:15 for 4 runs)"
+    one = sweep_module._Clock(3)  # in this process: the mean run time × the runs left
+    one.start(0)
+    one.end(0)
+    assert one.eta() == 2 * one.durations[0]

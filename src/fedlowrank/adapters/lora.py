@@ -50,6 +50,7 @@ class LoRALinear(AdaptedLinear):
         self.lora_A = nn.Parameter(torch.zeros(rank, self.in_features, **like))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **like))
         self.scale = lora_scale(self.alpha, rank, scaling)
+        self.stack: LoRAStack | None = None  # set while this layer is a cohort member's (its factors: slices)
 
     @property
     def rank(self) -> int:
@@ -82,9 +83,13 @@ class LoRALinear(AdaptedLinear):
         layers without LoRA dropout; ``None`` otherwise."""
         if isinstance(members[0].base, nn.Conv2d) or not all(isinstance(m.dropout, nn.Identity) for m in members):
             return None
-        r = max(m.rank for m in members)
-        A = torch.stack([m.lora_A if m.rank == r else F.pad(m.lora_A, (0, 0, 0, r - m.rank)) for m in members])
-        B = torch.stack([m.lora_B if m.rank == r else F.pad(m.lora_B, (0, r - m.rank)) for m in members])
+        stack = members[0].stack
+        if stack is not None and stack.members == members:  # the factors are slices of one tensor each
+            A, B = stack.A, stack.B
+        else:
+            r = max(m.rank for m in members)
+            A = torch.stack([m.lora_A if m.rank == r else F.pad(m.lora_A, (0, 0, 0, r - m.rank)) for m in members])
+            B = torch.stack([m.lora_B if m.rank == r else F.pad(m.lora_B, (0, r - m.rank)) for m in members])
         A, B = A.to(x.dtype), B.to(x.dtype)  # A: [K, r, in], B: [K, out, r], in the input's dtype
         out = torch.bmm(torch.bmm(x.reshape(len(members), -1, x.shape[-1]), A.mT), B.mT)  # [K, n·…, out]
         scales = {m.scale for m in members}
@@ -93,6 +98,55 @@ class LoRALinear(AdaptedLinear):
         else:
             out = out * torch.tensor([m.scale for m in members], dtype=out.dtype, device=out.device).view(-1, 1, 1)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class LoRAStack:
+    """The factors of K cohort members' :class:`LoRALinear` of one target (equal ranks) held as slices of one
+    tensor each, ``A: [K, r, in]``, ``B: [K, out, r]``: member k's ``lora_A``/``lora_B`` become views ``A[k]``,
+    ``B[k]`` (their optimizer updates them in place), and the joint forward multiplies by ``A`` and ``B`` themselves
+    (:meth:`LoRALinear.joint_adapter_output`), so the backward writes one gradient buffer per stacked factor, not
+    one allocation and copy per member; :meth:`hand_out_grads` makes its slices the members' gradients.
+    :meth:`release` ends it (the members keep their values)."""
+
+    def __init__(self, members: list[LoRALinear]):
+        self.members = list(members)
+        self.A = torch.stack([m.lora_A.detach() for m in members]).requires_grad_(members[0].lora_A.requires_grad)
+        self.B = torch.stack([m.lora_B.detach() for m in members]).requires_grad_(members[0].lora_B.requires_grad)
+        for k, m in enumerate(members):
+            m.lora_A.data, m.lora_B.data = self.A.data[k], self.B.data[k]
+            m.stack = self
+
+    @staticmethod
+    def fits(members: list[nn.Module]) -> bool:
+        """Whether ``members`` can be stacked: linear :class:`LoRALinear` layers of one rank, dtype and device,
+        each factor trained by all of them or by none."""
+        if not all(type(m) is LoRALinear and isinstance(m.base, nn.Linear) for m in members):
+            return False
+        first = members[0]
+        return all(m.rank == first.rank and m.lora_A.dtype == first.lora_A.dtype == m.lora_B.dtype
+                   and m.lora_A.device == first.lora_A.device
+                   and m.lora_A.requires_grad == first.lora_A.requires_grad
+                   and m.lora_B.requires_grad == first.lora_B.requires_grad for m in members)
+
+    def hand_out_grads(self) -> None:
+        """After backward: member k's gradient of each factor is the slice k of the stacked gradient (plus what its
+        own loss terms put on its parameter, e.g. FedProx's proximal term)."""
+        for stacked, name in ((self.A, "lora_A"), (self.B, "lora_B")):
+            if stacked.grad is None:
+                continue
+            for k, m in enumerate(self.members):
+                p, g = getattr(m, name), stacked.grad[k]
+                if p.grad is not None:
+                    g.add_(p.grad)
+                p.grad = g
+            stacked.grad = None
+
+    def zero_grad(self) -> None:
+        self.A.grad = self.B.grad = None
+
+    def release(self) -> None:
+        for m in self.members:
+            m.stack = None
 
 
 def attach_lora(model: AdaptedModel, rank: int, alpha: float, scaling: str = "standard", dropout: float = 0.0) -> None:

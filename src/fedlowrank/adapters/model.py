@@ -145,23 +145,44 @@ class AdaptedLinear(nn.Module):
 class Routing:
     """Which member of a cohort each part of a joined batch belongs to: member k's rows ``rows[k]``, or, for packed
     rows that hold several members' sequences, each token: ``tokens: [B, T]`` (the member's index, -1 for padding;
-    on the host). A joined batch has its batch on dimension 0 (rows) or its first two (tokens)."""
+    on the host). A joined batch has its batch on dimension 0 (rows) or its first two (tokens). What the joint
+    step reads of it is computed on the host and moved once per device, by :meth:`prepare` ahead of the step."""
 
     def __init__(self, rows: list[slice] | None = None, tokens: torch.Tensor | None = None, size: int = 0):
         if (rows is None) == (tokens is None):
             raise ValueError("a routing is by rows or by tokens")
         self.rows, self.tokens = rows, tokens
         self.size = len(rows) if rows is not None else size  # members
-        self._gathers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._on: dict[tuple[str, torch.device], tuple[torch.Tensor, ...]] = {}
 
-    def member_of_rows(self, device: torch.device) -> torch.Tensor:
+    def _cached(self, name: str, device: torch.device, make: Callable[[], tuple[torch.Tensor, ...]],
+                move: Callable[[torch.Tensor, torch.device], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if (name, device) not in self._on:
+            self._on[name, device] = tuple(move(t, device) for t in make())
+        return self._on[name, device]
+
+    def prepare(self, device: torch.device, move: Callable[[torch.Tensor, torch.device], torch.Tensor]) -> None:
+        """Compute what a joint step reads (:meth:`member_of_rows`, or :meth:`member_of_tokens` and :meth:`gather`)
+        and put it on ``device`` with ``move`` (e.g. a non-blocking copy), before the step."""
+        if self.rows is not None:
+            self.member_of_rows(device, move)
+        else:
+            self.member_of_tokens(device, move)
+            self.gather(device, move)
+
+    def member_of_rows(self, device: torch.device, move=torch.Tensor.to) -> torch.Tensor:
         """``[B]`` each row's member (row routing)."""
-        return torch.tensor([k for k, s in enumerate(self.rows) for _ in range(s.start, s.stop)], device=device)
+        return self._cached("rows", device, lambda: (torch.tensor(
+            [k for k, s in enumerate(self.rows) for _ in range(s.start, s.stop)]),), move)[0]
 
-    def gather(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def member_of_tokens(self, device: torch.device, move=torch.Tensor.to) -> torch.Tensor:
+        """``[B·T]`` each token's member (token routing; padding: member 0, whose outputs there must be 0)."""
+        return self._cached("tokens", device, lambda: (self.tokens.flatten().clamp_min(0),), move)[0]
+
+    def gather(self, device: torch.device, move=torch.Tensor.to) -> tuple[torch.Tensor, torch.Tensor]:
         """Token routing: ``(index [K, n], valid [K, n])``: member k's flat token indices (into the ``B·T``
-        tokens), padded to the most any member has (index 0, ``valid`` false), on ``device`` (computed once)."""
-        if device not in self._gathers:
+        tokens), padded to the most any member has (index 0, ``valid`` false), on ``device``."""
+        def make() -> tuple[torch.Tensor, torch.Tensor]:
             member = self.tokens.flatten()
             order = torch.argsort(member, stable=True)
             order = order[member[order] >= 0]                                    # padding tokens: no member
@@ -172,8 +193,9 @@ class Routing:
             valid = torch.zeros(index.shape, dtype=torch.bool)
             index[member[order], slot] = order
             valid[member[order], slot] = True
-            self._gathers[device] = (index.to(device), valid.to(device))
-        return self._gathers[device]
+            return index, valid
+        index, valid = self._cached("gather", device, make, move)
+        return index, valid
 
 
 class RowRouter(nn.Module):

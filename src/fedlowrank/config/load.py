@@ -27,11 +27,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         parsed = tomllib.loads(f"v = {value}")["v"]
     except tomllib.TOMLDecodeError:
         parsed = value
+    except RecursionError:
+        raise ConfigError(f"--set {key}: the value is nested deeper than the TOML parser goes") from None
     return path, parsed
 
 
 def read_toml(source: str | Path | dict[str, Any] | None) -> dict[str, Any]:
-    """Load a TOML file, or a bundled config by name (``main``, ``tiny``...); a dict is copied; ``None`` = empty."""
+    """Load a TOML file (UTF-8, a leading byte-order mark ignored), or a bundled config by name (``main``,
+    ``tiny``...); a dict is copied; ``None`` = empty."""
     if source is None:
         return {}
     if isinstance(source, dict):
@@ -41,7 +44,7 @@ def read_toml(source: str | Path | dict[str, Any] | None) -> dict[str, Any]:
         raise ConfigError(f"config {source}: a folder, not a TOML file")
     if path.exists():
         try:
-            text = path.read_bytes().decode("utf-8")
+            text = path.read_bytes().decode("utf-8").removeprefix("\ufeff")
         except UnicodeDecodeError as exc:
             raise ConfigError(f"config {source}: not a TOML text file (byte {exc.start} is not UTF-8)") from None
     else:
@@ -53,6 +56,8 @@ def read_toml(source: str | Path | dict[str, Any] | None) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config {source}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config {source}: arrays or tables nested deeper than the TOML parser goes") from None
 
 
 def from_dict(raw: dict[str, Any], method_checks: bool = True) -> RunConfig:

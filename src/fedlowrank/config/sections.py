@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,17 @@ def check_model(model: str, key: str = "task.model") -> None:
 LABELS_FORM = "a list of non-empty class names without surrounding spaces"
 
 
+RUN_NAME_MAX = 64  # characters; the run directory adds -<method>-<time stamp> (+ 30)
+
+
+def check_run_name(name: str, key: str = "run.name") -> None:
+    """A plain name: the start of a directory name inside ``run.out_dir`` (no separator, no ``..``, bounded)."""
+    if not (0 < len(name) <= RUN_NAME_MAX and re.fullmatch(r"[A-Za-z0-9_.+=,@-]+", name)
+            and not name.startswith(".")):
+        raise ValueError(f"{key} must be a plain name of 1 to {RUN_NAME_MAX} letters, digits and _.+=,@- not "
+                         f"starting with '.' (it names a directory inside run.out_dir), got {name!r}")
+
+
 def check_labels(labels: list[str], key: str) -> None:
     """``data.labels``: distinct, non-empty class names without surrounding spaces, at least two (or none)."""
     if not all(x and x.strip() == x for x in labels):
@@ -76,7 +88,9 @@ class RunSection(Schema):
 
     prefix = "run"
 
-    name: str = setting("run", "name of the run: prefix of its run directory")
+    name: str = setting("run", "name of the run: prefix of its run directory in run.out_dir", check=check_run_name,
+                        form=f"a plain name of 1 to {RUN_NAME_MAX} letters, digits and _.+=,@- (no '/', not "
+                             f"starting with '.')")
     seed: int = setting(0, "seed of every random stream (split, partition, sampling, initialisation, batches)")
     rounds: int = setting(10, "federated rounds", ge=1)
     clients_per_round: int = setting(5, "clients sampled per round (at most partition.num_clients)", ge=1)
@@ -116,10 +130,11 @@ class RunSection(Schema):
                           reason="0 = automatic, 1 = one client at a time, N = up to N clients together")
     gpu_memory_fraction: float = setting(0.9, "run.cohort = 0 on CUDA: the share of the device's free memory a "
                                          "cohort's estimated peak may take", gt=0, le=1)
-    compile: bool = setting(False, "torch.compile the local step's network (CUDA graphs on CUDA; with "
-                            "task.length_buckets each bucket compiles once for the whole run); pays off after some "
-                            "hundreds of steps (docs/models.md); a run that cannot compile goes on eagerly, saying so "
-                            "in one line")
+    compile: str = setting("auto", "torch.compile the local step's network (CUDA graphs on CUDA; with "
+                           "task.length_buckets each bucket compiles once for the whole run); auto = on CUDA with "
+                           "length buckets when the run's planned steps per bucket repay the measured warm-up "
+                           "(docs/models.md), the rule logged once; a run that cannot compile goes on eagerly, "
+                           "saying so in one line", choices=("auto", "true", "false"))
     vectorized: bool = setting(False, "run every round's clients as one batched step (closed-form tasks such as "
                                "matrix-regression, methods with a batched_round: ssf, fedsub, fedavg-full); "
                                "`fedlowrank run --vectorized` sets it")
@@ -207,6 +222,10 @@ class ServerSection(Schema):
     update_clip: float = setting(float("inf"), "bound on the L2 norm of each reply's update (what it sends minus "
                                  "what it was sent); larger updates are scaled down to it on the server (inf = off)",
                                  gt=0, allow_inf=True, reason="inf = off")
+    outlier_ratio: float = setting(10.0, "reject a reply whose update's L2 norm (what it sends minus what it was "
+                                   "sent) per local step exceeds this many times the median of the round's other "
+                                   "replies (a round's only reply is kept; off under central DP; inf = off)",
+                                   ge=1, allow_inf=True, reason="inf = off")
     aggregate: str = setting("mean", "how the server combines the replies of methods whose server step is a weighted "
                              "mean: mean, median or trimmed-mean (coordinate-wise; robust to a few bad clients)",
                              choices=AGGREGATES)

@@ -32,8 +32,10 @@ import numpy as np
 
 from ..config import ConfigError, RunConfig, load_config
 from ..models.architectures import check_measures_quality
+from ..reporting.plots import with_round_zero
 from ..reporting.progress import format_bytes
-from ..tasks import headline_metric, higher_is_better
+from ..runtime.evaluation import COLLAPSE_SHARE, run_collapse
+from ..tasks import headline_metric, higher_is_better, metric_range
 from .stats import (ALPHA, BOOTSTRAP_RESAMPLES, CONFIDENCE, Interval, bootstrap_interval, mean_interval, median,
                     paired_interval, rank_verdict, verdict, wilcoxon_signed_rank, wins_losses)
 from .sweep import Log, Run, Sweep, partition_digest
@@ -50,6 +52,60 @@ def method_settings(cfg: RunConfig, name: str, user_sets: list[str] | tuple[str,
     chosen = [f"{key}={value!r}" for key, value in (tuned or {}).items()]
     return [f"method.name={name}", *preset_overrides(name), *cfg.compare.overrides.get(name, []), *chosen,
             *user_sets]
+
+
+SETTING_SOURCES = ("preset", "compare.overrides", "tuned", "--set")
+"""Where a comparison's setting of a method comes from, in the order they apply (later ones win)."""
+
+
+def settings_in_force(cfg: RunConfig, name: str, user_sets: list[str] | tuple[str, ...] = (),
+                      tuned: dict[str, float] | None = None) -> list[dict[str, str]]:
+    """The keys :func:`method_settings` sets for ``name``, each once with the value in force (the last one set)
+    and where it comes from (:data:`SETTING_SOURCES`): ``[{"key", "value", "source"}, ...]`` in the order the keys
+    are first set; ``value`` as ``--set`` writes it (TOML). The ``compare.*`` keys, which configure the comparison
+    itself, are left out."""
+    from ..methods import preset_overrides
+
+    given = zip(SETTING_SOURCES, (preset_overrides(name), cfg.compare.overrides.get(name, []),
+                                  [f"{key}={value!r}" for key, value in (tuned or {}).items()], user_sets))
+    in_force: dict[str, dict[str, str]] = {}
+    for source, sets in given:
+        for text in sets:
+            key, _, value = text.partition("=")
+            in_force[key.strip()] = {"key": key.strip(), "value": value.strip(), "source": source}
+    return [s for key, s in in_force.items() if key != "method.name" and not key.startswith("compare.")]
+
+
+def settings_cell(in_force: list[dict[str, str]]) -> str:
+    """The "settings applied" cell of results.md: each key once, its value in force and its source."""
+    return ", ".join(f"`{s['key']}={s['value']}` ({s['source']})" for s in in_force) or "–"
+
+
+def interval_cell(iv: Interval, metric: str) -> str:
+    """``mean ± half-width``, and where the interval crosses a bound of the metric's range
+    (:func:`~fedlowrank.tasks.metric_range`) the interval clipped to it: ``0.1953 ± 0.2978 (in [0, 0.4931])``."""
+    low, high = metric_range(metric)
+    if iv.half_width is None or low <= iv.mean - iv.half_width and iv.mean + iv.half_width <= high:
+        return iv.format()
+    return f"{iv.format()} (in [{max(iv.mean - iv.half_width, low):.4g}, {min(iv.mean + iv.half_width, high):.4g}])"
+
+
+def method_cell(row: dict[str, Any]) -> str:
+    """A method's name in a table, marked when it is a reference row (``Method.reference``)."""
+    return f"{row['method']} (reference)" if row.get("reference_row") else row["method"]
+
+
+def collapse_summary(row: dict[str, Any]) -> str | None:
+    """One line naming the seeds where ``row``'s global model predicted one class for at least
+    :data:`~fedlowrank.runtime.evaluation.COLLAPSE_SHARE` of the test set (first round, class, share; whether it
+    lasted to the end); ``None`` when none did."""
+    runs = [r for r in row["runs"] if r.get("collapse")]
+    if not runs:
+        return None
+    each = "; ".join(f"seed {r['seed']}: round {c['round']}, class {c['top_label']!r} ({100 * c['top_share']:.1f} %"
+                     f"{', to the end' if c['at_end'] else ', recovered'})" for r in runs for c in [r["collapse"]])
+    return (f"collapse: {row['method']} predicted one class for ≥ {100 * COLLAPSE_SHARE:.0f} % of the test set in "
+            f"{len(runs)} of {len(row['runs'])} seeds ({each})")
 
 
 def parse_methods(text: str | list[str] | None, cfg: RunConfig) -> list[str]:
@@ -119,8 +175,9 @@ def data_source(cfg: RunConfig) -> str:
 
 
 def data_name(cfg: RunConfig) -> str:
-    """The data set's short name, for plot titles: ``AG News``, ``GSM8K``, ``Fashion-MNIST``, a file or folder
-    name, a Hugging Face dataset name."""
+    """The data set's short name, for plot titles: ``AG News``, ``GSM8K``, ``Fashion-MNIST``, a Hugging Face
+    dataset name; for files, the data set they hold, not a file: ``reviews.tsv`` → ``reviews``, ``sst2/train.tsv``
+    → ``sst2``."""
     d = cfg.data
     if cfg.task.kind == "matrix-regression":
         return "synthetic matrix regression"
@@ -129,7 +186,10 @@ def data_name(cfg: RunConfig) -> str:
         return named[d.source]
     if d.source in ("hf", "hf-images"):
         return d.hf_name
-    return Path(d.train).name or d.source
+    path = Path(d.train)
+    if path.stem.lower() in ("train", "training", "data", "dataset", "all", "full"):  # a split's file or folder
+        path = path.absolute().parent
+    return path.stem or d.source
 
 
 def setup_of(cfg: RunConfig, task_description: dict[str, Any], seeds: list[int]) -> dict[str, Any]:
@@ -211,6 +271,8 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         reference: the method the others are compared with, per seed (default: the first method).
         tuned: a ``tune.json`` whose chosen learning rates are applied (default: ``compare.tuned``).
     """
+    from ..methods import method_class
+
     overrides = list(overrides)
     base = load_config(config, overrides, method_checks=False)
     check_measures_quality(base.task.model, "compare")
@@ -242,11 +304,12 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
             raise ConfigError(f"run.stop_metric: the task reports no {metric!r} "
                               f"(it reports {', '.join(sorted(outcome.metrics)) or 'nothing'})")
         summary = outcome.summary
-        histories.setdefault(run.method, []).append(outcome.history)
+        histories.setdefault(run.method, []).append(with_round_zero(outcome.history, outcome.summary.get("initial")))
         per_method.setdefault(run.method, []).append({
             "seed": run.cfg.run.seed, "final": values[-1], "best": max(values) if higher_is_better(metric) else min(values),
             "bytes_up": summary["bytes_up"], "bytes_down": summary["bytes_down"], "time": summary["time"]["total"],
             "epsilon": summary.get("epsilon"), "partition": partition_digest(sweep.partition(run.cfg)),
+            "collapse": run_collapse(outcome.history),
             "sampling": hashlib.sha256(json.dumps([r["clients"] for r in outcome.history]).encode()).hexdigest()[:16],
             **({"run_dir": str(run.run_dir)} if out else {})})
     setup = setup_of(runs[0].cfg, sweep.task(runs[0].cfg).describe(), seed_list)
@@ -255,7 +318,9 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         cfg0, method_runs = next(r.cfg for r in runs if r.method == name), per_method[name]
         rows.append({
             "method": name, "lr": cfg0.train.lr, "head_lr": cfg0.train.head_lr, "optimizer": cfg0.train.optimizer,
-            "weighting": cfg0.server.weighting, "settings": settings[name][1:], "runs": method_runs,
+            "weighting": cfg0.server.weighting, "settings": settings[name][1:],
+            "in_force": settings_in_force(base, name, overrides, chosen.get(name)),
+            "reference_row": method_class(name).reference, "runs": method_runs,
             "final": mean_interval([r["final"] for r in method_runs]).to_dict(),
             "best": mean_interval([r["best"] for r in method_runs]).to_dict(),
             "bytes_up": float(np.mean([r["bytes_up"] for r in method_runs])),
@@ -263,6 +328,10 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
             "time": float(np.mean([r["time"] for r in method_runs])),
             "epsilon": max((r["epsilon"] for r in method_runs if r["epsilon"] is not None), default=None),
         })
+    for row in rows:
+        line = collapse_summary(row)
+        if line and log is not None:
+            log(line)
     ref = next(r for r in rows if r["method"] == reference)
     paired = []
     for row in rows:
@@ -277,10 +346,13 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
                "alpha": ALPHA, "setup": setup, "seeds": seed_list, "reference": reference,
                "tuned": str(tuned) if tuned else None, "rows": rows, "paired": paired}
     if out is not None:
+        from ..runtime.rundir import own
         from .plots import plot_comparison
 
         out.mkdir(parents=True, exist_ok=True)
-        results["plots"] = [str(p) for p in plot_comparison(histories, out, metric, plot_title(setup))]
+        own(out, "results.json", "results.md", *(f"{metric}_vs_{x}.png" for x in ("round", "bytes")))
+        results["plots"] = [str(p) for p in plot_comparison(histories, out, metric, plot_title(setup),
+                                                              {r["method"] for r in rows if r["reference_row"]})]
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "results.md").write_text(results_markdown(results))
     return results
@@ -343,12 +415,16 @@ def results_markdown(results: dict[str, Any]) -> str:
     lines = [f"# Comparison: {', '.join(r['method'] for r in results['rows'])}", "", "## Setup (as run)", "", *setup_lines(setup),
              "- paired by seed: for a given seed every method has the same partition (checked), client sampling "
              "and local data order", ""]
-    lines += ["| method | train.lr | head lr | optimizer | weighting | settings applied (preset, compare.overrides, "
-              "tuned lr, --set) |", "|---|---|---|---|---|---|"]
+    lines += ["| method | train.lr | head lr | optimizer | weighting | settings applied: the value in force and "
+              "where it comes from (preset, compare.overrides, tuned, --set) |", "|---|---|---|---|---|---|"]
     for r in results["rows"]:
         head = f"{r['head_lr']:g}" if r["head_lr"] else "= lr"
-        lines.append(f"| {r['method']} | {r['lr']:g} | {head} | {r['optimizer']} | {r['weighting']} | "
-                     f"{', '.join(f'`{s}`' for s in r['settings']) or '–'} |")
+        lines.append(f"| {method_cell(r)} | {r['lr']:g} | {head} | {r['optimizer']} | {r['weighting']} | "
+                     f"{settings_cell(r['in_force'])} |")
+    references = [r for r in results["rows"] if r.get("reference_row")]
+    if references:
+        lines += ["", "Reference rows, not federated methods: " + "; ".join(
+            f"{r['method']}: {r['reference_row']}" for r in references) + "."]
     if results.get("tuned"):
         lines += ["", f"Learning rates chosen on a validation split of the training data by `fedlowrank tune`: "
                       f"{results['tuned']}."]
@@ -364,15 +440,21 @@ def results_markdown(results: dict[str, Any]) -> str:
               + (" ε (client-level DP) |" if private else ""), "|---|---|---|---|---|---|" + ("---|" if private else "")]
     for r in results["rows"]:
         eps = (f" {r['epsilon']:.3g} |" if r.get("epsilon") is not None else " – |") if private else ""
-        lines.append(f"| {r['method']} | {_interval(r['final']).format()} | {_interval(r['best']).format()} | "
+        lines.append(f"| {method_cell(r)} | {interval_cell(_interval(r['final']), metric)} | "
+                     f"{interval_cell(_interval(r['best']), metric)} | "
                      f"{format_bytes(r['bytes_up'])} | {format_bytes(r['bytes_down'])} | {r['time']:.1f} |{eps}")
+    collapses = [line for line in map(collapse_summary, results["rows"]) if line]
+    if collapses:
+        lines += ["", *(f"- {line}" for line in collapses)]
     if results["paired"]:
         lines += ["", f"## Paired differences against {ref}", "", *paired_explanation(results), "",
                   f"| method | Δ {metric} | mean ± {conf} t | median | {conf} bootstrap | wins–ties–losses | "
                   "signed-rank p | verdict |", "|---|---|---|---|---|---|---|---|"]
+        rows = {r["method"]: r for r in results["rows"]}
         for p in results["paired"]:
             for key in ("final", "best"):
-                lines.append(f"| {p['method']} | {key} | {_interval(p[key]).format()} | {paired_cells(p[key])} |")
+                lines.append(f"| {method_cell(rows[p['method']])} | {key} | {_interval(p[key]).format(signed=True)} | "
+                             f"{paired_cells(p[key])} |")
         lines += ["", f"Δ final {metric} per seed:", "", "| method | " + " | ".join(
             f"seed {s}" for s in results["seeds"]) + " |", "|---|" + "---|" * n]
         for p in results["paired"]:

@@ -3,7 +3,10 @@
 Only measured points are drawn: a marker at each round evaluated in every seed (``run.eval_every``; rounds in
 between have no value), joined by a thin line. With two or more seeds each marker carries an error bar, the 95%
 t-interval of the mean over seeds, in the method's colour; the methods' bars are shifted apart a little along the
-round axis so that they never hide one another (no shaded bands, whose overlaps make colours no legend names).
+round axis so that they never hide one another (no shaded bands, whose overlaps make colours no legend names), and
+clipped to the values the metric can take (:func:`fedlowrank.tasks.metric_range`). Reference rows (``centralized``,
+``local-only``) are drawn dashed and named as references; for a classification task a dotted line marks the chance
+level, the share of the test set in its most frequent class. The round axis ends at the last round.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ..reporting.plots import bytes_axis, pyplot
+from ..reporting.plots import bytes_axis, chance_level, pyplot
+from ..tasks import metric_range
 from .stats import mean_interval
 
 DODGE = 0.12  # with error bars: shift between neighbouring methods on the round axis, in evaluation intervals
@@ -33,11 +37,13 @@ class Curve:
 def comparison_curves(histories: dict[str, list[list[dict[str, Any]]]], metric: str,
                       xkey: str) -> dict[str, Curve]:
     """Per method, its curve against ``xkey`` (``"round"`` or ``"bytes"``: cumulative bytes up + down, mean over
-    seeds) at the rounds where every seed reported ``metric``. ``histories[method]``: one list of
-    ``metrics.jsonl`` rows per seed. Methods with no such round are left out."""
+    seeds; on that log axis, only the rounds after some were sent) at the rounds where every seed reported
+    ``metric`` (round 0, before training, where every seed has it: :func:`~fedlowrank.reporting.plots.with_round_zero`).
+    ``histories[method]``: one list of ``metrics.jsonl`` rows per seed. Methods with no such round are left out."""
     curves = {}
     for method, runs in histories.items():
-        rows = [{r["round"]: r for r in run if metric in r} for run in runs]
+        rows = [{r["round"]: r for r in run if metric in r
+                 and (xkey == "round" or r["cum_bytes_up"] + r["cum_bytes_down"] > 0)} for run in runs]
         rounds = sorted(set.intersection(*(set(r) for r in rows))) if rows else []
         if not rounds:
             continue
@@ -52,8 +58,16 @@ def comparison_curves(histories: dict[str, list[list[dict[str, Any]]]], metric: 
     return curves
 
 
-def comparison_figure(histories: dict[str, list[list[dict[str, Any]]]], metric: str, xkey: str, title: str = ""):
-    """The figure of ``metric`` vs ``xkey`` (see :func:`comparison_curves`); ``None`` without matplotlib."""
+def error_bars(c: Curve, metric: str) -> np.ndarray:
+    """``[2, points]`` lower and upper bar lengths of ``c``'s intervals, clipped to the range of ``metric``."""
+    low, high = metric_range(metric)
+    return np.stack([c.mean - np.maximum(c.mean - c.half, low), np.minimum(c.mean + c.half, high) - c.mean])
+
+
+def comparison_figure(histories: dict[str, list[list[dict[str, Any]]]], metric: str, xkey: str, title: str = "",
+                      references: set[str] | frozenset[str] = frozenset()):
+    """The figure of ``metric`` vs ``xkey`` (see :func:`comparison_curves`); ``references``: the methods that are
+    reference rows; ``None`` without matplotlib."""
     plt = pyplot()
     if plt is None:
         return None
@@ -66,42 +80,54 @@ def comparison_figure(histories: dict[str, list[list[dict[str, Any]]]], metric: 
     for i, (method, c) in enumerate(curves.items()):
         shift = (i - (len(curves) - 1) / 2) * DODGE * step if xkey == "round" and c.half is not None else 0.0
         x = c.x + shift
-        line, = ax.plot(x, c.mean, marker="o", markersize=4, linewidth=1.0, label=method)
+        line, = ax.plot(x, c.mean, marker="o", markersize=4, linewidth=1.0,
+                        linestyle="--" if method in references else "-",
+                        label=f"{method} (reference)" if method in references else method)
         if c.half is not None:
-            ax.errorbar(x, c.mean, yerr=c.half, fmt="none", ecolor=line.get_color(), elinewidth=1.0, capsize=3)
+            ax.errorbar(x, c.mean, yerr=error_bars(c, metric), fmt="none", ecolor=line.get_color(), elinewidth=1.0,
+                        capsize=3)
+    chance = (chance_level([row for runs in histories.values() for run in runs for row in run])
+              if metric == "accuracy" else None)
+    if chance is not None:
+        ax.axhline(chance, color="0.4", linestyle=":", linewidth=1.0,
+                   label=f"chance level ({chance:.3f}: the majority class)")
     ax.margins(y=0.08)
-    if metric == "accuracy":  # a wide interval (few seeds) must not stretch the axis beyond [0, 1]
-        low, high = ax.get_ylim()
-        ax.set_ylim(max(low, 0.0), min(high, 1.0))
+    low, high = ax.get_ylim()  # a wide interval (few seeds) must not stretch the axis beyond the metric's range
+    bounds = metric_range(metric)
+    ax.set_ylim(max(low, bounds[0]), min(high, bounds[1]))
     if xkey == "bytes":
         xs = np.concatenate([c.x for c in curves.values()]) if curves else np.array([1.0])
         bytes_axis(ax, float(xs.max()), float(xs.min()))
         ax.set_xlabel("bytes sent, up + down" + (f" (mean over {seeds} seeds)" if seeds > 1 else ""))
     else:
         last = max((float(c.x.max()) for c in curves.values()), default=1.0)
-        ax.set_xlim(0, last + 0.5 * step)
+        dodged = DODGE * step * (len(curves) - 1) / 2 if seeds > 1 else 0.0
+        ax.set_xlim(-dodged, last + dodged)  # ends at the last round (and the bars shifted beside it)
+        for artist in ax.lines + ax.collections:
+            artist.set_clip_on(False)  # the markers on the last round drawn whole
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("round (markers: evaluated rounds)")
     ax.set_ylabel(metric)
     what = (f"mean over {seeds} seeds; bars: 95% t-interval of the mean" if seeds > 1 else "one seed")
     ax.set_title((title + "\n" if title else "") + f"{metric} vs {xkey}: {what}", fontsize=9)
     ax.grid(alpha=0.3, which="both" if xkey == "bytes" else "major")
-    if curves:  # outside the axes: it never covers a curve
+    if curves or chance is not None:  # outside the axes: it never covers a curve
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     return fig
 
 
 def plot_comparison(histories: dict[str, list[list[dict[str, Any]]]], out_dir: Path, metric: str = "accuracy",
-                    title: str = "") -> list[Path]:
+                    title: str = "", references: set[str] | frozenset[str] = frozenset()) -> list[Path]:
     """``<metric>_vs_round.png`` and ``<metric>_vs_bytes.png`` in ``out_dir`` (:func:`comparison_figure`), with
-    ``title`` on both. Returns the written files (none when matplotlib is missing)."""
+    ``title`` on both; ``references``: the methods that are reference rows. Returns the written files (none when
+    matplotlib is missing)."""
     plt = pyplot()
     if plt is None:
         return []
     written = []
     for xkey in ("round", "bytes"):
-        fig = comparison_figure(histories, metric, xkey, title)
+        fig = comparison_figure(histories, metric, xkey, title, references)
         path = out_dir / f"{metric}_vs_{xkey}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)

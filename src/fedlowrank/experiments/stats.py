@@ -113,11 +113,13 @@ class Interval:
     def to_dict(self) -> dict:
         return {**asdict(self), "low": self.low, "high": self.high}
 
-    def format(self, digits: int = 4) -> str:
-        """``"0.8125 ± 0.0310"``, or ``"0.8125 (n = 1, no interval)"``."""
+    def format(self, digits: int = 4, signed: bool = False) -> str:
+        """``"0.8125 ± 0.0310"``, or ``"0.8125 (n = 1, no interval)"``; ``signed`` (a difference): ``"+0.0125 ±
+        0.0310"``, its sign written as in every other column of differences."""
+        mean = f"{self.mean:+.{digits}f}" if signed else f"{self.mean:.{digits}f}"
         if self.half_width is None:
-            return f"{self.mean:.{digits}f} (n = 1, no interval)"
-        return f"{self.mean:.{digits}f} ± {self.half_width:.{digits}f}"
+            return f"{mean} (n = 1, no interval)"
+        return f"{mean} ± {self.half_width:.{digits}f}"
 
 
 def mean_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval:

@@ -11,9 +11,13 @@ run of one seed trains on the same partition, and evaluates on the same validati
   are the same either way;
 * with ``resume``, a run directory whose run ended with the same config is read instead of run again, so an
   interrupted sweep continues where it stopped and runs made by separate processes into one ``out`` combine;
-* progress lines: ``run k of N: LABEL (ETA 0:04:10 for 3 runs)`` as a run starts in this process, ``run k of N
-  done: LABEL: METRIC`` as it ends (with the ETA when the runs end in worker processes); the ETA is the wall time
-  per run so far × the runs left.
+* progress lines: ``run k of N: LABEL (ETA 0:04:10 for 3 runs)`` as a run starts in this process (``(worker
+  process PID)`` in a worker), each round's line of a run in a worker prefixed with ``LABEL:``, and ``run k of N
+  done: LABEL: METRIC`` as it ends (in the order of the runs, with the ETA when the runs end in worker processes);
+  the ETA is the mean measured time of the runs ended × the runs left, less what the running ones have done,
+  over the runs going at once;
+* stopped (Ctrl-C, SIGTERM), the run in this process or each worker's saves its state after its last finished
+  round and the sweep raises ``KeyboardInterrupt`` (:func:`run_in_processes`); ``--resume`` continues it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import pickle
+import queue
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,7 +82,8 @@ def check_jobs(jobs: int, out: Path | None) -> None:
 
 def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     """``{"summary": summary.json, "history": metrics.jsonl rows, "metrics": the final evaluation}`` of the run
-    that ended in ``run_dir``, or ``None`` when none did there (no ``summary.json``: never started or interrupted).
+    that ended in ``run_dir``, or ``None`` when none did there (no ``summary.json``: never started or interrupted; or
+    ``metrics.jsonl`` does not reach the round ``summary.json`` ends at).
 
     A run that ended with another config than ``cfg`` (its ``config.json`` has another fingerprint,
     :func:`fedlowrank.runtime.checkpoint.config_fingerprint`) raises :class:`ConfigError`: reusing it would mix
@@ -94,6 +104,8 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError, ConfigError) as exc:
         raise ConfigError(f"--resume: the finished run in {run_dir} is unreadable ({exc}); delete it to run it "
                           "again") from None
+    if not history or history[-1].get("round") != summary.get("rounds"):  # its metrics were cut: run it again
+        return None
     if config_fingerprint(old) != config_fingerprint(cfg):
         raise ConfigError(f"--resume: {run_dir} holds a run of another config than this one (different settings "
                           "or learning rate); use another --out, or delete that directory")
@@ -105,9 +117,10 @@ _WORKER_TASKS: dict[str, Any] = {}  # a worker process's built tasks (task_key �
 
 
 def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: np.ndarray | None,
-             overwrite: bool) -> str | None:
+             overwrite: bool, log_partition: bool, log: Log) -> str | None:
     """One run in a worker process (:func:`run_in_processes`): on the validation view of ``held_out`` when
-    given (``fedlowrank tune``), on ``parts``. Returns ``None``, or the message of a divergence."""
+    given (``fedlowrank tune``), on ``parts``; progress lines to ``log`` (the partition's label counts with
+    ``log_partition``). Returns ``None``, or the message of a divergence."""
     from ..runtime.simulator import DivergenceError, Simulation
     from ..tasks import build_task
 
@@ -117,38 +130,161 @@ def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: n
     task = _WORKER_TASKS[key]
     try:
         Simulation(cfg, task=task if held_out is None else task.validation(held_out), run_dir=run_dir, parts=parts,
-                   overwrite=overwrite).run()
+                   overwrite=overwrite, log=log, log_partition=log_partition).run()
     except DivergenceError as exc:
         return str(exc)
     return None
 
 
+def _stop_worker(signum: int, frame) -> None:
+    from ..runtime.stopping import StopRequested
+
+    raise StopRequested(signum)
+
+
+def _worker(tasks, events, lines: bool) -> None:
+    """A worker process of :func:`run_in_processes`: runs ``(i, arguments of _run_one)`` from ``tasks`` until
+    ``None`` and reports on ``events``: ``("start", i, pid)``, ``("line", i, progress line)`` (with ``lines``),
+    ``("done", i, divergence message or None)``, ``("failed", i, exception)``, ``("stopped", i or None, pid)``.
+
+    It ignores SIGINT (Ctrl-C on a terminal reaches the whole process group: the parent decides) and stops on
+    the SIGTERM its parent forwards: a run in progress saves the state after its last finished round
+    (:mod:`fedlowrank.runtime.stopping`), then the worker ends. Its runs' files closed and its events sent, it
+    ends without the interpreter's teardown, which takes seconds with torch loaded (and much longer on a busy
+    machine) while the parent waits for it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _stop_worker)
+    i = None
+    try:
+        for i, arguments in iter(tasks.get, None):
+            events.put(("start", i, os.getpid()))
+            log = (lambda line, i=i: events.put(("line", i, line))) if lines else None
+            try:
+                message = _run_one(*arguments, log=log)
+            except Exception as exc:
+                events.put(("failed", i, _picklable(exc)))
+                break
+            events.put(("done", i, message))
+            i = None
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        events.put(("stopped", i, os.getpid()))
+    events.close()
+    events.join_thread()  # every event is in the pipe
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _picklable(exc: Exception) -> Exception:
+    """``exc``, or a ``RuntimeError`` with its text when it cannot be sent to the parent process."""
+    try:
+        pickle.dumps(exc)
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+Event = tuple[str, int, Any]
+
+
 def run_in_processes(runs: list[tuple[str, RunConfig, Path, list[np.ndarray], np.ndarray | None]], jobs: int,
-                     overwrite: bool, done: Callable[[str, str | None], None] | None = None) -> dict[str, str]:
+                     overwrite: bool, report: Callable[[str, int, Any], None] | None = None,
+                     lines: bool = False) -> dict[str, str]:
     """Run ``(label, cfg, run_dir, parts, held_out)`` in ``jobs`` worker processes (spawned: no state shared with
     this one), ``run.threads`` torch threads each (0: ``os.cpu_count() // jobs``, at least 1); every run writes its
-    run directory, to be read back with :func:`finished_run`. ``done(label, divergence message or None)`` is called
-    as each run ends. Returns ``{label: divergence message}`` of the runs that diverged; any other error of a
-    worker is raised here."""
-    import multiprocessing
-    import os
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    run directory, to be read back with :func:`finished_run`. ``report(kind, i, value)`` hears, for run ``i`` of
+    ``runs``: ``"start"`` (the worker's pid), ``"line"`` (a progress line of the run, with ``lines``) and
+    ``"done"`` (its divergence message or ``None``). Returns ``{label: divergence message}`` of the runs that
+    diverged; any other error of a worker is raised here.
 
+    Stopped (``KeyboardInterrupt``: Ctrl-C, or SIGTERM through the command line), or on a worker's error, it
+    forwards SIGTERM to every worker, waits for each to save its run's state (a run stops at once in local
+    training or evaluation, else as soon as its round is committed), then raises; a second stop while it waits
+    kills the workers at once. A worker stopped by a signal from elsewhere stops the sweep the same way."""
+    import multiprocessing
+
+    from ..runtime.stopping import StopRequested
+
+    report = report or (lambda kind, i, value: None)
     threads = max(1, (os.cpu_count() or 1) // jobs)
+    ctx = multiprocessing.get_context("spawn")
+    tasks, events = ctx.Queue(), ctx.Queue()
+    partitions: set[str] = set()  # the label counts of a partition are logged once, with its first run
+    for i, (_, cfg, run_dir, parts, held_out) in enumerate(runs):
+        cfg = cfg if cfg.run.threads else dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, threads=threads))
+        digest = partition_digest(parts)
+        tasks.put((i, (cfg, run_dir, parts, held_out, overwrite, digest not in partitions)))
+        partitions.add(digest)
+    workers = [ctx.Process(target=_worker, args=(tasks, events, lines), daemon=True)
+               for _ in range(min(jobs, len(runs)))]
+    for _ in workers:
+        tasks.put(None)
     diverged: dict[str, str] = {}
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_run_one, cfg if cfg.run.threads else
-                               dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, threads=threads)),
-                               run_dir, parts, held_out, overwrite): label
-                   for label, cfg, run_dir, parts, held_out in runs}
-        for future in as_completed(futures):
-            label = futures[future]
-            message = future.result()
-            if message is not None:
-                diverged[label] = message
-            if done is not None:
-                done(label, message)
+    running: dict[int, Any] = {}  # run index → the worker process running it
+    try:
+        for w in workers:
+            w.start()
+        left = len(runs)
+        while left:
+            kind, i, value = _next_event(events, workers, running, runs)
+            if kind == "start":
+                running[i] = next(w for w in workers if w.pid == value)
+            elif kind == "failed":
+                raise value
+            elif kind == "stopped":  # a worker stopped by a signal from elsewhere stops the sweep
+                raise StopRequested(signal.SIGTERM)
+            elif kind == "done":
+                running.pop(i)
+                left -= 1
+                if value is not None:
+                    diverged[runs[i][0]] = value
+            report(kind, i, value)
+    except BaseException:
+        _stop_workers(workers, events, report)
+        raise
+    for w in workers:
+        w.join()
     return diverged
+
+
+def _next_event(events, workers: list, running: dict[int, Any], runs: list) -> Event:
+    """The next event of a worker; an error when every worker has ended with runs unfinished."""
+    while True:
+        try:
+            return events.get(timeout=0.5)
+        except queue.Empty:
+            if any(w.is_alive() for w in workers):
+                continue
+        try:
+            return events.get(timeout=1.0)  # what the last workers sent before they ended
+        except queue.Empty:
+            lost = ", ".join(f"{runs[i][0]} (exit code {w.exitcode})" for i, w in running.items()) or "none"
+            raise RuntimeError(f"the worker processes ended before every run finished; runs cut off: {lost}") from None
+
+
+def _stop_workers(workers: list, events, report: Callable[[str, int, Any], None]) -> None:
+    """Forward SIGTERM to the live workers and wait until each has saved its run's state and ended, passing on
+    their last progress lines; a second stop meanwhile kills them."""
+    try:
+        for w in workers:
+            if w.is_alive():
+                os.kill(w.pid, signal.SIGTERM)
+        while any(w.is_alive() for w in workers):
+            try:
+                kind, i, value = events.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if kind == "line":
+                report(kind, i, value)
+    except BaseException:
+        for w in workers:
+            if w.is_alive():
+                w.kill()
+        raise
+    finally:
+        for w in workers:
+            if w.pid is not None:  # started
+                w.join()
 
 
 @dataclass(frozen=True)
@@ -263,7 +399,7 @@ class Sweep:
                 continue
             outcomes[i] = Outcome(done["history"], done["metrics"], done["summary"], reused=True)
             self._say(f"run {i + 1} of {len(runs)}: {run.label}: reusing the finished run in {run.run_dir}")
-        clock = _Clock(len(pending))
+        clock = _Clock(len(pending), self.jobs)
         if self.jobs > 1 and pending:
             self._say(f"{len(pending)} of {len(runs)} runs go to {self.jobs} worker processes")
             outcomes.update(self._run_in_processes(runs, pending, clock))
@@ -273,8 +409,9 @@ class Sweep:
         else:
             for i in pending:
                 self._say(f"run {i + 1} of {len(runs)}: {runs[i].label}{clock.suffix()}")
+                clock.start(i)
                 outcomes[i] = self._run_here(runs[i], stop_on_divergence)
-                clock.tick()
+                clock.end(i)
                 self._say(f"run {i + 1} of {len(runs)} done: {runs[i].label}: {_result(runs[i], outcomes[i])}")
         return [outcomes[i] for i in range(len(runs))]
 
@@ -299,20 +436,33 @@ class Sweep:
         return Outcome(sim.history, dict(sim.last_eval), summary)
 
     def _run_in_processes(self, runs: list[Run], pending: list[int], clock: "_Clock") -> dict[int, Outcome]:
-        by_label = {runs[i].label: i for i in pending}
+        """The pending runs in worker processes: each one's start and progress lines (prefixed with its label) as
+        they come, its "done" line once it and every pending run before it have ended."""
         work = []
         for i in pending:
             _, parts, held_out = self.data_of(runs[i])
             work.append((runs[i].label, runs[i].cfg, runs[i].run_dir, parts, held_out))
         outcomes: dict[int, Outcome] = {}
+        said = 0  # the done lines said: those of pending[:said]
 
-        def done(label: str, message: str | None) -> None:
-            clock.tick()
-            i = by_label[label]
-            outcomes[i] = Outcome(diverged=message) if message is not None else self._read(runs[i])
-            self._say(f"run {i + 1} of {len(runs)} done: {label}: {_result(runs[i], outcomes[i])}{clock.suffix()}")
+        def report(kind: str, j: int, value: Any) -> None:
+            nonlocal said
+            i = pending[j]
+            if kind == "start":
+                clock.start(i)
+                self._say(f"run {i + 1} of {len(runs)}: {runs[i].label} (worker process {value})")
+            elif kind == "line":
+                self._say(f"{runs[i].label}: {value}")
+            else:
+                clock.end(i)
+                outcomes[i] = Outcome(diverged=value) if value is not None else self._read(runs[i])
+                while said < len(pending) and pending[said] in outcomes:
+                    k = pending[said]
+                    said += 1
+                    self._say(f"run {k + 1} of {len(runs)} done: {runs[k].label}: {_result(runs[k], outcomes[k])}"
+                              f"{clock.suffix()}")
 
-        run_in_processes(work, self.jobs, self.resume, done)
+        run_in_processes(work, self.jobs, self.resume, report, lines=self.log is not None)
         return outcomes
 
     @staticmethod
@@ -334,22 +484,32 @@ def _result(run: Run, outcome: Outcome) -> str:
 
 
 class _Clock:
-    """The ETA of the rest of a sweep: wall time since it started per run ended × runs left."""
+    """The ETA of the rest of a sweep from its measured run times: the mean time of the runs ended × the runs
+    left, less the time the running ones have had (each counted up to that mean), shared by the ``jobs`` running
+    at once."""
 
-    def __init__(self, total: int):
-        self.total, self.done, self.start = total, 0, time.perf_counter()
+    def __init__(self, total: int, jobs: int = 1, clock: Callable[[], float] = time.perf_counter):
+        self.total, self.jobs, self.clock = total, jobs, clock
+        self.durations: list[float] = []
+        self.started: dict[int, float] = {}  # run → when it started, for the runs going
 
-    def tick(self) -> None:
-        self.done += 1
+    def start(self, run: int) -> None:
+        self.started[run] = self.clock()
+
+    def end(self, run: int) -> None:
+        self.durations.append(self.clock() - self.started.pop(run))
 
     def eta(self) -> float:
-        if self.done == 0:
+        if not self.durations:
             return math.nan
-        return (time.perf_counter() - self.start) / self.done * (self.total - self.done)
+        mean, now = sum(self.durations) / len(self.durations), self.clock()
+        left = self.total - len(self.durations)
+        work = left * mean - sum(min(now - t, mean) for t in self.started.values())
+        return max(work, 0.0) / max(1, min(self.jobs, left))
 
     def suffix(self) -> str:
         """`` (ETA 0:04:10 for 3 runs)`` once a run has ended and while runs are left, else nothing."""
-        left = self.total - self.done
-        if self.done == 0 or left == 0:
+        left = self.total - len(self.durations)
+        if not self.durations or left == 0:
             return ""
         return f" (ETA {format_eta(self.eta())} for {left} run{'s' if left > 1 else ''})"

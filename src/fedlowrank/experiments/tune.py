@@ -213,6 +213,9 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
                                                           for n in names}},
               "runs": kept.get("runs", []) + runs, "chosen": {**kept.get("chosen", {}), **chosen}}
     if out is not None:
+        from ..runtime.rundir import own
+
+        own(out, "tune.json", "tune.md")
         (out / "tune.json").write_text(json.dumps(result, indent=1))
         (out / "tune.md").write_text(tune_markdown(result))
     return result

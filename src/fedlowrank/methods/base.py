@@ -82,6 +82,27 @@ def cv_grad_option():
                    "gradient, or the paper's literal option II (option2)", choices=CV_REFRESH)
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor an honest client sends: its shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorSpec":
+        """The spec a tensor meets (e.g. a downloaded one that comes back trained)."""
+        return cls(tuple(t.shape), t.dtype)
+
+
+Upload = dict[str, TensorSpec]
+
+
+def specs_of(msg: Message, keys: Iterable[str]) -> Upload:
+    """``{key: TensorSpec.of(msg[key])}``: tensors that come back with the shape and dtype they went down with."""
+    return {k: TensorSpec.of(msg[k]) for k in keys}
+
+
 class Method(Schema):
     """Base class of every federated method. Subclasses are dataclasses whose fields are the method's options,
     each declared with :func:`~fedlowrank.schema.setting` (type, default, bounds or choices, meaning): making a
@@ -112,6 +133,14 @@ class Method(Schema):
         preset: the paper's own run settings as ``{"section.key": value}`` config overrides (client weighting,
             local optimizer, ...); ``compare``/``tune`` apply them before the user's overrides, which win.
         lr_grid: the learning rates to tune over (the paper's grid; empty = :data:`DEFAULT_LR_GRID`).
+        reference: non-empty for a reference row rather than a federated method: what it is, in words
+            (``compare`` marks it as a reference in its tables and plots).
+        communicates: False for a method whose clients send and receive nothing (a reference that trains where the
+            data is): the runtime's ledger counts zero bytes for it.
+        pooled: True for a method that each round trains one model on the pooled data of the round's sampled
+            clients, for the sum of their local steps (a centralised reference); the simulator then runs the
+            round as one client, the first sampled, holding that data (:func:`~fedlowrank.runtime.engine.pool`).
+            Such a method cannot run where each client's data stays on its own node (Flower).
     """
 
     prefix = "method"
@@ -129,6 +158,9 @@ class Method(Schema):
     lr_grid: ClassVar[tuple[float, ...]] = ()
     privacy_modes: ClassVar[tuple[str, ...] | None] = None
     privacy_refusal: ClassVar[str] = ""
+    reference: ClassVar[str] = ""
+    communicates: ClassVar[bool] = True
+    pooled: ClassVar[bool] = False
 
     info: SetupInfo
 
@@ -169,12 +201,17 @@ class Method(Schema):
         """Put client-specific model (global part + the client's private state) into ``model``."""
         self.load_global(model, server)
 
-    def reply_keys(self, down: Message, rnd: int) -> set[str] | None:
-        """The exact tensor keys an honest reply to ``down`` carries, or ``None`` when not declared.
+    def upload_spec(self, down: Message, rnd: int) -> Upload:
+        """The tensors an honest reply to ``down`` (what client ``k`` was sent in round ``rnd``) carries, each with
+        its shape and dtype, exactly: the runtime rejects a reply with a missing, extra, differently shaped or typed
+        tensor (:func:`fedlowrank.runtime.engine.check_reply`). Shapes follow the client's rank; tensors that come
+        back trained are declared from ``down`` (:func:`specs_of`), the others from what :meth:`setup` saw."""
+        raise NotImplementedError
 
-        The runtime rejects replies with missing or unexpected keys when this is declared.
-        """
-        return None
+    def chosen_upload_spec(self, down: Message, reply: Message) -> Upload:
+        """Tensors whose number an honest client chooses (e.g. one per basis segment of its local steps), declared
+        from what ``reply`` says it holds; raises ``ValueError`` (the reason) when that is malformed. Default: none."""
+        return {}
 
     def unequal_replies(self) -> str:
         """Why honest replies of one round may differ in tensors or shapes with these options, or ``""`` when they
@@ -214,10 +251,13 @@ class Method(Schema):
             msg.update(c.broadcast(server))
         return msg
 
-    def correction_upload_keys(self, trained: Iterable[str]) -> set[str]:
-        """What the corrections add to a reply, given the trained tensors' keys."""
-        trained = list(trained)
-        return {key for c in self.composed_corrections() for key in c.upload_keys(trained)}
+    def with_corrections(self, down: Message, trained: Upload) -> Upload:
+        """``trained`` (what the client trains and sends back) plus what the composed corrections add to a reply
+        (e.g. SCAFFOLD's ``scaffold.dc/<key>`` of each trained tensor's spec)."""
+        out = dict(trained)
+        for c in self.composed_corrections():
+            out.update(c.upload_spec(down, trained))
+        return out
 
     def fit_and_reply(self, model: AdaptedModel, msg: Message, state: State, trainer,
                       params: dict[str, nn.Parameter]) -> tuple[Message, State]:
@@ -315,6 +355,7 @@ class LoRAMethod(Method):
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         self.info = info
         attach_lora(model, info.rank, info.alpha, info.scaling, info.dropout)
+        self.record_factors(model)
         server = State()
         gen = torch_generator(info.seed, "lora-init")
         for name, mod in lora_modules(model).items():
@@ -324,6 +365,19 @@ class LoRAMethod(Method):
         for c in self._corrections:
             c.init_server(server, self.trainable_keys(model))
         return server
+
+    def record_factors(self, model: AdaptedModel) -> None:
+        """Remember each LoRA module's ``(out, in, factor dtype)`` for :meth:`factor_specs` (at set-up)."""
+        self._factors = {n: (m.out_features, m.in_features, m.lora_A.dtype) for n, m in lora_modules(model).items()}
+
+    def factor_specs(self, rank: int) -> Upload:
+        """``<module>.lora_A [rank, in]`` and ``<module>.lora_B [out, rank]`` of every LoRA module, for factors a
+        client trains without receiving them."""
+        specs: Upload = {}
+        for name, (out, inp, dtype) in self._factors.items():
+            specs[f"{name}.lora_A"] = TensorSpec((rank, inp), dtype)
+            specs[f"{name}.lora_B"] = TensorSpec((out, rank), dtype)
+        return specs
 
     def trainable_keys(self, model: AdaptedModel) -> dict[str, tuple[int, ...]]:
         """Names and shapes of what clients train: factors in ``trains`` plus the head (global rank)."""
@@ -395,15 +449,17 @@ class LoRAMethod(Method):
     def head_keys(self, server: State) -> list[str]:
         return [k for k in server if k.startswith("head/")]
 
-    def reply_keys(self, down: Message, rnd: int) -> set[str]:
-        """The factors trained this round as named in the download, the head, and the corrections' uploads."""
+    def upload_spec(self, down: Message, rnd: int) -> Upload:
+        """The factors trained this round as they were sent (the client's rank), the head, and the corrections'
+        uploads."""
         factors = tuple(f".lora_{f}" for f in self.factors_to_train(rnd))
         trained = [k for k in down.tensors() if (k.endswith(factors) and "/" not in k) or k.startswith("head/")]
-        return set(trained) | self.correction_upload_keys(trained)
+        return self.with_corrections(down, specs_of(down, trained))
 
     def load_global(self, model: AdaptedModel, server: State) -> None:
         self.load_message(model, Message(server))
 
 
-__all__ = ["Method", "LoRAMethod", "SetupInfo", "correction_option", "cv_grad_option", "mu_option", "weighted_sum",
+__all__ = ["Method", "LoRAMethod", "SetupInfo", "TensorSpec", "Upload", "specs_of", "correction_option",
+           "cv_grad_option", "mu_option", "weighted_sum",
            "head_tensors", "load_head", "on_host"]

@@ -18,7 +18,8 @@ from ..adapters.model import AdaptedModel
 from ..message import Message, State
 from ..training.corrections import make_corrections
 from . import register
-from .base import Method, SetupInfo, correction_option, head_tensors, load_head, mu_option, weighted_sum
+from .base import (Method, SetupInfo, Upload, correction_option, head_tensors, load_head, mu_option, specs_of,
+                   weighted_sum)
 
 
 @register
@@ -63,9 +64,9 @@ class FedAvgFull(Method):
     def broadcast(self, server: State, client: int, rnd: int) -> Message:
         return self.correction_broadcast(server, Message({k: server[k] for k in self.weight_keys(server)}))
 
-    def reply_keys(self, down, rnd):
-        trained = self.weight_keys(down)
-        return set(trained) | self.correction_upload_keys(trained)
+    def upload_spec(self, down: Message, rnd: int) -> Upload:
+        """The trained weights and head as sent, and the corrections' uploads."""
+        return self.with_corrections(down, specs_of(down, self.weight_keys(down)))
 
     def train(self, model, msg, state, trainer):
         self.load_global(model, msg)

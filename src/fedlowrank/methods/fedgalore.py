@@ -39,7 +39,7 @@ from ..seeding import derive_seed
 from ..training.corrections import fit_with_corrections
 from ..training.galore import LOADED, MOMENTS_AT_REFRESH, PROJECTORS, V_REPROJECT, GaLore, seeded_basis
 from . import register
-from .base import SetupInfo, weighted_sum
+from .base import SetupInfo, TensorSpec, Upload, weighted_sum
 from .fedavg_full import FedAvgFull
 
 STATE_SYNC = ("ajive", "avg", "avg_svd", "none")
@@ -49,6 +49,7 @@ V_SYNC = ("bias_corrected", "raw")
 SEED_KEY, INDEX_KEY = "galore_seed", "galore_basis_index"
 SYNC_SEED_KEY, SYNC_INDEX_KEY = "galore_sync_seed", "galore_sync_index"
 SEGMENTS_KEY, DECAY_KEY = "galore_segments", "galore_decay"
+MAX_SEGMENTS = 1024  # basis segments a reply may declare (one per basis refresh of its local steps)
 
 
 @register
@@ -129,17 +130,54 @@ class FedGaLore(FedAvgFull):
             msg.update({k: v for k, v in server.items() if k.startswith("galore_sync") or ".galore_" in k})
         return msg
 
-    def reply_keys(self, down: Message, rnd: int) -> set[str] | None:
-        """Weights (or nothing but the head with ``upload=segments``, whose segment count depends on the client's
-        local steps: then undeclared), head, corrections, ``ṽ`` per block and, when always-SVD, the final basis."""
+    def canonical_dims(self, name: str) -> tuple[int, int]:
+        """``(d_u, d_p)`` of block ``name``'s canonical form."""
+        m, n = self._shapes[name]
+        return (m, n) if projection_side(m, n) == "right" else (n, m)
+
+    def upload_spec(self, down: Message, rnd: int) -> Upload:
+        """Weights as sent (with ``upload=segments`` only the head: the segments are :meth:`chosen_upload_spec`), the
+        corrections' uploads, and with a state sync ``ṽ [d_u, r]`` per block and, when always-SVD, its final basis
+        ``Q [d_p, r]`` (in the weight's dtype)."""
+        specs = super().upload_spec(down, rnd)
         if self.upload == "segments":
-            return None
-        keys = super().reply_keys(down, rnd)
+            for n in self._shapes:
+                del specs[f"{n}.weight"]
         if self.state_sync != "none":
-            keys |= {f"{n}.galore_v" for n in self._shapes}
-            if self.svd_refreshes < 0:
-                keys |= {f"{n}.galore_Q" for n in self._shapes}
-        return keys
+            for n in self._shapes:
+                (d_u, d_p), r, dtype = self.canonical_dims(n), self.block_rank(n), down[f"{n}.weight"].dtype
+                specs[f"{n}.galore_v"] = TensorSpec((d_u, r), dtype)
+                if self.svd_refreshes < 0:
+                    specs[f"{n}.galore_Q"] = TensorSpec((d_p, r), dtype)
+        return specs
+
+    def chosen_upload_spec(self, down: Message, reply: Message) -> Upload:
+        """With ``upload=segments``, per block and basis segment ``k`` of ``reply["galore_segments"]`` (at most one
+        per local step): ``C [d_u, r]`` float32 and, for an SVD basis, ``Q [d_p, r]`` in the weight's dtype. The
+        client's SVD refreshes are S capped by its last refresh index, as in :meth:`train`. Also checks the scalars
+        the server step reads: ``galore_basis_index`` an integer >= -1 (with a state sync), ``galore_decay`` D_T in
+        (0, 1] (with segments)."""
+        index = reply.get(INDEX_KEY)
+        if self.state_sync != "none" and (type(index) is not int or index < LOADED):
+            raise ValueError(f"{INDEX_KEY} must be an integer >= {LOADED}, got {index!r}")
+        if self.upload != "segments":
+            return {}
+        decay = reply.get(DECAY_KEY)
+        if type(decay) not in (int, float) or not 0 < decay <= 1:
+            raise ValueError(f"{DECAY_KEY} must be a number in (0, 1], got {decay!r}")
+        segments = reply.get(SEGMENTS_KEY)
+        if not isinstance(segments, list) or not all(type(j) is int and j >= LOADED for j in segments) \
+                or len(segments) > MAX_SEGMENTS:
+            raise ValueError(f"{SEGMENTS_KEY} must be a list of at most {MAX_SEGMENTS} basis indices >= {LOADED}")
+        svd = self.svd_refreshes if self.svd_refreshes < 0 else min(self.svd_refreshes, max([0, *segments]))
+        specs: Upload = {}
+        for n in self._shapes:
+            (d_u, d_p), r, dtype = self.canonical_dims(n), self.block_rank(n), down[f"{n}.weight"].dtype
+            for k, j in enumerate(segments):
+                specs[f"{n}.galore_seg{k}.C"] = TensorSpec((d_u, r), torch.float32)
+                if j != LOADED and (svd < 0 or j < svd):
+                    specs[f"{n}.galore_seg{k}.Q"] = TensorSpec((d_p, r), dtype)
+        return specs
 
     # -- client ----------------------------------------------------------------------------------------
     def train(self, model, msg, state, trainer):

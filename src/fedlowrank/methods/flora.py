@@ -32,7 +32,7 @@ from ..linalg.lowrank import stack_factors
 from ..message import Message, Reply, State
 from ..seeding import torch_generator
 from . import register
-from .base import LoRAMethod, SetupInfo, correction_option, load_head
+from .base import LoRAMethod, SetupInfo, Upload, correction_option, load_head, specs_of
 
 
 def merge(base: torch.Tensor | None, B_s: torch.Tensor, A_s: torch.Tensor) -> torch.Tensor:
@@ -78,9 +78,10 @@ class FLoRA(LoRAMethod):
                 msg[f"{name}.base_delta"] = server[f"{name}.base_delta"]
         return self.correction_broadcast(server, msg)
 
-    def reply_keys(self, down: Message, rnd: int) -> set[str]:
-        trained = [f"{n}.lora_{f}" for n in self.targets for f in "AB"] + [k for k in down if k.startswith("head/")]
-        return set(trained) | {key for c in self._corrections for key in c.upload_keys(trained)}
+    def upload_spec(self, down: Message, rnd: int) -> Upload:
+        """Fresh factors at the client's rank (never sent), the head, the corrections' uploads."""
+        fresh = self.factor_specs(self.info.client_ranks[int(down["client"])])
+        return self.with_corrections(down, {**fresh, **specs_of(down, self.head_keys(down))})
 
     def max_reply_bytes(self, down: Message) -> int:
         """The fresh factors are not in the download: bound by their size at the client's rank."""

@@ -46,8 +46,8 @@ from ..schema import setting, with_default
 from ..seeding import torch_generator
 from ..training.corrections import make_corrections
 from . import register
-from .base import (Method, SetupInfo, correction_option, cv_grad_option, head_tensors, load_head, mu_option,
-                   weighted_sum)
+from .base import (Method, SetupInfo, Upload, correction_option, cv_grad_option, head_tensors, load_head, mu_option,
+                   specs_of, weighted_sum)
 
 
 @register
@@ -149,9 +149,9 @@ class FLoRG(Method):
     def broadcast(self, server: State, client: int, rnd: int) -> Message:
         return self.correction_broadcast(server, Message({k: server[k] for k in self.model_keys(server)}))
 
-    def reply_keys(self, down: Message, rnd: int) -> set[str]:
-        trained = self.model_keys(down)
-        return set(trained) | self.correction_upload_keys(trained)
+    def upload_spec(self, down: Message, rnd: int) -> Upload:
+        """The trained ``gram_A`` and head as sent, and the corrections' uploads."""
+        return self.with_corrections(down, specs_of(down, self.model_keys(down)))
 
     def train(self, model, msg, state, trainer):
         self.load_global(model, msg)

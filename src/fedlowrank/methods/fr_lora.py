@@ -22,7 +22,7 @@ from ..adapters.lora import attach_lora, lora_modules, lora_scale
 from ..adapters.model import AdaptedModel
 from ..message import Message, State
 from . import register
-from .base import LoRAMethod, SetupInfo, head_tensors, load_head, on_host
+from .base import LoRAMethod, SetupInfo, Upload, head_tensors, load_head, on_host, specs_of
 
 
 def pissa_factors(W0: torch.Tensor, rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +50,7 @@ class FRLoRA(LoRAMethod):
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         self.info = info
         attach_lora(model, info.rank, info.alpha, info.scaling, info.dropout)
+        self.record_factors(model)
         mods = lora_modules(model)
         self._pissa = {n: pissa_factors(m.base.weight, info.rank, m.scale) for n, m in mods.items()}
         server = State({f"{n}.residual": torch.zeros_like(m.base.weight) for n, m in mods.items()})
@@ -65,10 +66,10 @@ class FRLoRA(LoRAMethod):
         msg = self.global_tensors(server, self.residual_keys(server) + self.head_keys(server))
         return self.correction_broadcast(server, msg)
 
-    def reply_keys(self, down: Message, rnd: int) -> set[str]:
-        names = [k[: -len(".residual")] for k in self.residual_keys(down)]
-        trained = [f"{n}.lora_{f}" for n in names for f in "AB"] + self.head_keys(down)
-        return set(trained) | {key for c in self._corrections for key in c.upload_keys(trained)}
+    def upload_spec(self, down: Message, rnd: int) -> Upload:
+        """The PiSSA-initialised factors at the server rank (never sent), the head, the corrections' uploads."""
+        trained = {**self.factor_specs(self.info.rank), **specs_of(down, self.head_keys(down))}
+        return self.with_corrections(down, trained)
 
     def load_message(self, model: AdaptedModel, msg: Message) -> None:
         """PiSSA factors of ``W₀`` (computed once in :meth:`setup`) and base delta ``R_g − s B₀A₀``; the head."""

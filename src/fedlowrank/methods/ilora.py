@@ -147,11 +147,6 @@ class QRInitLoRA(LoRAMethod):
             msg.update({k: leading(k, v, r_k) for k, v in c.broadcast(server).items()})
         return msg
 
-    def reply_keys(self, down: Message, rnd: int) -> set[str]:
-        factors = self.factor_keys()
-        trained = factors + [k for k in down.tensors() if k.startswith("head/")]
-        return set(trained) | {key for c in self._corrections for key in c.upload_keys(factors)}
-
     def load_message(self, model: AdaptedModel, msg: Message, base: torch.Tensor | None = None) -> None:
         """Load ``<m>.lora_A/B`` as the trainable factors and rebuild the frozen base of every module.
 

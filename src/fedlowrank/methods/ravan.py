@@ -31,7 +31,8 @@ from ..schema import setting
 from ..seeding import torch_generator
 from ..training.corrections import fit_with_corrections, make_corrections
 from . import register
-from .base import Method, SetupInfo, correction_option, head_tensors, load_head, mu_option, on_host, weighted_sum
+from .base import (Method, SetupInfo, Upload, correction_option, head_tensors, load_head, mu_option, on_host, specs_of,
+                   weighted_sum)
 
 
 def core_key(name: str, head: int) -> str:
@@ -122,11 +123,13 @@ class Ravan(Method):
         msg["ravan.heads"] = self.trained_heads(client, rnd)
         return self.correction_broadcast(server, msg)
 
-    def reply_keys(self, down: Message, rnd: int) -> set[str]:
+    def upload_spec(self, down: Message, rnd: int) -> Upload:
+        """The cores ``<module>.ravan_H.<i>`` [r, r] of the heads this client trains (``ravan.heads``, with their scales
+        folded in) and the head, as sent, plus the corrections' uploads."""
         names = {k.split(".ravan_H.")[0] for k in down.tensors() if ".ravan_H." in k and "/" not in k}
         trained = [core_key(n, i) for n in names for i in down["ravan.heads"]]
         trained += [k for k in down.tensors() if k.startswith("head/")]
-        return set(trained) | self.correction_upload_keys(trained)
+        return self.with_corrections(down, specs_of(down, trained))
 
     def train(self, model, msg, state, trainer):
         self.load_global(model, msg)

@@ -62,7 +62,7 @@ from ..schema import setting, with_default
 from ..seeding import torch_generator
 from ..training.corrections import ClientCorrection
 from . import register
-from .base import Method, SetupInfo, head_tensors, load_head, on_host
+from .base import Method, SetupInfo, TensorSpec, Upload, head_tensors, load_head, on_host
 
 CONTROL_UPDATES = ("scaffold", "sample_mean")
 CONTROLS = ("full", "none")
@@ -277,6 +277,9 @@ class SubspaceMethod(Method):
         server = State({f"w/{n}": model.base_matrix(n).detach().clone() for n in self._layers})
         server.update({f"w/{k}": v for k, v in head_tensors(model).items()})
         self._keys = [k[2:] for k in server]
+        self._dy = {f"dy/{k}": TensorSpec((server[f"w/{k}"].shape[0], self._ranks[k]) if k in self._ranks
+                                          else tuple(server[f"w/{k}"].shape), server[f"w/{k}"].dtype)
+                    for k in self._keys}  # Yᵢ [out, r] per layer; the head's change
         # catch-up bookkeeping: model version, the version each client holds, retained increments
         server.update({"version": 0, "sync.last": [0] * info.num_clients, "sync.hist": []})
         longest = max(-(-self._dims[n] // self._ranks[n]) for n in self._layers)
@@ -367,11 +370,13 @@ class SubspaceMethod(Method):
                 msg[f"sync/{n}/full"] = server[f"w/{n}"]
         return msg
 
-    def reply_keys(self, down: Message, rnd: int) -> set[str]:
-        keys = {f"dy/{k}" for k in self._keys}
+    def upload_spec(self, down: Message, rnd: int) -> Upload:
+        """``dy/<layer>``: ``Yᵢ [out, r]``, ``dy/head/<p>``: the head's change; with ``uploads_gradients`` also
+        ``g/<key>``: ``ḡᵢ`` of each correction received, of its shape."""
+        specs = dict(self._dy)
         if self.uploads_gradients:
-            keys |= {f"g/{k[5:]}" for k in down if k.startswith("corr/")}
-        return keys
+            specs.update({f"g/{k[5:]}": TensorSpec.of(v) for k, v in down.tensors().items() if k.startswith("corr/")})
+        return specs
 
     def aggregate(self, server: State, replies: list[Reply], rnd: int) -> State:
         server = State(server)

@@ -2,7 +2,9 @@
 
 * ``"4bit"``: NF4 with blockwise absmax scales (block 64) and double quantisation of the scales, as in QLoRA
   (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", arXiv:2305.14314, §3); about 0.52 bytes per
-  weight. The matmul dequantises the weight to the input's dtype (bitsandbytes' ``matmul_4bit``).
+  weight. The matmul and its backward dequantise the weight straight into the input's dtype, the compute dtype
+  (``train.dtype``: bf16 under bf16, never through an fp32 copy of the weight; bitsandbytes' ``matmul_4bit`` with
+  the quantisation state's ``dtype`` set to it).
 * ``"8bit"``: LLM.int8()'s row-wise absmax int8 weights (Dettmers et al., arXiv:2208.07339, eq. 1–2) without the
   outlier decomposition (threshold 0); about 1 byte per weight.
 
@@ -58,7 +60,8 @@ class QuantizedLinear(nn.Linear):
 
     Attributes:
         mode: ``"4bit"`` or ``"8bit"``.
-        compute_dtype: the dtype of the original weight: what :attr:`weight` returns and the adapters use.
+        compute_dtype: the dtype :attr:`weight` returns and the 4-bit weight is dequantised into: the original
+            weight's until an input of another dtype arrives (``train.dtype``), then the inputs'.
         qweight: (4 bit) bitsandbytes' ``Params4bit`` (packed NF4 and its quantisation state).
         CB, SCB: (8 bit) buffers: int8 weight ``[out, in]`` and row scales ``[out]`` (``Ŵ = CB · SCB / 127``).
         bias: ``[out]`` frozen, or ``None``.
@@ -95,9 +98,17 @@ class QuantizedLinear(nn.Linear):
             w = self.CB.to(torch.float32) * (self.SCB.to(torch.float32)[:, None] / 127.0)
         return w.to(self.compute_dtype)
 
+    def compute_in(self, dtype: torch.dtype) -> None:
+        """Dequantise into ``dtype`` from now on (:attr:`weight`, the 4-bit matmul's backward)."""
+        self.compute_dtype = dtype
+        if self.mode == "4bit":
+            self.qweight.quant_state.dtype = dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import bitsandbytes as bnb
 
+        if x.dtype != self.compute_dtype:
+            self.compute_in(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.mode == "4bit":
             return bnb.matmul_4bit(x, self.qweight.t(), quant_state=self.qweight.quant_state, bias=bias)

@@ -34,6 +34,20 @@ def bytes_axis(ax, x_max: float, x_min: float) -> None:
     ax.tick_params(axis="x", which="both", labelsize=8)
 
 
+def chance_level(rows: list[dict[str, Any]]) -> float | None:
+    """The share of the test set in its most frequent class (the accuracy of always predicting it), from the
+    ``predictions`` of evaluated metrics rows; ``None`` when no row has them (not a classification task)."""
+    return next((r["predictions"]["majority_share"] for r in rows if r.get("predictions")), None)
+
+
+def with_round_zero(history: list[dict[str, Any]], initial: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """``history`` (metrics rows) led by a round-0 row of the model before training, ``initial`` (a run summary's
+    ``initial``): no train loss, no bytes sent yet. Unchanged without ``initial``."""
+    if not initial:
+        return list(history)
+    return [{"round": 0, "train_loss": float("nan"), "cum_bytes_up": 0, "cum_bytes_down": 0, **initial}, *history]
+
+
 def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] | None = None,
                           client_names: list[str] | None = None, what: str = "label") -> Path | None:
     """Stacked bars of each client's counts of each value split on (``what``: label, a column, clusters;
@@ -77,7 +91,8 @@ def run_figure(history: list[dict[str, Any]], metric: str, title: str = ""):
     ``history`` is the run's per-round rows (``metrics.jsonl``). Test values are drawn only at the rounds that
     were evaluated (a marker each, joined by a line); train loss at every round. ``metric`` (the task's metric,
     chosen by the caller) is drawn on a log scale when it is not ``accuracy`` and spans a factor of 10 or more
-    (e.g. ``rel_error``). A panel with nothing to draw says so instead of staying blank."""
+    (e.g. ``rel_error``); for accuracy a dotted line marks the chance level (:func:`chance_level`). The round axes
+    end at the last round. A panel with nothing to draw says so instead of staying blank."""
     plt = pyplot()
     if plt is None:
         return None
@@ -91,14 +106,20 @@ def run_figure(history: list[dict[str, Any]], metric: str, title: str = ""):
         x = [r["round"] for r in evaluated]
         y = np.array([r[metric] for r in evaluated], dtype=float)
         sent = [r["cum_bytes_up"] + r["cum_bytes_down"] for r in evaluated]
+        on_log = max(sent) > 0  # bytes on a log axis, without round 0's none (the vectorised runner sends none)
         log_y = metric != "accuracy" and bool(np.all(y > 0)) and y.max() >= 10 * y.min()
+        chance = chance_level(history) if metric == "accuracy" else None
         for (ax, xlabel, name), xs in zip(panels, (x, sent)):
-            ax.plot(xs, y, marker="o", markersize=3)
+            shown = [i for i, v in enumerate(xs) if ax is axes[0] or not on_log or v > 0]
+            ax.plot([xs[i] for i in shown], y[shown], marker="o", markersize=3, label=f"test {metric}")
+            if chance is not None:
+                ax.axhline(chance, color="0.4", linestyle=":", linewidth=1.0, label=f"chance level ({chance:.3f})")
+                ax.legend(fontsize=8)
             if log_y:
                 ax.set_yscale("log")
                 _readable_log_ticks(ax.yaxis)
-        if max(sent) > 0:  # the vectorised runner sends no messages
-            bytes_axis(axes[2], max(sent), min(sent))
+        if on_log:
+            bytes_axis(axes[2], max(sent), min(v for v in sent if v > 0))
     else:
         for ax, _, _ in panels:
             ax.text(0.5, 0.5, f"no test {metric} in this run", ha="center", va="center", transform=ax.transAxes)
@@ -119,6 +140,10 @@ def run_figure(history: list[dict[str, Any]], metric: str, title: str = ""):
         ax.grid(alpha=0.3)
     for ax in axes[:2]:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if rounds:
+            ax.set_xlim(min(0, rounds[0]), rounds[-1])  # ends at the last round
+        for artist in ax.lines:
+            artist.set_clip_on(False)  # the markers on the last round drawn whole
     if title:
         fig.suptitle(title)
     fig.tight_layout()

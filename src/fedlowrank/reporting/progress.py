@@ -81,7 +81,8 @@ def round_line(method: str, row: dict[str, Any], metrics: dict[str, float], roun
     tests = []
     if "loss" in metrics:
         tests.append(f"test loss {metrics['loss']:.4f}")
-    tests += [format_metric(k, v, counts) for k, v in metrics.items() if k != "loss"]
+    tests += [format_metric(k, v, counts) for k, v in metrics.items()
+              if k != "loss" and isinstance(v, (int, float))]  # not the predictions' summary
     if tests:
         parts.append(", ".join(tests))
     if len(row["replied"]) < len(row["clients"]):

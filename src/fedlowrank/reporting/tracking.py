@@ -27,6 +27,7 @@ TRACKERS = {
     "wandb": ("wandb", "wandb==0.31.0"),
     "mlflow": ("mlflow", "mlflow-skinny==3.17.2 sqlalchemy==2.1.9 alembic==1.20.1"),
 }
+TRACKER_FILES = {"tensorboard": ("tensorboard",), "wandb": ("wandb",), "mlflow": ("mlflow.db",)}  # in the run dir
 
 
 def row_scalars(row: dict[str, Any]) -> dict[str, float]:

@@ -32,12 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from ..message import State
 from ..serialization import FormatError
 
 FORMAT_VERSION = 2  # 1: run metadata in meta.json, unverified (refused)
 RECORD = "run.json"
 TENSOR_FILES = ("server.safetensors", "clients.safetensors")
+ROW_TIMES = ("client_compute", "aggregation", "evaluation", "other", "total")  # seconds in every history row
 
 
 class CheckpointError(RuntimeError):
@@ -96,16 +99,21 @@ def _flatten_clients(clients: dict[int, State]) -> State:
 
 
 def _unflatten_clients(flat: State) -> dict[int, State]:
+    """``{client: State}`` of the keys ``"<client>/<key>"``; :class:`ValueError` naming a key of another form."""
     out: dict[int, State] = {}
     for key, value in flat.items():
-        client, name = key.split("/", 1)
+        client, _, name = key.partition("/")
+        if not (client.isdigit() and name):
+            raise ValueError(f"key {key!r} is not <client>/<name>")
         out.setdefault(int(client), State())[name] = value
     return out
 
 
 def save_checkpoint(run_dir: Path, ck: Checkpoint, keep: int = 2) -> Path:
     """Write ``ck`` atomically; keep the newest ``keep`` checkpoints. Returns its folder."""
-    root = Path(run_dir) / "checkpoints"
+    from .rundir import own
+
+    root = own(Path(run_dir), "checkpoints")
     root.mkdir(parents=True, exist_ok=True)
     name = f"round-{ck.round:05d}"
     tmp = root / f".{name}.tmp-{os.getpid()}"
@@ -150,7 +158,7 @@ def checkpoint_folders(run_dir: Path) -> dict[int, Path]:
     if not root.is_dir():
         return {}
     return {int(p.name[6:]): p for p in root.iterdir()
-            if p.is_dir() and p.name.startswith("round-") and p.name[6:].isdigit()}
+            if p.is_dir() and not p.is_symlink() and p.name.startswith("round-") and p.name[6:].isdigit()}
 
 
 def latest_checkpoint(run_dir: Path) -> Path:
@@ -165,20 +173,56 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return path
 
 
-def _intact_rounds(folders: dict[int, Path]) -> list[int]:
+def check_history(path: Path, ck: Checkpoint, rounds: list[int]) -> None:
+    """:class:`CheckpointError` unless the history of the checkpoint ``path`` has a row for exactly ``rounds``
+    (those the run records up to the checkpoint's round)."""
+    got = [r["round"] for r in ck.history]
+    if got != rounds:
+        def show(xs: list[int]) -> str:
+            return str(xs) if len(xs) <= 4 else f"[{xs[0]}, {xs[1]}, ..., {xs[-1]}] ({len(xs)} rows)"
+
+        raise CheckpointError(f"checkpoint {path}: {RECORD}: the history holds rounds {show(got)}, the run records "
+                              f"{show(rounds)} up to round {ck.round}")
+
+
+def check_state(path: Path, state: State, initial: State) -> None:
+    """:class:`CheckpointError` unless the server ``state`` of the checkpoint ``path`` holds every entry of the
+    method's ``initial`` state as the same kind of value: a tensor of the same dtype and number of dimensions (the
+    sizes may change, e.g. with the rank), or a scalar. Entries the method adds later are allowed."""
+    for key, value in initial.items():
+        got = state.get(key)
+        if isinstance(value, torch.Tensor):
+            ok = isinstance(got, torch.Tensor) and got.dtype == value.dtype and got.dim() == value.dim()
+        else:
+            ok = key in state and not isinstance(got, torch.Tensor)
+        if not ok:
+            what = "missing" if key not in state else "of another kind, dtype or number of dimensions"
+            raise CheckpointError(f"checkpoint {path}: server.safetensors: entry {key!r} is {what} than the "
+                                  f"method's")
+
+
+def _load(path: Path, check: Callable[[Path, Checkpoint], None] | None) -> Checkpoint:
+    ck = load_checkpoint(path)
+    if check is not None:
+        check(path, ck)
+    return ck
+
+
+def _intact_rounds(folders: dict[int, Path], check=None) -> list[int]:
     intact = []
     for rnd in sorted(folders):
         try:
-            load_checkpoint(folders[rnd])
+            _load(folders[rnd], check)
         except CheckpointError:
             continue
         intact.append(rnd)
     return intact
 
 
-def find_checkpoint(run_dir: str | Path, round: int | None = None,
-                    warn: Callable[[str], None] | None = None) -> tuple[Path, Checkpoint]:
-    """The checkpoint to continue ``run_dir`` from, verified: ``(folder, checkpoint)``.
+def find_checkpoint(run_dir: str | Path, round: int | None = None, warn: Callable[[str], None] | None = None,
+                    check: Callable[[Path, Checkpoint], None] | None = None) -> tuple[Path, Checkpoint]:
+    """The checkpoint to continue ``run_dir`` from, verified (and passed by ``check``, which raises
+    :class:`CheckpointError` for a checkpoint that does not fit the run): ``(folder, checkpoint)``.
 
     With ``round``: that round's checkpoint; :class:`CheckpointError` listing the intact rounds when it is
     missing or damaged. Without: the one ``checkpoints/latest`` names; when that is damaged, or ``latest`` is
@@ -190,12 +234,12 @@ def find_checkpoint(run_dir: str | Path, round: int | None = None,
     if round is not None:
         if round in folders:
             try:
-                return folders[round], load_checkpoint(folders[round])
+                return folders[round], _load(folders[round], check)
             except CheckpointError as exc:
                 problem = str(exc)
         else:
             problem = f"{run_dir} has no checkpoint of round {round}"
-        intact = _intact_rounds(folders)
+        intact = _intact_rounds(folders, check)
         raise CheckpointError(f"{problem}; rounds with an intact checkpoint: "
                               f"{', '.join(map(str, intact)) if intact else 'none'}")
     if not folders:
@@ -210,7 +254,7 @@ def find_checkpoint(run_dir: str | Path, round: int | None = None,
         newest = max(folders)
     for rnd in sorted((r for r in folders if r <= newest), reverse=True):
         try:
-            ck = load_checkpoint(folders[rnd])
+            ck = _load(folders[rnd], check)
         except CheckpointError as exc:
             skipped.append(str(exc))
             continue
@@ -235,6 +279,9 @@ def _read_integrity(path: Path) -> dict[str, dict[str, Any]]:
         raise CheckpointError(f"checkpoint {path}: format {found!r}, expected {FORMAT_VERSION}"
                               + (" (written by an older fedlowrank, whose metadata cannot be verified)"
                                  if found == 1 else ""))
+    if set(meta) != {"format", "files"}:
+        raise CheckpointError(f"checkpoint {path}: meta.json holds other keys than format and files "
+                              f"({', '.join(sorted(set(meta) - {'format', 'files'}))})")
     files = meta.get("files")
     if not isinstance(files, dict) or not set(TENSOR_FILES + (RECORD,)) <= set(files):
         raise CheckpointError(f"checkpoint {path}: meta.json does not list {', '.join(TENSOR_FILES + (RECORD,))}")
@@ -267,8 +314,11 @@ def _check_record(path: Path, record: Any, files: dict[str, Any]) -> None:
     history, ledger = record["history"], record["ledger"]
     need(isinstance(history, list) and all(isinstance(r, dict) and _is_count(r.get("round")) for r in history),
          "history malformed")
+    need(all(isinstance(r.get("time"), dict) and all(type(r["time"].get(k)) in (int, float) for k in ROW_TIMES)
+             for r in history), f"a history row lacks its times ({', '.join(ROW_TIMES)})")
     rounds = [r["round"] for r in history]
     # one row per round, or per evaluated round (the vectorised runner): increasing, none beyond the checkpoint's
+    # (which rounds exactly, the runner says: checkpointing.read_run_checkpoint)
     need(rounds == sorted(set(rounds)) and all(r <= rnd for r in rounds),
          f"history rounds {rounds[:3]}... are not increasing up to {rnd}")
     need(isinstance(ledger, list) and all(
@@ -300,7 +350,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
     try:
         server = State.from_bytes(blobs["server.safetensors"])
         clients = _unflatten_clients(State.from_bytes(blobs["clients.safetensors"]))
-    except FormatError as exc:
+    except (FormatError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from exc
     spilled = {int(k): path / v for k, v in record["spilled"].items()}
     return Checkpoint(record["round"], record["method"], server, clients, record["history"], record["ledger"],
@@ -327,14 +377,21 @@ def restart_from(run_dir: Path, round: int, history: list[dict[str, Any]], ledge
     """Make ``run_dir`` continue from its checkpoint of ``round``: delete later checkpoints and the temporaries of
     writers that were killed, point ``latest`` at it, and rewrite ``metrics.jsonl`` and ``ledger.jsonl`` from the
     checkpoint's ``history`` and ``ledger``; when that drops rounds they held, ``warn`` gets one line saying so."""
-    from .rundir import remove_dead_temporaries
+    from .rundir import RunDirError, remove_dead_temporaries, remove_own
 
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
+    links = sorted(p.name for p in root.glob("round-*") if p.is_symlink())
+    if links:
+        raise CheckpointError(f"{root / links[0]} is a symbolic link, not a checkpoint this run wrote; move it out "
+                              f"of {root} to resume")
+    later = sorted(folder.name for rnd, folder in checkpoint_folders(run_dir).items() if rnd > round)
+    try:
+        remove_own(root, later)  # all or none
+    except RunDirError as exc:
+        raise CheckpointError(f"resuming after round {round} deletes the later checkpoints, but {exc}; make them "
+                              f"removable or move them out of {root}") from None
     remove_dead_temporaries(root)
-    for rnd, folder in checkpoint_folders(run_dir).items():
-        if rnd > round:
-            shutil.rmtree(folder)
     pointer = root / f".latest.tmp-{os.getpid()}"
     _fsync_write(pointer, f"round-{round:05d}".encode())
     os.replace(pointer, root / "latest")

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .checkpoint import Checkpoint, CheckpointError, config_fingerprint, find_checkpoint, save_checkpoint
+from .checkpoint import (Checkpoint, CheckpointError, checkpoint_folders, config_fingerprint, find_checkpoint,
+                         save_checkpoint)
 
 
 MAX_COST = 0.02  # the share of a run's time that checkpoints saved for run.checkpoint_seconds may take
@@ -62,19 +63,24 @@ class Checkpointer:
         return path
 
 
-def read_run_checkpoint(run_dir: str | Path, round: int | None = None,
-                        warn: Callable[[str], None] | None = None) -> tuple[Any, Checkpoint]:
+def read_run_checkpoint(run_dir: str | Path, round: int | None = None, warn: Callable[[str], None] | None = None,
+                        fits: Callable[[Any], Callable[[Path, Checkpoint], None]] | None = None
+                        ) -> tuple[Any, Checkpoint]:
     """``(config, checkpoint)`` of the run in ``run_dir``: its ``config.json`` and its newest intact checkpoint (or
     that of ``round``; ``warn`` gets a line when a damaged one is skipped), after checking that the checkpoint is
-    of that config. Reads only."""
+    of that config. ``fits(config)``: a check ``(folder, checkpoint)`` raising :class:`CheckpointError` when the
+    checkpoint does not fit the run (its history, its server state); such a checkpoint counts as damaged. Reads
+    only."""
     from ..config import ConfigError, from_dict
 
     run_dir = Path(run_dir)
-    path, ck = find_checkpoint(run_dir, round, warn)
+    if not checkpoint_folders(run_dir):
+        find_checkpoint(run_dir, round, warn)  # says that there is none
     try:
         cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
-    except (OSError, json.JSONDecodeError, ConfigError) as exc:
+    except (OSError, ValueError, ConfigError) as exc:
         raise CheckpointError(f"{run_dir}: config.json unreadable ({exc})") from exc
+    path, ck = find_checkpoint(run_dir, round, warn, None if fits is None else fits(cfg))
     if ck.method != cfg.method_name:
         raise CheckpointError(f"checkpoint {path} is of method {ck.method!r}, {run_dir / 'config.json'} says "
                               f"{cfg.method_name!r}: they are not of the same run")
@@ -95,4 +101,4 @@ def restore(run, ck: Checkpoint) -> None:
     run.history, run.ledger.rows = ck.history, ck.ledger
     metrics = run.task.metrics
     evals = [r for r in ck.history if any(k in r for k in metrics)]
-    run.last_eval = {k: v for k, v in evals[-1].items() if k in metrics} if evals else {}
+    run.last_eval = {k: v for k, v in evals[-1].items() if k in metrics or k == "predictions"} if evals else {}

@@ -14,7 +14,9 @@ steps are shared:
    into one batch (:meth:`Task.join_batches`: rows in member order, sequences padded), one forward runs through
    the shared backbone with every adapted target and the head routing member k's rows through member k's own
    modules (:meth:`AdaptedModel.routed`: the shared ``W0`` multiplies all rows at once, and LoRA's paths run as
-   products batched over the members when they have as many rows each), the members' losses come out together
+   products batched over the members when they have as many rows each, their factors slices of one tensor per
+   target and factor, :class:`~fedlowrank.adapters.lora.LoRAStack`, so that the backward fills one gradient
+   buffer for all members), the members' losses come out together
    (:meth:`Task.output_losses`), and one backward of ``Σₖ (lossₖ + correction termsₖ)`` puts each member's
    gradient on its own parameters. Then each member does what :meth:`LocalTrainer.fit` does after backward
    (:meth:`~fedlowrank.training.local.FitRun.final_gradients`): its gradient clipping, its corrections' ``grad``
@@ -50,10 +52,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ..adapters.lora import LoRAStack
 from ..adapters.model import AdaptedModel
-from ..device import measured_peak_bytes, module_device, optimizer_kernel, prepare_training, run_compiled
+from ..device import (can_checkpoint, local_step, measured_bytes, module_device, optimizer_kernel, prepare_training,
+                      run_compiled, set_checkpointing, stage_tensor)
 from ..message import Message, State
 from ..methods.base import Method
+from ..models.quantize import weight_bytes
 from ..seeding import derive_seed
 from ..training.local import FitResult, FitRun, LocalTrainer, OptimizerFactory, make_optimizer
 from .engine import client_update
@@ -65,7 +70,7 @@ def cohort_size(cfg, method: Method, task, model: AdaptedModel, device: torch.de
     """How many clients train together (``run.cohort`` resolved for ``device``), and why it is 1 when ``run.cohort``
     asked for more ("" otherwise). Automatic (``run.cohort = 0``): one on the CPU; on CUDA the most of a round's
     clients whose estimated peak (:func:`cohort_memory`) fits ``run.gpu_memory_fraction`` of the memory this
-    process can still use (:func:`largest_fitting_cohort`)."""
+    process can still use, with gradient checkpointing when that fits more (:func:`largest_fitting_cohort`)."""
     asked = cfg.run.cohort or (cfg.run.clients_per_round if device.type == "cuda" else 1)
     if asked == 1:
         return 1, ""
@@ -86,46 +91,63 @@ def cohort_size(cfg, method: Method, task, model: AdaptedModel, device: torch.de
 @dataclass
 class CohortMemory:
     """Estimated peak bytes of a cohort of ``k`` members: :meth:`resident` (the shared model as stored, each
-    member's own parameters and optimizer state) plus :meth:`step` (what a joint step allocates: a fixed part, each
-    member's gradients and its rows' activations at the longest padded length)."""
+    member's own parameters and optimizer state) plus :meth:`step` (what a joint step allocates at its peak: the
+    larger of its forward's peak and its backward's, each a fixed part plus a part per row, the backward's with
+    each member's gradients), with or without gradient checkpointing (``checkpointing``)."""
 
-    base: int         # the shared model's parameters and buffers, as stored (train.dtype)
+    base: int         # the shared model's parameters and buffers, as stored (train.dtype; 4/8-bit weights packed)
     own: int          # one member's own parameters (adapters, head), fp32
     slots: int        # optimizer state per parameter element (AdamW: 2)
-    fixed: float      # a step's allocations that do not grow with its rows (workspace, a chunk of logits)
-    per_row: float    # a step's activations per training row (at the task's longest padded length)
+    forward: tuple[float, float]   # (fixed, per row): the forward's peak (workspace, a chunk of logits, activations)
+    backward: tuple[float, float]  # (fixed, per row): the activations the forward left plus the backward's peak
     rows: float       # rows per member per step (train.batch_size; packed rows: Task.rows_per_step)
+    checkpointing: bool = False    # the probes ran with gradient checkpointing
 
     def resident(self, k: int) -> float:
         return self.base + k * self.own * (1 + self.slots)
 
     def step(self, k: int) -> float:
-        return self.fixed + k * (self.own + self.per_row * self.rows)
+        rows = k * self.rows
+        return max(self.forward[0] + self.forward[1] * rows, self.backward[0] + self.backward[1] * rows + k * self.own)
 
     def peak(self, k: int) -> float:
         return self.resident(k) + self.step(k)
 
+    def largest(self, budget: float, most: int) -> int:
+        """The largest cohort up to ``most`` whose :meth:`peak` fits ``budget`` bytes; at least 1."""
+        return max([k for k in range(1, most + 1) if self.peak(k) <= budget] or [1])
 
-def cohort_memory(cfg, task, model: AdaptedModel) -> CohortMemory:
+
+def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = None) -> CohortMemory:
     """:class:`CohortMemory` from the model's size and dtype (its tensors as training stores them,
-    :func:`~fedlowrank.device.prepare_training`), the trained parameters (adapters at their rank, head), the
-    optimizer, the batch size, and two probe steps (forward and backward, no optimizer) on the model's device of
-    1 and 3 rows of the task's longest padded batch (:meth:`~fedlowrank.tasks.base.Task.probe_batch`), whose
-    difference is the activations of 2 rows."""
+    :func:`~fedlowrank.device.prepare_training`; quantised weights at their packed size), the trained parameters
+    (adapters at their rank, head), the optimizer, the batch size, and two probe steps (forward and backward, no
+    optimizer, each phase's peak measured apart: which one is the step's peak can change with the rows, e.g. a
+    chunk of logits in the forward against a checkpointed layer's recomputation in the backward) on the model's
+    device of r and r + 2 rows of the task's longest padded batch (:meth:`~fedlowrank.tasks.base.Task.probe_batch`;
+    r from :meth:`~fedlowrank.tasks.base.Task.probe_rows`: enough rows for a full chunk of logits when a round's
+    joint batch fills one, so that the chunk is part of the fixed bytes and the estimate holds from r rows on,
+    above it for fewer), whose differences are what 2 rows add. The probes run with gradient checkpointing on or
+    off as ``checkpointing`` says (``None``: as the model is); the model is left as it was."""
     prepare_training(model, task, cfg)
     net, device = model.net, module_device(model.net)
     own = model.own_parameters()
     own_bytes = sum(p.numel() * 4 for p in own)
-    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in (*net.parameters(), *net.buffers())}
     was_training, requires = net.training, [p.requires_grad for p in own]
+    was_checkpointing = bool(getattr(net, "is_gradient_checkpointing", False))
+    checkpointing = was_checkpointing if checkpointing is None else checkpointing
 
-    def probe(rows: int) -> int:
+    def probe(rows: int) -> tuple[int, int]:
+        """(forward peak, backward peak above what was allocated before the forward) of ``rows`` rows."""
         batch = task.device_batch(task.probe_batch(rows), device)
+        out = {}
 
-        def step():
-            task.loss(net, batch).backward()
+        def forward():
+            out["loss"] = task.loss(net, batch)
         try:
-            return measured_peak_bytes(step, device)
+            forward_peak, held = measured_bytes(forward, device)
+            backward_peak, _ = measured_bytes(lambda: out.pop("loss").backward(), device)
+            return forward_peak, held + backward_peak
         finally:
             for p in own:
                 p.grad = None
@@ -133,30 +155,50 @@ def cohort_memory(cfg, task, model: AdaptedModel) -> CohortMemory:
     net.train()
     for p in own:
         p.requires_grad_(True)
+    set_checkpointing(net, checkpointing)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws: not the run's
-            one, three = probe(1), probe(3)
+            rows = task.probe_rows(cfg.run.clients_per_round * task.rows_per_step(cfg.train.batch_size))
+            small, large = probe(rows), probe(rows + 2)
     finally:
+        set_checkpointing(net, was_checkpointing)
         net.train(was_training)
         for p, r in zip(own, requires):
             p.requires_grad_(r)
-    per_row = max(three - one, 0) / 2
+
+    def line(phase: int, member_bytes: int) -> tuple[float, float]:
+        per_row = max(large[phase] - small[phase], 0) / 2
+        return max(small[phase] - rows * per_row - member_bytes, 0), per_row
+
     slots = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}[cfg.train.optimizer]
-    return CohortMemory(base=sum(tensors.values()), own=own_bytes, slots=slots, fixed=max(one - per_row - own_bytes, 0),
-                        per_row=per_row, rows=task.rows_per_step(cfg.train.batch_size))
+    return CohortMemory(base=weight_bytes(net), own=own_bytes, slots=slots, forward=line(0, 0),
+                        backward=line(1, own_bytes), rows=task.rows_per_step(cfg.train.batch_size),
+                        checkpointing=checkpointing)
 
 
 def largest_fitting_cohort(cfg, task, model: AdaptedModel, device: torch.device, most: int) -> int:
     """The largest cohort up to ``most`` whose estimated peak (:func:`cohort_memory`) fits ``run.gpu_memory_fraction``
     of the memory this process can use on ``device`` (free plus what torch's allocator already holds); at least 1.
-    Logs the choice in one line."""
-    memory = cohort_memory(cfg, task, model)
+    With ``train.gradient_checkpointing = "auto"`` (and a model that supports it) checkpointing is switched on
+    when that fits a larger cohort than without (a joint step of more members gains more than checkpointing's
+    recomputation costs), else left off. Logs the choice in one line."""
     free, _ = torch.cuda.mem_get_info(device)
     budget = cfg.run.gpu_memory_fraction * (free + torch.cuda.memory_reserved(device))
-    size = max([k for k in range(1, most + 1) if memory.peak(k) <= budget] or [1])
+    mode = cfg.train.gradient_checkpointing
+    choices = [False, True] if mode == "auto" and can_checkpoint(model.net) else [mode == "true"]
+    size, memory = 0, None
+    for checkpointing in choices:
+        estimate = cohort_memory(cfg, task, model, checkpointing)
+        fits = estimate.largest(budget, most)
+        if fits > size:
+            size, memory = fits, estimate
+        if size == most:
+            break
+    set_checkpointing(model.net, memory.checkpointing)
     log.info("run.cohort = 0: %d of %d clients train together (estimated peak %.2f GiB; budget %.2f GiB = "
-             "run.gpu_memory_fraction %.2f of the free memory)", size, most, memory.peak(size) / 2**30,
-             budget / 2**30, cfg.run.gpu_memory_fraction)
+             "run.gpu_memory_fraction %.2f of the free memory; gradient checkpointing %s)", size, most,
+             memory.peak(size) / 2**30, budget / 2**30, cfg.run.gpu_memory_fraction,
+             ("on" if memory.checkpointing else "off") + (" (auto)" if mode == "auto" else ""))
     return size
 
 
@@ -274,20 +316,40 @@ class JointFit:
         self.task, self.cfg = self.trainers[0].task, self.trainers[0].cfg
         torch.manual_seed(derive_seed(seed, "cohort-dropout", self.trainers[0].rnd, *(t.client for t in self.trainers)))
         self.runs = [FitRun(r.trainer, r.model, r.params, r.corrections, r.optimizer) for r in requests]
+        layers = ([r.model.net.get_submodule(name) for r in requests] for name in model.target_names)
+        self.stacks = [LoRAStack(members) for members in layers if LoRAStack.fits(members)]
         self.opt = joint_optimizer(self.runs)
         self.net = model.net
         self.net.train()
         self.device = module_device(self.net)
         self.steps = max(run.steps for run in self.runs)
         self.losses: list[tuple[list[int], torch.Tensor]] = []  # per step: the members that stepped, their losses
+        self.staged: dict[int, tuple] = {}  # step → its inputs on the device (stage)
+
+    def stage(self, step: int) -> None:
+        """Prepare joint step ``step``'s inputs on the host and start their move to the device, before the step:
+        the active members' next batches (:meth:`Task.device_batch`), joined (:meth:`Task.join_batches` of the
+        host batches), and the routing (:meth:`Routing.prepare`)."""
+        members = [i for i, run in enumerate(self.runs) if step < run.steps]
+        host = [next(self.runs[i].batches) for i in members]
+        joined, routing = self.task.join_batches(host)
+        routing.prepare(self.device, stage_tensor)
+        self.staged[step] = (members, [self.task.device_batch(b, self.device) for b in host],
+                             self.task.device_batch(joined, self.device), routing)
 
     def step(self, step: int) -> None:
-        """Joint step ``step`` (0-based) of the members that have steps left."""
-        members = [i for i, run in enumerate(self.runs) if step < run.steps]
+        """Joint step ``step`` (0-based) of the members that have steps left, on its staged inputs (:meth:`stage`;
+        staged now if it was not)."""
+        if step not in self.staged:
+            self.stage(step)
+        members, batches, joined, routing = self.staged.pop(step)
+        with local_step():
+            self._step(members, batches, joined, routing)
+
+    def _step(self, members: list[int], batches: list, joined, routing) -> None:
         active = [self.runs[i] for i in members]
-        batches = [run.next_batch() for run in active]
         self.zero_grad()
-        joined, routing = self.task.join_batches(batches)
+
         def forward_backward() -> torch.Tensor:
             with self.model.routed([run.model for run in active], routing):  # backward too: checkpointed layers
                 out = self.task.output(self.net, joined)
@@ -301,6 +363,8 @@ class JointFit:
             return losses
 
         losses = run_compiled(self.task.compiled_module(self.net), forward_backward, self.zero_grad)
+        for stack in self.stacks:
+            stack.hand_out_grads()
         self.losses.append((members, losses.detach()))
         for run in active:
             run.final_gradients()
@@ -312,6 +376,8 @@ class JointFit:
     def zero_grad(self) -> None:
         for opt in [self.opt] if self.opt is not None else [run.opt for run in self.runs]:
             opt.zero_grad(set_to_none=True)
+        for stack in self.stacks:
+            stack.zero_grad()
 
     def finish(self) -> list[FitResult]:
         """Each member's :class:`FitResult`; the step losses read from the device at once."""
@@ -323,6 +389,8 @@ class JointFit:
                 per_member[i].append(values[at])
                 at += 1
         self.net.eval()
+        for stack in self.stacks:
+            stack.release()
         return [run.finish(losses) for run, losses in zip(self.runs, per_member)]
 
 
@@ -349,6 +417,8 @@ def joint_fit(model: AdaptedModel, requests: list[FitRequest], seed: int,
     t0 = time.perf_counter()
     for step in range(fit.steps):
         fit.step(step)
+        if step + 1 < fit.steps:
+            fit.stage(step + 1)  # while the device still runs this step
         if on_step is not None:
             on_step(step + 1, fit.steps)
     elapsed = time.perf_counter() - t0

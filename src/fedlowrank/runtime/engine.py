@@ -9,11 +9,13 @@ with the same seeds produce the same global model:
 * :func:`wire` — what crosses the network: a message serialised and parsed back;
 * :func:`client_update` — one client's round: fresh base deltas, ``method.train``, the reply (the simulator's
   cohorts run several at once, :mod:`.cohort`);
-* :func:`check_reply` — whether the server may use a reply (shapes, dtypes, finiteness, size, keys).
+* :func:`check_reply` — whether the server may use a reply (shapes, dtypes, finiteness, size, keys);
+* :func:`pool` — the round of a method that trains on pooled data (``method.pooled``, a centralised reference).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -27,7 +29,7 @@ from ..methods.base import Method, SetupInfo
 from ..privacy.dpsgd import DPSGD
 from ..privacy.runtime import local_reply
 from ..seeding import numpy_rng, torch_generator
-from ..training.local import LocalTrainer
+from ..training.local import LocalTrainer, steps_per_round
 
 
 def setup_info(cfg, client_sizes: list[int]) -> SetupInfo:
@@ -44,6 +46,18 @@ def sample_clients(seed: int, rnd: int, num_clients: int, per_round: int) -> lis
     """K distinct clients for round ``rnd`` (sorted), uniformly without replacement, from the round's stream."""
     rng = numpy_rng(seed, "client-sampling", rnd)
     return np.sort(rng.choice(num_clients, size=per_round, replace=False)).tolist()
+
+
+def pool(cfg, data: dict[int, np.ndarray]):
+    """A pooled method's round (``method.pooled``): the round's clients' ``data`` (client -> example indices) as
+    one client, the first of them (whose streams it uses), holding all of it in client order, and the run config
+    whose local training takes the sum of their local steps (``train.local_steps``; ``train.local_epochs`` 0), so
+    that the pool trains on as many examples with as many steps as the clients would together.
+    Returns ``(client, {client: indices}, cfg)``."""
+    first = min(data)
+    steps = sum(steps_per_round(cfg.train, len(ix)) for ix in data.values())
+    train = dataclasses.replace(cfg.train, local_steps=steps, local_epochs=0.0)
+    return first, {first: np.concatenate([data[k] for k in sorted(data)])}, dataclasses.replace(cfg, train=train)
 
 
 def wire(msg: Message) -> Message:
@@ -77,9 +91,10 @@ def client_update(method: Method, model: AdaptedModel, msg: Message, state: Stat
 def check_reply(method: Method, down: Message, reply: Message, rnd: int, client_size: int | None = None) -> str | None:
     """Why ``reply`` must be rejected, or ``None`` if it is acceptable.
 
-    Checks: ``num_examples`` an int in ``[1, client_size]``; ``train_loss`` a finite number; every tensor of a
-    floating dtype finite; tensors named as in ``down`` keep their shape and dtype; the serialised size within
-    ``method.max_reply_bytes(down)``; the key set equal to ``method.reply_keys(down, rnd)`` when declared.
+    Checks: ``num_examples`` an int in ``[1, client_size]``; ``train_loss`` a finite number; the serialised size
+    within ``method.max_reply_bytes(down)``; the tensors exactly those the method declares for ``down``
+    (:meth:`~fedlowrank.methods.base.Method.upload_spec`, :meth:`~fedlowrank.methods.base.Method.chosen_upload_spec`):
+    none missing, none extra, each of its declared shape and dtype, and finite.
     """
     n = reply.get("num_examples")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (client_size is not None and n > client_size):
@@ -90,18 +105,19 @@ def check_reply(method: Method, down: Message, reply: Message, rnd: int, client_
     size, limit = reply.nbytes(), method.max_reply_bytes(down)
     if size > limit:
         return f"reply of {size} bytes exceeds the method's bound of {limit} bytes"
+    try:
+        expected = {**method.upload_spec(down, rnd), **method.chosen_upload_spec(down, reply)}
+    except ValueError as exc:
+        return str(exc)
     tensors = reply.tensors()
-    expected = method.reply_keys(down, rnd)
-    if expected is not None:
-        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        if missing:
-            return f"missing tensors: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
-        if unexpected:
-            return f"unexpected tensors: {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}"
-    for key, t in tensors.items():
-        ref = down.get(key)
-        if isinstance(ref, torch.Tensor) and (t.shape != ref.shape or t.dtype != ref.dtype):
-            return f"tensor {key!r} is {t.dtype} {tuple(t.shape)}, expected {ref.dtype} {tuple(ref.shape)}"
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    for what, keys in (("missing", sorted(expected.keys() - tensors.keys())),
+                       ("unexpected", sorted(tensors.keys() - expected.keys()))):
+        if keys:
+            return f"{what} tensors: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+    for key, t in sorted(tensors.items()):
+        spec = expected[key]
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            return f"tensor {key!r} is {t.dtype} {tuple(t.shape)}, expected {spec.dtype} {spec.shape}"
+        if not bool(torch.isfinite(t).all()):
             return f"tensor {key!r} has non-finite values"
     return None

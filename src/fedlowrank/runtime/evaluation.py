@@ -7,11 +7,17 @@ round's metric is their mean, and each evaluated client's metrics go to its ``pe
 every client with a state, or the first ``run.personal_eval_clients`` of them in a fixed order drawn from
 ``run.seed`` (the same every round). Without client states (the Flower server's run: they stay on the nodes)
 the global model is evaluated.
+
+A classification task's evaluation also says what the model predicted (``predictions``:
+:func:`fedlowrank.tasks.base.prediction_summary`). The global model has *collapsed* in a round when one class takes
+at least :data:`COLLAPSE_SHARE` of its test predictions (:func:`collapse_of`); the run says so in one line at the
+first such round (:func:`collapse_line`) and its summary records it (:func:`run_collapse`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +57,7 @@ class Evaluator:
                 with interruptible():
                     self.client_tests[k] = self.task.evaluate(self.model.net)
                 self.progress.eval_step()
-            rows = list(self.client_tests.values())
+            rows = [scalar_metrics(r) for r in self.client_tests.values()]
             return {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
         self.method.load_global(self.model, server)
         with interruptible(), self.progress.evaluating(self.model.net):
@@ -61,3 +67,40 @@ class Evaluator:
         """The per-client metrics of the last evaluation, once (a round's ``per_client`` entries take them)."""
         tests, self.client_tests = self.client_tests, {}
         return tests
+
+
+COLLAPSE_SHARE = 0.95
+"""A model predicting one class for at least this share of the test set has collapsed."""
+
+
+def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric metrics of an evaluation (without ``predictions``)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def collapse_of(row: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``{"round", "top_class", "top_label", "top_share", "majority_share"}`` when the evaluation in ``row`` (a
+    metrics row) predicted one class for at least :data:`COLLAPSE_SHARE` of the test set, else ``None``."""
+    pred = row.get("predictions")
+    if not pred or pred["top_share"] < COLLAPSE_SHARE:
+        return None
+    return {"round": row["round"], **{k: pred[k] for k in ("top_class", "top_label", "top_share", "majority_share")}}
+
+
+def run_collapse(history: list[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """A run's collapse (its first collapsed round, :func:`collapse_of`) with ``rounds``, every collapsed round,
+    and ``at_end``, whether its last evaluation is collapsed; ``None`` when no evaluation collapsed."""
+    evaluated = [r for r in history if r.get("predictions")]
+    rounds = [r["round"] for r in evaluated if collapse_of(r)]
+    if not rounds:
+        return None
+    first = next(collapse_of(r) for r in evaluated if r["round"] == rounds[0])
+    return {**first, "rounds": rounds, "at_end": rounds[-1] == evaluated[-1]["round"]}
+
+
+def collapse_line(collapse: Mapping[str, Any]) -> str:
+    """``collapse: round 3: the global model predicts class 'World' for 97.4 % of the test set (≥ 95 %; chance
+    level 25.0 %)``."""
+    return (f"collapse: round {collapse['round']}: the global model predicts class {collapse['top_label']!r} for "
+            f"{100 * collapse['top_share']:.1f} % of the test set (≥ {100 * COLLAPSE_SHARE:.0f} %; chance level "
+            f"{100 * collapse['majority_share']:.1f} %)")

@@ -4,13 +4,21 @@ Nothing a client sends may capture the global model. Each transform below maps t
 client) to the replies the method aggregates, like central DP (:func:`fedlowrank.privacy.runtime.central_replies`),
 which runs last:
 
-1. :func:`matching_replies` (with a robust aggregate or central DP, which combine the replies coordinate by
+1. :func:`outlying_replies` (``server.outlier_ratio`` = k, 10 by default; off when ``inf`` and under central DP,
+   whose clipping bounds every reply and whose accounting knows no rule that looks at the other replies): a reply
+   whose update norm per local step (each floating tensor minus what the client was sent,
+   :mod:`fedlowrank.privacy.mechanisms`, over the steps its ``num_examples`` gives: with ``train.local_epochs`` a
+   larger client takes more steps) exceeds k times the median of the round's *other* replies is rejected, with the
+   reason. A leave-one-out median, so that with two replies a huge one is measured against the honest one; it holds
+   while fewer than half of a round's replies are bad. A round's only reply has nothing to be measured against and is
+   kept.
+2. :func:`matching_replies` (with a robust aggregate or central DP, which combine the replies coordinate by
    coordinate): replies whose floating-point tensors differ in names, shapes or dtypes from the most common
    signature of the round are rejected, with the reason.
-2. :func:`bound_updates` (``server.update_clip`` = C, off when ``inf``): each reply's *update* (each floating tensor
+3. :func:`bound_updates` (``server.update_clip`` = C, off when ``inf``): each reply's *update* (each floating tensor
    minus what the client was sent, :mod:`fedlowrank.privacy.mechanisms`) is scaled to L2 norm at most C; a reply
    within the bound is left as it is, bit for bit.
-3. :func:`robust_replies` (``server.aggregate``): ``"median"`` (coordinate-wise median, Yin et al. 2018,
+4. :func:`robust_replies` (``server.aggregate``): ``"median"`` (coordinate-wise median, Yin et al. 2018,
    "Byzantine-Robust Distributed Learning", arXiv:1803.01498) or ``"trimmed-mean"`` (coordinate-wise mean after
    dropping the ⌊β·n⌋ largest and smallest values, β = ``server.trim_fraction``, same paper). Every reply's floating
    tensors are replaced by that value, so that a server step that is a weighted mean of the replies,
@@ -28,15 +36,44 @@ import math
 from collections import Counter
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..message import Message, Reply
-from ..privacy.mechanisms import clip_update, update_keys
+from ..privacy.mechanisms import clip_update, update_keys, update_norm
 from ..privacy.runtime import central_replies
+from ..training.local import steps_per_round
+
 
 def signature(reply: Message) -> tuple:
     """Names, shapes and dtypes of a reply's floating-point tensors."""
     return tuple((k, tuple(reply[k].shape), str(reply[k].dtype)) for k in update_keys(reply))
+
+
+def outlying_replies(replies: list[Reply], downs: dict[int, Message], ratio: float, train
+                     ) -> tuple[list[Reply], list[dict[str, Any]]]:
+    """``(kept, rejected)``: the replies whose update norm per local step (relative to ``downs[client]``, what each
+    was sent; steps from ``train``, the ``[train]`` config, and the reply's ``num_examples``) is at most ``ratio``
+    times the median of the round's other replies, and ``{"client", "reason"}`` for each other one. A lone reply
+    is kept."""
+    norms = [update_norm(r.message, downs[r.client]) / max(1, steps_per_round(train, r.num_examples))
+             for r in replies]
+    kept, rejected = [], []
+    for i, r in enumerate(replies):
+        others = norms[:i] + norms[i + 1:]
+        median = float(np.median(others)) if others else math.inf
+        if norms[i] > ratio * median:
+            rejected.append({"client": r.client, "reason": f"update norm per local step {norms[i]:.4g} exceeds "
+                             f"server.outlier_ratio = {ratio:g} times {median:.4g}, the median of the round's other "
+                             f"replies"})
+        else:
+            kept.append(r)
+    return kept, rejected
+
+
+def outlier_ratio(cfg) -> float:
+    """``server.outlier_ratio``, or ``inf`` (off) under central DP."""
+    return math.inf if cfg.privacy.mode == "central" else cfg.server.outlier_ratio
 
 
 def matching_replies(replies: list[Reply]) -> tuple[list[Reply], list[dict[str, Any]]]:
@@ -89,7 +126,7 @@ def robust_replies(replies: list[Reply], kind: str, trim_fraction: float) -> lis
 
 def server_replies(cfg, replies: list[Reply], downs: dict[int, Message], rnd: int,
                    history: list[dict[str, Any]]) -> tuple[list[Reply], dict[str, Any]]:
-    """The replies ``method.aggregate`` gets (steps 2–3 of the module docstring, then central DP), and the round
+    """The replies ``method.aggregate`` gets (steps 3–4 of the module docstring, then central DP), and the round
     row's entries about them (``robust``, ``privacy``)."""
     notes: dict[str, Any] = {}
     s = cfg.server

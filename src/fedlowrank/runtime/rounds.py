@@ -5,13 +5,15 @@ a :class:`RoundReplies`: for each sampled client, the bytes it was sent and sent
 reply is usable (:meth:`RoundReplies.receive` runs :func:`~.engine.check_reply`), rejected (with the reason) or
 missing (dropped, with the reason). :func:`close_round` then does the rest, identically for both:
 
-1. with a robust aggregate or central DP, rejects the replies whose tensors differ in shape from the round's
-   others (:func:`.robust.matching_replies`); logs each dropped client and each rejected reply with its reason;
+1. rejects the replies whose update is an outlier of the round's (:func:`.robust.outlying_replies`,
+   ``server.outlier_ratio``) and, with a robust aggregate or central DP, those whose tensors differ in shape from the
+   round's others (:func:`.robust.matching_replies`); logs each dropped client and each rejected reply with its reason;
 2. skips the round when fewer than ``run.min_replies`` replies are usable (the global state is not touched);
 3. otherwise transforms the replies on the server (:func:`.robust.server_replies`: ``server.update_clip``,
    ``server.aggregate``, central DP) and runs ``method.aggregate`` on them, sorted by client (sums in the same
    order everywhere);
-4. opens the round's metrics row (see :mod:`.simulator` for its keys).
+4. opens the round's metrics row (see :mod:`.simulator` for its keys); the ledger rows of a method that declares
+   that it does not communicate (``method.communicates``, a reference) count zero bytes.
 
 It changes nothing of the run: the :class:`RoundOutcome` (new server state, row, ledger rows, aggregated replies)
 is committed by :meth:`~.server_run.ServerRun.commit_round` once the round is evaluated.
@@ -19,6 +21,7 @@ is committed by :meth:`~.server_run.ServerRun.commit_round` once the round is ev
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -27,7 +30,7 @@ import numpy as np
 
 from ..message import Message, Reply, State
 from .engine import check_reply
-from .robust import matching_replies, needs_matching, server_replies
+from .robust import matching_replies, needs_matching, outlier_ratio, outlying_replies, server_replies
 from .run import Run
 
 Warn = Callable[[str], None]
@@ -109,6 +112,10 @@ def close_round(run: Run, got: RoundReplies, started: float, warn: Warn | None =
     say = warn or (lambda line: None)
     replies = sorted(got.usable, key=lambda r: r.client)
     rejected = list(got.rejected)
+    ratio = outlier_ratio(cfg)
+    if math.isfinite(ratio):
+        replies, outliers = outlying_replies(replies, got.downs, ratio, cfg.train)
+        rejected += outliers
     if needs_matching(cfg):
         replies, mismatched = matching_replies(replies)
         rejected += mismatched
@@ -118,6 +125,8 @@ def close_round(run: Run, got: RoundReplies, started: float, warn: Warn | None =
     for r in rejected:
         say(f"round {rnd}: rejected the reply of client {r['client']}: {r['reason']}")
     ledger = sorted(got.ledger, key=lambda r: r["client"])
+    if not run.method.communicates:  # a reference that trains where the data is: nothing crosses a network
+        ledger = [{**r, "down": 0, "up": 0} for r in ledger]
     sampled, server, aggregation = len(got.clients), None, 0.0
     notes: dict[str, Any] = {}
     if len(replies) < cfg.run.min_replies:

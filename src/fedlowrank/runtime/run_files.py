@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from ..reporting.plots import plot_label_histograms
 from ..tasks.partition import format_histograms, label_histograms
+from .rundir import own
 
 
 class RunFiles:
@@ -32,6 +33,7 @@ class RunFiles:
         """Write the start files of ``run`` (a :class:`~.run.Run`); ``log`` gets the per-client counts."""
         if self.path is None:
             return
+        own(self.path, "config.json", "partition.json", "metrics.jsonl", "ledger.jsonl")
         (self.path / "config.json").write_text(run.cfg.to_json())
         report: dict[str, Any] = {"task": run.task.describe(), "client_sizes": [len(p) for p in run.parts]}
         report.update(run.task.describe_partition(run.parts))
@@ -39,7 +41,7 @@ class RunFiles:
             hist = label_histograms(run.split.values, run.parts, len(run.split.names))
             report.update(split_on=run.split.what, split_names=run.split.names, label_histograms=hist.tolist())
             domains = report.get("client_domains")
-            plot_label_histograms(hist, self.path / "partition.png", run.split.names, domains, run.split.what)
+            plot_label_histograms(hist, own(self.path, "partition.png"), run.split.names, domains, run.split.what)
             if log is not None:
                 log(f"per-client counts of each {run.split.what}:\n"
                     + format_histograms(hist, run.split.names, domains))
@@ -59,7 +61,7 @@ class RunFiles:
         self._append("metrics.jsonl", [row])
         self._append("ledger.jsonl", ledger)
         if generations:
-            (self.path / f"generations-round{row['round']}.jsonl").write_text(
+            own(self.path, f"generations-round{row['round']}.jsonl").write_text(
                 "".join(json.dumps(g) + "\n" for g in generations))
 
     def rewrite(self, history: list[dict[str, Any]], ledger: list[dict[str, int]]) -> None:
@@ -71,4 +73,4 @@ class RunFiles:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.path is not None:
-            (self.path / "summary.json").write_text(json.dumps(summary, indent=1))
+            own(self.path, "summary.json").write_text(json.dumps(summary, indent=1))

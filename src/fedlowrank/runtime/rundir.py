@@ -1,44 +1,161 @@
-"""Run directories: one run per directory, never two at once, never mixed with an older run, and nothing of a
-refused command left behind.
+"""Run directories: one run per directory, never two at once, never mixed with an older run, nothing of a refused
+command left behind, and nothing deleted that a fedlowrank command did not make.
 
 * :func:`new_run_dir` creates a fresh directory ``<parent>/<stem>`` (``<stem>-2``, ``-3``, ... when taken; the
   ``mkdir`` itself decides, so two runs started in the same second get different directories);
 * :func:`check_run_dir` refuses what :func:`claim_run_dir` would, without changing anything;
-* :func:`claim_run_dir` locks a directory for a new run and refuses it when it already holds files, unless
-  ``overwrite`` is set: then the old run's files are deleted first (only in a run directory, below);
+* :func:`claim_run_dir` locks a directory for a new run (comparison, tuning) and refuses it when it already holds
+  files, unless ``overwrite`` is set: then the old run's own files are removed first (below);
 * :func:`lock_run_dir` locks a directory for a run that continues it (resume); :func:`continue_run_dir` does so for
-  ``compare``/``tune --resume``, claiming the directory when it is new.
+  ``compare``/``tune --resume``, claiming the directory when it is new;
+* :func:`own` records a name that a command writes in the directory it claimed.
 
-**What is a run directory.** One that holds :data:`RUN_MARKER`, written by :func:`claim_run_dir` once it has
-claimed the directory (it was empty, or a run directory already), or ``ledger.jsonl`` (a run written before the
-marker existed). ``--overwrite`` deletes the contents of such a directory only; any other non-empty directory is
-refused, and nothing is written into it. Neither a lock file nor a common name such as ``config.json`` (every
-Hugging Face model folder has one) is evidence.
+**Ownership.** A command that makes a directory its own writes the claim file :data:`CLAIM` into it: JSON holding
+the kind of output (``run``, ``compare``, ``tune``, ``export``), a random id, and ``own``, the names directly in the
+directory that the command wrote (recorded before each is written). No file name alone is evidence: a folder
+holding ``ledger.jsonl``, ``export.json`` or ``config.json`` but no valid claim is nobody's, and is never written
+into or deleted from. ``--overwrite`` removes the entries listed in ``own`` (an own directory, e.g.
+``checkpoints``, as a whole, symbolic links as links, never what they point to) and the sub-directories that hold a
+claim of their own whose entries are all theirs (a comparison's runs, an export inside a run); a directory holding
+any other entry, or a claim of another kind, is refused with the entry named and nothing changed. Before removing
+anything it checks that it can remove all of it: every own entry is first renamed into a temporary folder in the
+directory (undone when one rename fails), then that folder is deleted.
 
 **The lock** is ``fcntl.flock`` on ``<dir>/.lock``, which records the holder's PID. The holder deletes the file
 when it releases the lock; the kernel drops the lock itself when the holder's process ends (even by ``kill -9``),
 so a crashed run never leaves a stale lock (a ``.lock`` file left by one is ignored and replaced). Releasing also
-undoes what a holder made but never used: the marker when it is all the directory holds, and the directory (with
+undoes what a holder made but never used: the claim when it is all the directory holds, and the directory (with
 the parents it made) when the lock created it and it is empty.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
+import json
 import os
+import re
+import secrets
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 LOCK_FILE = ".lock"
-RUN_MARKER = ".fedlowrank-run"
-RUN_FILES = (RUN_MARKER, "ledger.jsonl")  # a directory holding one of these is a run's
-_OWN_FILES = (LOCK_FILE, RUN_MARKER)  # bookkeeping, not contents of the run
-_MARKER_TEXT = ("This directory holds a fedlowrank run (or comparison, or tuning). `fedlowrank run|compare|tune "
-                "--overwrite --out DIR` replaces everything in it.\n")
+CLAIM = ".fedlowrank-run"
+RUN_KINDS = ("run", "compare", "tune")  # what `run`, `compare` and `tune` claim; `export` claims "export"
+KINDS = (*RUN_KINDS, "export")
+_BOOKKEEPING = (LOCK_FILE, CLAIM)  # not contents of the run
+_NOTE = ("This directory is the output of a fedlowrank command. `--overwrite` removes only the entries listed in "
+         "`own` (and sub-directories holding a claim of their own); it refuses a directory holding anything else.")
 
 
 class RunDirError(ValueError):
     """A run directory cannot be used: it holds another run or other files, or another process is writing it."""
+
+
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, what: str):
+    """Turn a disk's error while the block writes into ``path`` (full, over quota, read-only, failing: an
+    ``OSError``, or a library's error quoting ``os error N``) into one :class:`RunDirError` naming ``path``
+    (``what`` says what it is, e.g. ``--out``)."""
+    try:
+        yield
+    except Exception as exc:
+        code = exc.errno if isinstance(exc, OSError) else None
+        if code is None:
+            found = re.search(r"\(os error (\d+)\)", str(exc))
+            code = int(found.group(1)) if found else None
+        if code not in DISK_ERRORS:
+            raise
+        where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
+        raise RunDirError(f"{what} {path}: {os.strerror(code)} while writing it{where}; free space on that disk "
+                          f"or choose another directory") from None
+
+
+@dataclass
+class Claim:
+    """A parsed, valid claim file: ``kind`` (one of :data:`KINDS`), ``id`` (32 hex digits), ``own`` (names)."""
+
+    kind: str
+    id: str
+    own: list[str]
+
+
+def _plain(name) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..", *_BOOKKEEPING) and "/" not in name and "\0" not in name
+
+
+def read_claim(folder: str | Path) -> Claim | None:
+    """The valid claim of ``folder`` (a regular file, not a link), or ``None`` when it has none or a malformed one."""
+    path = Path(folder) / CLAIM
+    try:
+        if path.is_symlink() or not path.is_file():
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(data, dict) and set(data) == {"fedlowrank", "kind", "id", "own"} and data["kind"] in KINDS
+            and isinstance(data["id"], str) and re.fullmatch(r"[0-9a-f]{32}", data["id"])
+            and isinstance(data["own"], list) and all(_plain(n) for n in data["own"])):
+        return None
+    return Claim(data["kind"], data["id"], list(data["own"]))
+
+
+def write_claim(folder: str | Path, claim: Claim) -> None:
+    """Write ``claim`` into ``folder`` atomically (a temporary file renamed over it)."""
+    folder = Path(folder)
+    tmp = folder / f".claim.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({"fedlowrank": _NOTE, "kind": claim.kind, "id": claim.id, "own": claim.own}, indent=1)
+                   + "\n", encoding="utf-8")
+    os.replace(tmp, folder / CLAIM)
+
+
+def new_claim(kind: str, own: list[str] | None = None) -> Claim:
+    return Claim(kind, secrets.token_hex(16), list(own or []))
+
+
+def own(folder: str | Path | None, *names: str) -> Path | None:
+    """Record ``names`` (entries directly in ``folder``) as written by the command that claimed ``folder``, before
+    it writes them; returns ``folder / names[0]``. A folder without a claim (no run directory) records nothing."""
+    if folder is None:
+        return None
+    folder = Path(folder)
+    claim = read_claim(folder)
+    if claim is not None:
+        new = [n for n in names if n not in claim.own]
+        if new:
+            claim.own.extend(new)
+            write_claim(folder, claim)
+    return folder / names[0] if names else folder
+
+
+def foreign_entries(folder: str | Path, kinds: tuple[str, ...] = KINDS) -> list[str]:
+    """The entries of ``folder`` that no fedlowrank command of ``kinds`` recorded as its own (everything, when it
+    holds no valid claim of those kinds); sub-directories holding a claim of their own are checked inside."""
+    folder = Path(folder)
+    claim = read_claim(folder)
+    if claim is None or claim.kind not in kinds:
+        return sorted(p.name for p in folder.iterdir())
+    names = sorted(p.name for p in folder.iterdir() if p.name not in _BOOKKEEPING)
+    out = []
+    for name in names:
+        entry = folder / name
+        nested = entry.is_dir() and not entry.is_symlink() and read_claim(entry) is not None
+        if nested:
+            out += [f"{name}/{n}" for n in foreign_entries(entry)]
+        elif name not in claim.own and not _dead_temporary(name):
+            out.append(name)
+    return out
+
+
+def _dead_temporary(name: str) -> bool:
+    """Whether ``name`` is a claim or overwrite temporary of this module whose writer is no longer alive."""
+    found = re.fullmatch(r"\.(?:claim|overwrite)\.tmp-(\d+)", name)
+    return found is not None and not _alive(int(found.group(1)))
 
 
 class RunDirLock:
@@ -55,7 +172,7 @@ class RunDirLock:
         return self._fd is not None
 
     def release(self) -> None:
-        """Drop the lock and delete the lock file; then remove the marker when it is all the directory holds, and
+        """Drop the lock and delete the lock file; then remove the claim when it is all the directory holds, and
         the directories the lock created when they are empty (what a refused or failed command made)."""
         if self._fd is None:
             return
@@ -72,10 +189,10 @@ class RunDirLock:
 
 
 def _tidy(path: Path, created: Path | None) -> None:
-    """Remove the marker when it is all ``path`` holds, then the empty directories that made ``path`` exist."""
+    """Remove the claim when it is all ``path`` holds, then the empty directories that made ``path`` exist."""
     try:
-        if [p.name for p in path.iterdir()] == [RUN_MARKER]:
-            (path / RUN_MARKER).unlink()
+        if [p.name for p in path.iterdir()] == [CLAIM] and read_claim(path) is not None:
+            (path / CLAIM).unlink()
     except OSError:
         pass
     remove_created_dirs(path, created)
@@ -116,7 +233,7 @@ def lock_run_dir(path: str | Path) -> RunDirLock:
     try:
         created = make_dirs(path)
         while True:
-            fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -141,81 +258,144 @@ def lock_run_dir(path: str | Path) -> RunDirLock:
 
 
 def is_run_dir(path: str | Path) -> bool:
-    """Whether ``path`` holds a fedlowrank run, comparison or tuning (one of :data:`RUN_FILES`)."""
-    return any((Path(path) / name).exists() for name in RUN_FILES)
+    """Whether ``path`` holds a valid claim of a fedlowrank run, comparison or tuning."""
+    claim = read_claim(path)
+    return claim is not None and claim.kind in RUN_KINDS
 
 
-def _old_run(path: Path, overwrite: bool, flag: str) -> list[str]:
-    """The names in ``path`` that an ``overwrite`` would delete; :class:`RunDirError` when ``path`` holds files and
-    ``overwrite`` is not set, or holds files but no run (``flag`` is how the user asks to overwrite)."""
-    if path.exists() and not path.is_dir():
-        raise RunDirError(f"run directory {path} is a file; choose a directory")
+def _old_run(path: Path, overwrite: bool, flag: str, kind: str, locked: bool = False) -> list[str]:
+    """The own entries of ``path`` that an ``overwrite`` would remove; :class:`RunDirError` when ``path`` holds
+    files and ``overwrite`` is not set, or holds files that no ``kind`` command recorded as its own (``flag`` is
+    how the user asks to overwrite)."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise RunDirError(f"run directory {path} is a file or a symbolic link; choose a directory")
     if not path.exists():
         return []
-    old = sorted(p.name for p in path.iterdir() if p.name not in _OWN_FILES)
+    old = _entries(path, locked)
     if old and not overwrite:
         shown = ", ".join(old[:4]) + (", ..." if len(old) > 4 else "")
         raise RunDirError(f"run directory {path} is not empty (holds {shown}); pass {flag} to replace "
                           f"its run, or choose another directory")
-    if old and not is_run_dir(path):
-        raise RunDirError(f"run directory {path} is not empty and holds no fedlowrank run (none of "
-                          f"{', '.join(RUN_FILES)}): not deleting it with {flag}; choose another directory")
+    claim = read_claim(path)
+    if old and (claim is None or claim.kind != kind):
+        what = "no fedlowrank claim" if claim is None else f"the output of `fedlowrank {claim.kind}`"
+        raise RunDirError(f"run directory {path} is not empty and holds no fedlowrank {kind} ({what} in {CLAIM}): "
+                          f"not deleting anything with {flag}; choose another directory")
+    foreign = foreign_entries(path, (kind,)) if old else []
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise RunDirError(f"run directory {path} holds {shown}, which no fedlowrank command wrote: not deleting "
+                          f"anything with {flag}; move {'it' if len(foreign) == 1 else 'them'} away or choose "
+                          f"another directory")
     return old
+
+
+def _entries(path: Path, locked: bool = False) -> list[str]:
+    """The names in the directory ``path``, without the lock and claim files when it holds a valid claim (without
+    the lock file when this process holds it: ``locked``)."""
+    names = sorted(p.name for p in path.iterdir() if not (locked and p.name == LOCK_FILE))
+    return [n for n in names if n not in _BOOKKEEPING] if read_claim(path) is not None else names
 
 
 def _check_runs_inside(path: Path) -> None:
     """Refuse when a run holds the lock of a sub-directory of ``path`` (e.g. one method of a comparison)."""
     for lock_file in path.glob(f"*/{LOCK_FILE}"):
-        lock_run_dir(lock_file.parent).release()
+        if not lock_file.parent.is_symlink():
+            lock_run_dir(lock_file.parent).release()
 
 
-def check_run_dir(path: str | Path, overwrite: bool = False, flag: str = "--overwrite") -> None:
+def _check_removable(path: Path, names: list[str]) -> None:
+    """:class:`RunDirError` naming the first folder under ``path/names`` whose entries this process may not remove."""
+    folders = [path] + [path / n for n in names if (path / n).is_dir() and not (path / n).is_symlink()]
+    for top in folders[1:]:
+        folders += [Path(d) for d, _, _ in os.walk(top) if Path(d) != top]
+    for folder in folders:
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise RunDirError(f"cannot remove the entries of {folder} (not writable); nothing was removed")
+
+
+def remove_own(path: Path, names: list[str]) -> None:
+    """Remove the entries ``names`` of ``path`` all or none: each is renamed into a temporary folder (renames are
+    undone when one fails), then that folder is deleted; links are removed, never followed. :class:`RunDirError`
+    (saying what cannot be removed) when one cannot be."""
+    if not names:
+        return
+    _check_removable(path, names)
+    trash = path / f".overwrite.tmp-{os.getpid()}"
+    trash.mkdir()
+    moved: list[str] = []
+    try:
+        for name in names:
+            os.rename(path / name, trash / name)
+            moved.append(name)
+    except OSError as exc:
+        for back in reversed(moved):
+            os.rename(trash / back, path / back)
+        trash.rmdir()
+        raise RunDirError(f"cannot remove {path / name} ({exc.strerror}); nothing was removed") from None
+    shutil.rmtree(trash, ignore_errors=True)  # what stays (a file made immutable inside) goes with the next claim
+
+
+def check_run_dir(path: str | Path, overwrite: bool = False, flag: str = "--overwrite", kind: str = "run") -> None:
     """Raise the :class:`RunDirError` that :func:`claim_run_dir` would, changing nothing (to refuse a run before
     it builds anything); ``flag`` is how the user asks to overwrite."""
     path = Path(path)
-    _old_run(path, overwrite, flag)
+    old = _old_run(path, overwrite, flag, kind)
     if path.is_dir():  # is a run writing it, or one inside it?
         lock_run_dir(path).release()
         _check_runs_inside(path)
+        if old:
+            try:
+                _check_removable(path, old)
+            except RunDirError as exc:
+                raise RunDirError(f"run directory {path}: {exc}; make it writable or choose another directory") \
+                    from None
 
 
-def claim_run_dir(path: str | Path, overwrite: bool = False, flag: str = "--overwrite") -> RunDirLock:
-    """Lock ``path`` for a new run and mark it as a run directory. A directory holding files is refused unless
-    ``overwrite``; with it, the old run's files are deleted (refused if the directory holds no fedlowrank run, or
-    a run is writing in it). Returns the lock; the caller releases it when the run ends."""
+def claim_run_dir(path: str | Path, overwrite: bool = False, flag: str = "--overwrite",
+                  kind: str = "run") -> RunDirLock:
+    """Lock ``path`` for a new output of ``kind`` (one of :data:`RUN_KINDS`) and claim it. A directory holding
+    files is refused unless ``overwrite``; with it, the old output's own entries are removed (refused when it holds
+    anything else, or a run is writing in it). Returns the lock; the caller releases it when the run ends."""
     path = Path(path)
-    _old_run(path, overwrite, flag)  # refuse before writing anything into the directory
+    _old_run(path, overwrite, flag, kind)  # refuse before writing anything into the directory
     lock = lock_run_dir(path)
     try:
-        old = _old_run(path, overwrite, flag)  # again under the lock: another claim may have come first
+        remove_dead_temporaries(path, "overwrite")
+        old = _old_run(path, overwrite, flag, kind, locked=True)  # again under the lock: another claim may have come first
         _check_runs_inside(path)
-        for name in old:
-            target = path / name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            else:
-                target.unlink()
-        (path / RUN_MARKER).write_text(_MARKER_TEXT)
+        try:
+            remove_own(path, old)
+        except RunDirError as exc:
+            raise RunDirError(f"run directory {path}: {exc}; make it removable or choose another directory") \
+                from None
+        write_claim(path, new_claim(kind))
     except BaseException:
         lock.release()
         raise
     return lock
 
 
-def continue_run_dir(path: str | Path, flag: str = "--resume") -> RunDirLock:
+def continue_run_dir(path: str | Path, flag: str = "--resume", kind: str = "compare") -> RunDirLock:
     """Lock ``path`` to continue the runs in it (``compare``/``tune --resume``): claimed when it is absent or
-    empty; refused when it holds other files than a run or run directories (e.g. runs of separate processes moved
-    into it: the directory is then marked as a run directory), or another process writes it."""
+    empty; refused when it holds anything no fedlowrank ``kind`` command wrote, unless it holds only run
+    directories (runs of separate processes moved into it: the directory is then claimed with them as its own), or
+    when another process writes it."""
     path = Path(path)
-    entries = [p for p in path.iterdir() if p.name not in _OWN_FILES] if path.is_dir() else []
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise RunDirError(f"run directory {path} is a file or a symbolic link; choose a directory")
+    entries = [path / n for n in _entries(path)] if path.is_dir() else []
     if not entries:
-        return claim_run_dir(path)
-    if not (is_run_dir(path) or all(is_run_dir(p) for p in entries)):
-        raise RunDirError(f"run directory {path} holds neither a fedlowrank run (none of {', '.join(RUN_FILES)}) "
-                          f"nor only run directories: nothing to continue with {flag}; choose another directory")
+        return claim_run_dir(path, kind=kind)
+    claim = read_claim(path)
+    runs_only = claim is None and all(p.is_dir() and not p.is_symlink() and is_run_dir(p) for p in entries)
+    if not runs_only and (claim is None or claim.kind != kind or foreign_entries(path, (kind,))):
+        raise RunDirError(f"run directory {path} holds neither a fedlowrank {kind} nor only run directories "
+                          f"(no valid {CLAIM} listing what it holds): nothing to continue with {flag}; choose "
+                          f"another directory")
     lock = lock_run_dir(path)
-    if not (path / RUN_MARKER).exists():
-        (path / RUN_MARKER).write_text(_MARKER_TEXT)
+    if runs_only:
+        write_claim(path, new_claim(kind, sorted(p.name for p in entries)))
     return lock
 
 

@@ -12,8 +12,9 @@ checkpoints (:mod:`.checkpointing`), the experiment tracker (:mod:`.tracker`) an
 * :meth:`ServerRun.commit_round` — the round becomes the run's: server state, client states, ledger, history,
   files, tracker, divergence check, checkpoint, progress line.
 
-:meth:`ServerRun.run` is the loop of the in-process runners (the simulator, the vectorised runner): their
-``run_round`` until the last round, stopping cleanly on SIGINT or SIGTERM (:mod:`.stopping`); :meth:`ServerRun.resume`
+:meth:`ServerRun.run` is the loop of the in-process runners (the simulator, the vectorised runner): a fresh run's
+model evaluated before training (round 0, :meth:`ServerRun.evaluate_initial`), then their ``run_round`` until the
+last round, stopping cleanly on SIGINT or SIGTERM (:mod:`.stopping`); :meth:`ServerRun.resume`
 continues a run from its checkpoint.
 """
 
@@ -28,17 +29,18 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..device import release_compiled
 from ..message import State
 from ..privacy.runtime import accounting
 from ..reporting.progress import Progress
 from ..reporting.tracking import require_package
-from .checkpoint import restart_from
+from .checkpoint import ROW_TIMES, check_history, check_state, restart_from
 from .checkpointing import Checkpointer, read_run_checkpoint, restore
-from .evaluation import Evaluator
+from .evaluation import Evaluator, collapse_line, collapse_of, run_collapse, scalar_metrics
 from .rounds import RoundOutcome, RoundReplies, Warn, client_rows, close_round
 from .run import DivergenceError, Run, peak_rss_mb
 from .run_files import RunFiles
-from .rundir import check_run_dir, claim_run_dir, lock_run_dir
+from .rundir import RunDirError, check_run_dir, claim_run_dir, lock_run_dir, read_claim
 from .stopping import StopRequested, check_stop, stop_signals
 from .store import ClientStore
 from .tracker import RunTracker
@@ -63,6 +65,7 @@ class ServerRun(Run):
         super().__init__(**{f.name: getattr(run, f.name) for f in fields(Run)})
         cfg = self.cfg
         self.client_states = client_states
+        self.initial_eval: dict[str, Any] = {}  # round 0, before training (:meth:`evaluate_initial`)
         self.store = ClientStore(cfg.run.state_memory_mb, None if run_dir is None else Path(run_dir) / "client_states")
         self.progress = Progress(log, self.method.name, cfg.run.rounds, counts=self.task.metric_counts)
         self.log = self.progress.write if log is not None else None
@@ -148,15 +151,18 @@ class ServerRun(Run):
         if self.checkpoints.due(self.round):
             self.save_checkpoint()
         self.progress.round_end(row, metrics, rounds)
+        if collapse_of(row) and not any(collapse_of(r) for r in self.history[:-1]):
+            self.warn(collapse_line(collapse_of(row)))
 
     def check_divergence(self, row: dict[str, Any]) -> None:
-        """Stop on a non-finite global parameter, a round whose every reply was non-finite, or a metric bound."""
+        """Stop on a non-finite global parameter, a round whose every reply was non-finite (from two clients or
+        more: one client's bad reply is that node's, not the run's), or a metric bound."""
         name, rnd = self.method.name, row["round"]
         bad = [k for k, v in self.server.tensors().items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
         if bad:
             raise DivergenceError(f"round {rnd}: method {name!r}: non-finite global parameter {bad[0]!r}")
         rejected = row.get("rejected", [])
-        if rejected and not row["replied"] and all("finite" in r["reason"] for r in rejected):
+        if len(rejected) > 1 and not row["replied"] and all("finite" in r["reason"] for r in rejected):
             raise DivergenceError(f"round {rnd}: method {name!r}: every client's training diverged "
                                   f"({rejected[0]['reason']})")
         bound_key = self.cfg.run.stop_metric
@@ -180,9 +186,12 @@ class ServerRun(Run):
         try:
             with stop_signals():
                 try:
+                    if self.round == 0 and not self.initial_eval:
+                        self.evaluate_initial()
                     while not self.done():
                         check_stop()
                         self.run_round()
+                    check_stop()  # one held through the last round's checkpoint stops the caller too
                 except StopRequested:
                     if self.run_dir is not None and self.checkpoints.saved_round != self.round:
                         self.save_checkpoint()
@@ -201,23 +210,48 @@ class ServerRun(Run):
         mean over the evaluated clients of their own models'."""
         return self.evaluator.evaluate(self.server, self.store)
 
+    def evaluate_initial(self) -> None:
+        """Round 0: the model before training on the test set (:attr:`initial_eval`, the summary's ``initial``)."""
+        self.initial_eval = self.evaluate()
+        if self.log is not None:
+            self.log(f"[{self.method.name}] before training (round 0): " + ", ".join(
+                f"{k} {v:.4g}" for k, v in scalar_metrics(self.initial_eval).items()))
+
     def save_checkpoint(self) -> Path:
         return self.checkpoints.save(self)
 
     def summary(self) -> dict[str, Any]:
         """The run's summary (also ``summary.json``): method, rounds, bytes, time by part, peak memory, the last
-        evaluation's metrics, ``epsilon`` under DP, ``best_accuracy``."""
-        times = {k: sum(r["time"][k] for r in self.history) for k in ("client_compute", "aggregation", "evaluation", "other", "total")}
+        evaluation's metrics, ``initial`` (round 0: the model before training, when this process ran it), ``epsilon``
+        under DP, ``best_accuracy``, ``collapse`` when the global model collapsed
+        (:func:`~.evaluation.run_collapse`)."""
+        times = {k: sum(r["time"][k] for r in self.history) for k in ROW_TIMES}
         out = {"method": self.method.name, "rounds": self.round, "bytes_up": self.ledger.total_up,
                "bytes_down": self.ledger.total_down, "time": times, "peak_rss_mb": peak_rss_mb()}
         out.update(self.last_eval)
+        if self.initial_eval:
+            out["initial"] = self.initial_eval
         if self.history and "epsilon" in self.history[-1]:
             out["epsilon"] = self.history[-1]["epsilon"]
+        collapse = run_collapse(self.history)
+        if collapse:
+            out["collapse"] = collapse
         accuracies = [r["accuracy"] for r in self.history if "accuracy" in r]
         if accuracies:
             out["best_accuracy"] = max(accuracies)
         self.files.write_summary(out)
         return out
+
+    def history_rounds(self, rnd: int) -> list[int]:
+        """The rounds of the metrics rows this runner records up to round ``rnd``: every round."""
+        return list(range(1, rnd + 1))
+
+    def check_checkpoint(self, path: Path, ck) -> None:
+        """:class:`~.checkpoint.CheckpointError` when checkpoint ``ck`` (of folder ``path``) does not fit this run:
+        its history rows are not those of :meth:`history_rounds`, or its server state lacks an entry of the
+        method's (:func:`~.checkpoint.check_state`)."""
+        check_history(path, ck, self.history_rounds(ck.round))
+        check_state(path, ck.server, self.server)
 
     @classmethod
     def from_checkpoint(cls, run_dir: str | Path, task=None, log: Callable[[str], None] | None = None,
@@ -226,10 +260,15 @@ class ServerRun(Run):
         checkpoint is of the directory's ``config.json``. Reads only: nothing in ``run_dir`` is written.
         ``warn`` (default ``log``) gets a line when a damaged checkpoint is skipped. For the runners built as
         ``cls(cfg, task=..., log=...)`` (:class:`~.simulator.Simulation`, :class:`~.vectorized.Vectorized`)."""
-        cfg, ck = read_run_checkpoint(run_dir, round, warn or log)
-        run = cls(cfg, task=task, log=log)
-        restore(run, ck)
-        return run
+        built = []
+
+        def fits(cfg):
+            built.append(cls(cfg, task=task, log=log))
+            return built[0].check_checkpoint
+
+        _, ck = read_run_checkpoint(run_dir, round, warn or log, fits)
+        restore(built[0], ck)
+        return built[0]
 
     @classmethod
     def resume(cls, run_dir: str | Path, task=None, log: Callable[[str], None] | None = None,
@@ -238,6 +277,11 @@ class ServerRun(Run):
         ``round``), ready to continue, holding the directory's lock; ``metrics.jsonl`` and ``ledger.jsonl`` are
         cut back to the checkpoint's round (saying so when that drops rounds) and later checkpoints deleted
         (:func:`~.checkpoint.restart_from`)."""
+        claim = read_claim(run_dir) if Path(run_dir).is_dir() else None
+        if Path(run_dir).is_dir() and (claim is None or claim.kind != "run"):
+            what = "no valid claim file" if claim is None else f"the output of `fedlowrank {claim.kind}`"
+            raise RunDirError(f"{run_dir} holds no fedlowrank run ({what}): nothing to resume, and nothing is "
+                              f"written into it")
         lock = lock_run_dir(run_dir) if Path(run_dir).is_dir() else None
         try:
             run = cls.from_checkpoint(run_dir, task, log, round, warn)
@@ -256,7 +300,9 @@ class ServerRun(Run):
 
     def close(self) -> None:
         """Close the progress bars and the tracker (a later round reopens the tracker) and release the run
-        directory's lock (nothing is written to it after this)."""
+        directory's lock (nothing is written to it after this); compiled modules are released
+        (:func:`~fedlowrank.device.release_compiled`)."""
+        release_compiled(self.model)
         self.progress.close()
         self.tracker.close()
         if self._lock is not None:

@@ -7,7 +7,9 @@ reply transforms, ``method.aggregate``), the evaluation every ``run.eval_every``
 (:meth:`~.server_run.ServerRun.commit_round`). Memory grows with the
 clients' small states, never with model copies. With ``run.cohort`` > 1 (by default on CUDA) the sampled clients
 go in groups of that many: broadcasts, then their local training together (:mod:`.cohort`; each member's model
-shares the frozen backbone), then each reply in client order as above.
+shares the frozen backbone), then each reply in client order as above. A pooled method (``method.pooled``, the
+centralised reference) trains one client per round, holding the sampled clients' pooled data
+(:func:`~.engine.pool`).
 
 A run directory holds ``config.json`` (resolved), ``partition.json`` (per-client label histograms),
 ``metrics.jsonl`` (a row per round: metrics, bytes, time breakdown, ``per_client``), ``ledger.jsonl`` (a row per client
@@ -20,7 +22,8 @@ while a run writes it (:mod:`.rundir`); ``resume`` checks that the checkpoint is
 
 A metrics row: ``round``, ``clients`` (sampled), ``replied`` (used), ``train_loss`` (mean over the used
 replies), the test metrics when the round was evaluated (``accuracy``, ``loss``; for personalised methods the
-mean over the clients' own models), ``bytes_up``/``bytes_down`` (this round), ``cum_bytes_up``/
+mean over the clients' own models; a classification task's evaluation of the global model adds ``predictions``:
+the most-predicted class, its share of the test set, the per-class recall, the chance level), ``bytes_up``/``bytes_down`` (this round), ``cum_bytes_up``/
 ``cum_bytes_down``, ``time`` (``client_compute``, ``aggregation``, ``evaluation``, ``other``, ``total``, in
 seconds), ``peak_rss_mb``, optional ``dropped``, ``rejected``, ``skipped``, ``diagnostics``, ``privacy``, ``robust``
 (``server.update_clip``, ``server.aggregate``: :mod:`.robust`), and ``per_client``:
@@ -44,11 +47,12 @@ from typing import Any, Callable
 import numpy as np
 
 from ..adapters.model import AdaptedModel
+from ..device import compile_decision
 from ..message import Message, State
 from ..seeding import numpy_rng
 from ..tasks import Task
 from .cohort import cohort_size, cohort_update
-from .engine import client_update, sample_clients, wire
+from .engine import client_update, pool, sample_clients, wire
 from .rounds import RoundReplies
 from .run import DivergenceError, Ledger, build_run, peak_rss_mb
 from .server_run import ServerRun
@@ -87,6 +91,8 @@ class Simulation(ServerRun):
         self.check(cfg, run_dir, overwrite)  # refuse before building anything
         super().__init__(build_run(cfg, task, parts), run_dir, log, overwrite, log_partition)
         self.tamper = tamper
+        if self.log and (self.device.type == "cuda" or self.cfg.run.compile != "auto"):  # the CPU: always eager
+            self.log(compile_decision(self.cfg, self.task, self.device)[1])
         self._cohort: int | None = None  # clients trained together (run.cohort resolved at the first round)
         self._views: list[AdaptedModel] = []  # the cohort members' models (shared frozen backbone)
 
@@ -115,19 +121,20 @@ class Simulation(ServerRun):
                          f"a time")
         return self._cohort
 
-    def train_clients(self, rnd: int, sent: list[tuple[int, int, Message, State]]) -> list[tuple[Message, State, Any]]:
-        """``(reply, new state, trainer)`` of each client in ``sent``: alone on the model, or as a cohort, each
-        member on its own :meth:`~fedlowrank.adapters.model.AdaptedModel.shared_copy` of it (made once, reused)."""
+    def train_clients(self, rnd: int, sent: list[tuple[int, int, Message, State]], data: dict[int, np.ndarray],
+                      cfg) -> list[tuple[Message, State, Any]]:
+        """``(reply, new state, trainer)`` of each client in ``sent`` (``data``: its example indices; ``cfg``: the
+        round's config): alone on the model, or as a cohort, each member on its own
+        :meth:`~fedlowrank.adapters.model.AdaptedModel.shared_copy` of it (made once, reused)."""
         clients = [k for k, *_ in sent]
         on_step = self.progress.client_start(clients[0] if len(clients) == 1 else clients)
         if len(sent) == 1:
             k, _, down, state = sent[0]
-            return [client_update(self.method, self.model, down, state, self.task, self.parts[k], self.cfg, k, rnd,
-                                  on_step)]
+            return [client_update(self.method, self.model, down, state, self.task, data[k], cfg, k, rnd, on_step)]
         while len(self._views) < len(sent):
             self._views.append(self.model.shared_copy())
         return cohort_update(self.method, self.model, self._views[:len(sent)], [down for _, _, down, _ in sent],
-                             [state for *_, state in sent], self.task, [self.parts[k] for k in clients], self.cfg,
+                             [state for *_, state in sent], self.task, [data[k] for k in clients], cfg,
                              clients, rnd, on_step)
 
     # -- rounds --------------------------------------------------------------------------------------
@@ -136,6 +143,10 @@ class Simulation(ServerRun):
         cfg, rnd = self.cfg, self.round + 1
         started = time.perf_counter()
         clients = sample_clients(cfg.run.seed, rnd, cfg.partition.num_clients, cfg.run.clients_per_round)
+        data = {k: self.parts[k] for k in clients}
+        if self.method.pooled:  # one model on the pooled data of the round's clients, for their steps
+            first, data, cfg = pool(cfg, data)
+            clients = [first]
         dropped = self.dropped_clients(rnd, clients)
         got = RoundReplies(rnd, clients)
         new_states: dict[int, State] = {}  # committed only when the round is aggregated
@@ -148,7 +159,7 @@ class Simulation(ServerRun):
                 state = self.store.get(k)
                 sent.append((k, msg.nbytes(), wire(msg), self.method.init_client(k) if state is None else state))
             with interruptible():
-                trained = self.train_clients(rnd, sent)
+                trained = self.train_clients(rnd, sent, data, cfg)
             for (k, down_bytes, down, _), (reply, new_state, trainer) in zip(sent, trained):
                 got.compute += trainer.compute_seconds
                 self.progress.client_done()
@@ -157,8 +168,10 @@ class Simulation(ServerRun):
                     continue
                 if self.tamper is not None:
                     reply = self.tamper(rnd, k, reply)
-                if got.receive(self.method, k, down, wire(reply), len(self.parts[k]), reply.nbytes()):
+                if got.receive(self.method, k, down, wire(reply), len(data[k]), reply.nbytes()):
                     new_states[k] = new_state
         outcome = self.close_round(got, started)
+        used = {r.client for r in outcome.replies}  # a reply rejected in close_round leaves its client's state
+        new_states = {k: state for k, state in new_states.items() if k in used}
         metrics, evaluation = self.evaluate_round(outcome, new_states)
         return self.commit_round(outcome, metrics, evaluation, new_states)

@@ -6,7 +6,8 @@ has finished changing its state (broadcasts, aggregation, committing a round, wr
 that arrives there is held until the next :func:`interruptible` or :func:`check_stop`). So it always stops in a
 consistent state, the one after its last finished round: the loop saves that state as a checkpoint and raises
 :class:`StopRequested`, which the command line turns into one line saying how to resume, and the exit status
-128 + the signal's number (130 for SIGINT, 143 for SIGTERM).
+128 + the signal's number (130 for SIGINT, 143 for SIGTERM). A signal held through the last round's checkpoint
+stops the run there too, before its summary: the caller (``compare``, ``tune``) must not go on to its next run.
 
 Outside :func:`stop_signals` (or in another thread) nothing changes: SIGINT raises ``KeyboardInterrupt`` as usual.
 A signal ignored when the run starts stays ignored (a job that a script starts with ``&`` ignores SIGINT, for one):

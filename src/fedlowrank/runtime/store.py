@@ -21,6 +21,7 @@ from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 
 from ..message import State
+from .rundir import own
 
 
 def state_bytes(state: State) -> int:
@@ -55,8 +56,10 @@ class ClientStore(MutableMapping):
             if self._folder is None:
                 self._folder = Path(tempfile.mkdtemp(prefix="fedlowrank-states-"))
                 self._cleanup = weakref.finalize(self, shutil.rmtree, self._folder, True)
-            elif self._folder.exists():
-                shutil.rmtree(self._folder)
+            else:
+                own(self._folder.parent, self._folder.name)
+                if self._folder.exists():
+                    shutil.rmtree(self._folder)
             self._folder.mkdir(parents=True, exist_ok=True)
             self._ready = True
         return self._folder

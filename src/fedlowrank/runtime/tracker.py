@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..reporting.tracking import open_tracker
+from ..reporting.tracking import TRACKER_FILES, open_tracker
+from .rundir import own
 
 
 class RunTracker:
@@ -25,6 +26,7 @@ class RunTracker:
         if not self.on:
             return
         if self._tracker is None:
+            own(self.run_dir, *TRACKER_FILES[self.cfg.run.tracking])
             self._tracker = open_tracker(self.cfg, self.run_dir)
         self._tracker.log(row)
 

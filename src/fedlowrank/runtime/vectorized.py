@@ -202,6 +202,10 @@ class Vectorized(ServerRun):
         if self.evaluator.due(rnd):
             self.record_block(clients)
 
+    def history_rounds(self, rnd: int) -> list[int]:
+        """The evaluated rounds up to ``rnd``: one row each."""
+        return [r for r in range(1, rnd + 1) if self.evaluator.due(r)]
+
     def record_block(self, clients: list[int]) -> None:
         """Evaluate, and record the row of the rounds since the last row; a divergence stops the run."""
         count, compute, start = self._block

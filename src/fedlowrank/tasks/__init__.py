@@ -79,5 +79,12 @@ def higher_is_better(metric: str) -> bool:
     return any(metric in cls.maximize for cls in available_tasks().values())
 
 
-__all__ = ["Task", "available_tasks", "build_task", "headline_metric", "higher_is_better", "register_task",
+def metric_range(metric: str) -> tuple[float, float]:
+    """The values ``metric`` can take: a maximised metric is a share of examples, in ``[0, 1]``; every other
+    metric a task reports (losses, errors) is ``>= 0``."""
+    return (0.0, 1.0) if higher_is_better(metric) else (0.0, float("inf"))
+
+
+__all__ = ["Task", "available_tasks", "build_task", "headline_metric", "higher_is_better", "metric_range",
+           "register_task",
            "task_class", "task_kinds"]

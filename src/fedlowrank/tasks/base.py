@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..adapters.model import AdaptedModel, Routing
-from ..device import to_device
+from ..device import stage
 from ..adapters.targets import default_targets, resolve_targets
 from ..schema import Schema
 
@@ -75,8 +75,31 @@ def padded_length(longest: int, buckets: list[int], max_length: int) -> int:
 
 def mean_by_member(values: Tensor, routing: Routing) -> Tensor:
     """``[K]`` the mean of ``values: [B]`` over each member's rows (row routing)."""
-    sums = values.new_zeros(routing.size).index_add(0, routing.member_of_rows(values.device), values)
-    return sums / torch.tensor([s.stop - s.start for s in routing.rows], dtype=values.dtype, device=values.device)
+    member = routing.member_of_rows(values.device)
+    sums = values.new_zeros(routing.size).index_add(0, member, values)
+    return sums / values.new_zeros(routing.size).index_add(0, member, torch.ones_like(values))
+
+
+def confusion_counts(predicted: Tensor, labels: Tensor, num_classes: int) -> Tensor:
+    """``[C, C]`` counts of (true class, predicted class) pairs of ``[n]`` predictions and labels (on the CPU)."""
+    pairs = labels.long().cpu() * num_classes + predicted.long().cpu()
+    return torch.bincount(pairs, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+
+
+def prediction_summary(confusion: Tensor | np.ndarray, label_names: list[str] | None = None) -> dict[str, Any]:
+    """What a classifier predicted on a test set, from its ``[C, C]`` confusion counts (rows: true class, columns:
+    predicted class): ``top_class`` (the most-predicted class), ``top_label`` (its name), ``top_share`` (the share
+    of predictions in it), ``recall`` (per class, the share of its examples predicted right; ``None`` for a class
+    with no test example) and ``majority_share`` (the share of the test set in its most frequent class: the
+    accuracy of always predicting it, the chance level)."""
+    counts = np.asarray(confusion, dtype=np.int64)
+    n = int(counts.sum())
+    predicted, true = counts.sum(0), counts.sum(1)
+    top = int(predicted.argmax())
+    return {"top_class": top, "top_label": label_names[top] if label_names else str(top),
+            "top_share": float(predicted[top] / n),
+            "recall": [float(counts[c, c] / true[c]) if true[c] else None for c in range(len(true))],
+            "majority_share": float(true.max() / n)}
 
 
 @dataclass
@@ -92,7 +115,8 @@ class Task:
 
     Class attributes (declarations):
         name: the task's kind, the value of ``task.kind`` (e.g. ``"text-classification"``).
-        metrics: the names :meth:`evaluate` returns (``run.stop_metric`` must be one of them).
+        metrics: the names :meth:`evaluate` returns (``run.stop_metric`` must be one of them); a classification
+            task's :meth:`evaluate` also returns ``"predictions"``, its :func:`prediction_summary` (not a metric).
         primary_metric: the metric a run is judged, compared and plotted by when ``run.stop_metric`` is ``""``.
         maximize: the metrics where higher is better (the others are minimised).
         validation_metric: the key of :meth:`evaluate_examples` that learning-rate tuning selects on.
@@ -167,10 +191,19 @@ class Task:
         """Rows of a client's training batch of ``batch_size`` examples at most (the memory planner's unit)."""
         return batch_size
 
+    def probe_rows(self, most: float) -> int:
+        """Rows of the memory planner's smaller probe batch (the larger has 2 more): enough that whatever the loss
+        allocates at once up to a cap (a chunk of logits) has stopped growing, so that the probes' difference is
+        what grows with the rows; 1 when that takes more than ``most`` rows (a whole round's joint batch), so that
+        the cap is never reached. Default 1."""
+        return 1
+
     def device_batch(self, batch: Any, device: torch.device) -> Any:
-        """``batch`` as a training step on ``device`` uses it: every tensor moved there (default). A task may keep
-        on the host what only the host reads, so that a step never waits for the device to read it back."""
-        return to_device(batch, device)
+        """``batch`` as a training step on ``device`` uses it, staged there before the step (default: every tensor,
+        :func:`~fedlowrank.device.stage`). A task may add what it would otherwise compute from host values in the
+        step (e.g. a causal LM's response positions), so that a step neither moves a tensor nor waits for the
+        device."""
+        return stage(batch, device)
 
     def loss(self, net: nn.Module, batch: Any) -> Tensor:
         """Scalar training loss of ``net`` on ``batch`` (with autograd)."""
@@ -207,8 +240,9 @@ class Task:
         (default: :meth:`output_loss` of each one's rows; a task computes them together in a few operations)."""
         return torch.stack([self.output_loss(out[s], b) for s, b in zip(routing.rows, batches)])
 
-    def evaluate(self, net: nn.Module) -> dict[str, float]:
-        """Metrics on the global test set, e.g. ``{"accuracy": .., "loss": ..}`` (no autograd)."""
+    def evaluate(self, net: nn.Module) -> dict[str, Any]:
+        """Metrics on the global test set, e.g. ``{"accuracy": .., "loss": ..}`` (no autograd); a classification
+        task adds ``"predictions"`` (:func:`prediction_summary`)."""
         raise NotImplementedError
 
     def column_values(self, name: str) -> list[str]:
@@ -287,6 +321,9 @@ class ValidationView(Task):
 
     def rows_per_step(self, batch_size: int) -> float:
         return self.task.rows_per_step(batch_size)
+
+    def probe_rows(self, most: float) -> int:
+        return self.task.probe_rows(most)
 
     def device_batch(self, batch: Any, device: torch.device) -> Any:
         return self.task.device_batch(batch, device)

@@ -12,8 +12,8 @@
 * **Loss without full logits**: the network's last hidden states are gathered at the positions whose next token
   is a response token, and only those go through the language-model head, in chunks, with the cross-entropy
   accumulated in fp32 (:func:`response_nll`): memory ∝ response tokens × hidden, never batch × length ×
-  vocabulary. The positions are found on the host, where the labels stay (:meth:`CausalLM.device_batch`), so a
-  step never waits for the device.
+  vocabulary. The positions are found on the host from the labels, and staged on the device with the token ids
+  before the step (:meth:`CausalLM.device_batch`): a step neither moves a tensor nor waits for the device.
 * **Evaluation**: token loss and perplexity on the responses of a fixed seeded subset of the test split
   (``eval_examples``), and, when ``eval_generate`` > 0, the exact match of the final number of greedy generations
   (batched with left padding and the KV cache, ``max_new_tokens``, stopping at EOS) on a fixed seeded subset of
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..adapters.model import AdaptedModel, Routing
-from ..device import module_device
+from ..device import module_device, stage
 from ..models.architectures import SPEED_AND_MEMORY_ONLY
 from ..schema import Schema, setting
 from ..seeding import numpy_rng
@@ -289,9 +289,9 @@ def check_lm_head(net: nn.Module, spec: str) -> None:
 
 
 def response_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where a batch's loss is, from its labels ``[B, T]`` (on the host: no device synchronisation): the flat
-    indices ``b·T + t`` ``[N]`` of the positions t whose next token is a response token, those tokens ``[N]`` and
-    their rows b ``[N]``."""
+    """Where a batch's loss is, from its labels ``[B, T]`` (on the host, before the step: a device's labels would
+    make the host wait): the flat indices ``b·T + t`` ``[N]`` of the positions t whose next token is a response
+    token, those tokens ``[N]`` and their rows b ``[N]``."""
     target = labels[:, 1:]
     rows, cols = (target != IGNORE).nonzero(as_tuple=True)
     return rows * labels.shape[1] + cols, target[rows, cols], rows
@@ -487,20 +487,32 @@ class CausalLM(Task):
 
     def rows_per_step(self, batch_size: int) -> float:
         """Rows of a client's training batch at most: ``batch_size``, or the packed rows its longest examples
-        fill."""
+        fill (as many whole ones as a row holds: :meth:`probe_batch`'s rows)."""
         longest = max(len(e.ids) for e in self.train)
-        return batch_size * longest / self.pack if self.pack else batch_size
+        return batch_size / max(1, self.pack // longest) if self.pack else batch_size
+
+    def probe_rows(self, most: float) -> int:
+        """Rows of the planner's smaller probe: enough response positions for a full chunk of logits
+        (:data:`LOGITS_CHUNK_ELEMENTS`, :func:`response_nll`), so that only activations grow between the probes;
+        1 when a chunk is never full within ``most`` rows."""
+        positions = int((self.probe_batch(1)["labels"][:, 1:] != IGNORE).sum())
+        chunk = max(1, LOGITS_CHUNK_ELEMENTS // self.loaded.net.get_output_embeddings().weight.shape[0])
+        rows = math.ceil(chunk / max(positions, 1))
+        return rows if rows + 2 <= most else 1
 
     def device_batch(self, batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-        """The token ids, mask and positions on ``device``; the labels (and a packed batch's example indices) stay
-        on the host, where :meth:`output` finds the response positions without waiting for the device."""
-        return {k: v if k in ("labels", "example_index") else v.to(device) for k, v in batch.items()}
+        """A step's inputs staged on ``device`` (:func:`~fedlowrank.device.stage`): the token ids, mask or
+        positions, and where the loss is, found on the host (:func:`response_positions`): ``response_at`` ``[N]``
+        (flat indices ``b·T + t``) and ``response_tokens`` ``[N]``."""
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        at, tokens, _ = response_positions(batch["labels"])
+        return stage({**inputs, "response_at": at, "response_tokens": tokens}, device)
 
     def hidden_states(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """The last hidden states ``[B, T, H]`` (after the final norm) of the network's decoder, without the
-        language-model head; a packed batch passes its positions and no mask (transformers' packed sequences)."""
-        dev = module_device(net)
-        inputs = {k: batch[k].to(dev) for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        language-model head, from a :meth:`device_batch`; a packed batch passes its positions and no mask
+        (transformers' packed sequences)."""
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
         return net.get_decoder()(**inputs, use_cache=False).last_hidden_state
 
     def compiled_module(self, net: nn.Module) -> nn.Module:
@@ -515,8 +527,12 @@ class CausalLM(Task):
     def output(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """At each position, the negative log-likelihood of the next token when it is a response token, and 1 (its
         count), else 0: ``[B, T, 2]`` (fp32); the head only at the response positions (:func:`response_nll`)."""
+        staged = "response_at" in batch
+        if not staged:  # a batch as :meth:`batch` gives it (privacy.dpsgd slices its tensors per example)
+            batch = stage(batch, module_device(net))
         hidden = self.hidden_states(net, batch)
-        flat, targets, _ = (t.to(hidden.device) for t in response_positions(batch["labels"]))
+        flat, targets = ((batch["response_at"], batch["response_tokens"]) if staged
+                         else response_positions(batch["labels"])[:2])
         nll = response_nll(hidden.flatten(0, 1).index_select(0, flat), targets, LMHead.of(net))
         out = nll.new_zeros(hidden.shape[0] * hidden.shape[1], 2)
         return out.index_add(0, flat, torch.stack([nll, torch.ones_like(nll)], 1)).view(*hidden.shape[:2], 2)
@@ -531,20 +547,19 @@ class CausalLM(Task):
         if routing.rows is not None:
             out, member = out.sum(1), routing.member_of_rows(out.device)
         else:
-            out, member = out.reshape(-1, 2), routing.tokens.flatten().clamp_min(0).to(out.device)  # padding: 0s
+            out, member = out.reshape(-1, 2), routing.member_of_tokens(out.device)  # padding: 0s
         total = out.new_zeros(routing.size, 2).index_add(0, member, out)
         return total[:, 0] / total[:, 1].clamp_min(1)
 
     def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], Routing]:
-        """Right padding as in :func:`collate` (the pad token, mask 0, label -100), or, packed, every member's
-        examples packed together (:func:`pack`) with each token's member (:class:`Routing` by tokens)."""
+        """The members' host batches (:meth:`batch`) as one: right padding as in :func:`collate` (the pad token,
+        mask 0, label -100), or, packed, every member's examples packed together (:func:`pack`) with each token's
+        member (:class:`Routing` by tokens)."""
         if not self.pack:
             return join_padded(batches, {"input_ids": self.tokenizer.pad_token_id, "attention_mask": 0,
                                          "labels": IGNORE})
         groups = [[self.train[int(i)] for i in b["example_index"]] for b in batches]
         joined, members = pack(groups, self.pack, self.tokenizer.pad_token_id, self.length_buckets)
-        device = batches[0]["input_ids"].device
-        joined = {k: v if k == "labels" else v.to(device) for k, v in joined.items()}
         return joined, Routing(tokens=members, size=len(batches))
 
     def features(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
@@ -552,8 +567,9 @@ class CausalLM(Task):
         if "attention_mask" not in batch:
             raise ValueError("task.options.pack: a packed row holds several examples, so a method that reads "
                              "each example's features (moon) needs pack = 0")
+        batch = stage(batch, module_device(net))
         hidden = self.hidden_states(net, batch)
-        mask = batch["attention_mask"].to(hidden.device).unsqueeze(-1).to(hidden.dtype)
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
 
     @torch.no_grad()
@@ -563,8 +579,8 @@ class CausalLM(Task):
         net.eval()
         total = torch.zeros(2, dtype=torch.float64, device=module_device(net))  # summed nll, response tokens
         for start in range(0, len(examples), self.eval_batch_size):
-            total += self.output(net, collate(examples[start:start + self.eval_batch_size],
-                                              self.tokenizer.pad_token_id)).reshape(-1, 2).sum(0)
+            batch = collate(examples[start:start + self.eval_batch_size], self.tokenizer.pad_token_id)
+            total += self.output(net, self.device_batch(batch, total.device)).reshape(-1, 2).sum(0)
         nll, count = total.tolist()
         loss = nll / max(count, 1)
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}

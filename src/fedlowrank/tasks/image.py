@@ -24,7 +24,7 @@ from ..device import module_device
 from ..models.loading import NOT_IMAGENET, load_model
 from ..schema import Schema, distinct, setting
 from . import register_task
-from .base import Task, adapted_copy, join_padded, mean_by_member
+from .base import Task, adapted_copy, confusion_counts, join_padded, mean_by_member, prediction_summary
 from .fmnist_vit import fmnist_vit_folder
 from .image_data import (DOMAINS, ImageData, apply_domain, assign_domains, check_domains, load_fashion_mnist,
                          load_hf_images, load_image_folder, subsample_images)
@@ -198,30 +198,36 @@ class ImageClassification(Task):
         return seen[0]
 
     @torch.no_grad()
-    def _evaluate(self, net: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    def _evaluate(self, net: nn.Module, images: torch.Tensor,
+                  labels: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
+        """Accuracy and mean cross-entropy on ``images`` with ``[n]`` labels, and the ``[C, C]`` confusion counts."""
         net.eval()
         device = module_device(net)
         correct, total_loss, n = 0, 0.0, len(labels)
+        confusion = torch.zeros(self.num_labels, self.num_labels, dtype=torch.long)
         for start in range(0, n, self.eval_batch_size):
             x = self.inputs(images[start:start + self.eval_batch_size]).to(device)
             y = labels[start:start + self.eval_batch_size].to(device)
             logits = net(pixel_values=x).logits
             total_loss += float(F.cross_entropy(logits.float(), y, reduction="sum"))
-            correct += int((logits.argmax(-1) == y).sum())
-        return {"accuracy": correct / n, "loss": total_loss / n}
+            predicted = logits.argmax(-1)
+            correct += int((predicted == y).sum())
+            confusion += confusion_counts(predicted, y, self.num_labels)
+        return {"accuracy": correct / n, "loss": total_loss / n}, confusion
 
-    def evaluate(self, net: nn.Module) -> dict[str, float]:
+    def evaluate(self, net: nn.Module) -> dict[str, Any]:
         """Accuracy and loss on the test set; with domains, their means over the domains plus
-        ``accuracy_<domain>`` for each."""
+        ``accuracy_<domain>`` for each; ``predictions`` over every domain's test images together."""
         per = {name: self._evaluate(net, images, self.test_labels) for name, images in self.test_sets.items()}
-        out = {k: float(np.mean([m[k] for m in per.values()])) for k in ("accuracy", "loss")}
+        out: dict[str, Any] = {k: float(np.mean([m[k] for m, _ in per.values()])) for k in ("accuracy", "loss")}
         if self.domains:
-            out.update({f"accuracy_{name}": m["accuracy"] for name, m in per.items()})
+            out.update({f"accuracy_{name}": m["accuracy"] for name, (m, _) in per.items()})
+        out["predictions"] = prediction_summary(sum(c for _, c in per.values()), self.data.label_names)
         return out
 
     def evaluate_examples(self, net: nn.Module, indices: np.ndarray) -> dict[str, float]:
         idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)
-        return self._evaluate(net, self.train_images[idx], torch.from_numpy(self.train_labels)[idx])
+        return self._evaluate(net, self.train_images[idx], torch.from_numpy(self.train_labels)[idx])[0]
 
     def describe_partition(self, parts: list[np.ndarray]) -> dict[str, Any]:
         """Each client's domain counts and its domain (``"mixed"`` when it holds several)."""

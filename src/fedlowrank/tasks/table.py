@@ -1,10 +1,13 @@
 """A strict reader of data tables (``.tsv``, ``.csv``, ``.jsonl``) shared by every task.
 
 :func:`read_table` returns the asked columns of every row, or raises ``ValueError`` naming the file, the
-1-based line and the config field at fault: a non-UTF-8 byte, invalid JSON, a missing key, a ragged row, an
-unknown column, an index out of range, two fields selecting one column, an empty or header-only file, a header row
-repeated further down, a JSON value that is not a string or a number. No row is ever dropped; blank lines are
-skipped. The rules are documented in ``docs/data.md``.
+1-based line and the config field at fault: a non-UTF-8 byte, invalid JSON (a number of more digits than Python
+converts, nesting deeper than the parser goes), a missing key, a ragged row, an unknown column, an index out of
+range, two fields selecting one column, an empty or header-only file, a header row repeated further down, a JSON
+value that is not a string or a number, a label column mixing JSON strings and numbers. No row is ever dropped;
+blank lines are skipped. JSON numbers become text by value (``1`` and ``1.0`` are both ``"1"``). A JSONL file's
+lines end at ``\n`` only (a JSON string may hold U+2028 or U+0085); a CSV/TSV field may be as long as the file.
+The rules are documented in ``docs/data.md``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..schema import check_choice
 
@@ -74,7 +78,7 @@ def read_table(path: str | Path, columns: list[str | int], header: str = "auto",
         raise ValueError(f"{path}: data files must end in {', '.join(FORMATS)}; got {suffix or 'no suffix'!r}")
     text = _decode(path)
     if suffix == ".jsonl":
-        return _read_jsonl(path, text, columns, names)
+        return _read_jsonl(path, text, columns, names, label_position)
     return _read_delimited(path, text, columns, names, header, label_position)
 
 
@@ -91,18 +95,39 @@ def _decode(path: Path) -> str:
                          f"{column} of the line); save the file as UTF-8") from None
 
 
-def _read_jsonl(path: Path, text: str, columns: list[str | int], names: list[str]) -> Table:
+def _parse_json_line(path: Path, number: int, line: str) -> dict:
+    """The JSON object on line ``number``; ``NaN`` and ``Infinity`` are not JSON and are refused as such."""
+    def refuse_constant(name: str):
+        raise ValueError(f"{name} is not a JSON value")
+
+    try:
+        record = json.loads(line, parse_constant=refuse_constant)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{number}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:  # an integer of more digits than int() converts, or NaN/Infinity
+        raise ValueError(f"{path}:{number}: invalid JSON ({str(exc).split(';')[0]}); write such a value as a "
+                         "string") from None
+    except RecursionError:
+        raise ValueError(f"{path}:{number}: invalid JSON (nested deeper than the parser goes)") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}:{number}: expected a JSON object per line, got {type(record).__name__}")
+    return record
+
+
+def number_text(value: int | float) -> str:
+    """A JSON number as text, by value: an integral number as its integer's digits (``1`` and ``1.0`` → ``"1"``),
+    any other as Python's shortest round-tripping form (``0.5``)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value) if isinstance(value, int) else repr(value)
+
+
+def _read_jsonl(path: Path, text: str, columns: list[str | int], names: list[str],
+                label_position: int | None) -> Table:
     records: list[tuple[int, dict]] = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}:{number}: expected a JSON object per line, got {type(record).__name__}")
-        records.append((number, record))
+    for number, line in enumerate(text.split("\n"), start=1):
+        if line.strip():
+            records.append((number, _parse_json_line(path, number, line)))
     if not records:
         raise ValueError(f"{path}: the file is empty (no JSON lines)")
     indexed = [(name, c) for name, c in zip(names, columns) if not isinstance(c, str)]
@@ -122,9 +147,26 @@ def _read_jsonl(path: Path, text: str, columns: list[str | int], names: list[str
             if value is None or isinstance(value, (bool, list, dict)):
                 raise ValueError(f"{path}:{number}: key {key!r} ({name}) holds {json.dumps(value)[:40]}; "
                                  "expected a string or a number")
-            cells.append(value if isinstance(value, str) else str(value))
+            cells.append(value if isinstance(value, str) else number_text(value))
         rows.append(tuple(cells))
+    if label_position is not None:
+        _refuse_mixed_labels(path, records, columns[label_position], names[label_position])
     return Table(path, rows, [n for n, _ in records], None)
+
+
+def _refuse_mixed_labels(path: Path, records: list[tuple[int, dict]], key: str, name: str) -> None:
+    """Refuse a label key that holds JSON strings on some lines and numbers on others (``"1.0"`` and ``1`` would
+    be two classes, or one, by accident of spelling). A blank string is left to the empty-label check."""
+    first: dict[bool, tuple[int, Any]] = {}
+    for number, record in records:
+        value = record[key]
+        if not isinstance(value, str) or value.strip():
+            first.setdefault(isinstance(value, str), (number, value))
+    if len(first) == 2:
+        (n_text, text), (n_num, num) = first[True], first[False]
+        raise ValueError(f"{path}:{max(n_text, n_num)}: key {key!r} ({name}) mixes strings and numbers (line "
+                         f"{n_text}: {json.dumps(text)[:40]}, line {n_num}: {json.dumps(num)[:40]}); write every "
+                         "label the same way")
 
 
 def _read_delimited(path: Path, text: str, columns: list[str | int], names: list[str], header: str,
@@ -135,6 +177,7 @@ def _read_delimited(path: Path, text: str, columns: list[str | int], names: list
         reader = csv.reader(io.StringIO(text, newline=""), delimiter=",", quoting=csv.QUOTE_MINIMAL, strict=True)
     records: list[tuple[int, list[str]]] = []
     line = 1
+    limit = csv.field_size_limit(max(len(text), csv.field_size_limit()))  # a field may be as long as the file
     try:
         for cells in reader:
             if any(c.strip() for c in cells):
@@ -142,6 +185,8 @@ def _read_delimited(path: Path, text: str, columns: list[str | int], names: list
             line = reader.line_num + 1
     except csv.Error as exc:
         raise ValueError(f"{path}:{line}: {exc}") from None
+    finally:
+        csv.field_size_limit(limit)
     if not records:
         raise ValueError(f"{path}: the file is empty")
 

@@ -18,7 +18,8 @@ from ..adapters.model import AdaptedModel, Routing
 from ..device import module_device, to_device
 from ..models.loading import load_model
 from . import register_task
-from .base import Task, adapted_copy, check_max_length, join_padded, mean_by_member, padded_length
+from .base import (Task, adapted_copy, check_max_length, confusion_counts, join_padded, mean_by_member, padded_length,
+                   prediction_summary)
 from .data import TextData, load_node_file
 from .table import column_spec
 
@@ -159,21 +160,24 @@ class TextClassification(Task):
         pooled = getattr(out, "pooler_output", None)
         return pooled if pooled is not None else out.last_hidden_state[:, 0]
 
-    def evaluate(self, net: nn.Module) -> dict[str, float]:
-        return self._evaluate(net, self.test_ids, self.test_mask, self.test_labels)
+    def evaluate(self, net: nn.Module) -> dict[str, Any]:
+        metrics, confusion = self._evaluate(net, self.test_ids, self.test_mask, self.test_labels)
+        return {**metrics, "predictions": prediction_summary(confusion, self.data.label_names)}
 
     def evaluate_examples(self, net: nn.Module, indices: np.ndarray) -> dict[str, float]:
         idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)
         ids, mask = self.train_ids[idx], self.train_mask[idx]
         order = torch.argsort(mask.sum(1), stable=True)
-        return self._evaluate(net, ids[order], mask[order], torch.as_tensor(self.train_labels)[idx][order])
+        return self._evaluate(net, ids[order], mask[order], torch.as_tensor(self.train_labels)[idx][order])[0]
 
     @torch.no_grad()
     def _evaluate(self, net: nn.Module, all_ids: torch.Tensor, all_mask: torch.Tensor,
-                  labels: torch.Tensor) -> dict[str, float]:
-        """Accuracy and mean cross-entropy on ``[n, L]`` token ids/masks with ``[n]`` labels (length-sorted)."""
+                  labels: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
+        """Accuracy and mean cross-entropy on ``[n, L]`` token ids/masks with ``[n]`` labels (length-sorted), and the
+        ``[C, C]`` confusion counts."""
         net.eval()
         correct, total_loss, n = 0, 0.0, len(labels)
+        confusion = torch.zeros(self.num_labels, self.num_labels, dtype=torch.long)
         device = module_device(net)
         for start in range(0, n, self.eval_batch_size):
             sl = slice(start, start + self.eval_batch_size)
@@ -181,8 +185,10 @@ class TextClassification(Task):
             batch_labels = labels[sl].to(device)
             logits = net(input_ids=ids, attention_mask=mask).logits
             total_loss += float(F.cross_entropy(logits.float(), batch_labels, reduction="sum"))
-            correct += int((logits.argmax(-1) == batch_labels).sum())
-        return {"accuracy": correct / n, "loss": total_loss / n}
+            predicted = logits.argmax(-1)
+            correct += int((predicted == batch_labels).sum())
+            confusion += confusion_counts(predicted, batch_labels, self.num_labels)
+        return {"accuracy": correct / n, "loss": total_loss / n}, confusion
 
     def describe(self) -> dict[str, Any]:
         counts = np.bincount(self.train_labels, minlength=self.num_labels).tolist()

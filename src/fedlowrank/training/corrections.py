@@ -53,9 +53,10 @@ class ClientCorrection:
     def aggregate(self, server: State, replies: list[Reply], num_clients: int) -> None:
         pass
 
-    def upload_keys(self, trained: list[str]) -> set[str]:
-        """Keys this correction adds to a reply, given the trained parameters' keys."""
-        return set()
+    def upload_spec(self, down: Message, trained: dict) -> dict:
+        """What this correction adds to a reply to ``down``, given the trained tensors' specs
+        (``{key: TensorSpec}``, :class:`fedlowrank.methods.base.TensorSpec`)."""
+        return {}
 
 
 class FedProx(ClientCorrection):
@@ -145,8 +146,9 @@ class Scaffold(ClientCorrection):
             state[self.prefix_ci + k] = new_ci
         return out
 
-    def upload_keys(self, trained: list[str]) -> set[str]:
-        return {self.prefix_dc + k for k in trained}
+    def upload_spec(self, down: Message, trained: dict) -> dict:
+        """``Δcᵢ`` of each trained tensor that has a control variate in ``down``, of that tensor's spec."""
+        return {self.prefix_dc + k: spec for k, spec in trained.items() if self.prefix_c + k in down}
 
     def aggregate(self, server: State, replies: list[Reply], num_clients: int) -> None:
         frac = len(replies) / num_clients

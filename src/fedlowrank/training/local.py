@@ -18,13 +18,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..device import DTYPES, grad_scaler, module_device, optimizer_kernel, run_compiled
+from ..device import DTYPES, grad_scaler, local_step, module_device, optimizer_kernel, run_compiled, stage
 from ..privacy.dpsgd import private_step_gradients
 from ..schema import Schema, setting
 from ..seeding import derive_seed, numpy_rng
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
+CHECKPOINTING = ("auto", "true", "false")
 
 
 @dataclass
@@ -56,9 +57,10 @@ class TrainConfig(Schema):
     warmup_rounds: int = setting(0, "rounds of linear learning-rate warm-up", ge=0)
     dtype: str = setting("fp32", "compute dtype: fp32, bf16 or fp16 (CUDA); the frozen backbone is stored in it, what "
                          "is trained (adapters, head, optimizer state) stays fp32", choices=tuple(DTYPES))
-    gradient_checkpointing: bool = setting(False, "recompute each layer's activations during backward (transformers' "
-                                           "gradient checkpointing): far less activation memory for about a third "
-                                           "more compute, for long sequences and large cohorts")
+    gradient_checkpointing: str = setting("auto", "recompute each layer's activations during backward (transformers' "
+                                          "gradient checkpointing): far less activation memory for about a third "
+                                          "more compute; auto = on when run.cohort = 0 finds that it lets a larger "
+                                          "cohort fit on CUDA, else off", choices=CHECKPOINTING)
 
     def lr_at(self, rnd: int, rounds: int, base: float | None = None) -> float:
         """Learning rate in round ``rnd`` (1-based) of ``rounds``."""
@@ -165,6 +167,8 @@ class LocalTrainer:
         t0 = time.perf_counter()
         for step in range(run.steps):
             run.train_step()
+            if step + 1 < run.steps:
+                run.stage_next()  # the next step's inputs, while the device still runs this one
             if self.on_step is not None:
                 self.on_step(step + 1, run.steps)
         self.compute_seconds += time.perf_counter() - t0
@@ -177,7 +181,9 @@ class FitRun:
     joint forward and backward.
 
     Each step: ``opt.zero_grad``; the task loss of :meth:`next_batch`, plus the corrections' loss terms
-    (:meth:`with_corrections`), backward through :meth:`scaled`; then :meth:`step`.
+    (:meth:`with_corrections`), backward through :meth:`scaled`; then :meth:`step`. A step's inputs are staged on
+    the device before it (:meth:`stage_next`, :meth:`Task.device_batch <fedlowrank.tasks.base.Task.device_batch>`):
+    inside the step (:func:`~fedlowrank.device.local_step`) nothing moves between host and device.
     """
 
     def __init__(self, trainer: LocalTrainer, model, params: dict[str, nn.Parameter], corrections: Sequence = (),
@@ -198,7 +204,8 @@ class FitRun:
         self.device = module_device(self.net)
         self.scaler = grad_scaler(self.device, cfg.dtype)
         self.steps = trainer.num_steps
-        self.batches = trainer.batches()
+        self.batches = trainer.batches()  # host batches
+        self.staged = None  # the next step's batch on the device (stage_next)
         self.losses: list[torch.Tensor] = []
 
     @cached_property
@@ -214,7 +221,12 @@ class FitRun:
         """One local step alone: :meth:`next_batch`, ``zero_grad``, the task loss plus the corrections' terms and
         backward (compiled with ``run.compile``; with ``privacy.dpsgd``: the noisy mean of clipped per-example
         gradients instead), :meth:`step`."""
-        trainer, batch = self.trainer, self.next_batch()
+        batch = self.next_batch()
+        with local_step():
+            self._train_step(batch)
+
+    def _train_step(self, batch) -> None:
+        trainer = self.trainer
         self.opt.zero_grad(set_to_none=True)
         if trainer.dpsgd is not None:
             if self.scaler is not None:
@@ -234,8 +246,20 @@ class FitRun:
             loss = run_compiled(trainer.task.compiled_module(self.net), forward_backward, restart)
         self.step(loss)
 
+    def stage_next(self) -> None:
+        """Prepare the next step's batch on the host and start its move to the device (staged, not waited for):
+        the task's step inputs (:meth:`Task.device_batch`), or with ``privacy.dpsgd``, which slices every tensor of
+        a batch per example, the batch's own tensors."""
+        batch = next(self.batches)
+        task = self.trainer.task
+        self.staged = stage(batch, self.device) if self.trainer.dpsgd else task.device_batch(batch, self.device)
+
     def next_batch(self):
-        return self.trainer.task.device_batch(next(self.batches), self.device)
+        """The next step's batch on the device: the staged one (:meth:`stage_next`), else staged now."""
+        if self.staged is None:
+            self.stage_next()
+        batch, self.staged = self.staged, None
+        return batch
 
     def with_corrections(self, loss: torch.Tensor, batch) -> torch.Tensor:
         """``loss`` plus the corrections' loss terms (:meth:`correction_terms`)."""

@@ -29,6 +29,7 @@ def main(grid: Grid, context: Context) -> None:
     # the app, and needs neither.
     from ...config import ConfigError
     from ..run import build_run
+    from ..rundir import own
     from ..server_run import ServerRun
     from .settings import load_run_config
     from .strategy import MethodStrategy, state_arrays
@@ -52,6 +53,6 @@ def main(grid: Grid, context: Context) -> None:
     else:
         strategy.start(grid, state_arrays(run.server), num_rounds=cfg.run.rounds, timeout=settings.round_timeout,
                        evaluate_fn=strategy.evaluate)
-    (run_dir / "server_state.safetensors").write_bytes(run.server.to_bytes())
+    own(run_dir, "server_state.safetensors").write_bytes(run.server.to_bytes())
     log(INFO, "fedlowrank: summary %s", json.dumps(run.summary()))
     run.close()

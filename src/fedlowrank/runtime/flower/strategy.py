@@ -44,6 +44,7 @@ from flwr.serverapp.strategy import Strategy
 
 from ...message import Message, State
 from ..engine import sample_clients
+from ..evaluation import scalar_metrics
 from ..rounds import RoundOutcome, RoundReplies
 from ..server_run import ServerRun
 from .node import ROUTE
@@ -100,6 +101,10 @@ class MethodStrategy(Strategy):
     """
 
     def __init__(self, run: ServerRun, settings: FlowerSettings):
+        if run.method.pooled:
+            raise ValueError(f"method.name = {run.method.name!r} trains on the pooled data of each round's clients "
+                             f"(a centralised reference); on Flower each client's data stays on its node: run it "
+                             f"with `fedlowrank run` or `fedlowrank compare`")
         self.run = run
         run.client_states = False  # they live on the SuperNodes; the run's checkpoints say so
         self.settings = settings
@@ -281,13 +286,15 @@ class MethodStrategy(Strategy):
     def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """``evaluate_fn`` of ``Strategy.start``: evaluates the closed round (global test set every
         ``run.eval_every`` rounds and at the last) and commits it to the run (history, run directory)."""
+        if server_round == 0 and self.run.round == 0 and not self.run.initial_eval:
+            self.run.evaluate_initial()  # the model before training: the summary's ``initial``
         if server_round == 0 or self.outcome is None:
             return None
         outcome, self.outcome = self.outcome, None
         metrics, evaluation = self.run.evaluate_round(outcome)
         self.run.commit_round(outcome, metrics, evaluation)
         self.accepted.update({r.client: outcome.row["round"] for r in outcome.replies})  # their nodes commit
-        return MetricRecord(metrics) if metrics else None
+        return MetricRecord(scalar_metrics(metrics)) if metrics else None
 
     # -- no client-side evaluation: the global test set is evaluated on the server ----------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

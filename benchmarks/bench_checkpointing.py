@@ -1,0 +1,83 @@
+"""What gradient checkpointing costs and saves in a cohort's joint step, on the CPU.
+
+A joint step of ``--cohort`` FedIT members (the simulator's :class:`~fedlowrank.runtime.cohort.JointFit`) on the
+``tiny-lm`` task with ``--model`` (default tiny-llama), every member on the task's longest examples: the median step
+time over ``--steps`` steps after one warm-up, and the step's peak allocation (the torch profiler's allocator
+events), with and without ``train.gradient_checkpointing``; the ratios are what ``run.cohort = 0`` trades when it
+turns checkpointing on (``train.gradient_checkpointing = "auto"``)::
+
+    PYTHONPATH=src python benchmarks/bench_checkpointing.py --model tiny-llama --cohort 4 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import provenance  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from fedlowrank.config import load_config  # noqa: E402
+from fedlowrank.device import measured_peak_bytes, set_checkpointing  # noqa: E402
+from fedlowrank.runtime.cohort import FitRequest, JointFit  # noqa: E402
+from fedlowrank.runtime.simulator import Simulation  # noqa: E402
+from fedlowrank.tasks import build_task  # noqa: E402
+from fedlowrank.training.local import FitRun, LocalTrainer  # noqa: E402
+
+
+def joint_fit(sim: Simulation, size: int, batch, steps: int) -> JointFit:
+    runs = []
+    for k in range(size):
+        view = sim.model.shared_copy()
+        sim.method.load_global(view, sim.server)
+        params = sim.method.trainable(view, ("A", "B"))
+        view.set_trainable(params)
+        trainer = LocalTrainer(sim.task, sim.parts[k % len(sim.parts)], sim.cfg.train, k, 1, 2, 0)
+        runs.append(FitRun(trainer, view, params))
+    fit = JointFit(sim.model, [FitRequest(r.trainer, r.model, r.params, [], None) for r in runs], seed=0)
+    for run in fit.runs:
+        run.batches = iter([batch] * (steps + 2))
+    return fit
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny-llama", help="task.model")
+    ap.add_argument("--cohort", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    print(provenance(argv))
+    cfg = load_config("tiny-lm", ["task.options.eval_generate=0", f"task.model={args.model}",
+                                  f"run.clients_per_round={args.cohort}", "train.gradient_checkpointing=false",
+                                  f"train.local_steps={args.steps + 2}"])
+    sim = Simulation(cfg, task=build_task(cfg))
+    longest = np.argsort([-len(e.ids) for e in sim.task.train], kind="stable")[:cfg.train.batch_size]
+    batch = sim.task.batch(longest)
+    figures = {}
+    for on in (False, True):
+        set_checkpointing(sim.model.net, on)
+        fit = joint_fit(sim, args.cohort, batch, args.steps + 1)
+        fit.step(0)
+        times = []
+        for step in range(1, args.steps + 1):
+            t0 = time.perf_counter()
+            fit.step(step)
+            times.append(time.perf_counter() - t0)
+        peak = measured_peak_bytes(lambda: fit.step(args.steps + 1), torch.device("cpu"))
+        figures[on] = (statistics.median(times), peak)
+        print(f"checkpointing {'on ' if on else 'off'}: {1e3 * figures[on][0]:.1f} ms per joint step, "
+              f"step peak {peak / 2**20:.1f} MiB")
+    (t0, p0), (t1, p1) = figures[False], figures[True]
+    print(f"{args.model}, cohort of {args.cohort} × {cfg.train.batch_size} rows: checkpointing costs {t1 / t0:.2f}× "
+          f"the step time and needs {p1 / p0:.2f}× the step's peak memory")
+
+
+if __name__ == "__main__":
+    main()

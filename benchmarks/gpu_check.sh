@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One command for the GPU machine, from the repository root, in at most 8 minutes (each step has its own timeout):
+# the CUDA tests, then every target of the GPU path (H100, bf16, 32 clients × 5 steps × 4 GSM8K examples). A
+# failing or timed-out step is reported and the rest goes on. Writes to $OUT (default bench_out/check):
+#   gpu_check.md     one Markdown table: target, measured, holds? (each step's status too)
+#   gpu_check.jsonl  a JSON line per figure and per target
+#   check.log        every step's output;  steps.tsv: name, exit status, seconds;  raw/: bench_gpu's own files
+# Needs what benchmarks/gpu_bundle.sh put in bench_out/ (carry it): wheels, SmolLM2's tokenizer, a GSM8K sample.
+#   bash benchmarks/gpu_check.sh          on the GPU machine
+#   bash benchmarks/gpu_check.sh --dry    on the CPU: every step on tiny models in seconds (CI runs it)
+set -u
+DRY=0
+[ "${1:-}" = "--dry" ] && DRY=1
+PY=${PYTHON:-python3}
+BUNDLE=${BUNDLE_DIR:-bench_out}
+OUT=${OUT:-$BUNDLE/check}
+mkdir -p "$OUT/raw"
+: > "$OUT/steps.tsv"
+: > "$OUT/check.log"
+rm -f "$OUT/raw/bench_gpu.jsonl"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+step() {  # step NAME SECONDS COMMAND...: run it with its own timeout, log it, record its exit status
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  echo "=== $name (timeout ${limit} s): $*" >> "$OUT/check.log"
+  t0=$(date +%s)
+  timeout "$limit" "$@" >> "$OUT/check.log" 2>&1
+  rc=$?
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$OUT/steps.tsv"
+  echo "$name: exit $rc"
+}
+
+if [ "$DRY" = 1 ]; then
+  export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+  TESTS=(-k "bf16_on_cuda" tests/test_device.py)  # collected, skipped without CUDA
+  B=("$PY" benchmarks/bench_gpu.py --device cpu --source arithmetic --max-length 256 --clients 2 --steps 1
+     --batch 1 --rounds 1 --no-profile --out "$OUT/raw")
+  SMOL=tiny-llama BIG=tiny-llama COMPILED=one LIMIT=120
+else
+  site=/tmp/gpu_check_site
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    "$BUNDLE"/whl/*.whl >> "$OUT/check.log" 2>&1 || echo "wheels: install failed (see check.log)"
+  mkdir -p /tmp/gpu_check && tar -xzf "$BUNDLE/smollm2-tokenizer.tar.gz" -C /tmp/gpu_check
+  export PYTHONPATH=$site:src${PYTHONPATH:+:$PYTHONPATH}
+  TESTS=(-k "cuda" tests/test_gpu_path.py tests/test_device.py tests/test_cohort.py)
+  B=("$PY" benchmarks/bench_gpu.py --tokenizer /tmp/gpu_check/smollm2-tokenizer --data "$BUNDLE/gsm8k"
+     --rounds 1 --out "$OUT/raw")
+  SMOL=smollm2-135m BIG=llama-3.2-1b COMPILED=one-compiled LIMIT=0
+fi
+lim() { [ "$LIMIT" = 0 ] && echo "$1" || echo "$LIMIT"; }  # dry: one generous limit for every step
+
+step cuda-tests "$(lim 75)" "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
+step smollm2-bf16 "$(lim 120)" "${B[@]}" --models "$SMOL" --dtypes bf16 --modes cohort,one,peft
+step smollm2-fp32 "$(lim 45)" "${B[@]}" --models "$SMOL" --dtypes fp32 --modes cohort --no-profile
+step smollm2-compiled "$(lim 130)" "${B[@]}" --models "$SMOL" --dtypes bf16 --modes "$COMPILED" --buckets 384 \
+  --no-profile
+step 1b-cohort "$(lim 90)" "${B[@]}" --models "$BIG" --dtypes bf16 --modes cohort --no-profile \
+  --set train.gradient_checkpointing=true
+"$PY" benchmarks/bench_gpu.py --report "$OUT" --device cpu
