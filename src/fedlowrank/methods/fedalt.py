@@ -35,7 +35,7 @@ from ..adapters.routed import RoutedLoRALinear, routed_modules
 from ..message import Message, State
 from ..seeding import torch_generator
 from . import register
-from .base import Method, SetupInfo, head_tensors, load_head, on_host
+from .base import Method, SetupInfo, Upload, head_tensors, load_head, on_host, specs_of
 
 
 def upload_key(client: int, key: str) -> str:
@@ -106,9 +106,9 @@ class FedALT(Method):
     def broadcast(self, server: State, client: int, rnd: int) -> Message:
         return Message(self.rest_of_world(server, client))
 
-    def reply_keys(self, down: Message, rnd: int) -> set[str]:
-        """The own factors, named (and shaped) as the Rest-of-World factors of the download."""
-        return set(down.tensors())
+    def upload_spec(self, down: Message, rnd: int) -> Upload:
+        """The own factors, named, shaped and typed as the Rest-of-World factors of the download."""
+        return specs_of(down, down.tensors())
 
     def aggregate(self, server: State, replies, rnd: int) -> State:
         """Store each reply as its client's latest upload."""

@@ -33,7 +33,7 @@ from ..message import Message, State
 from ..schema import setting
 from ..seeding import torch_generator
 from . import register
-from .base import Method, SetupInfo, head_tensors, load_head, on_host, weighted_sum
+from .base import Method, SetupInfo, Upload, head_tensors, load_head, on_host, specs_of, weighted_sum
 
 
 def slots_of(experts: int) -> list[int]:
@@ -104,8 +104,10 @@ class FedLEASE(Method):
                 msg[f"{name}.others_{f}"] = torch.stack([server[f"expert.{e}/{name}.lora_{f}"] for e in others])
         return msg
 
-    def reply_keys(self, down: Message, rnd: int) -> set[str]:
-        return {k for k in down.tensors() if ".others_" not in k}
+    def upload_spec(self, down: Message, rnd: int) -> Upload:
+        """What the client was sent of its own expert (factors, head; after the clustering its router), trained,
+        in the download's shapes and dtypes; never the other experts (``.others_``)."""
+        return specs_of(down, [k for k in down.tensors() if ".others_" not in k])
 
     def aggregate(self, server: State, replies, rnd: int) -> State:
         new = State(server)
