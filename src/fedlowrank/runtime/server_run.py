@@ -2,7 +2,7 @@
 
 A :class:`ServerRun` is a :class:`~.run.Run` with the collaborators the round loop calls: the client states the
 server holds (:class:`~.store.ClientStore`; none on Flower, where they stay on the nodes), the run directory's files
-(:mod:`.run_files`; the directory claimed and locked by :mod:`.rundir`), evaluation (:mod:`.evaluation`),
+(:class:`~.rundir.RunFiles`, in the directory :mod:`.rundir` claims and locks), evaluation (:mod:`.evaluation`),
 checkpoints (:mod:`.checkpointing`), the experiment tracker (:mod:`.tracker`) and progress lines
 (:mod:`fedlowrank.reporting.progress`). A round ends the same way in both runtimes:
 
@@ -39,8 +39,7 @@ from .checkpointing import Checkpointer, read_run_checkpoint, restore
 from .evaluation import Evaluator, collapse_line, collapse_of, run_collapse, scalar_metrics
 from .rounds import RoundOutcome, RoundReplies, Warn, client_rows, close_round
 from .run import DivergenceError, Run, peak_rss_mb
-from .run_files import RunFiles
-from .rundir import RunDirError, check_run_dir, claim_run_dir, lock_run_dir, read_claim
+from .rundir import RunDirError, RunFiles, check_run_dir, claim_run_dir, lock_run_dir, read_claim
 from .stopping import StopRequested, check_stop, stop_signals
 from .store import ClientStore
 from .tracker import RunTracker
