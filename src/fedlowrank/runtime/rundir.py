@@ -37,7 +37,7 @@ the parents it made) when the lock created it and it is empty.
 * on resume (:meth:`RunFiles.rewrite`): both ``.jsonl`` files cut back to the checkpoint's rows;
 * at the end (:meth:`RunFiles.write_summary`): ``summary.json``.
 
-Checkpoints are :mod:`.checkpointing`'s. A run without a directory (``path`` ``None``) writes nothing.
+Checkpoints are :mod:`.checkpoint`'s. A run without a directory (``path`` ``None``) writes nothing.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A :class:`ServerRun` is a :class:`~.run.Run` with the collaborators the round loop calls: the client states the
 server holds (:class:`~.store.ClientStore`; none on Flower, where they stay on the nodes), the run directory's files
 (:class:`~.rundir.RunFiles`, in the directory :mod:`.rundir` claims and locks), evaluation (:mod:`.evaluation`),
-checkpoints (:mod:`.checkpointing`), the experiment tracker (:mod:`.tracker`) and progress lines
+checkpoints (:mod:`.checkpoint`), the experiment tracker (:mod:`.tracker`) and progress lines
 (:mod:`fedlowrank.reporting.progress`). A round ends the same way in both runtimes:
 
 * :meth:`ServerRun.close_round` — the server's step (:func:`.rounds.close_round`: skip, server-side reply
@@ -34,8 +34,8 @@ from ..message import State
 from ..privacy.runtime import accounting
 from ..reporting.progress import Progress
 from ..reporting.tracking import require_package
-from .checkpoint import ROW_TIMES, check_history, check_state, restart_from
-from .checkpointing import Checkpointer, read_run_checkpoint, restore
+from .checkpoint import (ROW_TIMES, Checkpointer, check_history, check_state, read_run_checkpoint, restart_from,
+                         restore)
 from .evaluation import Evaluator, collapse_line, collapse_of, run_collapse, scalar_metrics
 from .rounds import RoundOutcome, RoundReplies, Warn, client_rows, close_round
 from .run import DivergenceError, Run, peak_rss_mb
