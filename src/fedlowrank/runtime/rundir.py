@@ -54,9 +54,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..reporting.plots import plot_label_histograms
-from ..tasks.partition import format_histograms, label_histograms
-
 LOCK_FILE = ".lock"
 CLAIM = ".fedlowrank-run"
 RUN_KINDS = ("run", "compare", "tune")  # what `run`, `compare` and `tune` claim; `export` claims "export"
@@ -468,6 +465,9 @@ class RunFiles:
 
     def start(self, run, log: Callable[[str], None] | None = None) -> None:
         """Write the start files of ``run`` (a :class:`~.run.Run`); ``log`` gets the per-client counts."""
+        from ..reporting.plots import plot_label_histograms
+        from ..tasks.partition import format_histograms, label_histograms
+
         if self.path is None:
             return
         own(self.path, "config.json", "partition.json", "metrics.jsonl", "ledger.jsonl")
