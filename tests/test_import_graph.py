@@ -4,6 +4,9 @@ imports a module that imports it, directly or through others, and the top level 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "fedlowrank"
@@ -90,3 +93,12 @@ def test_the_cycle_finder_finds_a_cycle_through_three_modules():
 def test_at_most_twelve_top_level_modules():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 12, top
+
+
+def test_run_directories_and_the_runner_choice_import_no_runner_and_no_torch():
+    """``fedlowrank.runtime`` (where runners are chosen) and its run directories load no runner and no torch."""
+    code = ("import sys, fedlowrank.runtime, fedlowrank.runtime.rundir\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('fedlowrank.')))")
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert res.stdout.strip() == "['fedlowrank.runtime', 'fedlowrank.runtime.rundir']", res.stdout + res.stderr

@@ -12,8 +12,9 @@ import torch
 from fedlowrank.adapters.lora import attach_lora
 from fedlowrank.config import from_dict
 from fedlowrank.methods.ssf import SubspaceLinear, projector
+from fedlowrank.runtime import runner_for
 from fedlowrank.runtime.simulator import DivergenceError, Simulation
-from fedlowrank.runtime.vectorized import run_vectorized, smallest_first
+from fedlowrank.runtime.vectorized import Vectorized, run_vectorized, smallest_first
 from fedlowrank.tasks.matrix_regression import MatrixRegression, make_problem
 
 
@@ -152,6 +153,13 @@ def test_vectorised_runner_refuses_what_it_cannot_do(tmp_path):
         run_vectorized(unequal, run_dir=tmp_path / "refused")
     assert not (tmp_path / "refused").exists()                    # refused before any file is written
     assert run_vectorized(unequal, batches="trainer").rounds == unequal.run.rounds
+
+
+def test_runner_for_picks_the_vectorised_runner_only_when_the_config_asks():
+    cfg = config("ssf")
+    assert runner_for(cfg) is Simulation
+    cfg.run.vectorized = True
+    assert runner_for(cfg) is Vectorized
 
 
 def test_minibatch_picks_are_those_of_a_stable_argsort_ties_included():

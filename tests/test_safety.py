@@ -374,7 +374,7 @@ def test_resume_refuses_a_linked_checkpoint_and_never_follows_it(three_rounds, t
 
 def test_a_full_disk_is_one_line_naming_the_directory(finished_run, tmp_path, capsys, monkeypatch):
     import fedlowrank.export as export
-    from fedlowrank.runtime.run_files import RunFiles
+    from fedlowrank.runtime.rundir import RunFiles
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")

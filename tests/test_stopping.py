@@ -24,8 +24,7 @@ from fedlowrank.cli import main
 from fedlowrank.config import load_config
 from fedlowrank.message import State
 from fedlowrank.runtime import engine, simulator
-from fedlowrank.runtime.checkpoint import checkpoint_folders, latest_checkpoint, load_checkpoint
-from fedlowrank.runtime.checkpointing import Checkpointer
+from fedlowrank.runtime.checkpoint import Checkpointer, checkpoint_folders, latest_checkpoint, load_checkpoint
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.runtime.stopping import StopRequested, check_stop, interruptible, stop_signals
 from fedlowrank.runtime.vectorized import Vectorized

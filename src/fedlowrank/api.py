@@ -29,7 +29,7 @@ def run(config: str | Path | dict[str, Any] | None, overrides: list[str] | tuple
         quiet: ``False`` prints progress lines on stderr.
     """
     from .config import check_writable, load_config
-    from .runtime.vectorized import runner_for
+    from .runtime import runner_for
 
     cfg = load_config(config, overrides)
     if out is not None:

@@ -120,8 +120,8 @@ def _need_config(args) -> None:
 
 def cmd_run(args) -> int:
     from .config import check_writable, load_config
+    from .runtime import runner_for
     from .runtime.rundir import writing
-    from .runtime.vectorized import runner_for
 
     _need_config(args)
     cfg = load_config(args.config, [*args.set, *(["run.vectorized=true"] if args.vectorized else [])])

@@ -8,6 +8,10 @@
 
 Each row's scalars are logged at step = round, flattened (:func:`row_scalars`); the resolved config goes
 along as the run's parameters. Each package is imported only when chosen; a missing one is a one-line error.
+
+A run's tracker (:class:`RunTracker`) opens at the first round it mirrors and closes when the run closes (a later
+round opens it again). It is off without ``run.tracking`` or without a run directory (the tracker's files live
+there).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..schema import ConfigError
 
@@ -122,3 +126,29 @@ def open_tracker(cfg, run_dir: Path):
         return None
     require_package(kind)
     return {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}[kind](cfg, run_dir)
+
+
+class RunTracker:
+    """Mirrors each metrics row of the run in ``run_dir`` to the tracker ``cfg.run.tracking`` names; ``own(run_dir,
+    *names)`` records the names the tracker writes there before it writes them (the run directory's claim)."""
+
+    def __init__(self, cfg, run_dir: Path | None, own: Callable[..., Any]):
+        self.cfg, self.run_dir, self.own = cfg, run_dir, own
+        self._tracker = None
+
+    @property
+    def on(self) -> bool:
+        return bool(self.cfg.run.tracking) and self.run_dir is not None
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.on:
+            return
+        if self._tracker is None:
+            self.own(self.run_dir, *TRACKER_FILES[self.cfg.run.tracking])
+            self._tracker = open_tracker(self.cfg, self.run_dir)
+        self._tracker.log(row)
+
+    def close(self) -> None:
+        if self._tracker is not None:
+            self._tracker.close()
+            self._tracker = None

@@ -1,1 +1,17 @@
-"""runtime"""
+"""The runtimes: each runner is a :class:`~.server_run.ServerRun` over the same :func:`~.run.build_run`, and
+:func:`runner_for` picks the one a config asks for. Runners are imported when chosen, so that importing a module of
+this package (the run directories, the checkpoints) stays light."""
+
+from __future__ import annotations
+
+
+def runner_for(cfg) -> type:
+    """The runner class of ``cfg``: :class:`~.vectorized.Vectorized` with ``run.vectorized``, else
+    :class:`~.simulator.Simulation`; either is called as ``runner(cfg, run_dir=..., log=..., overwrite=...)``."""
+    if cfg.run.vectorized:
+        from .vectorized import Vectorized
+
+        return Vectorized
+    from .simulator import Simulation
+
+    return Simulation

@@ -2,9 +2,9 @@
 
 A :class:`ServerRun` is a :class:`~.run.Run` with the collaborators the round loop calls: the client states the
 server holds (:class:`~.store.ClientStore`; none on Flower, where they stay on the nodes), the run directory's files
-(:mod:`.run_files`; the directory claimed and locked by :mod:`.rundir`), evaluation (:mod:`.evaluation`),
-checkpoints (:mod:`.checkpointing`), the experiment tracker (:mod:`.tracker`) and progress lines
-(:mod:`fedlowrank.reporting.progress`). A round ends the same way in both runtimes:
+(:class:`~.rundir.RunFiles`, in the directory :mod:`.rundir` claims and locks), evaluation (:mod:`.evaluation`),
+checkpoints (:mod:`.checkpoint`), the experiment tracker (:class:`~fedlowrank.reporting.tracking.RunTracker`) and
+progress lines (:mod:`fedlowrank.reporting.progress`). A round ends the same way in both runtimes:
 
 * :meth:`ServerRun.close_round` — the server's step (:func:`.rounds.close_round`: skip, server-side reply
   transforms, ``method.aggregate``, the metrics row), changing nothing yet;
@@ -33,17 +33,15 @@ from ..device import release_compiled
 from ..message import State
 from ..privacy.runtime import accounting
 from ..reporting.progress import Progress
-from ..reporting.tracking import require_package
-from .checkpoint import ROW_TIMES, check_history, check_state, restart_from
-from .checkpointing import Checkpointer, read_run_checkpoint, restore
+from ..reporting.tracking import RunTracker, require_package
+from .checkpoint import (ROW_TIMES, Checkpointer, check_history, check_state, read_run_checkpoint, restart_from,
+                         restore)
 from .evaluation import Evaluator, collapse_line, collapse_of, run_collapse, scalar_metrics
 from .rounds import RoundOutcome, RoundReplies, Warn, client_rows, close_round
 from .run import DivergenceError, Run, peak_rss_mb
-from .run_files import RunFiles
-from .rundir import RunDirError, check_run_dir, claim_run_dir, lock_run_dir, read_claim
+from .rundir import RunDirError, RunFiles, check_run_dir, claim_run_dir, lock_run_dir, own, read_claim
 from .stopping import StopRequested, check_stop, stop_signals
 from .store import ClientStore
-from .tracker import RunTracker
 
 
 class ServerRun(Run):
@@ -90,7 +88,7 @@ class ServerRun(Run):
         """Write the run's files, tracker and checkpoints to ``run_dir`` (``None``: nowhere)."""
         self.run_dir = run_dir
         self.files = RunFiles(run_dir)
-        self.tracker = RunTracker(self.cfg, run_dir)
+        self.tracker = RunTracker(self.cfg, run_dir, own)
         self.checkpoints = Checkpointer(self.cfg, run_dir)
 
     def warn(self, line: str) -> None:

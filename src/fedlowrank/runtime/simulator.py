@@ -13,7 +13,7 @@ centralised reference) trains one client per round, holding the sampled clients'
 
 A run directory holds ``config.json`` (resolved), ``partition.json`` (per-client label histograms),
 ``metrics.jsonl`` (a row per round: metrics, bytes, time breakdown, ``per_client``), ``ledger.jsonl`` (a row per client
-per round: bytes up and down) and ``checkpoints/`` (:mod:`.checkpointing`: every ``run.checkpoint_seconds``, every
+per round: bytes up and down) and ``checkpoints/`` (:mod:`.checkpoint`: every ``run.checkpoint_seconds``, every
 ``run.checkpoint_every`` rounds, at the last round so that every finished run can be exported, and when the run is
 stopped by SIGINT or SIGTERM, :mod:`.stopping`); ``run.tracking`` mirrors each metrics row to TensorBoard,
 W&B or MLflow (:mod:`fedlowrank.reporting.tracking`). A run directory must be empty unless ``overwrite``, and is locked

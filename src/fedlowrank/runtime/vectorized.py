@@ -249,10 +249,3 @@ def run_vectorized(cfg, task: Task | None = None, log: Callable[[str], None] | N
     run.run()
     return VectorizedRun(run.method.name, run.round, run.history, run.diverged_at, time.perf_counter() - t0,
                          run.server)
-
-
-def runner_for(cfg) -> type[ServerRun]:
-    """The runner of ``cfg``: :class:`Vectorized` with ``run.vectorized``, else the simulator."""
-    from .simulator import Simulation
-
-    return Vectorized if cfg.run.vectorized else Simulation
