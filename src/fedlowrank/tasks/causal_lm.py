@@ -322,7 +322,25 @@ def response_nll(hidden: torch.Tensor, targets: torch.Tensor, head: LMHead, rows
     return _ResponseNLL.apply(hidden, targets, head, rows)
 
 
-@torch.no_grad()
+def check_pack_option(value, key: str) -> None:
+    """``task.options.pack`` is ``"auto"`` or an integer ≥ 0."""
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{key} must be auto or an integer >= 0, got {value!r}")
+
+
+def auto_pack(cfg) -> bool:
+    """Whether ``task.options.pack = "auto"`` packs: when the run trains cohorts (``run.cohort`` > 1, or 0 on CUDA,
+    with a method that supports them) and packing is correct: not with DP-SGD (it clips each example's gradient,
+    and a packed row holds several examples) nor with a method that reads each example's features (a packed row
+    has no per-example representation)."""
+    from ..device import resolve_device
+    from ..methods import method_class
+
+    method = method_class(cfg.method_name)
+    cohorts = cfg.run.cohort > 1 or (cfg.run.cohort == 0 and resolve_device(cfg.run.device).type == "cuda")
+    return cohorts and method.supports_cohorts and not method.reads_features and not cfg.privacy.dpsgd
+
+
 def check_pack(pack: int, max_length: int) -> None:
     """``task.options.pack`` is 0 or holds a whole example (at least ``task.max_length`` tokens)."""
     if pack and pack < max_length:
@@ -330,15 +348,21 @@ def check_pack(pack: int, max_length: int) -> None:
                          f"whole examples), got {pack}")
 
 
-def check_packing(net: nn.Module, spec: str) -> None:
-    """That the decoder keeps two sequences packed in one row apart (positions restarting at 0, no attention mask:
-    transformers' packed-sequence masks), or one line naming ``task.model``."""
+@torch.no_grad()
+def keeps_packed_sequences_apart(net: nn.Module) -> bool:
+    """Whether the decoder keeps two sequences packed in one row apart (positions restarting at 0, no attention
+    mask: transformers' packed-sequence masks)."""
     decoder, vocab = net.get_decoder(), net.get_input_embeddings().num_embeddings
     a, b = torch.arange(3, 8)[None] % vocab, torch.arange(11, 15)[None] % vocab
     alone = torch.cat([decoder(input_ids=x, use_cache=False).last_hidden_state for x in (a, b)], 1)
     packed = decoder(input_ids=torch.cat([a, b], 1), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]]),
                      use_cache=False).last_hidden_state
-    if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-4 * float(alone.abs().max())):
+    return torch.allclose(packed, alone, rtol=1e-4, atol=1e-4 * float(alone.abs().max()))
+
+
+def check_packing(net: nn.Module, spec: str) -> None:
+    """:func:`keeps_packed_sequences_apart`, or one line naming ``task.model``."""
+    if not keeps_packed_sequences_apart(net):
         raise ValueError(f"task.model = {spec!r}: its attention does not keep sequences packed in one row apart "
                          f"(positions restarting at 0); set task.options.pack = 0")
 
@@ -403,9 +427,13 @@ class CausalLMOptions(Schema):
     generation_batch_size: int = setting(8, "questions generated together", ge=1)
     write_generations: int = setting(5, "generations per evaluation written to the run directory", ge=0)
     eval_seed: int = setting(0, "seed of the two evaluation subsets (fixed across runs and methods unless changed)")
-    pack: int = setting(0, "0, or the length of the rows into which a step's examples are packed (a cohort's: all its "
-                        "members', each token routed to its own member's adapters), which removes most padding: at "
-                        "least task.max_length; 512 suits GSM8K", ge=0)
+    pack: int | str = setting("auto", "the length of the rows into which a step's examples are packed (a cohort's: "
+                              "all its members', each token routed to its own member's adapters), which removes most "
+                              "padding: at least task.max_length (768 suits GSM8K), 0 = no packing, or auto = packed "
+                              "when the run trains cohorts and packing is correct (no privacy.dpsgd, a method that "
+                              "reads no per-example features, a model that keeps packed sequences apart), in rows "
+                              "of 2 × task.max_length (each holds two whole examples at least)", check=check_pack_option,
+                              form="auto or an integer >= 0")
 
 
 @register_task
@@ -443,7 +471,9 @@ class CausalLM(Task):
     @classmethod
     def check_config(cls, cfg) -> None:
         """``task.options.pack`` holds whole examples (≥ ``task.max_length``) and is refused with DP-SGD."""
-        pack = cfg.task.options.get("pack", 0)
+        pack = cfg.task.options.get("pack", "auto")
+        if pack == "auto":
+            return
         check_pack(pack, cfg.task.max_length)
         if pack and cfg.privacy.dpsgd:
             raise ValueError("task.options.pack with privacy.dpsgd: DP-SGD clips each example's gradient, and a "
@@ -455,8 +485,11 @@ class CausalLM(Task):
         from .instructions import load_instructions
 
         data = load_instructions(cfg.data, cfg.partition.partition_by, cfg.run.seed)
+        options = dict(cfg.task.options)
+        if options.get("pack", "auto") == "auto":
+            options["pack"] = "auto" if auto_pack(cfg) else 0
         return cls(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None, cfg.task.eval_batch_size,
-                   quantize=cfg.task.quantize, length_buckets=cfg.task.length_buckets, **cfg.task.options)
+                   quantize=cfg.task.quantize, length_buckets=cfg.task.length_buckets, **options)
 
     def __init__(self, data: InstructionData, model: str = "tiny-llama", max_length: int = 256,
                  targets: list[str] | None = None, eval_batch_size: int = 8,
@@ -465,13 +498,16 @@ class CausalLM(Task):
                  max_new_tokens: int = CausalLMOptions.max_new_tokens,
                  generation_batch_size: int = CausalLMOptions.generation_batch_size,
                  write_generations: int = CausalLMOptions.write_generations,
-                 eval_seed: int = CausalLMOptions.eval_seed, pack: int = CausalLMOptions.pack,
+                 eval_seed: int = CausalLMOptions.eval_seed, pack: int | str = 0,
                  quantize: str = "", length_buckets: list[int] | None = None):
         from ..models.loading import load_model
 
         CausalLMOptions(eval_examples=eval_examples, eval_generate=eval_generate, max_new_tokens=max_new_tokens,
                         generation_batch_size=generation_batch_size, write_generations=write_generations,
                         eval_seed=eval_seed, pack=pack)  # checks each option
+        self.loaded = load_model(model, "causal-lm", quantize=quantize)
+        if pack == "auto":  # rows of two whole examples at least, when the model keeps packed sequences apart
+            pack = 2 * max_length if keeps_packed_sequences_apart(self.loaded.net) else 0
         check_pack(pack, max_length)
         self.data = data
         self.model_name = model
@@ -483,7 +519,6 @@ class CausalLM(Task):
         self.max_new_tokens = max_new_tokens
         self.generation_batch_size = generation_batch_size
         self.write_generations = write_generations
-        self.loaded = load_model(model, "causal-lm", quantize=quantize)
         check_max_length(self.loaded, max_length)
         check_lm_head(self.loaded.net, model)
         if pack:
