@@ -189,9 +189,9 @@ class PackShapes:
     """Static shapes ``[R, W]`` of packed steps (``task.length_buckets`` with ``pack``), so that a compiled step
     compiles once per shape for the whole run. For a step of E examples (a cohort's: all its members'):
 
-    * each width W of ``buckets`` below ``capacity`` that holds the longest training example holds R rows: the
-      most that :func:`pack_rows` needed for :data:`DRAWS` seeded draws of E training examples (steps like the
-      run's, drawn before it);
+    * each width W of ``buckets`` below ``capacity`` that holds the longest training example, and ``capacity``,
+      holds R rows: the most that :func:`pack_rows` needed for :data:`DRAWS` seeded draws of E training examples
+      (steps like the run's, drawn before it);
     * the last shape, W = ``capacity``, holds the rows that the E longest training examples fill
       (:func:`pack_rows`), which holds any E examples (:meth:`layout`).
 
@@ -217,7 +217,7 @@ class PackShapes:
             last = (len(self.bound(examples)), self.capacity)
             rng = numpy_rng(0, "pack-shapes")
             draws = [[self.lengths[i] for i in rng.choice(len(self.lengths), examples)] for _ in range(DRAWS)]
-            planned = [(max(len(pack_rows(d, w)) for d in draws), w) for w in self.buckets
+            planned = [(max(len(pack_rows(d, w)) for d in draws), w) for w in [*self.buckets, self.capacity]
                        if w >= max(self.lengths)]
             self._shapes[examples] = sorted(s for s in planned if s[0] * s[1] < last[0] * last[1]) + [last]
         return self._shapes[examples]
