@@ -219,7 +219,8 @@ class PackShapes:
             draws = [[self.lengths[i] for i in rng.choice(len(self.lengths), examples)] for _ in range(DRAWS)]
             planned = [(max(len(pack_rows(d, w)) for d in draws), w) for w in [*self.buckets, self.capacity]
                        if w >= max(self.lengths)]
-            self._shapes[examples] = sorted(s for s in planned if s[0] * s[1] < last[0] * last[1]) + [last]
+            fewer = [s for s in planned if s[0] * s[1] < last[0] * last[1]]
+            self._shapes[examples] = sorted(fewer, key=lambda s: s[0] * s[1]) + [last]
         return self._shapes[examples]
 
     def layout(self, lengths: list[int]) -> tuple[list[list[int]], int, int]:
