@@ -17,6 +17,7 @@ from fedlowrank.device import local_step, stage, step_transfers, to_device
 from fedlowrank.runtime import cohort
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks import build_task
+from fedlowrank.tasks.causal_lm import PackShapes, collate
 from fedlowrank.training import local
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -155,19 +156,146 @@ def test_run_compile_auto_compiles_when_the_steps_per_bucket_repay_the_warm_up(s
         assert (f"; {fewer} length bucket(s) would repay it" in rule) == (not compiled and fewer >= 1)
 
 
-# -- item 3 (in part): a compiled packed cohort step has no graph break -------------------------------------------------
-@pytest.mark.slow  # ≈ 70 s on one CPU thread
-def test_a_compiled_packed_cohort_has_no_graph_break_and_equals_eager(fast_compile):
-    """The routing's gather and the response positions are prepared before the step, so the compiled decoder of a
-    packed cohort (rows mixing members) traces without a break (the step that computed them inside broke 12 times
-    in its first round); two rounds equal the eager run."""
-    sets = [*LM, "task.options.pack=768", "task.length_buckets=[512, 768]", "run.cohort=2", "run.clients_per_round=2",
-            "run.rounds=2"]
+# -- item 3: packed cohorts in static shapes ---------------------------------------------------------------------
+def test_packed_shapes_hold_every_step_in_few_fixed_shapes():
+    """:class:`PackShapes`: every step of E examples is laid out in one of the shapes of E examples (each row
+    within its width, every example once), the bound last."""
+    rng = np.random.default_rng(1)
+    lengths = [int(x) for x in rng.integers(40, 400, 300)]
+    shapes = PackShapes.of(lengths, 768, [512, 640, 768, 1024])
+    assert shapes.buckets == [512, 640]
+    for examples in (4, 32):
+        allowed = shapes.shapes(examples)
+        assert allowed[-1] == (len(shapes.bound(examples)), 768)
+        assert [r * w for r, w in allowed] == sorted(r * w for r, w in allowed)
+        for _ in range(40):
+            step = [lengths[i] for i in rng.choice(len(lengths), examples)]
+            rows, width, count = shapes.layout(step)
+            assert (count, width) in allowed and len(rows) <= count
+            assert sorted(i for row in rows for i in row) == list(range(examples))
+            assert max(sum(step[i] for i in row) for row in rows) <= width
+        longest = sorted(lengths, reverse=True)[:examples]
+        assert shapes.layout(longest)[1:][::-1] in allowed
+
+
+def test_the_bound_holds_a_step_that_packing_alone_would_spread_over_more_rows(monkeypatch):
+    """A step whose own packing needs more rows than the bound's takes the places of the longest examples (each
+    item no longer than the training example whose place it takes)."""
+    shapes = PackShapes.of([300, 300, 200, 100], 600, [])
+    from fedlowrank.tasks import causal_lm
+    real = causal_lm.pack_rows
+    monkeypatch.setattr(causal_lm, "pack_rows", lambda lengths, capacity: (
+        [[i] for i in range(len(lengths))] if lengths == [250, 90, 280, 190] else real(lengths, capacity)))
+    step = [250, 90, 280, 190]
+    rows, width, count = shapes.layout(step)
+    assert (width, count) == (600, 2) and len(rows) == 2
+    assert sorted(i for row in rows for i in row) == [0, 1, 2, 3]
+    assert max(sum(step[i] for i in row) for row in rows) <= 600
+
+
+def test_a_fixed_width_routing_pads_each_member_and_refuses_too_many_tokens():
+    """``Routing(width=n)``: the gather is ``[K, n]`` whatever the step; a member with more tokens is an error."""
+    tokens = torch.tensor([[0, 0, 1, -1], [1, 1, 1, -1]])
+    index, valid = Routing(tokens=tokens, size=2, width=5).gather(torch.device("cpu"))
+    assert index.shape == valid.shape == (2, 5)
+    assert valid.sum(1).tolist() == [2, 4] and index[1, :4].tolist() == [2, 4, 5, 6]
+    with pytest.raises(ValueError, match="more than the routing's width 3"):
+        Routing(tokens=tokens, size=2, width=3).gather(torch.device("cpu"))
+
+
+def test_a_packed_cohort_in_static_shapes_gives_each_member_s_loss():
+    """With length buckets, packed cohorts of different steps share one shape, with padding rows and a fixed
+    routing width, and each member's loss equals its loss unpacked (padding rows carry no loss)."""
+    sets = [*LM, "task.options.pack=768", "task.length_buckets=[512, 768]"]
     task = build_task(load_config("tiny-lm", sets))
+    net = task.build_model().net
+    shapes = set()
+    for start in (0, 8):
+        batches = [task.batch(np.arange(start + 4 * k, start + 4 * k + 4)) for k in range(2)]
+        joined, routing = task.join_batches(batches)
+        shapes.add((tuple(joined["input_ids"].shape), routing.gather(torch.device("cpu"))[0].shape))
+        out = task.output(net, task.device_batch(joined, torch.device("cpu")))
+        losses = task.output_losses(out, routing, batches)
+        for k, b in enumerate(batches):
+            alone = task.loss(net, collate([task.train[int(i)] for i in b["example_index"]], 0))
+            torch.testing.assert_close(losses[k], alone, rtol=1e-4, atol=1e-5)
+    assert len(shapes) == 1, shapes
+
+
+@pytest.mark.slow  # ≈ 100 s on one CPU thread
+def test_a_compiled_packed_cohort_compiles_once_per_shape_and_equals_eager(fast_compile):
+    """3 rounds of a compiled packed cohort in static shapes (``aot_eager``): one graph per shape used (of at most
+    one per bucket below the row length, one of that length and the bound), none new after round 1, no graph
+    break, and the eager run's result."""
+    sets = [*LM, "task.options.pack=768", "task.length_buckets=[512, 768]", "run.cohort=2", "run.clients_per_round=2",
+            "run.rounds=3"]
+    task = build_task(load_config("tiny-lm", sets))
+    used = set()
+    join = task.join_batches
+
+    def recorded(batches):
+        joined, routing = join(batches)
+        used.add(tuple(joined["input_ids"].shape))
+        return joined, routing
+    task.join_batches = recorded
     compiled = Simulation(load_config("tiny-lm", ["run.compile=true", *sets]), task=task)
-    compiled.run()
-    assert fast_compile["stats"]["unique_graphs"] >= 1 and sum(fast_compile["graph_break"].values()) == 0
+    graphs = []
+    for _ in range(3):
+        compiled.run_round()
+        graphs.append(fast_compile["stats"]["unique_graphs"])
+    allowed = {(r, w) for r, w in task.shapes.shapes(8)}                  # 2 members × 4 examples
+    assert graphs == [len(used)] * 3 and used <= allowed and len(allowed) <= 3, (graphs, used, allowed)
+    assert sum(fast_compile["graph_break"].values()) == 0
     eager = Simulation(load_config("tiny-lm", sets), task=task)
-    eager.run()
+    for _ in range(3):
+        eager.run_round()
     for key, value in eager.server.tensors().items():
         torch.testing.assert_close(compiled.server[key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize("sets, rows", [
+    (["run.cohort=2"], 1536),                                              # rows of 2 × task.max_length
+    (["run.cohort=2", "task.length_buckets=[512, 768]"], 1536),
+    (["run.cohort=2", "task.options.pack=0"], 0),                          # asked off
+    (["run.cohort=2", "task.options.pack=900"], 900),                      # asked
+    (["run.cohort=1"], 0),                                                 # one client at a time
+    ([], 0),                                                               # run.cohort = 0 on the CPU: one at a time
+    (["run.cohort=2", "method.name=moon"], 0),                             # reads each example's features
+    (["run.cohort=2", "method.name=fedgalore"], 0),                        # trains one client at a time
+])
+def test_packing_is_the_default_for_causal_lm_cohorts_where_it_is_correct(sets, rows):
+    """``task.options.pack = auto`` (the default) packs a run's cohorts, in rows of two longest examples, and
+    leaves examples unpacked where packing is not correct: DP-SGD clips each example's gradient and a method such as
+    MOON reads each example's representation, neither of which a row holding several examples has; one client at
+    a time gains nothing from it."""
+    task = build_task(load_config("tiny-lm", ["task.options.eval_generate=0", *sets]))
+    assert task.pack == rows
+
+
+def test_automatic_cohorts_on_cuda_pack_unless_dp_sgd_clips_each_example(monkeypatch):
+    """``run.cohort = 0`` trains cohorts on CUDA, so auto packs there, except with DP-SGD (one client at a time, and
+    each example's gradient clipped: a packed row holds several)."""
+    from fedlowrank.tasks.causal_lm import auto_pack
+
+    monkeypatch.setattr(device, "resolve_device", lambda spec: torch.device("cuda"))
+    assert auto_pack(load_config("tiny-lm", []))
+    assert not auto_pack(load_config("tiny-lm", ["privacy.dpsgd=true"]))
+
+
+def test_auto_packing_stays_off_for_a_model_that_mixes_packed_sequences(monkeypatch):
+    """A decoder whose attention would mix sequences packed in one row (no packed-sequence masks) is not packed by
+    default; asked explicitly, it is one error line."""
+    from fedlowrank.tasks import causal_lm
+
+    monkeypatch.setattr(causal_lm, "keeps_packed_sequences_apart", lambda net: False)
+    assert build_task(load_config("tiny-lm", ["task.options.eval_generate=0", "run.cohort=2"])).pack == 0
+    with pytest.raises(ValueError, match="does not keep sequences packed in one row apart"):
+        build_task(load_config("tiny-lm", ["task.options.eval_generate=0", "task.options.pack=768"]))
+
+
+@pytest.mark.parametrize("value", ["'often'", "-1", "true"])
+def test_a_bad_pack_option_is_one_error_line(value):
+    from fedlowrank.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^task.options.pack must be auto or an integer >= 0, got"):
+        load_config("tiny-lm", [f"task.options.pack={value}"])

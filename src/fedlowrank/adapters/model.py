@@ -145,13 +145,16 @@ class AdaptedLinear(nn.Module):
 class Routing:
     """Which member of a cohort each part of a joined batch belongs to: member k's rows ``rows[k]``, or, for packed
     rows that hold several members' sequences, each token: ``tokens: [B, T]`` (the member's index, -1 for padding;
-    on the host). A joined batch has its batch on dimension 0 (rows) or its first two (tokens). What the joint
-    step reads of it is computed on the host and moved once per device, by :meth:`prepare` ahead of the step."""
+    on the host), with ``width`` the tokens per member of :meth:`gather` (0: the most any member has; a fixed
+    width, at least that, keeps a compiled step's shapes static). A joined batch has its batch on dimension 0
+    (rows) or its first two (tokens). What the joint step reads of it is computed on the host and moved once per
+    device, by :meth:`prepare` ahead of the step."""
 
-    def __init__(self, rows: list[slice] | None = None, tokens: torch.Tensor | None = None, size: int = 0):
+    def __init__(self, rows: list[slice] | None = None, tokens: torch.Tensor | None = None, size: int = 0,
+                 width: int = 0):
         if (rows is None) == (tokens is None):
             raise ValueError("a routing is by rows or by tokens")
-        self.rows, self.tokens = rows, tokens
+        self.rows, self.tokens, self.width = rows, tokens, width
         self.size = len(rows) if rows is not None else size  # members
         self._on: dict[tuple[str, torch.device], tuple[torch.Tensor, ...]] = {}
 
@@ -181,15 +184,18 @@ class Routing:
 
     def gather(self, device: torch.device, move=torch.Tensor.to) -> tuple[torch.Tensor, torch.Tensor]:
         """Token routing: ``(index [K, n], valid [K, n])``: member k's flat token indices (into the ``B·T``
-        tokens), padded to the most any member has (index 0, ``valid`` false), on ``device``."""
+        tokens), padded to n = ``width``, or the most any member has (index 0, ``valid`` false), on ``device``."""
         def make() -> tuple[torch.Tensor, torch.Tensor]:
             member = self.tokens.flatten()
             order = torch.argsort(member, stable=True)
             order = order[member[order] >= 0]                                    # padding tokens: no member
             counts = torch.bincount(member[order], minlength=self.size)
+            if self.width and int(counts.max()) > self.width:
+                raise ValueError(f"a packed member has {int(counts.max())} tokens, more than the routing's "
+                                 f"width {self.width}")
             starts = torch.cumsum(counts, 0) - counts
             slot = torch.arange(len(order)) - starts.repeat_interleave(counts)    # each token's place in its member
-            index = torch.zeros(self.size, max(int(counts.max()), 1), dtype=torch.long)
+            index = torch.zeros(self.size, self.width or max(int(counts.max()), 1), dtype=torch.long)
             valid = torch.zeros(index.shape, dtype=torch.bool)
             index[member[order], slot] = order
             valid[member[order], slot] = True

@@ -128,6 +128,8 @@ class Method(Schema):
             ``trainer.fit``, and changes nothing of the method's but its composed corrections (which
             :meth:`cohort_member` copies). The runtime then trains the members' local steps jointly; methods
             without it train one client at a time.
+        reads_features: whether the method's local loss reads each example's representation
+            (``task.features``): causal-LM cohorts then leave their examples unpacked (``task.options.pack``).
         personalized: True if each client's model differs from the global one (part of it stays private);
             the runtime then reports the mean over clients of their own models' test metrics.
         preset: the paper's own run settings as ``{"section.key": value}`` config overrides (client weighting,
@@ -153,6 +155,7 @@ class Method(Schema):
     supports_heterogeneous_ranks: ClassVar[bool] = False
     heterogeneous_ranks_refusal: ClassVar[str] = ""
     supports_cohorts: ClassVar[bool] = False
+    reads_features: ClassVar[bool] = False
     personalized: ClassVar[bool] = False
     preset: ClassVar[dict[str, Any]] = {}
     lr_grid: ClassVar[tuple[float, ...]] = ()

@@ -98,6 +98,7 @@ class Moon(FedIT):
     paper = "Li, He, Song, Model-Contrastive Federated Learning (CVPR 2021)"
     uplink = "A [r,in] and B [out,r] per target module, head"
     downlink = "Ā, B̄ per target module, head"
+    reads_features = True
 
     moon_mu: float = setting(0.01, "μ, the weight of the model-contrastive loss ℓ_con (0 gives FedIT)", ge=0)
     temperature: float = setting(0.5, "τ, the temperature of ℓ_con", gt=0)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -122,16 +122,26 @@ def collate(examples: list[Encoded], pad_id: int, width: int = 0) -> dict[str, t
             "labels": torch.tensor([[IGNORE] * p + ids[p:] + [IGNORE] * pad for ids, _, pad, p in rows])}
 
 
-def pack(groups: list[list[Encoded]], capacity: int, pad_id: int, buckets: list[int]) -> tuple[dict, torch.Tensor]:
+DRAWS = 64  # seeded draws of a step's examples that set the rows of a packed shape (PackShapes)
+
+
+def pack(groups: list[list[Encoded]], capacity: int, pad_id: int, buckets: list[int],
+         shapes: "PackShapes | None" = None) -> tuple[dict, torch.Tensor]:
     """The examples of every group (a cohort member's batch, or one client's) in rows of at most ``capacity``
     tokens, each example's positions starting at 0 (so that attention stays within it): ``input_ids``,
     ``position_ids`` and ``labels`` ``[R, W]``, W the fullest row's length or its bucket (:func:`padded_length`;
     padding restarts its positions too), and each token's group ``[R, W]`` (-1: padding). The rows are those of
-    :func:`pack_rows`."""
+    :func:`pack_rows`; with ``shapes``, ``[R, W]`` is one of its static shapes (:meth:`PackShapes.layout`), the
+    rows past the examples' all padding."""
     items = [(e, g) for g, group in enumerate(groups) for e in group]
-    rows = pack_rows([len(e.ids) for e, _ in items], capacity)
-    fill = [sum(len(items[i][0].ids) for i in row) for row in rows]
-    width = padded_length(max(fill), buckets, capacity)
+    lengths = [len(e.ids) for e, _ in items]
+    if shapes is None:
+        rows = pack_rows(lengths, capacity)
+        width = padded_length(max(sum(lengths[i] for i in row) for row in rows), buckets, capacity)
+    else:
+        rows, width, count = shapes.layout(lengths)
+        rows = rows + [[] for _ in range(count - len(rows))]
+    fill = [sum(lengths[i] for i in row) for row in rows]
     ids, positions, labels, members = [], [], [], []
     for row, f in zip(rows, fill):
         pad, row = width - f, [items[i] for i in row]
@@ -172,6 +182,66 @@ def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
             break
         count += 1
     return min(layouts, key=lambda layout: layout[0])[1]
+
+
+@dataclass
+class PackShapes:
+    """Static shapes ``[R, W]`` of packed steps (``task.length_buckets`` with ``pack``), so that a compiled step
+    compiles once per shape for the whole run. For a step of E examples (a cohort's: all its members'):
+
+    * each width W of ``buckets`` below ``capacity`` that holds the longest training example, and ``capacity``,
+      holds R rows: the most that :func:`pack_rows` needed for :data:`DRAWS` seeded draws of E training examples
+      (steps like the run's, drawn before it);
+    * the last shape, W = ``capacity``, holds the rows that the E longest training examples fill
+      (:func:`pack_rows`), which holds any E examples (:meth:`layout`).
+
+    A step takes the shape of fewest tokens that holds it; shapes of as many tokens as the last are dropped.
+    Padding rows carry no loss (labels -100, member -1)."""
+
+    capacity: int
+    buckets: list[int]
+    lengths: list[int]  # the training examples' lengths
+    _shapes: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, lengths: list[int], capacity: int, buckets: list[int]) -> "PackShapes":
+        return cls(capacity, [b for b in buckets if b < capacity], list(lengths))
+
+    def bound(self, examples: int) -> list[list[int]]:
+        """The rows of the ``examples`` longest training examples (index i: the i-th longest)."""
+        return pack_rows(sorted(self.lengths, reverse=True)[:examples], self.capacity)
+
+    def shapes(self, examples: int) -> list[tuple[int, int]]:
+        """``[(R, W)]`` of a step of ``examples`` examples, fewest tokens first, the bound last."""
+        if examples not in self._shapes:
+            last = (len(self.bound(examples)), self.capacity)
+            rng = numpy_rng(0, "pack-shapes")
+            draws = [[self.lengths[i] for i in rng.choice(len(self.lengths), examples)] for _ in range(DRAWS)]
+            planned = [(max(len(pack_rows(d, w)) for d in draws), w) for w in [*self.buckets, self.capacity]
+                       if w >= max(self.lengths)]
+            fewer = [s for s in planned if s[0] * s[1] < last[0] * last[1]]
+            self._shapes[examples] = sorted(fewer, key=lambda s: s[0] * s[1]) + [last]
+        return self._shapes[examples]
+
+    def layout(self, lengths: list[int]) -> tuple[list[list[int]], int, int]:
+        """``(rows, W, R)``: the items of ``lengths`` (indices) in at most R rows of W tokens, the first shape
+        of :meth:`shapes` that holds them. The last always does: the i-th longest item is no longer than the i-th
+        longest training example, so it may take that example's place in :meth:`bound`'s rows."""
+        shapes = self.shapes(len(lengths))
+        for count, width in shapes[:-1]:
+            if max(lengths) <= width:
+                rows = pack_rows(lengths, width)
+                if len(rows) <= count:
+                    return rows, width, count
+        rows, bound = pack_rows(lengths, self.capacity), self.bound(len(lengths))
+        if len(rows) > len(bound):
+            rank = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+            rows = [[rank[j] for j in row] for row in bound]
+        return rows, self.capacity, len(bound)
+
+    def member_tokens(self, examples: int) -> int:
+        """The most tokens a member of ``examples`` examples packs: its routing's fixed width."""
+        return sum(sorted(self.lengths, reverse=True)[:examples])
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,7 +323,25 @@ def response_nll(hidden: torch.Tensor, targets: torch.Tensor, head: LMHead, rows
     return _ResponseNLL.apply(hidden, targets, head, rows)
 
 
-@torch.no_grad()
+def check_pack_option(value, key: str) -> None:
+    """``task.options.pack`` is ``"auto"`` or an integer ≥ 0."""
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{key} must be auto or an integer >= 0, got {value!r}")
+
+
+def auto_pack(cfg) -> bool:
+    """Whether ``task.options.pack = "auto"`` packs: when the run trains cohorts (``run.cohort`` > 1, or 0 on CUDA,
+    with a method that supports them) and packing is correct: not with DP-SGD (it clips each example's gradient,
+    and a packed row holds several examples) nor with a method that reads each example's features (a packed row
+    has no per-example representation)."""
+    from ..device import resolve_device
+    from ..methods import method_class
+
+    method = method_class(cfg.method_name)
+    cohorts = cfg.run.cohort > 1 or (cfg.run.cohort == 0 and resolve_device(cfg.run.device).type == "cuda")
+    return cohorts and method.supports_cohorts and not method.reads_features and not cfg.privacy.dpsgd
+
+
 def check_pack(pack: int, max_length: int) -> None:
     """``task.options.pack`` is 0 or holds a whole example (at least ``task.max_length`` tokens)."""
     if pack and pack < max_length:
@@ -261,15 +349,21 @@ def check_pack(pack: int, max_length: int) -> None:
                          f"whole examples), got {pack}")
 
 
-def check_packing(net: nn.Module, spec: str) -> None:
-    """That the decoder keeps two sequences packed in one row apart (positions restarting at 0, no attention mask:
-    transformers' packed-sequence masks), or one line naming ``task.model``."""
+@torch.no_grad()
+def keeps_packed_sequences_apart(net: nn.Module) -> bool:
+    """Whether the decoder keeps two sequences packed in one row apart (positions restarting at 0, no attention
+    mask: transformers' packed-sequence masks)."""
     decoder, vocab = net.get_decoder(), net.get_input_embeddings().num_embeddings
     a, b = torch.arange(3, 8)[None] % vocab, torch.arange(11, 15)[None] % vocab
     alone = torch.cat([decoder(input_ids=x, use_cache=False).last_hidden_state for x in (a, b)], 1)
     packed = decoder(input_ids=torch.cat([a, b], 1), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]]),
                      use_cache=False).last_hidden_state
-    if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-4 * float(alone.abs().max())):
+    return torch.allclose(packed, alone, rtol=1e-4, atol=1e-4 * float(alone.abs().max()))
+
+
+def check_packing(net: nn.Module, spec: str) -> None:
+    """:func:`keeps_packed_sequences_apart`, or one line naming ``task.model``."""
+    if not keeps_packed_sequences_apart(net):
         raise ValueError(f"task.model = {spec!r}: its attention does not keep sequences packed in one row apart "
                          f"(positions restarting at 0); set task.options.pack = 0")
 
@@ -334,9 +428,13 @@ class CausalLMOptions(Schema):
     generation_batch_size: int = setting(8, "questions generated together", ge=1)
     write_generations: int = setting(5, "generations per evaluation written to the run directory", ge=0)
     eval_seed: int = setting(0, "seed of the two evaluation subsets (fixed across runs and methods unless changed)")
-    pack: int = setting(0, "0, or the length of the rows into which a step's examples are packed (a cohort's: all its "
-                        "members', each token routed to its own member's adapters), which removes most padding: at "
-                        "least task.max_length; 512 suits GSM8K", ge=0)
+    pack: int | str = setting("auto", "the length of the rows into which a step's examples are packed (a cohort's: "
+                              "all its members', each token routed to its own member's adapters), which removes most "
+                              "padding: at least task.max_length (768 suits GSM8K), 0 = no packing, or auto = packed "
+                              "when the run trains cohorts and packing is correct (no privacy.dpsgd, a method that "
+                              "reads no per-example features, a model that keeps packed sequences apart), in rows "
+                              "of 2 × task.max_length (each holds two whole examples at least)", check=check_pack_option,
+                              form="auto or an integer >= 0")
 
 
 @register_task
@@ -374,7 +472,9 @@ class CausalLM(Task):
     @classmethod
     def check_config(cls, cfg) -> None:
         """``task.options.pack`` holds whole examples (≥ ``task.max_length``) and is refused with DP-SGD."""
-        pack = cfg.task.options.get("pack", 0)
+        pack = cfg.task.options.get("pack", "auto")
+        if pack == "auto":
+            return
         check_pack(pack, cfg.task.max_length)
         if pack and cfg.privacy.dpsgd:
             raise ValueError("task.options.pack with privacy.dpsgd: DP-SGD clips each example's gradient, and a "
@@ -386,8 +486,11 @@ class CausalLM(Task):
         from .instructions import load_instructions
 
         data = load_instructions(cfg.data, cfg.partition.partition_by, cfg.run.seed)
+        options = dict(cfg.task.options)
+        if options.get("pack", "auto") == "auto":
+            options["pack"] = "auto" if auto_pack(cfg) else 0
         return cls(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None, cfg.task.eval_batch_size,
-                   quantize=cfg.task.quantize, length_buckets=cfg.task.length_buckets, **cfg.task.options)
+                   quantize=cfg.task.quantize, length_buckets=cfg.task.length_buckets, **options)
 
     def __init__(self, data: InstructionData, model: str = "tiny-llama", max_length: int = 256,
                  targets: list[str] | None = None, eval_batch_size: int = 8,
@@ -396,13 +499,16 @@ class CausalLM(Task):
                  max_new_tokens: int = CausalLMOptions.max_new_tokens,
                  generation_batch_size: int = CausalLMOptions.generation_batch_size,
                  write_generations: int = CausalLMOptions.write_generations,
-                 eval_seed: int = CausalLMOptions.eval_seed, pack: int = CausalLMOptions.pack,
+                 eval_seed: int = CausalLMOptions.eval_seed, pack: int | str = 0,
                  quantize: str = "", length_buckets: list[int] | None = None):
         from ..models.loading import load_model
 
         CausalLMOptions(eval_examples=eval_examples, eval_generate=eval_generate, max_new_tokens=max_new_tokens,
                         generation_batch_size=generation_batch_size, write_generations=write_generations,
                         eval_seed=eval_seed, pack=pack)  # checks each option
+        self.loaded = load_model(model, "causal-lm", quantize=quantize)
+        if pack == "auto":  # rows of two whole examples at least, when the model keeps packed sequences apart
+            pack = 2 * max_length if keeps_packed_sequences_apart(self.loaded.net) else 0
         check_pack(pack, max_length)
         self.data = data
         self.model_name = model
@@ -414,7 +520,6 @@ class CausalLM(Task):
         self.max_new_tokens = max_new_tokens
         self.generation_batch_size = generation_batch_size
         self.write_generations = write_generations
-        self.loaded = load_model(model, "causal-lm", quantize=quantize)
         check_max_length(self.loaded, max_length)
         check_lm_head(self.loaded.net, model)
         if pack:
@@ -422,6 +527,8 @@ class CausalLM(Task):
         self.tokenizer = self.loaded.tokenizer
         tok = self.tokenizer
         self.train = [encode_example(tok, p, r, max_length) for p, r in zip(data.train_prompts, data.train_responses)]
+        self.shapes = (PackShapes.of([len(e.ids) for e in self.train], pack, self.length_buckets)
+                       if pack and self.length_buckets else None)
         n_test = len(data.test_prompts)
         pick = numpy_rng(eval_seed, "eval-loss-subset").permutation(n_test)
         self.eval_idx = np.sort(pick[:eval_examples] if eval_examples else pick)
@@ -465,10 +572,11 @@ class CausalLM(Task):
 
     def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         """The examples at ``indices``, padded to the longest or to its length bucket (:func:`padded_length`), or
-        packed (``pack``: rows of that many tokens, :func:`pack`, with ``example_index`` ``[n]``)."""
+        packed (``pack``: rows of that many tokens, :func:`pack`, with ``example_index`` ``[n]``; with length
+        buckets in a static shape, :class:`PackShapes`)."""
         examples = [self.train[int(i)] for i in indices]
         if self.pack:
-            batch, _ = pack([examples], self.pack, self.tokenizer.pad_token_id, self.length_buckets)
+            batch, _ = pack([examples], self.pack, self.tokenizer.pad_token_id, self.length_buckets, self.shapes)
             return {**batch, "example_index": torch.as_tensor(np.asarray(indices), dtype=torch.long)}
         width = padded_length(max(len(e.ids) for e in examples), self.length_buckets, self.max_length)
         return collate(examples, self.tokenizer.pad_token_id, width)
@@ -554,13 +662,15 @@ class CausalLM(Task):
     def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], Routing]:
         """The members' host batches (:meth:`batch`) as one: right padding as in :func:`collate` (the pad token,
         mask 0, label -100), or, packed, every member's examples packed together (:func:`pack`) with each token's
-        member (:class:`Routing` by tokens)."""
+        member (:class:`Routing` by tokens; with length buckets in a static shape, :class:`PackShapes`, and a
+        routing of fixed width: the most tokens a member of as many examples can have)."""
         if not self.pack:
             return join_padded(batches, {"input_ids": self.tokenizer.pad_token_id, "attention_mask": 0,
                                          "labels": IGNORE})
         groups = [[self.train[int(i)] for i in b["example_index"]] for b in batches]
-        joined, members = pack(groups, self.pack, self.tokenizer.pad_token_id, self.length_buckets)
-        return joined, Routing(tokens=members, size=len(batches))
+        joined, members = pack(groups, self.pack, self.tokenizer.pad_token_id, self.length_buckets, self.shapes)
+        width = self.shapes.member_tokens(max(len(g) for g in groups)) if self.shapes else 0
+        return joined, Routing(tokens=members, size=len(batches), width=width)
 
     def features(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """``[B, d]`` last hidden state averaged over each example's tokens (padding excluded)."""
