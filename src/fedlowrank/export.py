@@ -362,7 +362,10 @@ def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str) 
         id2label = getattr(getattr(loaded.net, "config", None), "id2label", None)
         if loaded.kind in ("sequence-classification", "image-classification") and id2label:
             report["id2label"] = {str(k): v for k, v in id2label.items()}
-    report["check"] = {"run": sim.task.evaluate(model.net), "exported": sim.task.evaluate(exported)}
+    from .runtime.evaluation import scalar_metrics
+
+    report["check"] = {"run": scalar_metrics(sim.task.evaluate(model.net)),
+                       "exported": scalar_metrics(sim.task.evaluate(exported))}
     (out_dir / "README.md").write_text(model_card(sim, report, loaded, name))
     report["files"] = sorted(p.name for p in out_dir.iterdir()) + [REPORT_FILE]
     return report
@@ -451,8 +454,7 @@ def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
     ]
     if privacy:
         lines.append(f"* privacy: `{privacy}`" + (f", epsilon = {eps:.3g} after the last round" if eps else ""))
-    metrics = sorted({k for check in report["check"].values() for k, v in check.items()
-                      if isinstance(v, (int, float))})  # not a classifier's summary of its predictions
+    metrics = sorted({k for check in report["check"].values() for k in check})
     lines += ["", "## Test metrics", "", "| metric | run | this export, loaded back |", "|---|---|---|"]
     lines += [f"| {m} | {report['check']['run'].get(m, float('nan')):.6g} | "
               f"{report['check']['exported'].get(m, float('nan')):.6g} |" for m in metrics]

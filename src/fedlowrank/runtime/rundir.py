@@ -50,6 +50,7 @@ import os
 import re
 import secrets
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -172,33 +173,35 @@ def _dead_temporary(name: str) -> bool:
 
 
 class RunDirLock:
-    """An exclusive ``flock`` on ``<path>/.lock``, held until :meth:`release` (or the process ends).
+    """An exclusive ``flock`` on ``<path>/.lock``, held until :meth:`release` (or the process ends: a finaliser that
+    runs at exit, before the interpreter tears its modules down, releases a lock still held).
 
     ``created`` is the topmost directory that taking the lock created (``path`` or one of its parents), or ``None``.
     """
 
     def __init__(self, path: Path, fd: int, created: Path | None = None):
-        self.path, self._fd, self.created = path, fd, created
+        self.path, self.created = path, created
+        self._release = weakref.finalize(self, _drop_lock, path, fd, created)
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._release.alive
 
     def release(self) -> None:
         """Drop the lock and delete the lock file; then remove the claim when it is all the directory holds, and
-        the directories the lock created when they are empty (what a refused or failed command made)."""
-        if self._fd is None:
-            return
-        try:
-            (self.path / LOCK_FILE).unlink()  # still ours: nobody else can lock it while we hold it
-        except FileNotFoundError:
-            pass
-        os.close(self._fd)  # closing the descriptor drops the flock
-        self._fd = None
-        _tidy(self.path, self.created)
+        the directories the lock created when they are empty (what a refused or failed command made). Once."""
+        self._release()
 
-    def __del__(self) -> None:
-        self.release()
+
+def _drop_lock(path: Path, fd: int, created: Path | None) -> None:
+    """:meth:`RunDirLock.release`: the lock file deleted (still ours: nobody else can lock it while we hold it), the
+    descriptor closed (which drops the ``flock``), then :func:`_tidy`."""
+    try:
+        (path / LOCK_FILE).unlink()
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+    _tidy(path, created)
 
 
 def _tidy(path: Path, created: Path | None) -> None:
