@@ -37,6 +37,26 @@ def run_tiny(method: str, *sets: str, rounds: int = 2) -> Simulation:
     return sim
 
 
+DPSGD = ("privacy.dpsgd=true", "privacy.dpsgd_clip=1.0", "privacy.dpsgd_noise=1.0")  # record-level DP-SGD settings
+
+
+def run_with_dpsgd(monkeypatch, method: str, *sets: str) -> tuple[Simulation, list[set[str]]]:
+    """:func:`run_tiny` of ``method`` under DP-SGD (:data:`DPSGD`), and the names of the parameters each private
+    step clipped and noised (one set per step)."""
+    import fedlowrank.training.local as local
+
+    seen: list[set[str]] = []
+    real = local.private_step_gradients
+
+    def spy(net, task, params, batch, dp):
+        seen.append(set(params))
+        return real(net, task, params, batch, dp)
+
+    monkeypatch.setattr(local, "private_step_gradients", spy)
+    sim = run_tiny(method, *sets, *DPSGD)
+    return sim, seen
+
+
 @lru_cache(maxsize=None)
 def unavailable(source: str) -> str | None:
     """Why the known data set ``source`` (``agnews``, ``gsm8k``) cannot be read here, or ``None`` when it can: a local

@@ -17,7 +17,7 @@ from fedlowrank.message import Message
 from fedlowrank.methods.fedalt import upload_key
 from fedlowrank.runtime.simulator import Simulation
 
-from helpers import run_tiny, tiny_config, tiny_task
+from helpers import run_tiny, run_with_dpsgd, tiny_config, tiny_task
 
 
 def _routed(slots, top_k, bias, experts, seed=0, rank=2, out=6, inp=5):
@@ -143,17 +143,7 @@ def test_personal_model_is_the_clients_own_lora_router_and_head_with_its_rest_of
 
 
 def test_dpsgd_clips_and_noises_the_own_lora_router_and_head(monkeypatch):
-    import fedlowrank.training.local as local
-
-    seen: list[set[str]] = []
-    real = local.private_step_gradients
-
-    def spy(net, task, params, batch, dp):
-        seen.append(set(params))
-        return real(net, task, params, batch, dp)
-
-    monkeypatch.setattr(local, "private_step_gradients", spy)
-    sim = run_tiny("fedalt", "privacy.dpsgd=true", "privacy.dpsgd_clip=1.0", "privacy.dpsgd_noise=1.0")
+    sim, seen = run_with_dpsgd(monkeypatch, "fedalt")
     assert seen and all({k.rsplit(".", 1)[-1] for k in keys if "/" not in k} == {"lora_A", "lora_B", "router"}
                         for keys in seen)
     assert 0 < sim.history[-1]["dpsgd_epsilon"] < float("inf")

@@ -16,7 +16,7 @@ from fedlowrank.message import Message, Reply
 from fedlowrank.methods import get_method
 from fedlowrank.methods.fedlease import slots_of
 
-from helpers import run_tiny
+from helpers import run_tiny, run_with_dpsgd
 
 
 def _planted_replies(sim, groups, seed=0):
@@ -96,18 +96,7 @@ def test_top_m_of_2m_minus_1_slots_always_keeps_the_own_expert(M):
 
 
 def test_dpsgd_clips_and_noises_what_is_trained(monkeypatch):
-    import fedlowrank.training.local as local
-
-    seen: list[set[str]] = []
-    real = local.private_step_gradients
-
-    def spy(net, task, params, batch, dp):
-        seen.append(set(params))
-        return real(net, task, params, batch, dp)
-
-    monkeypatch.setattr(local, "private_step_gradients", spy)
-    sim = run_tiny("fedlease", "run.clients_per_round=4", "privacy.dpsgd=true", "privacy.dpsgd_clip=1.0",
-                   "privacy.dpsgd_noise=1.0")
+    sim, seen = run_with_dpsgd(monkeypatch, "fedlease", "run.clients_per_round=4")
     suffixes = [{k.rsplit(".", 1)[-1] for k in keys if "/" not in k} for keys in seen]
     assert suffixes[0] == {"lora_A", "lora_B"} and suffixes[-1] == {"lora_A", "lora_B", "router", "router_bias"}
     assert 0 < sim.history[-1]["dpsgd_epsilon"] < float("inf")

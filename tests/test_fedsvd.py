@@ -12,7 +12,7 @@ from fedlowrank.linalg.lowrank import normalize_svd_signs, orthonormal_refactor
 from fedlowrank.message import Reply, State
 from fedlowrank.methods import get_method
 
-from helpers import run_tiny
+from helpers import DPSGD, run_tiny, run_with_dpsgd
 
 
 def _factors(out: int, r: int, inp: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,20 +98,9 @@ def test_warmup_and_period_schedule_the_refactorisation():
 def test_dpsgd_clips_and_noises_only_what_is_trained(monkeypatch):
     """Per-example clipping and noise see B and the head, never A; the record-level ε is the accountant's for
     those steps (the same as FFA-LoRA's, which trains the same tensors): the SVD is post-processing."""
-    import fedlowrank.training.local as local
-
-    seen: list[set[str]] = []
-    real = local.private_step_gradients
-
-    def spy(net, task, params, batch, dp):
-        seen.append(set(params))
-        return real(net, task, params, batch, dp)
-
-    monkeypatch.setattr(local, "private_step_gradients", spy)
-    dp = ("privacy.dpsgd=true", "privacy.dpsgd_clip=1.0", "privacy.dpsgd_noise=1.0")
-    sim = run_tiny("fedsvd", *dp)
+    sim, seen = run_with_dpsgd(monkeypatch, "fedsvd")
     assert seen and all(keys and all(k.endswith("lora_B") or k.startswith("head/") for k in keys) for keys in seen)
-    ffa = run_tiny("ffa-lora", *dp)
+    ffa = run_tiny("ffa-lora", *DPSGD)
     assert [r["dpsgd_epsilon"] for r in sim.history] == [r["dpsgd_epsilon"] for r in ffa.history]
     assert 0 < sim.history[-1]["dpsgd_epsilon"] < float("inf")
 

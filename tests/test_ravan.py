@@ -14,7 +14,7 @@ from fedlowrank.methods import get_method
 from fedlowrank.methods.ravan import core_key
 from fedlowrank.runtime.simulator import Simulation
 
-from helpers import run_tiny, tiny_config, tiny_task
+from helpers import DPSGD, run_tiny, run_with_dpsgd, tiny_config, tiny_task
 
 
 def _layer(init="orthonormal", heads=3, rank=2, out=6, inp=5, seed=0):
@@ -122,20 +122,9 @@ def test_bases_are_identical_on_every_client_from_the_seed_and_never_sent(tmp_pa
 
 
 def test_dpsgd_clips_and_noises_only_the_cores_scales_and_head(monkeypatch):
-    import fedlowrank.training.local as local
-
-    seen: list[set[str]] = []
-    real = local.private_step_gradients
-
-    def spy(net, task, params, batch, dp):
-        seen.append(set(params))
-        return real(net, task, params, batch, dp)
-
-    monkeypatch.setattr(local, "private_step_gradients", spy)
-    dp = ("privacy.dpsgd=true", "privacy.dpsgd_clip=1.0", "privacy.dpsgd_noise=1.0")
-    sim = run_tiny("ravan", *dp)
+    sim, seen = run_with_dpsgd(monkeypatch, "ravan")
     assert seen and all(k.startswith("head/") or ".ravan_H." in k or ".ravan_s." in k for keys in seen for k in keys)
-    fedit = run_tiny("fedit", *dp)
+    fedit = run_tiny("fedit", *DPSGD)
     assert [r["dpsgd_epsilon"] for r in sim.history] == [r["dpsgd_epsilon"] for r in fedit.history]
 
 
