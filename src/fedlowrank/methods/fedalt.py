@@ -66,9 +66,6 @@ class FedALT(Method):
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         """Attach a two-expert :class:`RoutedLoRALinear` to every target; the server starts with no uploads."""
-        if info.heterogeneous_ranks:
-            raise ValueError("lora.ranks: fedalt does not support heterogeneous ranks: "
-                             + self.heterogeneous_ranks_refusal)
         self.info = info
         model.attach(lambda name, lin: RoutedLoRALinear(lin, info.rank, info.alpha, info.scaling, info.dropout,
                                                         slot_expert=[0, 1], top_k=2))

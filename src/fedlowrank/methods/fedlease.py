@@ -65,9 +65,6 @@ class FedLEASE(Method):
                                ge=1, le=64)
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
-        if info.heterogeneous_ranks:
-            raise ValueError("lora.ranks: fedlease does not support heterogeneous ranks: "
-                             + self.heterogeneous_ranks_refusal)
         self.info = info
         model.attach(lambda name, lin: RoutedLoRALinear(lin, info.rank, info.alpha, info.scaling, info.dropout,
                                                         slot_expert=[0], top_k=1, bias=True))

@@ -81,9 +81,6 @@ class Ravan(Method):
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         """Attach a :class:`RavanLinear` to every target (bases from ``"ravan-bases"``, keyed by target index)."""
-        if info.heterogeneous_ranks:
-            raise ValueError("lora.ranks: ravan does not support heterogeneous ranks: "
-                             + self.heterogeneous_ranks_refusal)
         self.info = info
         index = {name: i for i, name in enumerate(model.target_names)}
 

@@ -108,7 +108,8 @@ def build_run(cfg, task: Task | None = None, parts: list[np.ndarray] | None = No
     model = task.build_model()
     info = setup_info(cfg, [len(p) for p in parts])
     if info.heterogeneous_ranks and not method.supports_heterogeneous_ranks:
-        raise ValueError(f"lora.ranks: method {method.name!r} does not support heterogeneous ranks")
+        raise ValueError(f"lora.ranks: method {method.name!r} does not support heterogeneous ranks"
+                         + (f": {method.heterogeneous_ranks_refusal}" if method.heterogeneous_ranks_refusal else ""))
     server = method.setup(model, info)
     device = resolve_device(cfg.run.device)
     check_dtype(cfg.train.dtype, device)
