@@ -148,3 +148,55 @@ def test_the_eta_counts_the_runs_going_at_once_and_what_they_have_done():
     one.start(0)
     one.end(0)
     assert one.eta() == 2 * one.durations[0]
+
+
+# -- what benchmarks need of a sweep: each run's outcome as it ends, vectorised runs ----------------------------------
+def _vectorized_config(method: str, seed: int = 3, **run):
+    from fedlowrank.config import from_dict
+
+    return from_dict({
+        "run": {"rounds": 3, "clients_per_round": 2, "eval_every": 1, "seed": seed, "vectorized": True, **run},
+        "task": {"kind": "matrix-regression", "options": {"num_clients": 4, "dim": 8, "outputs": 3, "samples": 6}},
+        "partition": {"kind": "natural", "num_clients": 4},
+        "train": {"optimizer": "sgd", "lr": 0.02, "local_steps": 3, "batch_size": 4},
+        "lora": {"rank": 2, "alpha": 2.0}, "method": {"name": method}})
+
+
+def test_on_done_hears_every_run_in_order_reused_ones_included(tmp_path):
+    from helpers import tiny_config
+
+    from fedlowrank.experiments.sweep import Run, Sweep
+
+    def runs():
+        return [Run("fedit", f"seed {s}", tiny_config(f"run.seed={s}", "run.rounds=1"), tmp_path / str(s),
+                    "accuracy") for s in range(3)]
+
+    Sweep(tmp_path).run(runs()[1:2])  # run 2 has ended before the sweep below starts
+    heard: list[tuple[int, bool]] = []
+    outcomes = Sweep(tmp_path, resume=True).run(runs(), on_done=lambda i, o: heard.append((i, o.reused)))
+    assert heard == [(0, False), (1, True), (2, False)]
+    assert [o.summary["rounds"] for o in outcomes] == [1, 1, 1]
+
+
+def test_a_vectorized_run_goes_to_the_vectorised_runner_and_equals_it(tmp_path):
+    from fedlowrank.experiments.sweep import Run, Sweep
+    from fedlowrank.runtime.vectorized import run_vectorized
+
+    cfg = _vectorized_config("ssf")
+    alone = run_vectorized(_vectorized_config("ssf"))
+    outcome, = Sweep(None).run([Run("ssf", "ssf", cfg, None, "rel_error")])
+    assert [r["rel_error"] for r in outcome.history] == [r["rel_error"] for r in alone.history]
+    assert outcome.metrics["rel_error"] == alone.final["rel_error"] and "diverged_at" not in outcome.summary
+    cfg = _vectorized_config("ssf", rounds=40, stop_metric="rel_error", stop_above=1e6)
+    cfg.train.lr = 5.0
+    diverged, = Sweep(tmp_path).run([Run("ssf", "ssf", cfg, tmp_path / "ssf", "rel_error")])
+    assert diverged.summary["diverged_at"] == run_vectorized(cfg).diverged_at < 40
+
+
+def test_a_vectorized_run_with_a_validation_split_is_refused():
+    from fedlowrank.config import ConfigError
+    from fedlowrank.experiments.sweep import Run, Sweep
+
+    run = Run("ssf", "[ssf] lr 0.02", _vectorized_config("ssf"), None, "rel_error", validation=True)
+    with pytest.raises(ConfigError, match=r"\[ssf\] lr 0.02: run.vectorized = true cannot hold out a validation"):
+        Sweep(None).run([run])

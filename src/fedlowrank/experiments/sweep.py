@@ -113,6 +113,20 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     return {"summary": summary, "history": history, "metrics": metrics}
 
 
+def runner(cfg: RunConfig, task, parts: list[np.ndarray], run_dir: Path | None, log: Log, log_partition: bool,
+           overwrite: bool):
+    """The runner of ``cfg`` (:func:`fedlowrank.runtime.runner_for`) on ``task`` with the clients' index arrays
+    ``parts``: the simulator, or with ``run.vectorized`` the vectorised runner, which partitions ``task`` itself
+    (the same partition as :meth:`Sweep.partition`; a run with a validation split is refused by :meth:`Sweep.run`).
+    A vectorised run that diverges stops and says so in its summary (``diverged_at``) instead of raising."""
+    from ..runtime import runner_for
+
+    if cfg.run.vectorized:
+        return runner_for(cfg)(cfg, task=task, run_dir=run_dir, log=log, overwrite=overwrite)
+    return runner_for(cfg)(cfg, task=task, run_dir=run_dir, log=log, parts=parts, overwrite=overwrite,
+                           log_partition=log_partition)
+
+
 _WORKER_TASKS: dict[str, Any] = {}  # a worker process's built tasks (task_key → task), reused by its later runs
 
 
@@ -121,7 +135,7 @@ def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: n
     """One run in a worker process (:func:`run_in_processes`): on the validation view of ``held_out`` when
     given (``fedlowrank tune``), on ``parts``; progress lines to ``log`` (the partition's label counts with
     ``log_partition``). Returns ``None``, or the message of a divergence."""
-    from ..runtime.simulator import DivergenceError, Simulation
+    from ..runtime.simulator import DivergenceError
     from ..tasks import build_task
 
     key = task_key(cfg)
@@ -129,8 +143,8 @@ def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: n
         _WORKER_TASKS[key] = build_task(cfg)
     task = _WORKER_TASKS[key]
     try:
-        Simulation(cfg, task=task if held_out is None else task.validation(held_out), run_dir=run_dir, parts=parts,
-                   overwrite=overwrite, log=log, log_partition=log_partition).run()
+        runner(cfg, task if held_out is None else task.validation(held_out), parts, run_dir, log, log_partition,
+               overwrite).run()
     except DivergenceError as exc:
         return str(exc)
     return None
@@ -383,26 +397,42 @@ class Sweep:
                                   "runs need the same partition")
 
     # -- runs --------------------------------------------------------------------------------------------------
-    def run(self, runs: list[Run], stop_on_divergence: bool = False) -> list[Outcome]:
+    def run(self, runs: list[Run], stop_on_divergence: bool = False,
+            on_done: Callable[[int, Outcome], None] | None = None) -> list[Outcome]:
         """Run (or, with ``resume``, read) every run; returns their outcomes in the order of ``runs``. A diverged
         run's outcome carries its message; with ``stop_on_divergence`` it raises
         :class:`~fedlowrank.runtime.simulator.DivergenceError` instead (at once in this process; after the others
-        have ended with ``jobs > 1``)."""
+        have ended with ``jobs > 1``). ``on_done(i, outcome)`` hears each run as soon as it and every run before it
+        have ended, in the order of ``runs``."""
         from ..runtime.simulator import DivergenceError
 
+        for run in runs:
+            if run.validation and run.cfg.run.vectorized:
+                raise ConfigError(f"{run.label}: run.vectorized = true cannot hold out a validation split (the "
+                                  "vectorised runner trains on its configured partition); use the simulator")
         outcomes: dict[int, Outcome] = {}
+        heard = 0  # the runs on_done has heard: runs[:heard]
+
+        def settle(i: int, outcome: Outcome) -> None:
+            nonlocal heard
+            outcomes[i] = outcome
+            while heard < len(runs) and heard in outcomes:
+                if on_done is not None:
+                    on_done(heard, outcomes[heard])
+                heard += 1
+
         pending: list[int] = []
         for i, run in enumerate(runs):
             done = finished_run(run.run_dir, run.cfg) if self.resume and run.run_dir is not None else None
             if done is None:
                 pending.append(i)
                 continue
-            outcomes[i] = Outcome(done["history"], done["metrics"], done["summary"], reused=True)
             self._say(f"run {i + 1} of {len(runs)}: {run.label}: reusing the finished run in {run.run_dir}")
+            settle(i, Outcome(done["history"], done["metrics"], done["summary"], reused=True))
         clock = _Clock(len(pending), self.jobs)
         if self.jobs > 1 and pending:
             self._say(f"{len(pending)} of {len(runs)} runs go to {self.jobs} worker processes")
-            outcomes.update(self._run_in_processes(runs, pending, clock))
+            self._run_in_processes(runs, pending, clock, settle)
             for i in pending:
                 if outcomes[i].diverged is not None and stop_on_divergence:
                     raise DivergenceError(f"{runs[i].label}: {outcomes[i].diverged}")
@@ -410,9 +440,10 @@ class Sweep:
             for i in pending:
                 self._say(f"run {i + 1} of {len(runs)}: {runs[i].label}{clock.suffix()}")
                 clock.start(i)
-                outcomes[i] = self._run_here(runs[i], stop_on_divergence)
+                outcome = self._run_here(runs[i], stop_on_divergence)
                 clock.end(i)
-                self._say(f"run {i + 1} of {len(runs)} done: {runs[i].label}: {_result(runs[i], outcomes[i])}")
+                self._say(f"run {i + 1} of {len(runs)} done: {runs[i].label}: {_result(runs[i], outcome)}")
+                settle(i, outcome)
         return [outcomes[i] for i in range(len(runs))]
 
     def _say(self, line: str) -> None:
@@ -420,12 +451,11 @@ class Sweep:
             self.log(line)
 
     def _run_here(self, run: Run, stop_on_divergence: bool) -> Outcome:
-        from ..runtime.simulator import DivergenceError, Simulation
+        from ..runtime.simulator import DivergenceError
 
         task, parts, _ = self.data_of(run)
         digest = partition_digest(parts)
-        sim = Simulation(run.cfg, task=task, run_dir=run.run_dir, log=self.log, parts=parts,
-                         log_partition=digest not in self._logged_partitions, overwrite=self.resume)
+        sim = runner(run.cfg, task, parts, run.run_dir, self.log, digest not in self._logged_partitions, self.resume)
         self._logged_partitions.add(digest)  # the label counts of a partition are logged once, with its first run
         try:
             summary = sim.run()
@@ -435,9 +465,11 @@ class Sweep:
             return Outcome(list(sim.history), {}, None, diverged=str(exc))
         return Outcome(sim.history, dict(sim.last_eval), summary)
 
-    def _run_in_processes(self, runs: list[Run], pending: list[int], clock: "_Clock") -> dict[int, Outcome]:
+    def _run_in_processes(self, runs: list[Run], pending: list[int], clock: "_Clock",
+                          settle: Callable[[int, Outcome], None]) -> None:
         """The pending runs in worker processes: each one's start and progress lines (prefixed with its label) as
-        they come, its "done" line once it and every pending run before it have ended."""
+        they come, its "done" line once it and every pending run before it have ended; ``settle(i, outcome)`` as
+        run ``i`` ends."""
         work = []
         for i in pending:
             _, parts, held_out = self.data_of(runs[i])
@@ -461,9 +493,9 @@ class Sweep:
                     said += 1
                     self._say(f"run {k + 1} of {len(runs)} done: {runs[k].label}: {_result(runs[k], outcomes[k])}"
                               f"{clock.suffix()}")
+                    settle(k, outcomes[k])
 
         run_in_processes(work, self.jobs, self.resume, report, lines=self.log is not None)
-        return outcomes
 
     @staticmethod
     def _read(run: Run) -> Outcome:
