@@ -31,3 +31,47 @@ def setup_line(cfg, task) -> str:
             f"{s['model'] or cfg.task.kind}; {describe_partition(s['partition'])}, {s['clients_per_round']} per round; "
             f"{s['rounds']} rounds of {local} of batch {s['batch_size']}; {cfg.method_name} at lr {cfg.train.lr:g}; "
             f"seed {cfg.run.seed}")
+
+
+def sweep_options(parser) -> None:
+    """The options of a script's grid of runs (:class:`Grid`): ``--jobs``, ``--runs-dir``, ``--resume``."""
+    group = parser.add_argument_group("runs (fedlowrank.experiments.sweep)")
+    group.add_argument("--jobs", type=int, default=1, help="worker processes for the runs (> 1 needs --runs-dir)")
+    group.add_argument("--runs-dir", default="", help="write each run's run directory here, named by its label")
+    group.add_argument("--resume", action="store_true",
+                       help="read each run that ended in --runs-dir with the same config instead of running it")
+
+
+class Grid:
+    """A script's runs, run by :class:`fedlowrank.experiments.sweep.Sweep` (its worker processes, run directories
+    and resumption) with the options of :func:`sweep_options`; each task is built once per seed and data."""
+
+    def __init__(self, args, metric: str = "accuracy"):
+        from pathlib import Path
+
+        from fedlowrank.experiments.sweep import Sweep
+
+        self.sweep = Sweep(Path(args.runs_dir) if args.runs_dir else None, jobs=args.jobs, resume=args.resume)
+        self.metric = metric
+        self.runs: list = []
+
+    def task(self, cfg):
+        """The task of ``cfg``, built once (shared with the runs in this process)."""
+        return self.sweep.task(cfg)
+
+    def add(self, label: str, cfg) -> int:
+        """Add the run of ``cfg`` named ``label`` (its run directory: the label with each run of other characters
+        than letters, digits and ``.=+-`` as one ``_``); returns its index."""
+        import re
+
+        from fedlowrank.experiments.sweep import Run
+
+        run_dir = self.sweep.out / re.sub(r"[^A-Za-z0-9.=+-]+", "_", label) if self.sweep.out is not None else None
+        self.runs.append(Run(cfg.method_name, label, cfg, run_dir, self.metric))
+        return len(self.runs) - 1
+
+    def run(self, on_done) -> list:
+        """Run every run (a divergence raises); ``on_done(i, outcome)`` hears run ``i`` as soon as it and every run
+        before it have ended (:class:`~fedlowrank.experiments.sweep.Outcome`: ``history``, ``metrics``,
+        ``summary``)."""
+        return self.sweep.run(self.runs, stop_on_divergence=True, on_done=on_done)

@@ -43,18 +43,15 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance, setup_line  # noqa: E402
+from common import Grid, provenance, setup_line, sweep_options  # noqa: E402
 
 from fedlowrank.config import from_dict, load_config  # noqa: E402
 from fedlowrank.methods import available_methods  # noqa: E402
-from fedlowrank.runtime.simulator import Simulation  # noqa: E402
-from fedlowrank.tasks import build_task  # noqa: E402
 
 DEFAULT_METHODS = "fedavg-full,fedit,ffa-lora,flora,lora-fair,fr-lora,fedgalore-minus,fedgalore"
 FULL_LR_METHODS = ("fedavg-full", "fedgalore", "fedgalore-minus")
@@ -91,6 +88,7 @@ def parse_args(argv=None):
     p.add_argument("--toy-het", default="0,2", help="feature-mean heterogeneity of the toy clients")
     p.add_argument("--toy-rounds", type=int, default=30)
     p.add_argument("--toy-lr", type=float, default=0.01)
+    sweep_options(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.model, args.clients, args.per_round, args.rounds, args.max_train, args.max_test = "tiny-bert", 4, 2, 2, 200, 64
@@ -128,32 +126,36 @@ def main(argv=None) -> int:
     alphas: list[float | None] = [None] + [float(a) for a in args.alphas.split(",") if a]
     out = open(args.out, "a") if args.out else None
     results = []
-    for source in args.sources.split(","):
-        tasks: dict[int, object] = {}
-        for seed in (int(s) for s in args.seeds.split(",")):
-            for alpha in alphas:
-                for method in methods:
-                    cfg = config(args, source, alpha, method, seed)
-                    if seed not in tasks:
-                        tasks[seed] = build_task(cfg)
-                        print(setup_line(cfg, tasks[seed]), flush=True)
-                    t0 = time.perf_counter()
-                    sim = Simulation(cfg, task=tasks[seed])
-                    summary = sim.run()
-                    client_rounds = args.per_round * sim.round
-                    row = {"source": source, "alpha": alpha, "seed": seed, "method": method,
-                           "final": summary["accuracy"], "best": summary.get("best_accuracy", float("nan")),
-                           "up_per_client_round": summary["bytes_up"] / client_rounds,
-                           "down_per_client_round": summary["bytes_down"] / client_rounds,
-                           "seconds": time.perf_counter() - t0}
-                    results.append(row)
-                    part = "iid" if alpha is None else f"dir{alpha:g}"
-                    print(f"{source} {part:7s} seed={seed} {method:16s} final={row['final']:.4f} best={row['best']:.4f} "
-                          f"up/client-round={row['up_per_client_round'] / 1e6:.3f}MB ({row['seconds']:.0f}s, "
-                          f"loadavg {os.getloadavg()[0]:.1f})", flush=True)
-                    if out:
-                        out.write(json.dumps({**row, "history": sim.history}) + "\n")
-                        out.flush()
+    grid = Grid(args)
+    cells = [(source, seed, alpha, method) for source in args.sources.split(",")
+             for seed in (int(s) for s in args.seeds.split(",")) for alpha in alphas for method in methods]
+    for source, seed, alpha, method in cells:
+        part = "iid" if alpha is None else f"dir{alpha:g}"
+        grid.add(f"{source}-{part}-{method}-seed{seed}", config(args, source, alpha, method, seed))
+    seen: set[tuple[str, int]] = set()  # (source, seed) whose setup line is printed, before their first run
+
+    def done(i: int, outcome) -> None:
+        source, seed, alpha, method = cells[i]
+        cfg, summary = grid.runs[i].cfg, outcome.summary
+        if (source, seed) not in seen:
+            seen.add((source, seed))
+            print(setup_line(cfg, grid.task(cfg)), flush=True)
+        client_rounds = args.per_round * summary["rounds"]
+        row = {"source": source, "alpha": alpha, "seed": seed, "method": method,
+               "final": summary["accuracy"], "best": summary.get("best_accuracy", float("nan")),
+               "up_per_client_round": summary["bytes_up"] / client_rounds,
+               "down_per_client_round": summary["bytes_down"] / client_rounds,
+               "seconds": summary["time"]["total"]}
+        results.append(row)
+        part = "iid" if alpha is None else f"dir{alpha:g}"
+        print(f"{source} {part:7s} seed={seed} {method:16s} final={row['final']:.4f} best={row['best']:.4f} "
+              f"up/client-round={row['up_per_client_round'] / 1e6:.3f}MB ({row['seconds']:.0f}s, "
+              f"loadavg {os.getloadavg()[0]:.1f})", flush=True)
+        if out:
+            out.write(json.dumps({**row, "history": outcome.history}) + "\n")
+            out.flush()
+
+    grid.run(done)
     print_table(results, methods, alphas[1:])
     return 0
 
@@ -177,22 +179,29 @@ def toy(args) -> int:
     print(f"matrix regression: 20 clients, 5 per round, {args.toy_rounds} rounds, 20 local AdamW steps of batch 10, "
           f"lr {args.toy_lr}, r = 4, α_g = 1 (scale), weights uniform")
     print(f"{'variant':28s}" + "".join(f"{f'het={h:g}':>22s}" for h in hets))
-    for label, method in TOY_VARIANTS.items():
-        line = f"{label:28s}"
-        for het in hets:
-            errs = []
-            for seed in (int(s) for s in args.seeds.split(",")):
-                options = dict(method) if method["name"] == "fedavg-full" else {**method, "scale": 1.0}
-                cfg = from_dict({
-                    "run": {"rounds": args.toy_rounds, "clients_per_round": 5, "eval_every": args.toy_rounds,
-                            "seed": seed, "threads": args.threads},
-                    "task": {"kind": "matrix-regression", "options": {"het": het, "dtype": "float32"}},
-                    "partition": {"kind": "natural", "num_clients": 20},
-                    "train": {"optimizer": "adamw", "lr": args.toy_lr, "local_steps": 20, "batch_size": 10},
-                    "server": {"weighting": "uniform"}, "lora": {"rank": 4}, "method": options})
-                errs.append(Simulation(cfg).run().get("rel_error", float("nan")))
-            line += f"{np.mean(errs):>13.3g} ± {np.std(errs):<6.2g}"
-        print(line, flush=True)
+    grid = Grid(args, metric="rel_error")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    cells = [(label, het, seed) for label in TOY_VARIANTS for het in hets for seed in seeds]
+    for label, het, seed in cells:
+        method = TOY_VARIANTS[label]
+        options = dict(method) if method["name"] == "fedavg-full" else {**method, "scale": 1.0}
+        grid.add(f"toy-{label}-het{het:g}-seed{seed}", from_dict({
+            "run": {"rounds": args.toy_rounds, "clients_per_round": 5, "eval_every": args.toy_rounds,
+                    "seed": seed, "threads": args.threads},
+            "task": {"kind": "matrix-regression", "options": {"het": het, "dtype": "float32"}},
+            "partition": {"kind": "natural", "num_clients": 20},
+            "train": {"optimizer": "adamw", "lr": args.toy_lr, "local_steps": 20, "batch_size": 10},
+            "server": {"weighting": "uniform"}, "lora": {"rank": 4}, "method": options}))
+    errs: dict[str, list[float]] = {}
+
+    def done(i: int, outcome) -> None:
+        label, het, seed = cells[i]
+        errs.setdefault(label, []).append(outcome.summary.get("rel_error", float("nan")))
+        if len(errs[label]) == len(hets) * len(seeds):  # the variant's last run: its line
+            per_het = np.reshape(errs[label], (len(hets), len(seeds)))
+            print(f"{label:28s}" + "".join(f"{np.mean(e):>13.3g} ± {np.std(e):<6.2g}" for e in per_het), flush=True)
+
+    grid.run(done)
     return 0
 
 

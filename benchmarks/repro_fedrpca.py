@@ -42,17 +42,14 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance, setup_line  # noqa: E402
+from common import Grid, provenance, setup_line, sweep_options  # noqa: E402
 
 from fedlowrank.config import load_config  # noqa: E402
-from fedlowrank.runtime.simulator import Simulation  # noqa: E402
-from fedlowrank.tasks import build_task  # noqa: E402
 
 BASELINES = ("fedavg", "fedprox", "scaffold", "ta", "ties")
 
@@ -99,6 +96,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default="", help="append every run's history as JSON lines here")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--smoke", action="store_true", help="tiny BERT, 4 clients, 2 rounds: checks that the script runs")
+    sweep_options(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.model, args.clients, args.rounds, args.max_train, args.max_test = "tiny-bert", "4", 2, 200, 64
@@ -173,30 +171,35 @@ def main(argv=None) -> int:
     unknown = sorted(set(methods) - set(variants(args)))
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; allowed: {', '.join(variants(args))}")
-    results, tasks = [], {}
+    results: list[dict] = []
+    grid = Grid(args)
+    cells = [(clients, alpha, seed, method) for clients in (int(c) for c in args.clients.split(","))
+             for alpha in (float(a) for a in args.alphas.split(",")) for seed in (int(s) for s in args.seeds.split(","))
+             for method in methods]
+    for clients, alpha, seed, method in cells:
+        grid.add(f"{method}-clients{clients}-alpha{alpha:g}-seed{seed}", config(args, method, clients, alpha, seed))
     out = open(args.out, "a") if args.out else None
-    for clients in (int(c) for c in args.clients.split(",")):
-        for alpha in (float(a) for a in args.alphas.split(",")):
-            for seed in (int(s) for s in args.seeds.split(",")):
-                for method in methods:
-                    cfg = config(args, method, clients, alpha, seed)
-                    if seed not in tasks:
-                        tasks[seed] = build_task(cfg)
-                        print(setup_line(cfg, tasks[seed]), flush=True)
-                    t0 = time.perf_counter()
-                    sim = Simulation(cfg, task=tasks[seed])
-                    summary = sim.run()
-                    row = {"method": method, "clients": clients, "alpha": alpha, "seed": seed,
-                           "final": summary["accuracy"], "best": summary["best_accuracy"],
-                           "seconds": time.perf_counter() - t0, "history": sim.history}
-                    row["r90"] = rounds_to(sim.history, 0.9 * row["final"])
-                    row["rabs"] = rounds_to(sim.history, args.abs_target)
-                    results.append(row)
-                    print(f"clients={clients} alpha={alpha} seed={seed} {method:17s} {summarize_run(row)} "
-                          f"({row['seconds']:.0f}s, loadavg {os.getloadavg()[0]:.1f})", flush=True)
-                    if out:
-                        out.write(json.dumps(row) + "\n")
-                        out.flush()
+    seen: set[int] = set()  # the seeds whose setup line is printed, before their first run
+
+    def done(i: int, outcome) -> None:
+        clients, alpha, seed, method = cells[i]
+        cfg, summary, history = grid.runs[i].cfg, outcome.summary, outcome.history
+        if seed not in seen:
+            seen.add(seed)
+            print(setup_line(cfg, grid.task(cfg)), flush=True)
+        row = {"method": method, "clients": clients, "alpha": alpha, "seed": seed,
+               "final": summary["accuracy"], "best": summary["best_accuracy"],
+               "seconds": summary["time"]["total"], "history": history}
+        row["r90"] = rounds_to(history, 0.9 * row["final"])
+        row["rabs"] = rounds_to(history, args.abs_target)
+        results.append(row)
+        print(f"clients={clients} alpha={alpha} seed={seed} {method:17s} {summarize_run(row)} "
+              f"({row['seconds']:.0f}s, loadavg {os.getloadavg()[0]:.1f})", flush=True)
+        if out:
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+
+    grid.run(done)
     print_table(results, methods)
     return 0
 

@@ -40,12 +40,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance, setup_line  # noqa: E402
+from common import Grid, provenance, setup_line, sweep_options  # noqa: E402
 
 from fedlowrank.config import load_config  # noqa: E402
 from fedlowrank.methods import available_methods  # noqa: E402
-from fedlowrank.runtime.simulator import Simulation  # noqa: E402
-from fedlowrank.tasks import build_task  # noqa: E402
 
 # benchmark name -> (registered method, extra --set overrides)
 VARIANTS = {"florg-noproc": ("florg", ["method.procrustes=false"])}
@@ -77,6 +75,7 @@ def parse_args(argv=None):
                    help="only the server-step study (Gram sum, truncation error, drift) on random factors, k=64 r=4 N=8")
     p.add_argument("--server-cost", action="store_true",
                    help="only time the three server routes (eigh / stacked_svd / closed_form) per layer")
+    sweep_options(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.model, args.clients, args.rounds, args.max_train, args.max_test = "tiny-bert", 4, 2, 200, 64
@@ -102,9 +101,9 @@ def config(args, method: str, rho: float, rank: int, seed: int):
     return load_config("main", sets)
 
 
-def head_bytes(sim: Simulation) -> int:
+def head_bytes(task) -> int:
     """fp32 bytes of the head in one message (the ledger counts it in every message, both ways)."""
-    return sum(p.numel() * p.element_size() for p in sim.model.head_parameters().values())
+    return sum(p.numel() * p.element_size() for p in task.build_model().head_parameters().values())
 
 
 def to_target(history: list[dict], target: float, head: int, clients: int) -> tuple[float, float] | None:
@@ -131,30 +130,33 @@ def main(argv=None) -> int:
         print(f"not registered, skipped: {', '.join(skipped)}")
     targets = floats(args.targets)
     results: list[dict] = []
-    tasks: dict[int, object] = {}
+    grid = Grid(args)
+    cells = [(rho, rank, seed, method) for rho in floats(args.rhos) for rank in (int(r) for r in args.ranks.split(","))
+             for seed in (int(s) for s in args.seeds.split(",")) for method in methods]
+    for rho, rank, seed, method in cells:
+        grid.add(f"{method}-rho{rho:g}-r{rank}-seed{seed}", config(args, method, rho, rank, seed))
     out = open(args.out, "a") if args.out else None
-    for rho in floats(args.rhos):
-        for rank in (int(r) for r in args.ranks.split(",")):
-            for seed in (int(s) for s in args.seeds.split(",")):
-                for method in methods:
-                    cfg = config(args, method, rho, rank, seed)
-                    if seed not in tasks:
-                        tasks[seed] = build_task(cfg)
-                        print(setup_line(cfg, tasks[seed]), flush=True)
-                    t0 = time.perf_counter()
-                    sim = Simulation(cfg, task=tasks[seed])
-                    summary = sim.run()
-                    row = {"method": method, "rho": rho, "rank": rank, "seed": seed,
-                           "final": summary["accuracy"], "best": summary["best_accuracy"],
-                           "bytes": summary["bytes_up"] + summary["bytes_down"], "up": summary["bytes_up"],
-                           "head": head_bytes(sim), "seconds": time.perf_counter() - t0, "history": sim.history}
-                    results.append(row)
-                    print(f"rho={rho} r={rank} seed={seed} {method:13s} final={row['final']:.4f} "
-                          f"best={row['best']:.4f} up={row['up']} up+down={row['bytes']} B "
-                          f"({row['seconds']:.0f}s, loadavg {os.getloadavg()[0]:.1f})", flush=True)
-                    if out:
-                        out.write(json.dumps(row) + "\n")
-                        out.flush()
+    heads: dict[int, int] = {}  # seed → head bytes, with the setup line printed before its first run
+
+    def done(i: int, outcome) -> None:
+        rho, rank, seed, method = cells[i]
+        cfg, summary = grid.runs[i].cfg, outcome.summary
+        if seed not in heads:
+            heads[seed] = head_bytes(grid.task(cfg))
+            print(setup_line(cfg, grid.task(cfg)), flush=True)
+        row = {"method": method, "rho": rho, "rank": rank, "seed": seed,
+               "final": summary["accuracy"], "best": summary["best_accuracy"],
+               "bytes": summary["bytes_up"] + summary["bytes_down"], "up": summary["bytes_up"],
+               "head": heads[seed], "seconds": summary["time"]["total"], "history": outcome.history}
+        results.append(row)
+        print(f"rho={rho} r={rank} seed={seed} {method:13s} final={row['final']:.4f} "
+              f"best={row['best']:.4f} up={row['up']} up+down={row['bytes']} B "
+              f"({row['seconds']:.0f}s, loadavg {os.getloadavg()[0]:.1f})", flush=True)
+        if out:
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+
+    grid.run(done)
     print_tables(results, methods, targets, args.clients)
     return 0
 

@@ -42,13 +42,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance, setup_line  # noqa: E402
+from common import Grid, provenance, setup_line, sweep_options  # noqa: E402
 
 from fedlowrank.config import load_config  # noqa: E402
 from fedlowrank.linalg.lowrank import factored_basis, normalize_qr_signs, stack_factors  # noqa: E402
 from fedlowrank.methods import available_methods  # noqa: E402
-from fedlowrank.runtime.simulator import Simulation  # noqa: E402
-from fedlowrank.tasks import build_task  # noqa: E402
 
 DEFAULT_METHODS = "ilora,ilora-s,fedit-qr,hetlora,flora,flexlora,ffa-lora,lora-fair"
 
@@ -125,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--aggregation-timing", action="store_true", help="time the server aggregation only")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny random BERT, agnews, ranks 1-2-3, α 0.5, 1 seed, 2 rounds, 2 local steps")
+    sweep_options(ap)
     args = ap.parse_args(argv)
 
     base = "main"
@@ -145,49 +144,50 @@ def main(argv: list[str] | None = None) -> int:
         print(f"not registered, skipped: {', '.join(missing)}")
 
     results: dict[tuple, dict[str, list[float]]] = {}
-    tasks: dict[tuple, object] = {}
-    for dataset in args.datasets.split(","):
-        for rank_set in args.rank_sets.split(","):
-            ranks = [int(r) for r in rank_set.split("-")]
-            for alpha in [float(a) for a in args.alphas.split(",")]:
-                for seed in [int(s) for s in args.seeds.split(",")]:
-                    for label, name, msets in methods:
-                        sets = [f"method.name={name}", *msets,
-                                f"run.seed={seed}", f"run.rounds={args.rounds}", "run.eval_every=1",
-                                f"run.clients_per_round={args.clients}", f"run.threads={args.threads}",
-                                f"task.model={args.model}", "task.max_length=64", f"data.source={dataset}",
-                                f"data.max_train_examples={args.max_train}", f"data.max_test_examples={args.max_test}",
-                                f"partition.num_clients={args.clients}", f"partition.alpha={alpha}",
-                                f"lora.ranks={ranks}", f"lora.alpha={args.lora_alpha}",
-                                f"lora.dropout={args.lora_dropout}",
-                                "train.optimizer=adamw", f"train.lr={args.lr}", f"train.head_lr={args.head_lr}",
-                                f"train.batch_size={args.batch_size}", *args.set]
-                        if args.smoke:
-                            sets += ["train.local_steps=2", "partition.min_partition_size=5"]
-                        else:
-                            sets += [f"train.local_epochs={args.local_epochs}"]
-                        cfg = load_config(base, sets)
-                        key = (dataset, seed)
-                        if key not in tasks:
-                            tasks[key] = build_task(cfg)
-                            print(setup_line(cfg, tasks[key]), flush=True)
-                        t0 = time.perf_counter()
-                        sim = Simulation(cfg, task=tasks[key])
-                        sim.run()
-                        accs = [r["accuracy"] for r in sim.history if "accuracy" in r]
-                        row = {"dataset": dataset, "ranks": ranks, "alpha": alpha, "seed": seed, "method": label,
-                               "peak": max(accs), "final": accs[-1], "accuracy": accs,
-                               "bytes_up": sim.ledger.total_up, "bytes_down": sim.ledger.total_down,
-                               "diagnostics": [r.get("diagnostics", {}) for r in sim.history],
-                               "seconds": time.perf_counter() - t0, "loadavg": os.getloadavg()}
-                        print(json.dumps({k: row[k] for k in ("dataset", "ranks", "alpha", "seed", "method", "peak",
-                                                              "final", "seconds")}))
-                        if args.out:
-                            with open(args.out, "a") as fh:
-                                fh.write(json.dumps(row) + "\n")
-                        cell = results.setdefault((dataset, rank_set, alpha, label), {"peak": [], "final": []})
-                        cell["peak"].append(row["peak"])
-                        cell["final"].append(row["final"])
+    grid = Grid(args)
+    cells = [(dataset, rank_set, alpha, seed, label) for dataset in args.datasets.split(",")
+             for rank_set in args.rank_sets.split(",") for alpha in [float(a) for a in args.alphas.split(",")]
+             for seed in [int(s) for s in args.seeds.split(",")] for label, _, _ in methods]
+    msets = {label: [f"method.name={name}", *sets] for label, name, sets in methods}
+    for dataset, rank_set, alpha, seed, label in cells:
+        ranks = [int(r) for r in rank_set.split("-")]
+        sets = [*msets[label], f"run.seed={seed}", f"run.rounds={args.rounds}", "run.eval_every=1",
+                f"run.clients_per_round={args.clients}", f"run.threads={args.threads}",
+                f"task.model={args.model}", "task.max_length=64", f"data.source={dataset}",
+                f"data.max_train_examples={args.max_train}", f"data.max_test_examples={args.max_test}",
+                f"partition.num_clients={args.clients}", f"partition.alpha={alpha}",
+                f"lora.ranks={ranks}", f"lora.alpha={args.lora_alpha}", f"lora.dropout={args.lora_dropout}",
+                "train.optimizer=adamw", f"train.lr={args.lr}", f"train.head_lr={args.head_lr}",
+                f"train.batch_size={args.batch_size}", *args.set]
+        if args.smoke:
+            sets += ["train.local_steps=2", "partition.min_partition_size=5"]
+        else:
+            sets += [f"train.local_epochs={args.local_epochs}"]
+        grid.add(f"{dataset}-ranks{rank_set}-alpha{alpha:g}-seed{seed}-{label}", load_config(base, sets))
+    seen: set[tuple] = set()  # (dataset, seed) whose setup line is printed, before their first run
+
+    def done(i: int, outcome) -> None:
+        dataset, rank_set, alpha, seed, label = cells[i]
+        cfg, summary, history = grid.runs[i].cfg, outcome.summary, outcome.history
+        if (dataset, seed) not in seen:
+            seen.add((dataset, seed))
+            print(setup_line(cfg, grid.task(cfg)), flush=True)
+        accs = [r["accuracy"] for r in history if "accuracy" in r]
+        row = {"dataset": dataset, "ranks": [int(r) for r in rank_set.split("-")], "alpha": alpha, "seed": seed,
+               "method": label, "peak": max(accs), "final": accs[-1], "accuracy": accs,
+               "bytes_up": summary["bytes_up"], "bytes_down": summary["bytes_down"],
+               "diagnostics": [r.get("diagnostics", {}) for r in history],
+               "seconds": summary["time"]["total"], "loadavg": os.getloadavg()}
+        print(json.dumps({k: row[k] for k in ("dataset", "ranks", "alpha", "seed", "method", "peak", "final",
+                                              "seconds")}), flush=True)
+        if args.out:
+            with open(args.out, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+        cell = results.setdefault((dataset, rank_set, alpha, label), {"peak": [], "final": []})
+        cell["peak"].append(row["peak"])
+        cell["final"].append(row["final"])
+
+    grid.run(done)
 
     print(f"\nseeds {args.seeds}; accuracy % of the global model, mean ± std over seeds; loadavg at end {os.getloadavg()}")
     print("| dataset | ranks | α | method | peak | final |\n|---|---|---|---|---|---|")

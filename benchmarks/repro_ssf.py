@@ -5,7 +5,8 @@ Grid (paper §5.1, Table 1): het ∈ {0.1, 0.5, 2.0}; r ∈ {1, 5, 10, 20, 50}; 
 K = 5; b = 20; η_g = 1; x⁰ = 0; FedSub refresh every 5 rounds; data seed 0 for every run (X* shared); run
 seeds vary client sampling, minibatches and projectors. Methods: Full-SCAFFOLD (``fedavg-full``,
 correction = scaffold), Full-FedAvg (``fedavg-full``), SSF (``ssf``), FedSub (``fedsub``), all through
-:func:`fedlowrank.runtime.vectorized.run_vectorized` (``fedavg-full`` needs its ``batched_round`` hook).
+the vectorised runner (``run.vectorized = true``; ``fedavg-full`` needs its ``batched_round`` hook), one run
+after another or in ``--jobs`` worker processes (``--runs-dir``, ``--resume``: ``fedlowrank.experiments.sweep``).
 
 Everything the paper's tables need, with 3 seeds (24 runs of 25,000 rounds per seed, 30–60 s each on one core:
 about 20 minutes per seed; results in docs/methods/ssf.md):
@@ -35,11 +36,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance  # noqa: E402
+from common import Grid, provenance, sweep_options  # noqa: E402
 
 from fedlowrank.config import from_dict, load_config  # noqa: E402
-from fedlowrank.runtime.simulator import Simulation  # noqa: E402
-from fedlowrank.runtime.vectorized import run_vectorized  # noqa: E402
 
 FULL = {"scaffold": {"name": "fedavg-full", "correction": "scaffold"}, "fedavg": {"name": "fedavg-full"}}
 SUB = {"ssf": {"name": "ssf"}, "fedsub": {"name": "fedsub", "refresh_every": 5}}
@@ -64,7 +63,7 @@ def toy_config(method: dict, het: float, rank: int, lr: float, rounds: int, seed
                eval_every: int) -> object:
     return from_dict({
         "run": {"rounds": rounds, "clients_per_round": 10, "eval_every": eval_every, "seed": seed, "threads": 1,
-                "stop_metric": "rel_error", "stop_above": 1e6},
+                "stop_metric": "rel_error", "stop_above": 1e6, "vectorized": True},
         "task": {"kind": "matrix-regression", "options": {"het": het, "data_seed": data_seed}},
         "partition": {"kind": "natural", "num_clients": 20},
         "train": {"optimizer": "sgd", "lr": lr, "local_steps": 5, "batch_size": 20},
@@ -72,26 +71,32 @@ def toy_config(method: dict, het: float, rank: int, lr: float, rounds: int, seed
         "lora": {"rank": rank}, "method": dict(method)})
 
 
-def final_error(run) -> float:
+def final_error(outcome) -> float:
     """Final RelErr; NaN when the run diverged (as the paper's "NaN (diverged)" entries)."""
-    return NAN if run.diverged_at is not None else float(run.final["rel_error"])
+    return NAN if "diverged_at" in outcome.summary else float(outcome.history[-1]["rel_error"])
 
 
 def lr_search(args, log) -> dict[float, float]:
     """Full-SCAFFOLD, RelErr after ``search_rounds``; diverged = +inf; ties toward the smaller step (the paper does
     not say)."""
-    chosen = {}
+    grid = Grid(args, metric="rel_error")
     for het in args.het:
-        scores = {}
         for lr in LR_GRID:
-            run = run_vectorized(toy_config(FULL["scaffold"], het, 20, lr, args.search_rounds, args.seeds[0],
-                                            args.data_seed, args.search_rounds))
-            err = final_error(run)
-            scores[lr] = math.inf if not math.isfinite(err) else err
-            log({"kind": "lr-search", "het": het, "lr": lr, "rel_error": err, "seconds": run.seconds})
-        chosen[het] = min(LR_GRID, key=lambda lr: (scores[lr], lr))
-        print(f"LR search het={het}: " + " ".join(f"{lr:g}:{scores[lr]:.3g}" for lr in LR_GRID)
-              + f" -> {chosen[het]:g} (paper {PAPER_LR[het]:g})")
+            grid.add(f"lr-search-het{het:g}-lr{lr:g}", toy_config(FULL["scaffold"], het, 20, lr, args.search_rounds,
+                                                                  args.seeds[0], args.data_seed, args.search_rounds))
+    chosen, scores = {}, {}
+
+    def done(i: int, outcome) -> None:
+        het, lr = args.het[i // len(LR_GRID)], LR_GRID[i % len(LR_GRID)]
+        err = final_error(outcome)
+        scores[lr] = math.inf if not math.isfinite(err) else err
+        log({"kind": "lr-search", "het": het, "lr": lr, "rel_error": err, "seconds": outcome.summary["time"]["total"]})
+        if lr == LR_GRID[-1]:
+            chosen[het] = min(LR_GRID, key=lambda lr: (scores[lr], lr))
+            print(f"LR search het={het}: " + " ".join(f"{lr:g}:{scores[lr]:.3g}" for lr in LR_GRID)
+                  + f" -> {chosen[het]:g} (paper {PAPER_LR[het]:g})", flush=True)
+
+    grid.run(done)
     return chosen
 
 
@@ -116,19 +121,25 @@ def run_grid(args, lrs, log) -> dict:
     for het, r in cells(args):
         todo += [(het, 0, m) for m in FULL] + [(het, r, m) for m in SUB]
     todo = sorted((t for t in set(todo) if t[2] in args.methods), key=lambda t: (t[0], t[1], t[2]))
-    for seed in args.seeds:
-        for het, r, name in todo:
-            method = FULL.get(name) or SUB[name]
-            run = run_vectorized(toy_config(method, het, max(r, 1), lrs[het], args.rounds, seed, args.data_seed,
-                                            args.eval_every))
-            err = final_error(run)
-            results.setdefault((het, r, name), []).append(err)
-            if seed == args.seeds[0]:
-                curves[(het, r, name)] = [(row["round"], row["rel_error"]) for row in run.history]
-            log({"kind": "run", "het": het, "r": r, "method": name, "seed": seed, "lr": lrs[het],
-                 "rounds": run.rounds, "rel_error": err, "diverged_at": run.diverged_at, "seconds": run.seconds})
-            print(f"seed={seed} het={het} r={r or '-'} {name:8s} final RelErr={err:.4e} "
-                  f"({run.rounds} rounds, {run.seconds:.1f}s, load {os.getloadavg()[0]:.1f})", flush=True)
+    cells = [(seed, het, r, name) for seed in args.seeds for het, r, name in todo]
+    grid = Grid(args, metric="rel_error")
+    for seed, het, r, name in cells:
+        grid.add(f"het{het:g}-r{r}-{name}-seed{seed}", toy_config(FULL.get(name) or SUB[name], het, max(r, 1),
+                                                                 lrs[het], args.rounds, seed, args.data_seed,
+                                                                 args.eval_every))
+
+    def done(i: int, outcome) -> None:
+        seed, het, r, name = cells[i]
+        err, rounds, seconds = final_error(outcome), outcome.summary["rounds"], outcome.summary["time"]["total"]
+        results.setdefault((het, r, name), []).append(err)
+        if seed == args.seeds[0]:
+            curves[(het, r, name)] = [(row["round"], row["rel_error"]) for row in outcome.history]
+        log({"kind": "run", "het": het, "r": r, "method": name, "seed": seed, "lr": lrs[het], "rounds": rounds,
+             "rel_error": err, "diverged_at": outcome.summary.get("diverged_at"), "seconds": seconds})
+        print(f"seed={seed} het={het} r={r or '-'} {name:8s} final RelErr={err:.4e} "
+              f"({rounds} rounds, {seconds:.1f}s, load {os.getloadavg()[0]:.1f})", flush=True)
+
+    grid.run(done)
     return {"results": results, "curves": curves}
 
 
@@ -229,16 +240,20 @@ def network(args, log) -> None:
     base = ["train.optimizer=sgd", f"train.lr={args.network_lr}", f"run.rounds={args.network_rounds}",
             "partition.kind=dirichlet", f"partition.alpha={args.network_alpha}", f"run.seed={args.seeds[0]}"]
     base += args.network_set
+    grid = Grid(args)
     for name, sets in methods.items():
-        cfg = load_config(args.network_config, base + sets)
-        sim = Simulation(cfg)
-        summary = sim.run()
+        grid.add(f"network-{name}", load_config(args.network_config, base + sets))
+
+    def done(i: int, outcome) -> None:
+        name, summary = list(methods)[i], outcome.summary
         row = {"kind": "network", "method": name, "accuracy": summary.get("accuracy"),
                "best_accuracy": summary.get("best_accuracy"), "bytes_up": summary["bytes_up"],
                "bytes_down": summary["bytes_down"], "seconds": summary["time"]["total"]}
         log(row)
         print(f"{name:9s} acc={row['accuracy']:.4f} best={row['best_accuracy']:.4f} "
               f"up={row['bytes_up'] / 1e6:.3f}MB down={row['bytes_down'] / 1e6:.3f}MB {row['seconds']:.1f}s", flush=True)
+
+    grid.run(done)
 
 
 def main() -> None:
@@ -266,6 +281,7 @@ def main() -> None:
     ap.add_argument("--network-alpha", type=float, default=0.1)
     ap.add_argument("--network-ratio", type=float, default=0.25)
     ap.add_argument("--network-set", action="append", default=[], help="extra --set overrides")
+    sweep_options(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)

@@ -24,14 +24,11 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance, setup_line  # noqa: E402
+from common import Grid, provenance, setup_line, sweep_options  # noqa: E402
 
 from fedlowrank.config import from_dict  # noqa: E402
-from fedlowrank.runtime.simulator import Simulation  # noqa: E402
-from fedlowrank.tasks import build_task  # noqa: E402
 
 METHODS = {
     "ssf": lambda a: {"name": "ssf", "ratio": a.ratio},
@@ -68,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--smoke", action="store_true", help="2 rounds of 2 steps on 400/200 examples")
     ap.add_argument("--out", default="", help="write the results as JSON here")
+    sweep_options(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         args.rounds, args.local_steps, args.batch, args.eval_every = 2, 2, 16, 1
@@ -76,26 +74,28 @@ def main(argv: list[str] | None = None) -> dict:
     print("CPU proxy of SSF's Table 5: CIFAR-100 is not obtainable offline, so Fashion-MNIST; ResNet-20 with "
           "GroupNorm from scratch; not the paper's protocol (the paper gives none beyond 4 clients, ResNet-110, 100 epochs)")
     results: dict = {"args": vars(args), "runs": []}
-    task = None
-    for seed in [int(s) for s in args.seeds.split(",")]:
-        for name in args.methods.split(","):
-            cfg = config(args, METHODS[name](args), seed)
-            if task is None:
-                task = build_task(cfg)  # the data and model do not depend on the method or the run seed
-                print(setup_line(cfg, task))
-            t0 = time.perf_counter()
-            sim = Simulation(cfg, task=task)
-            sim.run()
-            rows = [r for r in sim.history if "accuracy" in r]
-            run = {"method": name, "seed": seed, "final_accuracy": rows[-1]["accuracy"],
-                   "best_accuracy": max(r["accuracy"] for r in rows), "final_loss": rows[-1]["loss"],
-                   "mb_up_per_round": sum(r["up"] for r in sim.ledger.rows) / 1e6 / cfg.run.rounds,
-                   "mb_down_per_round": sum(r["down"] for r in sim.ledger.rows) / 1e6 / cfg.run.rounds,
-                   "seconds": round(time.perf_counter() - t0, 1)}
-            results["runs"].append(run)
-            print(f"{name:9s} seed {seed}: final acc {run['final_accuracy']:.4f}  best {run['best_accuracy']:.4f}  "
-                  f"loss {run['final_loss']:.4f}  up {run['mb_up_per_round']:.3f} MB/round  "
-                  f"down {run['mb_down_per_round']:.3f} MB/round  {run['seconds']} s")
+    grid = Grid(args)
+    cells = [(int(seed), name) for seed in args.seeds.split(",") for name in args.methods.split(",")]
+    for seed, name in cells:
+        grid.add(f"{name}-seed{seed}", config(args, METHODS[name](args), seed))
+
+    def done(i: int, outcome) -> None:
+        seed, name = cells[i]
+        cfg, summary = grid.runs[i].cfg, outcome.summary
+        if i == 0:
+            print(setup_line(cfg, grid.task(cfg)))
+        rows = [r for r in outcome.history if "accuracy" in r]
+        run = {"method": name, "seed": seed, "final_accuracy": rows[-1]["accuracy"],
+               "best_accuracy": max(r["accuracy"] for r in rows), "final_loss": rows[-1]["loss"],
+               "mb_up_per_round": summary["bytes_up"] / 1e6 / cfg.run.rounds,
+               "mb_down_per_round": summary["bytes_down"] / 1e6 / cfg.run.rounds,
+               "seconds": round(summary["time"]["total"], 1)}
+        results["runs"].append(run)
+        print(f"{name:9s} seed {seed}: final acc {run['final_accuracy']:.4f}  best {run['best_accuracy']:.4f}  "
+              f"loss {run['final_loss']:.4f}  up {run['mb_up_per_round']:.3f} MB/round  "
+              f"down {run['mb_down_per_round']:.3f} MB/round  {run['seconds']} s", flush=True)
+
+    grid.run(done)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=1)
