@@ -16,7 +16,8 @@ def _stderr(line: str) -> None:
 
 
 def run(config: str | Path | dict[str, Any] | None, overrides: list[str] | tuple[str, ...] = (),
-        out: str | Path | None = None, quiet: bool = True, overwrite: bool = False) -> dict[str, Any]:
+        out: str | Path | None = None, quiet: bool = True, overwrite: bool = False, *, history: bool = False,
+        state: bool = False) -> dict[str, Any]:
     """Run one method (``method.name``; with ``run.vectorized``, the vectorised runner) and return its summary:
     ``method``, ``rounds``, the last evaluation's metrics (``accuracy``, ``loss``; ``rel_error``...),
     ``best_accuracy``, ``bytes_up``, ``bytes_down``, ``time`` (seconds by part) and ``peak_rss_mb``. Stopped by
@@ -27,6 +28,10 @@ def run(config: str | Path | dict[str, Any] | None, overrides: list[str] | tuple
         out: the run directory to write (``config.json``, ``metrics.jsonl``, checkpoints...); ``None`` writes
             nothing. A directory that is not empty is refused unless ``overwrite`` (docs/runs.md).
         quiet: ``False`` prints progress lines on stderr.
+        history: add ``"history"``, the run's metrics rows (those of ``metrics.jsonl``: per round its clients,
+            bytes up and down, seconds by part, and the metrics of an evaluated round).
+        state: add ``"state"``, the global model's state after the last round (the method's server
+            :class:`~fedlowrank.message.State`: flat name → tensor or scalar).
     """
     from .config import check_writable, load_config
     from .runtime import runner_for
@@ -34,7 +39,13 @@ def run(config: str | Path | dict[str, Any] | None, overrides: list[str] | tuple
     cfg = load_config(config, overrides)
     if out is not None:
         check_writable(out, "out")
-    return runner_for(cfg)(cfg, run_dir=out, log=None if quiet else _stderr, overwrite=overwrite).run()
+    runner = runner_for(cfg)(cfg, run_dir=out, log=None if quiet else _stderr, overwrite=overwrite)
+    summary = runner.run()
+    if history:
+        summary["history"] = list(runner.history)
+    if state:
+        summary["state"] = runner.server
+    return summary
 
 
 def compare(config: str | Path | dict[str, Any] | None, methods: list[str] | None = None,
