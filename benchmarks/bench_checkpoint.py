@@ -5,7 +5,8 @@ time the checkpoints took against the run's wall time, and the size of one check
 
     python benchmarks/bench_checkpoint.py [--methods fedit,fedgalore] [--rounds 6] [--threads 1]
 
-Target: checkpointing by default costs at most 2 % of the run time on `main`.
+Target: checkpointing by default costs at most 2 % of the run time on `main`. Builds the simulator itself: it reads
+the time its checkpointer spent.
 """
 
 from __future__ import annotations

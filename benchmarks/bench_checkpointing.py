@@ -4,7 +4,8 @@ A joint step of ``--cohort`` FedIT members (the simulator's :class:`~fedlowrank.
 ``tiny-lm`` task with ``--model`` (default tiny-llama), every member on the task's longest examples: the median step
 time over ``--steps`` steps after one warm-up, and the step's peak allocation (the torch profiler's allocator
 events), with and without ``train.gradient_checkpointing``; the ratios are what ``run.cohort = 0`` trades when it
-turns checkpointing on (``train.gradient_checkpointing = "auto"``)::
+turns checkpointing on (``train.gradient_checkpointing = "auto"``). It builds the simulator itself: it times the
+cohort engine's joint step, not a run::
 
     PYTHONPATH=src python benchmarks/bench_checkpointing.py --model tiny-llama --cohort 4 --steps 5
 """

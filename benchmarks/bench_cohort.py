@@ -16,6 +16,7 @@ rounding without dropout; MiniLM trains with dropout 0.1, whose masks a cohort d
 
 On a GPU (see the report of branch ``gpu`` for the exact commands): SmolLM2 bf16, 32 clients × 5 steps × 4 GSM8K
 examples; targets ≥ 150k real tokens/s as one cohort and a peak ≤ 12 GiB. On the CPU a joint step gains ≈ nothing.
+Builds the simulator itself: it times the cohort engine round by round after a warm-up and counts its tokens.
 """
 
 from __future__ import annotations

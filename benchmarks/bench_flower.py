@@ -55,13 +55,11 @@ def job_sets(args) -> list[str]:
 
 
 def run_simulator(base: str, sets: list[str]):
-    from fedlowrank.config import load_config
-    from fedlowrank.runtime.simulator import Simulation
+    import fedlowrank
 
     t0 = time.perf_counter()
-    sim = Simulation(load_config(base, sets))
-    summary = sim.run()
-    return time.perf_counter() - t0, summary, sim.server
+    summary = fedlowrank.run(base, sets, state=True)
+    return time.perf_counter() - t0, summary, summary["state"]
 
 
 def run_flower(base: str, sets: list[str], args, tmp: Path):

@@ -26,14 +26,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import provenance  # noqa: E402
+from common import Grid, provenance, sweep_options  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from fedlowrank.config import load_config  # noqa: E402
-from fedlowrank.runtime.simulator import Simulation  # noqa: E402
-from fedlowrank.tasks import build_task  # noqa: E402
 
 
 def versions() -> str:
@@ -150,6 +148,7 @@ def main() -> None:
     p.add_argument("--skip-methods", action="store_true")
     p.add_argument("--skip-step-time", action="store_true")
     p.add_argument("--smoke", action="store_true", help="2 questions, 1 round of 1 step, 16 new tokens")
+    sweep_options(p)
     args = p.parse_args()
     if args.smoke:
         args.questions, args.eval_examples, args.max_new_tokens, args.train_examples = 2, 4, 16, 400
@@ -159,7 +158,8 @@ def main() -> None:
     print(versions())
     t0 = time.perf_counter()
     cfg = load_config("gsm8k", task_sets(args))
-    task = build_task(cfg)
+    grid = Grid(args, metric="loss")
+    task = grid.task(cfg)  # the methods' runs in this process share it
     print(f"load: task built ({args.model} loaded, {task.num_train} training examples tokenised) in "
           f"{time.perf_counter() - t0:.1f} s; {json.dumps(task.describe()['truncation'])}")
     results = {}
@@ -169,14 +169,16 @@ def main() -> None:
         results["base"] = base
         print(f"base {args.model}: {fmt(base)}  ({time.perf_counter() - t0:.0f} s)")
     if not args.skip_methods:
-        for name in args.methods.split(","):
-            mcfg = load_config("gsm8k", [*task_sets(args), *method_sets(name, args)])
-            t0 = time.perf_counter()
-            sim = Simulation(mcfg, task=task)
-            summary = sim.run()
-            results[name] = summary
-            print(f"{name:10s} after {args.rounds} rounds: {fmt(summary)}  up {summary['bytes_up'] / 1e6:.2f} MB  "
-                  f"({time.perf_counter() - t0:.0f} s; ranks {mcfg.client_ranks()})")
+        names = args.methods.split(",")
+        for name in names:
+            grid.add(name, load_config("gsm8k", [*task_sets(args), *method_sets(name, args)]))
+
+        def done(i: int, outcome) -> None:
+            summary = results[names[i]] = outcome.summary
+            print(f"{names[i]:10s} after {args.rounds} rounds: {fmt(summary)}  up {summary['bytes_up'] / 1e6:.2f} MB  "
+                  f"({summary['time']['total']:.0f} s; ranks {grid.runs[i].cfg.client_ranks()})", flush=True)
+
+        grid.run(done)
     if not args.skip_step_time:
         step_time(task, cfg, args.step_steps, args.step_repeats)
     print("results: " + json.dumps({k: {m: v[m] for m in ("loss", "perplexity", "exact_match") if m in v}

@@ -6,7 +6,8 @@
 2. Memory: AG News (10,001 examples), ``--clients`` clients (100), ``--per-round`` per round (10), a stateful
    method (SCAFFOLD: a control variate per client). Peak RSS against base model + activations + the client
    states held in memory (all of them, or at most ``--state-memory-mb`` with spilling to disk) + 300 MB.
-   Target: within that bound; for 1,000 clients also within 2 GB.
+   Target: within that bound; for 1,000 clients also within 2 GB. Builds the simulator itself: it reads the
+   memory between rounds and the client store's states.
 
 3. Step (``--step``; the GPU path's figures that a CPU can give, on tiny-llama in seconds): host reads
    (``aten::item``) and dispatched operations of our FedIT client step against a plain peft + torch step on the
@@ -14,6 +15,7 @@
    of 8 members against 1; the cohort memory planner's estimate against the measured step peak (1, 2 and 4
    members; fp32, bf16, gradient checkpointing); and the padding share of GSM8K training steps padded, bucketed and
    packed, one client and cohorts of 8 and 32 (``--padding-model``'s tokenizer; smollm2-135m needs its asset).
+   Measures the client step and the cohort engine themselves, on the simulator's model and task.
 
     python benchmarks/bench_overhead.py [--rounds 10] [--threads 2] [--skip-overhead] [--skip-memory]
     python benchmarks/bench_overhead.py --skip-overhead --skip-memory --step [--padding-model smollm2-135m] \
@@ -32,22 +34,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from common import provenance  # noqa: E402
 
+import fedlowrank  # noqa: E402
 from fedlowrank.config import load_config  # noqa: E402
 from fedlowrank.runtime.simulator import Simulation, peak_rss_mb  # noqa: E402
 from fedlowrank.runtime.store import state_bytes  # noqa: E402
 
 
 def overhead(rounds: int, threads: int) -> None:
-    cfg = load_config("main", ["method.name=fedit", f"run.rounds={rounds}", "run.eval_every=5",
-                               f"run.threads={threads}"])
-    sim = Simulation(cfg)
-    sim.run()
-    t = sim.summary()["time"]
+    summary = fedlowrank.run("main", ["method.name=fedit", f"run.rounds={rounds}", "run.eval_every=5",
+                                      f"run.threads={threads}"])
+    t = summary["time"]
     print(f"overhead: FedIT MiniLM BBC News, 10 clients, 5/round, 5 steps, {rounds} rounds, seed 0")
     for k in ("client_compute", "aggregation", "evaluation", "other", "total"):
         print(f"  {k:15s} {t[k]:8.2f} s  ({100 * t[k] / t['total']:5.2f} %)")
     print(f"  -> framework overhead = {100 * t['other'] / t['total']:.2f} % of wall time (target <= 5 %); "
-          f"final accuracy {sim.last_eval.get('accuracy', float('nan')):.4f}")
+          f"final accuracy {summary.get('accuracy', float('nan')):.4f}")
 
 
 def memory(threads: int, clients: int = 100, per_round: int = 10, rounds: int = 12, state_memory_mb: float = 0.0,

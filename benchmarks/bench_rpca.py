@@ -24,7 +24,8 @@ per matrix, seeded. Prints, with the command, seed, load and versions:
 round) in the simulator and reports, per round, the clients' compute and the server's aggregation, whose share of
 the round is the target (≤ 5 %), for the paper's ADMM (the run's own: it runs with ``rpca_solver = "admm"``) and,
 on the same server state and replies in the same process, for the default ``rpca_solver = "adaptive"`` and FedIT's
-plain average, with the largest relative difference of the two solvers' global states.
+plain average, with the largest relative difference of the two solvers' global states. It builds the simulator
+itself: it times the method's server step inside the run, round by round.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@
    runner evaluated every 500 rounds and every round, and the runner with the loop's single random stream
    (:func:`one_stream`: what the per-round seeded streams cost), interleaved in one process, one thread; ratios
    and final RelErr printed (loop and runner differ by their random streams: same distribution, other draws).
+   Calls the vectorised runner itself: :func:`one_stream` swaps its random streams.
 3. Communication: a short run in the simulator (every message serialised and counted by the ledger); floats
    per participant per round, down and up, against the paper's 4rm (SSF) and 4dm (SCAFFOLD), with and without
    the catch-up of the model copy under partial participation.
@@ -31,9 +32,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import provenance  # noqa: E402
 
+import fedlowrank  # noqa: E402
 from fedlowrank.config import from_dict  # noqa: E402
 from fedlowrank.runtime import vectorized  # noqa: E402
-from fedlowrank.runtime.simulator import Simulation  # noqa: E402
 from fedlowrank.runtime.vectorized import run_vectorized  # noqa: E402
 from fedlowrank.tasks.matrix_regression import make_problem  # noqa: E402
 
@@ -42,26 +43,26 @@ METHODS = {"ssf": {"name": "ssf"}, "fedsub": {"name": "fedsub"}, "scaffold": {"n
 
 
 def toy_config(method: dict, rounds: int, rank: int, het: float, lr: float, seed: int, per_round: int = 10,
-               eval_every: int = 100) -> object:
-    return from_dict({
+               eval_every: int = 100, vectorized: bool = True) -> dict:
+    """The matrix-regression run as a TOML-shaped dict (``fedlowrank.run``, ``from_dict``)."""
+    return {
         "run": {"rounds": rounds, "clients_per_round": per_round, "eval_every": eval_every, "seed": seed,
-                "threads": 1, "stop_metric": "rel_error", "stop_above": 1e6},
+                "threads": 1, "stop_metric": "rel_error", "stop_above": 1e6, "vectorized": vectorized},
         "task": {"kind": "matrix-regression", "options": {"het": het}},
         "partition": {"kind": "natural", "num_clients": 20},
         "train": {"optimizer": "sgd", "lr": lr, "local_steps": 5, "batch_size": 20},
         "server": {"weighting": "uniform"},
-        "lora": {"rank": rank}, "method": dict(method)})
+        "lora": {"rank": rank}, "method": dict(method)}
 
 
 def speed(args) -> None:
     print(f"\n== speed: T={args.rounds}, r={args.rank}, het={args.het}, lr={args.lr}, S=10 of N=20, K=5, b=20 ==")
     for name in args.methods.split(","):
-        cfg = toy_config(METHODS[name], args.rounds, args.rank, args.het, args.lr, args.seed)
         cpu = time.process_time()
-        run = run_vectorized(cfg)
+        summary = fedlowrank.run(toy_config(METHODS[name], args.rounds, args.rank, args.het, args.lr, args.seed))
         cpu = time.process_time() - cpu
-        print(f"{name:9s} wall={run.seconds:7.2f}s cpu={cpu:7.2f}s rounds={run.rounds} "
-              f"final rel_error={run.final.get('rel_error', float('nan')):.4e} loadavg={os.getloadavg()[0]:.2f}")
+        print(f"{name:9s} wall={summary['time']['total']:7.2f}s cpu={cpu:7.2f}s rounds={summary['rounds']} "
+              f"final rel_error={summary.get('rel_error', float('nan')):.4e} loadavg={os.getloadavg()[0]:.2f}")
 
 
 def numpy_loop(method: str, rounds: int, rank: int, het: float, lr: float, seed: int, eval_every: int,
@@ -145,7 +146,8 @@ def loop_ratio(args) -> None:
             relerr["loop"] = errors[-1]
             for label, every, streams in (("runner", 500, contextlib.nullcontext), ("runner/1", 1, contextlib.nullcontext),
                                           ("one stream", 500, lambda: one_stream(args.seed))):
-                cfg = toy_config(METHODS[name], args.rounds, args.rank, args.het, args.lr, args.seed, eval_every=every)
+                cfg = from_dict(toy_config(METHODS[name], args.rounds, args.rank, args.het, args.lr, args.seed,
+                                           eval_every=every))
                 with streams():
                     cpu = time.process_time()
                     run = run_vectorized(cfg)
@@ -190,13 +192,11 @@ def communication(args) -> None:
     d, m, r = 100, 10, args.rank
     print(f"\n== communication (simulator ledger): d={d}, m={m}, r={r}, {args.comm_rounds} rounds ==")
     for name, per_round in (("ssf", 20), ("ssf", 10), ("fedsub", 10), ("scaffold", 20)):
-        cfg = toy_config(METHODS[name], args.comm_rounds, r, args.het, args.lr, args.seed, per_round,
-                         eval_every=args.comm_rounds)
-        sim = Simulation(cfg)
-        sim.run()
-        rows = [row for row in sim.ledger.rows if row["round"] > 1]
-        down = np.mean([row["down"] for row in rows]) / 8
-        up = np.mean([row["up"] for row in rows]) / 8
+        summary = fedlowrank.run(toy_config(METHODS[name], args.comm_rounds, r, args.het, args.lr, args.seed,
+                                            per_round, eval_every=args.comm_rounds, vectorized=False), history=True)
+        rows = [row for row in summary["history"] if row["round"] > 1]
+        down = np.mean([row["bytes_down"] for row in rows]) / 8
+        up = np.mean([row["bytes_up"] for row in rows]) / 8
         print(f"{name:9s} S={per_round:2d}/20: per participant per round down={down:8.1f} up={up:8.1f} "
               f"total={down + up:8.1f} floats (bytes/8, header included); 4rm={4 * r * m} 4dm={4 * d * m}")
 

@@ -15,7 +15,8 @@ its preset (uniform weights), FedIT at 3e-3 (weights by examples).
         updates ‖ΔWₙ − ΔWᵗ‖_F against the update the server applies, ‖ΔWᵗ⁺¹ − ΔWᵗ‖_F, and against the
         exact average of the clients' ΔWₙ (what a rank-unconstrained method would apply); the head
         (its weight's norm and bias); FLoRG's own diagnostics. ``--head-weighting`` averages the head with
-        other weights than the adapter (``server.weighting``), to tell which of the two a weighting acts through
+        other weights than the adapter (``server.weighting``), to tell which of the two a weighting acts through;
+        it builds the simulator itself, to read each round's replies and global state
     python benchmarks/florg_collapse.py runs --methods florg,fedit --seeds 0-11 --variant preset \\
         --variant "examples:server.weighting=num_examples" --jobs 2 --out runs/florg-collapse
         final and best test accuracy of each (method, variant, seed) at the method's protocol rate and preset;
