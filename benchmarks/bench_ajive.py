@@ -20,25 +20,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance  # noqa: E402
+from common import median_seconds, provenance  # noqa: E402
 
 from fedlowrank.linalg.ajive import ajive_combine  # noqa: E402
 from fedlowrank.seeding import torch_generator  # noqa: E402
-
-
-def timeit(fn, repeats: int) -> tuple[float, object]:
-    out, times = None, []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)), out
 
 
 def make_views(n_views: int, d_u: int, d_p: int, r: int, seed: int):
@@ -68,10 +57,10 @@ def main(argv=None) -> int:
             S, Q = make_views(n_views, n, n, r, args.seed)
             w = [1.0 / n_views] * n_views
             dense_views = [s @ Q.T for s in S]
-            t_full, (dense, _) = timeit(lambda: ajive_combine(dense_views, w, r, r), args.repeats)
-            t_rsvd, _ = timeit(lambda: ajive_combine(dense_views, w, r, r, svd="randomized",
+            t_full, (dense, _) = median_seconds(lambda: ajive_combine(dense_views, w, r, r), args.repeats)
+            t_rsvd, _ = median_seconds(lambda: ajive_combine(dense_views, w, r, r, svd="randomized",
                                                      generator=torch_generator(args.seed, "rsvd")), args.repeats)
-            t_comp, (compact, _) = timeit(lambda: ajive_combine(S, w, r, r), args.repeats)
+            t_comp, (compact, _) = median_seconds(lambda: ajive_combine(S, w, r, r), args.repeats)
             err = float((dense - compact @ Q.T).abs().max())
             print(f"{n_views:>5} {n:>5} {t_full * 1e3:>11.1f} {t_rsvd * 1e3:>11.1f} {t_comp * 1e3:>9.2f}  {err:.1e}")
 
@@ -80,7 +69,7 @@ def main(argv=None) -> int:
               "query/value/all dense (6 x [384,384,384,1536,1536])": [384, 384, 384, 1536, 1536] * 6}
     for label, dims in blocks.items():
         views = {d: make_views(5, d, d, r, args.seed)[0] for d in set(dims)}
-        t, _ = timeit(lambda: [ajive_combine(views[d], [0.2] * 5, r, r) for d in dims], args.repeats)
+        t, _ = median_seconds(lambda: [ajive_combine(views[d], [0.2] * 5, r, r) for d in dims], args.repeats)
         print(f"  {label}: {t * 1e3:.1f} ms per round")
     return 0
 

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance  # noqa: E402
+from common import median_seconds, provenance  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -66,13 +64,10 @@ def main(argv: list[str] | None = None) -> None:
         set_checkpointing(sim.model.net, on)
         fit = joint_fit(sim, args.cohort, batch, args.steps + 1)
         fit.step(0)
-        times = []
-        for step in range(1, args.steps + 1):
-            t0 = time.perf_counter()
-            fit.step(step)
-            times.append(time.perf_counter() - t0)
+        steps = iter(range(1, args.steps + 1))
+        seconds, _ = median_seconds(lambda: fit.step(next(steps)), args.steps)
         peak = measured_peak_bytes(lambda: fit.step(args.steps + 1), torch.device("cpu"))
-        figures[on] = (statistics.median(times), peak)
+        figures[on] = (seconds, peak)
         print(f"checkpointing {'on ' if on else 'off'}: {1e3 * figures[on][0]:.1f} ms per joint step, "
               f"step peak {peak / 2**20:.1f} MiB")
     (t0, p0), (t1, p1) = figures[False], figures[True]

@@ -20,6 +20,19 @@ def provenance(argv: list[str] | None = None) -> str:
             f"threads {torch.get_num_threads()}, cpus {os.cpu_count()}")
 
 
+def median_seconds(fn, repeats: int) -> tuple[float, object]:
+    """The median wall time of ``repeats`` calls of ``fn()`` (seconds) and the last call's result."""
+    import statistics
+    import time
+
+    out, times = None, []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
 def setup_line(cfg, task) -> str:
     """The data and budget of a run as it was run: data source, the training and test examples actually used,
     partition, rounds, local steps, batch, the run's method, learning rate and seed (one line)."""

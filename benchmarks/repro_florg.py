@@ -34,13 +34,12 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Grid, provenance, setup_line, sweep_options  # noqa: E402
+from common import Grid, median_seconds, provenance, setup_line, sweep_options  # noqa: E402
 
 from fedlowrank.config import load_config  # noqa: E402
 from fedlowrank.methods import available_methods  # noqa: E402
@@ -210,12 +209,8 @@ def server_cost(args) -> int:
             w = [1.0 / args.clients] * args.clients
             line = f"{k:<5d} {args.clients:<3d} {rank:<3d} "
             for route in ("eigh", "stacked_svd", "closed_form"):
-                times = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    aggregate_gram(A, As, w, route)
-                    times.append(time.perf_counter() - t0)
-                line += f"{np.median(times) * 1e3:>11.2f} ms"
+                seconds, _ = median_seconds(lambda route=route: aggregate_gram(A, As, w, route), 5)
+                line += f"{seconds * 1e3:>11.2f} ms"
             print(line)
     return 0
 

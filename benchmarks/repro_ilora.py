@@ -37,12 +37,11 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Grid, provenance, setup_line, sweep_options  # noqa: E402
+from common import Grid, median_seconds, provenance, setup_line, sweep_options  # noqa: E402
 
 from fedlowrank.config import load_config  # noqa: E402
 from fedlowrank.linalg.lowrank import factored_basis, normalize_qr_signs, stack_factors  # noqa: E402
@@ -83,14 +82,7 @@ def aggregation_timing(rank_sets: list[list[int]], dim: int = 384, modules: int 
                 out.append(normalize_qr_signs(*torch.linalg.qr(B_c @ A_c)))
             return out
 
-        times = {}
-        for name, fn in (("factored", factored), ("dense", dense)):
-            ts = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                res = fn()
-                ts.append(time.perf_counter() - t0)
-            times[name] = (statistics.median(ts), res)
+        times = {name: median_seconds(fn, repeats) for name, fn in (("factored", factored), ("dense", dense))}
         R_t = sum(ranks)
         diff = max(float((qf[:, :R_t] - qd[:, :R_t]).abs().max()) for (qf, _), (qd, _) in
                    zip(times["factored"][1], times["dense"][1]))
