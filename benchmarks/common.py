@@ -62,9 +62,15 @@ class Grid:
     def __init__(self, args, metric: str = "accuracy"):
         from pathlib import Path
 
+        from fedlowrank.config import ConfigError
         from fedlowrank.experiments.sweep import Sweep
 
-        self.sweep = Sweep(Path(args.runs_dir) if args.runs_dir else None, jobs=args.jobs, resume=args.resume)
+        if args.resume and not args.runs_dir:
+            raise SystemExit("error: --resume reads the runs in --runs-dir; give --runs-dir")
+        try:
+            self.sweep = Sweep(Path(args.runs_dir) if args.runs_dir else None, jobs=args.jobs, resume=args.resume)
+        except ConfigError as exc:
+            raise SystemExit(f"error: {exc} (--runs-dir)") from None
         self.metric = metric
         self.runs: list = []
 
@@ -87,4 +93,9 @@ class Grid:
         """Run every run (a divergence raises); ``on_done(i, outcome)`` hears run ``i`` as soon as it and every run
         before it have ended (:class:`~fedlowrank.experiments.sweep.Outcome`: ``history``, ``metrics``,
         ``summary``)."""
-        return self.sweep.run(self.runs, stop_on_divergence=True, on_done=on_done)
+        from fedlowrank.config import ConfigError
+
+        try:
+            return self.sweep.run(self.runs, stop_on_divergence=True, on_done=on_done)
+        except ConfigError as exc:  # a run directory of another run, a refused setting
+            raise SystemExit(f"error: {exc}") from None

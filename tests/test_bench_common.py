@@ -1,0 +1,63 @@
+"""benchmarks/common.py's ``Grid``: a script's runs through the project's sweep, with their run directories named
+by their labels, resumption, and one error line for bad options."""
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedlowrank.config import load_config
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def common():
+    """benchmarks/common.py as a module."""
+    spec = importlib.util.spec_from_file_location("benchmark_common", BENCHMARKS / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def options(common, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    common.sweep_options(parser)
+    return parser.parse_args(list(argv))
+
+
+def tiny(seed: int):
+    return load_config("tiny", [f"run.seed={seed}", "run.rounds=1"])
+
+
+def test_grid_runs_in_order_into_directories_named_by_label_and_resumes(common, tmp_path):
+    heard: list[tuple[int, bool]] = []
+    grid = common.Grid(options(common, "--runs-dir", str(tmp_path)))
+    for seed in (0, 1):
+        grid.add(f"fedit: seed {seed}", tiny(seed))
+    first = grid.run(lambda i, outcome: heard.append((i, outcome.reused)))
+    assert heard == [(0, False), (1, False)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fedit_seed_0", "fedit_seed_1"]
+    again = common.Grid(options(common, "--runs-dir", str(tmp_path), "--resume"))
+    for seed in (0, 1):
+        again.add(f"fedit: seed {seed}", tiny(seed))
+    second = again.run(lambda i, outcome: heard.append((i, outcome.reused)))
+    assert heard[2:] == [(0, True), (1, True)]
+    assert [o.summary["accuracy"] for o in second] == [o.summary["accuracy"] for o in first]
+    assert [len(o.history) for o in second] == [1, 1]
+
+
+def test_grid_options_that_cannot_work_are_one_error_line(common, tmp_path):
+    with pytest.raises(SystemExit, match=r"^error: --resume reads the runs in --runs-dir; give --runs-dir$"):
+        common.Grid(options(common, "--resume"))
+    with pytest.raises(SystemExit, match=r"^error: --jobs > 1 needs an output directory .*\(--runs-dir\)$"):
+        common.Grid(options(common, "--jobs", "2"))
+    grid = common.Grid(options(common, "--runs-dir", str(tmp_path)))
+    grid.add("run", tiny(0))
+    grid.run(lambda i, outcome: None)
+    other = common.Grid(options(common, "--runs-dir", str(tmp_path), "--resume"))
+    other.add("run", load_config("tiny", ["run.seed=0", "run.rounds=1", "train.lr=0.5"]))
+    with pytest.raises(SystemExit, match=r"^error: --resume: .* holds a run of another config than this one"):
+        other.run(lambda i, outcome: None)
