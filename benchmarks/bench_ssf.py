@@ -195,8 +195,9 @@ def communication(args) -> None:
         summary = fedlowrank.run(toy_config(METHODS[name], args.comm_rounds, r, args.het, args.lr, args.seed,
                                             per_round, eval_every=args.comm_rounds, vectorized=False), history=True)
         rows = [row for row in summary["history"] if row["round"] > 1]
-        down = np.mean([row["bytes_down"] for row in rows]) / 8
-        up = np.mean([row["bytes_up"] for row in rows]) / 8
+        messages = sum(len(row["clients"]) for row in rows)  # one down and one up per participant and round
+        down = sum(row["bytes_down"] for row in rows) / messages / 8
+        up = sum(row["bytes_up"] for row in rows) / messages / 8
         print(f"{name:9s} S={per_round:2d}/20: per participant per round down={down:8.1f} up={up:8.1f} "
               f"total={down + up:8.1f} floats (bytes/8, header included); 4rm={4 * r * m} 4dm={4 * d * m}")
 

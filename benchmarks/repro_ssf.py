@@ -121,15 +121,15 @@ def run_grid(args, lrs, log) -> dict:
     for het, r in cells(args):
         todo += [(het, 0, m) for m in FULL] + [(het, r, m) for m in SUB]
     todo = sorted((t for t in set(todo) if t[2] in args.methods), key=lambda t: (t[0], t[1], t[2]))
-    cells = [(seed, het, r, name) for seed in args.seeds for het, r, name in todo]
+    runs = [(seed, het, r, name) for seed in args.seeds for het, r, name in todo]
     grid = Grid(args, metric="rel_error")
-    for seed, het, r, name in cells:
+    for seed, het, r, name in runs:
         grid.add(f"het{het:g}-r{r}-{name}-seed{seed}", toy_config(FULL.get(name) or SUB[name], het, max(r, 1),
                                                                  lrs[het], args.rounds, seed, args.data_seed,
                                                                  args.eval_every))
 
     def done(i: int, outcome) -> None:
-        seed, het, r, name = cells[i]
+        seed, het, r, name = runs[i]
         err, rounds, seconds = final_error(outcome), outcome.summary["rounds"], outcome.summary["time"]["total"]
         results.setdefault((het, r, name), []).append(err)
         if seed == args.seeds[0]:
