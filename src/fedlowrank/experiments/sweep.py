@@ -11,6 +11,8 @@ run of one seed trains on the same partition, and evaluates on the same validati
   are the same either way;
 * with ``resume``, a run directory whose run ended with the same config is read instead of run again, so an
   interrupted sweep continues where it stopped and runs made by separate processes into one ``out`` combine;
+* each run by the runner its config asks for (:func:`runner`: the simulator, or the vectorised runner with
+  ``run.vectorized``), its outcome handed to ``on_done`` in the order of the runs as they end;
 * progress lines: ``run k of N: LABEL (ETA 0:04:10 for 3 runs)`` as a run starts in this process (``(worker
   process PID)`` in a worker), each round's line of a run in a worker prefixed with ``LABEL:``, and ``run k of N
   done: LABEL: METRIC`` as it ends (in the order of the runs, with the ETA when the runs end in worker processes);
