@@ -176,7 +176,7 @@ def main() -> None:
         def done(i: int, outcome) -> None:
             summary = results[names[i]] = outcome.summary
             print(f"{names[i]:10s} after {args.rounds} rounds: {fmt(summary)}  up {summary['bytes_up'] / 1e6:.2f} MB  "
-                  f"({summary['time']['total']:.0f} s; ranks {grid.runs[i].cfg.client_ranks()})", flush=True)
+                  f"({grid.seconds(outcome):.0f} s; ranks {grid.runs[i].cfg.client_ranks()})", flush=True)
 
         grid.run(done)
     if not args.skip_step_time:

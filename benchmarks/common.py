@@ -89,6 +89,11 @@ class Grid:
         self.runs.append(Run(cfg.method_name, label, cfg, run_dir, self.metric))
         return len(self.runs) - 1
 
+    @staticmethod
+    def seconds(outcome) -> float:
+        """A run's wall time, set-up included; for a run read back with ``--resume``, the time its rounds took."""
+        return outcome.seconds if outcome.seconds is not None else outcome.summary["time"]["total"]
+
     def run(self, on_done) -> list:
         """Run every run (a divergence raises); ``on_done(i, outcome)`` hears run ``i`` as soon as it and every run
         before it have ended (:class:`~fedlowrank.experiments.sweep.Outcome`: ``history``, ``metrics``,

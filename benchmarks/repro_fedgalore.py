@@ -145,7 +145,7 @@ def main(argv=None) -> int:
                "final": summary["accuracy"], "best": summary.get("best_accuracy", float("nan")),
                "up_per_client_round": summary["bytes_up"] / client_rounds,
                "down_per_client_round": summary["bytes_down"] / client_rounds,
-               "seconds": summary["time"]["total"]}
+               "seconds": grid.seconds(outcome)}
         results.append(row)
         part = "iid" if alpha is None else f"dir{alpha:g}"
         print(f"{source} {part:7s} seed={seed} {method:16s} final={row['final']:.4f} best={row['best']:.4f} "

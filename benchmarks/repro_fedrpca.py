@@ -189,7 +189,7 @@ def main(argv=None) -> int:
             print(setup_line(cfg, grid.task(cfg)), flush=True)
         row = {"method": method, "clients": clients, "alpha": alpha, "seed": seed,
                "final": summary["accuracy"], "best": summary["best_accuracy"],
-               "seconds": summary["time"]["total"], "history": history}
+               "seconds": grid.seconds(outcome), "history": history}
         row["r90"] = rounds_to(history, 0.9 * row["final"])
         row["rabs"] = rounds_to(history, args.abs_target)
         results.append(row)

@@ -146,7 +146,7 @@ def main(argv=None) -> int:
         row = {"method": method, "rho": rho, "rank": rank, "seed": seed,
                "final": summary["accuracy"], "best": summary["best_accuracy"],
                "bytes": summary["bytes_up"] + summary["bytes_down"], "up": summary["bytes_up"],
-               "head": heads[seed], "seconds": summary["time"]["total"], "history": outcome.history}
+               "head": heads[seed], "seconds": grid.seconds(outcome), "history": outcome.history}
         results.append(row)
         print(f"rho={rho} r={rank} seed={seed} {method:13s} final={row['final']:.4f} "
               f"best={row['best']:.4f} up={row['up']} up+down={row['bytes']} B "

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                "method": label, "peak": max(accs), "final": accs[-1], "accuracy": accs,
                "bytes_up": summary["bytes_up"], "bytes_down": summary["bytes_down"],
                "diagnostics": [r.get("diagnostics", {}) for r in history],
-               "seconds": summary["time"]["total"], "loadavg": os.getloadavg()}
+               "seconds": grid.seconds(outcome), "loadavg": os.getloadavg()}
         print(json.dumps({k: row[k] for k in ("dataset", "ranks", "alpha", "seed", "method", "peak", "final",
                                               "seconds")}), flush=True)
         if args.out:

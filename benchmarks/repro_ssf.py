@@ -90,7 +90,7 @@ def lr_search(args, log) -> dict[float, float]:
         het, lr = args.het[i // len(LR_GRID)], LR_GRID[i % len(LR_GRID)]
         err = final_error(outcome)
         scores[lr] = math.inf if not math.isfinite(err) else err
-        log({"kind": "lr-search", "het": het, "lr": lr, "rel_error": err, "seconds": outcome.summary["time"]["total"]})
+        log({"kind": "lr-search", "het": het, "lr": lr, "rel_error": err, "seconds": grid.seconds(outcome)})
         if lr == LR_GRID[-1]:
             chosen[het] = min(LR_GRID, key=lambda lr: (scores[lr], lr))
             print(f"LR search het={het}: " + " ".join(f"{lr:g}:{scores[lr]:.3g}" for lr in LR_GRID)
@@ -130,7 +130,7 @@ def run_grid(args, lrs, log) -> dict:
 
     def done(i: int, outcome) -> None:
         seed, het, r, name = runs[i]
-        err, rounds, seconds = final_error(outcome), outcome.summary["rounds"], outcome.summary["time"]["total"]
+        err, rounds, seconds = final_error(outcome), outcome.summary["rounds"], grid.seconds(outcome)
         results.setdefault((het, r, name), []).append(err)
         if seed == args.seeds[0]:
             curves[(het, r, name)] = [(row["round"], row["rel_error"]) for row in outcome.history]

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
                "best_accuracy": max(r["accuracy"] for r in rows), "final_loss": rows[-1]["loss"],
                "mb_up_per_round": summary["bytes_up"] / 1e6 / cfg.run.rounds,
                "mb_down_per_round": summary["bytes_down"] / 1e6 / cfg.run.rounds,
-               "seconds": round(summary["time"]["total"], 1)}
+               "seconds": round(grid.seconds(outcome), 1)}
         results["runs"].append(run)
         print(f"{name:9s} seed {seed}: final acc {run['final_accuracy']:.4f}  best {run['best_accuracy']:.4f}  "
               f"loss {run['final_loss']:.4f}  up {run['mb_up_per_round']:.3f} MB/round  "

@@ -47,6 +47,8 @@ def test_grid_runs_in_order_into_directories_named_by_label_and_resumes(common, 
     assert heard[2:] == [(0, True), (1, True)]
     assert [o.summary["accuracy"] for o in second] == [o.summary["accuracy"] for o in first]
     assert [len(o.history) for o in second] == [1, 1]
+    assert [common.Grid.seconds(o) for o in second] == [o.summary["time"]["total"] for o in second]
+    assert all(common.Grid.seconds(o) == o.seconds > o.summary["time"]["total"] for o in first)
 
 
 def test_grid_options_that_cannot_work_are_one_error_line(common, tmp_path):

@@ -176,6 +176,7 @@ def test_on_done_hears_every_run_in_order_reused_ones_included(tmp_path):
     outcomes = Sweep(tmp_path, resume=True).run(runs(), on_done=lambda i, o: heard.append((i, o.reused)))
     assert heard == [(0, False), (1, True), (2, False)]
     assert [o.summary["rounds"] for o in outcomes] == [1, 1, 1]
+    assert outcomes[1].seconds is None and outcomes[0].seconds > outcomes[0].summary["time"]["total"] > 0
 
 
 def test_a_vectorized_run_goes_to_the_vectorised_runner_and_equals_it(tmp_path):

@@ -321,14 +321,16 @@ class Run:
 @dataclass
 class Outcome:
     """What a run left: its metrics rows (``metrics.jsonl``), its final evaluation (``metrics``: test set, or the
-    validation split), ``summary.json`` (``None`` when it diverged), the divergence message, and whether an
-    earlier run directory was read instead of running it (``reused``)."""
+    validation split), ``summary.json`` (``None`` when it diverged), the divergence message, whether an earlier
+    run directory was read instead of running it (``reused``), and the run's wall time in seconds, from its start
+    to its end in this sweep, set-up and evaluations included (``None`` when reused)."""
 
     history: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     summary: dict[str, Any] | None = None
     diverged: str | None = None
     reused: bool = False
+    seconds: float | None = None
 
 
 class Sweep:
@@ -443,7 +445,7 @@ class Sweep:
                 self._say(f"run {i + 1} of {len(runs)}: {runs[i].label}{clock.suffix()}")
                 clock.start(i)
                 outcome = self._run_here(runs[i], stop_on_divergence)
-                clock.end(i)
+                outcome.seconds = clock.end(i)
                 self._say(f"run {i + 1} of {len(runs)} done: {runs[i].label}: {_result(runs[i], outcome)}")
                 settle(i, outcome)
         return [outcomes[i] for i in range(len(runs))]
@@ -488,8 +490,9 @@ class Sweep:
             elif kind == "line":
                 self._say(f"{runs[i].label}: {value}")
             else:
-                clock.end(i)
+                seconds = clock.end(i)
                 outcomes[i] = Outcome(diverged=value) if value is not None else self._read(runs[i])
+                outcomes[i].seconds = seconds
                 while said < len(pending) and pending[said] in outcomes:
                     k = pending[said]
                     said += 1
@@ -530,8 +533,10 @@ class _Clock:
     def start(self, run: int) -> None:
         self.started[run] = self.clock()
 
-    def end(self, run: int) -> None:
+    def end(self, run: int) -> float:
+        """The run's duration (also counted for the ETA)."""
         self.durations.append(self.clock() - self.started.pop(run))
+        return self.durations[-1]
 
     def eta(self) -> float:
         if not self.durations:
