@@ -496,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
                         parents=[debug])
     sp.add_argument("name", nargs="?", default=None, metavar="NAME", help="a method (default: list them all)")
     sp.set_defaults(func=cmd_methods)
-    sp = sub.add_parser("export", help="export a run's global model: PEFT LoRA adapter or merged model",
+    sp = sub.add_parser("export", help="export a run's global model (or a personalised client's): PEFT LoRA adapter, "
+                        "merged model or routed LoRA mixture",
                         parents=[debug])
     sp.add_argument("run_dir", help="the run directory (needs a checkpoint)")
     sp.add_argument("--format", choices=("peft", "merged", "routed"), default="peft",
@@ -506,8 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "each); default: the global model")
     sp.add_argument("--rank", type=int, default=None,
                     help="peft only: re-factorise each target's total update to this rank by truncated SVD")
-    sp.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export-FORMAT[-rRANK][-client-N|-clients]); never "
-                    "a run directory or inside one other than RUN_DIR/export-NAME")
+    sp.add_argument("--out", default=None, help="output directory (default: "
+                    "RUN_DIR/export-FORMAT[-rRANK][-client-N|-clients]); never a run directory or inside one other "
+                    "than RUN_DIR/export-NAME")
     sp.add_argument("--overwrite", action="store_true",
                     help="replace the export already in a non-empty --out (its old files are deleted)")
     sp.set_defaults(func=cmd_export)
