@@ -14,8 +14,9 @@
   ``tune.json`` for ``compare --tuned``.
 * ``fedlowrank resume RUN_DIR [--round N] [--json]`` — continue an interrupted run from its newest intact
   checkpoint (or that of round N), bit for bit.
-* ``fedlowrank export RUN_DIR [--format peft|merged] [--rank R]`` — the global model as a PEFT adapter
-  (or its rank-R SVD re-factorisation) or a merged Hugging Face model.
+* ``fedlowrank export RUN_DIR [--format peft|merged|routed] [--rank R] [--client N|all]`` — the global model (or a
+  personalised method's client's own model) as a PEFT adapter
+  (or its rank-R SVD re-factorisation), a merged Hugging Face model, or a routed mixture of LoRA experts.
 * ``fedlowrank methods [NAME]`` — every registered method with its paper and payloads; with NAME, also its
   options (type, allowed values, default, meaning), preset and learning-rate grid.
 * ``fedlowrank config [CONFIG]`` — every config key with its value (CONFIG's, or the default), meaning and allowed
@@ -240,15 +241,22 @@ def _vectorized_run(run_dir: Path) -> bool:
 
 def cmd_export(args) -> int:
     from .config import ConfigError
-    from .export import export_run
+    from .export import ALL_CLIENTS, export_run
     from .runtime.rundir import writing
 
     if args.rank is not None and args.rank < 1:
         raise ConfigError(f"--rank must be >= 1, got {args.rank}")
-    suffix = args.format + (f"-r{args.rank}" if args.rank is not None else "")
+    client = args.client
+    if client is not None and client != ALL_CLIENTS:
+        if not client.isdigit():
+            raise ConfigError(f"--client must be a client index (0, 1, ...) or {ALL_CLIENTS!r}, got {client!r}")
+        client = int(client)
+    suffix = (args.format + (f"-r{args.rank}" if args.rank is not None else "")
+              + ("" if client is None else "-clients" if client == ALL_CLIENTS else f"-client-{client}"))
     out = Path(args.out) if args.out else Path(args.run_dir) / f"export-{suffix}"
     with writing(out, "--out"):
-        report = export_run(args.run_dir, out, args.format, args.rank, warn=_log, overwrite=args.overwrite)
+        report = export_run(args.run_dir, out, args.format, args.rank, warn=_log, overwrite=args.overwrite,
+                            client=client)
     _log(f"exported to {out}")
     print(json.dumps(report, indent=1))
     return 0
@@ -488,14 +496,20 @@ def build_parser() -> argparse.ArgumentParser:
                         parents=[debug])
     sp.add_argument("name", nargs="?", default=None, metavar="NAME", help="a method (default: list them all)")
     sp.set_defaults(func=cmd_methods)
-    sp = sub.add_parser("export", help="export a run's global model: PEFT LoRA adapter or merged model",
+    sp = sub.add_parser("export", help="export a run's global model (or a personalised client's): PEFT LoRA adapter, "
+                        "merged model or routed LoRA mixture",
                         parents=[debug])
     sp.add_argument("run_dir", help="the run directory (needs a checkpoint)")
-    sp.add_argument("--format", choices=("peft", "merged"), default="peft", help="default: peft")
+    sp.add_argument("--format", choices=("peft", "merged", "routed"), default="peft",
+                    help="default: peft; routed: a routed mixture of LoRA experts (fedalt, fedlease)")
+    sp.add_argument("--client", default=None, metavar="N|all",
+                    help="personalised methods: client N's own model, or every client's (all: one folder client-N "
+                    "each); default: the global model")
     sp.add_argument("--rank", type=int, default=None,
                     help="peft only: re-factorise each target's total update to this rank by truncated SVD")
-    sp.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export-FORMAT[-rRANK]); never "
-                    "a run directory or inside one other than RUN_DIR/export-NAME")
+    sp.add_argument("--out", default=None, help="output directory (default: "
+                    "RUN_DIR/export-FORMAT[-rRANK][-client-N|-clients]); never a run directory or inside one other "
+                    "than RUN_DIR/export-NAME")
     sp.add_argument("--overwrite", action="store_true",
                     help="replace the export already in a non-empty --out (its old files are deleted)")
     sp.set_defaults(func=cmd_export)

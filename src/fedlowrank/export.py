@@ -16,6 +16,16 @@ writes, in ``out_dir``:
   overall (``√(Σ discarded σ²) / √(Σ σ²)`` over all modules).
 * ``format="merged"`` — the backbone with ``W_eff`` in place of every target weight and the trained head,
   written by transformers' ``save_pretrained`` (loadable with ``AutoModel*.from_pretrained``).
+* ``format="routed"`` — a routed mixture of LoRA experts (FedALT, FedLEASE: an update that depends on each token
+  through a router, which neither PEFT nor merged weights can hold) in fedlowrank's own files:
+  ``routed_adapter.safetensors`` (per target ``<module>.lora_A [r, in]``, ``.lora_B [out, r]``, ``.others_A
+  [E−1, r, in]``, ``.others_B [E−1, out, r]``, ``.router [S, in]``, ``.router_bias [S]``; the head as
+  ``head/<name>``) and ``routed_config.json`` (each target's scale, slots and top-k; the base), loaded over the base
+  by :func:`load_routed`.
+
+A personalised method's run (``method.personalized``) exports a client's own model with ``client`` (``N``: what
+``method.load_personal`` gives client N, the model the run evaluates for it; ``"all"``: every client with a state,
+one folder ``client-N`` each); without ``client``, the global model (``method.load_global``).
 
 Both formats save the model's tokenizer beside the weights and a model card (``README.md``, :func:`model_card`); a
 classification export lists its class names in ``export.json`` (``id2label``; a merged model also has them in
@@ -45,8 +55,10 @@ from .adapters.model import AdaptedLinear, AdaptedModel, weight_matrix
 from .adapters.routed import RoutedLoRALinear
 from .schema import check_choice
 
-FORMATS = ("peft", "merged")
+FORMATS = ("peft", "merged", "routed")
 REPORT_FILE = "export.json"
+ROUTED_WEIGHTS, ROUTED_CONFIG = "routed_adapter.safetensors", "routed_config.json"
+ALL_CLIENTS = "all"
 PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}  # peft 0.21: none for images
 
 
@@ -219,6 +231,62 @@ def load_peft(pristine: nn.Module, out_dir: str | Path) -> nn.Module:
     return PeftModel.from_pretrained(hf_backbone(pristine), str(out_dir)).eval()
 
 
+# -- routed mixtures of LoRA experts ------------------------------------------------------------------------------
+def _save_routed(model: AdaptedModel, out_dir: Path, loaded=None) -> dict[str, Any]:
+    """Write every :class:`RoutedLoRALinear` target's experts, router and bias, and the head, to
+    :data:`ROUTED_WEIGHTS` (safetensors), and their scale, slots and top-k to :data:`ROUTED_CONFIG`; the config."""
+    from safetensors.torch import save_file
+
+    from .models.loading import pretrained_id
+
+    tensors, targets = {}, {}
+    for n, m in model.targets():
+        if m.base_delta is not None and bool(m.base_delta.any()):
+            raise ValueError(f"--format routed: target {n!r} carries a base delta (changes to the frozen weight), "
+                             f"which the routed files do not hold")
+        for key in ("lora_A", "lora_B", "others_A", "others_B", "router", "router_bias"):
+            value = getattr(m, key)
+            if value is not None:
+                tensors[f"{n}.{key}"] = value.detach().float().contiguous().clone()
+        targets[n] = {"rank": m.rank, "scale": m.scale, "slot_expert": m.slot_expert.tolist(), "top_k": m.top_k,
+                      "bias": m.router_bias is not None}
+    tensors.update({f"head/{n}": p.detach().float().contiguous().clone() for n, p in model.head_parameters().items()})
+    save_file(tensors, str(out_dir / ROUTED_WEIGHTS))
+    config = {"format": "fedlowrank-routed-lora", "targets": targets, "head": sorted(model.head_parameters()),
+              "base_model_name_or_path": pretrained_id(loaded.source) if loaded is not None else None}
+    (out_dir / ROUTED_CONFIG).write_text(json.dumps(config, indent=1))
+    return config
+
+
+def load_routed(base: nn.Module, folder: str | Path) -> nn.Module:
+    """A copy of ``base`` (the backbone the export names, as loaded with transformers) with every target of a
+    ``--format routed`` export in ``folder`` replaced by a :class:`RoutedLoRALinear` holding its experts and router,
+    and the exported head loaded; in eval mode."""
+    from safetensors.torch import load_file
+
+    from .models.loading import conv1d_to_linear
+
+    folder = Path(folder)
+    config = json.loads((folder / ROUTED_CONFIG).read_text())
+    tensors = load_file(str(folder / ROUTED_WEIGHTS))
+    net = copy.deepcopy(base)
+    conv1d_to_linear(net)  # as the run's backbone: GPT-2's Conv1D targets as linear layers
+    for n, spec in config["targets"].items():
+        parent, _, child = n.rpartition(".")
+        holder = net.get_submodule(parent) if parent else net
+        mod = RoutedLoRALinear(getattr(holder, child), spec["rank"], 1.0, "standard", 0.0, spec["slot_expert"],
+                               spec["top_k"], spec["bias"])
+        mod.scale = spec["scale"]
+        mod.set_experts(*(tensors[f"{n}.{k}"] for k in ("lora_A", "lora_B", "others_A", "others_B", "router")),
+                        tensors.get(f"{n}.router_bias"))
+        setattr(holder, child, mod)
+    params = dict(net.named_parameters())
+    with torch.no_grad():
+        for n in config["head"]:
+            params[n].copy_(tensors[f"head/{n}"])
+    return net.eval()
+
+
 # -- the output folder ----------------------------------------------------------------------------------------------
 def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> None:
     """Refuse ``--out`` (before any work) when it is, or is inside, a run directory (only a folder ``RUN/export-*``
@@ -268,36 +336,51 @@ def _install(tmp: Path, out_dir: Path, overwrite: bool) -> None:
 
 # -- entry point ------------------------------------------------------------------------------------------------
 def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", rank: int | None = None,
-               task=None, warn=None, overwrite: bool = False) -> dict[str, Any]:
-    """Export the global model of the run in ``run_dir`` to ``out_dir``; returns the report (also written to
-    ``out_dir/export.json``).
+               task=None, warn=None, overwrite: bool = False, client: int | str | None = None) -> dict[str, Any]:
+    """Export the global model of the run in ``run_dir`` (or, for a personalised method, a client's own model) to
+    ``out_dir``; returns the report (also written to ``out_dir/export.json``).
 
     The export is written to a temporary folder beside ``out_dir`` and renamed into place when complete, so a
     failed or interrupted export leaves nothing (and, with ``overwrite``, the previous export intact).
 
     Args:
-        format: ``"peft"`` (LoRA adapter) or ``"merged"`` (full model, transformers ``save_pretrained``).
+        format: ``"peft"`` (LoRA adapter), ``"merged"`` (full model, transformers ``save_pretrained``) or
+            ``"routed"`` (a routed mixture of LoRA experts, :func:`load_routed`).
         rank: for ``"peft"``: re-factorise each target's total update to this rank by truncated SVD (required
             when the run's update is not a LoRA; allowed for any run, e.g. to compress a LoRA).
         task: the run's task, to reuse (tests); built from the run's config when ``None``.
         warn: gets a line when the newest checkpoint is damaged and an older one is exported.
         overwrite: replace the export already in ``out_dir`` (see :func:`check_export_dir`).
+        client: a personalised method's client (its index, or ``"all"``: every client with a state, each in
+            ``out_dir/client-N``); ``None``: the global model.
     """
     from .runtime.rundir import make_dirs, new_claim, remove_created_dirs, remove_dead_temporaries, write_claim
 
     check_choice("--format", format, FORMATS)
     if rank is not None and format != "peft":
-        raise ValueError("--rank applies to --format peft only (a merged model has no rank)")
+        raise ValueError("--rank applies to --format peft only (a merged or routed model has no rank)")
     out_dir = Path(out_dir)
     check_export_dir(out_dir, overwrite)
     sim = load_global_simulation(run_dir, task, warn)
+    clients = chosen_clients(sim, client)
     created = make_dirs(out_dir.parent)
     remove_dead_temporaries(out_dir.parent, out_dir.name)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        report = _write_export(sim, tmp, format, rank, out_dir.name)
+        if client == ALL_CLIENTS:
+            reports = {}
+            for k in clients:
+                (tmp / f"client-{k}").mkdir()
+                reports[k] = _write_export(sim, tmp / f"client-{k}", format, rank, f"{out_dir.name}/client-{k}", k)
+                reports[k].update(run_dir=str(run_dir), out_dir=str(out_dir / f"client-{k}"))
+                (tmp / f"client-{k}" / REPORT_FILE).write_text(json.dumps(reports[k], indent=1))
+            report = {"method": sim.method.name, "round": sim.round, "format": format, "clients": clients,
+                      "check": {str(k): r["check"] for k, r in reports.items()},
+                      "files": [f"client-{k}" for k in clients] + [REPORT_FILE]}
+        else:
+            report = _write_export(sim, tmp, format, rank, out_dir.name, None if client is None else clients[0])
         report.update(run_dir=str(run_dir), out_dir=str(out_dir))
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
         write_claim(tmp, new_claim("export", sorted(p.name for p in tmp.iterdir())))
@@ -309,22 +392,70 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
     return report
 
 
-def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str) -> dict[str, Any]:
-    """Write the global model of ``sim`` to ``out_dir`` in ``format``, load it back and evaluate both; the report.
-    ``name`` is the folder's name once in place (its model card's code loads it)."""
+def chosen_clients(sim, client: int | str | None) -> list[int]:
+    """The clients ``client`` names (``--client``: an index, ``"all"``, or ``None``: none, the global model) among
+    the run's, checked: only for a personalised method, in range, and with a client state in the checkpoint (a
+    client that never trained has no model of its own); one line naming ``--client`` otherwise."""
+    if client is None:
+        return []
+    method, n = sim.method, sim.cfg.partition.num_clients
+    if not method.personalized:
+        raise ValueError(f"--client applies to personalised methods (each client has its own model); method "
+                         f"{method.name!r} trains one global model: export it without --client")
+    trained = sorted(int(k) for k in sim.store)
+    if client == ALL_CLIENTS:
+        return trained
+    if isinstance(client, bool) or not isinstance(client, int) or not 0 <= client < n:
+        raise ValueError(f"--client must be a client index in 0..{n - 1} or {ALL_CLIENTS!r}, got {client!r}")
+    if client not in trained:
+        raise ValueError(f"--client {client}: client {client} never trained in this run (its checkpoint holds no "
+                         f"state for it); clients with a model of their own: "
+                         f"{', '.join(map(str, trained)) or 'none'}")
+    return [client]
+
+
+def recorded_client_test(history: list[dict[str, Any]], client: int) -> dict[str, float] | None:
+    """Client ``client``'s test metrics at the run's last evaluation of its own model (``per_client`` of the
+    newest metrics row that has them), or ``None``."""
+    from .runtime.evaluation import scalar_metrics
+
+    for row in reversed(history):
+        for entry in row.get("per_client") or []:
+            if entry.get("client") == client and "test" in entry:
+                return scalar_metrics(entry["test"])
+    return None
+
+
+def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str,
+                  client: int | None = None) -> dict[str, Any]:
+    """Write the global model of ``sim`` (or client ``client``'s own model, ``method.load_personal``) to
+    ``out_dir`` in ``format``, load it back and evaluate both; the report. ``name`` is the folder's name once in
+    place (its model card's code loads it)."""
     from .models.loading import pretrained_id
 
     loaded = getattr(sim.task, "loaded", None)  # the task's LoadedModel (transformers tasks)
+    if client is None:
+        sim.method.load_global(sim.model, sim.server)
+    else:
+        sim.method.load_personal(sim.model, sim.server, sim.store[client])
     model, pristine = sim.model, sim.task.build_model().net.eval()  # the run's frozen weights (W0)
     # the base the written files are loaded over: the unquantised backbone when task.quantize stored W0 in 4/8 bits
     base = loaded.net.eval() if loaded is not None and loaded.quantize else pristine
     report: dict[str, Any] = {"method": sim.method.name, "round": sim.round, "format": format}
+    if client is not None:
+        report["client"] = client
     routed = [n for n, m in model.targets() if isinstance(m, RoutedLoRALinear)]
-    if routed:
+    if routed and format != "routed":
         raise ValueError(f"method {sim.method.name!r}: target {routed[0]!r} is a routed mixture of LoRA experts whose "
                          f"update depends on each token through its router; neither a PEFT LoRA nor merged weights "
-                         f"can hold it")
-    if format == "merged":
+                         f"can hold it: export it with --format routed")
+    if format == "routed":
+        if not routed:
+            raise ValueError(f"--format routed holds routed mixtures of LoRA experts (fedalt, fedlease); method "
+                             f"{sim.method.name!r} has none: use --format peft or merged")
+        report["routed"] = _save_routed(model, out_dir, loaded)
+        exported = load_routed(base, out_dir)
+    elif format == "merged":
         net = hf_backbone(merged_net(model, base))
         if not hasattr(net, "save_pretrained"):
             raise ValueError(f"--format merged needs a transformers model; this task's model is a {type(net).__name__}")
@@ -366,6 +497,8 @@ def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str) 
 
     report["check"] = {"run": scalar_metrics(sim.task.evaluate(model.net)),
                        "exported": scalar_metrics(sim.task.evaluate(exported))}
+    if client is not None:
+        report["check"]["recorded"] = recorded_client_test(sim.history, client)
     (out_dir / "README.md").write_text(model_card(sim, report, loaded, name))
     report["files"] = sorted(p.name for p in out_dir.iterdir()) + [REPORT_FILE]
     return report
@@ -384,6 +517,11 @@ def _how_to_load(report: dict[str, Any], kind: str | None, folder: str) -> str:
     labels = len(report.get("id2label", {}))
     if auto is None:
         return "(not a transformers model: load it with fedlowrank)"
+    if report["format"] == "routed":
+        extra = f", num_labels={labels}" if labels else ""
+        return (f"from fedlowrank.export import load_routed\nfrom transformers import {auto}\n"
+                f"base = {auto}.from_pretrained({report['base_model']!r}{extra})\n"
+                f"model = load_routed(base, {folder!r})")
     if report["format"] == "merged":
         return f"from transformers import {auto}\nmodel = {auto}.from_pretrained({folder!r})"
     extra = f", num_labels={labels}" if labels else ""
@@ -431,6 +569,12 @@ def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
               f"tags: [fedlowrank, federated-learning, {sim.method.name}]", "---"]
     if report["format"] == "merged":
         adapter = "merged into the base weights (a full model)"
+    elif report["format"] == "routed":
+        target = next(iter(report["routed"]["targets"].values()))
+        adapter = (f"a routed mixture of {max(target['slot_expert']) + 1} LoRA experts of rank {target['rank']} per "
+                   f"target with a per-token router of {len(target['slot_expert'])} slots (top {target['top_k']}); "
+                   f"fedlowrank's own files (`{ROUTED_WEIGHTS}`, `{ROUTED_CONFIG}`): neither PEFT nor merged "
+                   f"weights can hold a per-token router")
     elif report.get("svd"):
         adapter = (f"LoRA rank {report['peft']['r']} by truncated SVD of each target's total update (relative "
                    f"Frobenius error {report['rel_error_overall']:.3g} overall)")
@@ -452,9 +596,12 @@ def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
         f"* data: `{cfg.data.source}` ({cfg.task.kind}), split across the clients by `{partition}`",
         f"* adapter: {adapter}",
     ]
+    if "client" in report:
+        lines.append(f"* client: {report['client']}'s own model (the method is personalised: what this client "
+                     f"serves, as the run evaluated it)")
     if privacy:
         lines.append(f"* privacy: `{privacy}`" + (f", epsilon = {eps:.3g} after the last round" if eps else ""))
-    metrics = sorted({k for check in report["check"].values() for k in check})
+    metrics = sorted({k for which in ("run", "exported") for k in report["check"][which]})
     lines += ["", "## Test metrics", "", "| metric | run | this export, loaded back |", "|---|---|---|"]
     lines += [f"| {m} | {report['check']['run'].get(m, float('nan')):.6g} | "
               f"{report['check']['exported'].get(m, float('nan')):.6g} |" for m in metrics]
@@ -481,11 +628,13 @@ def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
 __all__ = [
     "FORMATS",
     "check_export_dir",
+    "chosen_clients",
     "effective_weight",
     "export_run",
     "head_modules",
     "load_global_simulation",
     "load_peft",
+    "load_routed",
     "merged_net",
     "merged_state_dict",
     "model_card",

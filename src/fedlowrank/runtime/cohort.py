@@ -118,7 +118,8 @@ class CohortMemory:
         return max([k for k in range(1, most + 1) if self.peak(k) <= budget] or [1])
 
 
-def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = None) -> CohortMemory:
+def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = None,
+                  per_layer: bool = True) -> CohortMemory:
     """:class:`CohortMemory` from the model's size and dtype (its tensors as training stores them,
     :func:`~fedlowrank.device.prepare_training`; quantised weights at their packed size), the trained parameters
     (adapters at their rank, head), the optimizer, the batch size, and two probe steps (forward and backward, no
@@ -128,7 +129,13 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
     r from :meth:`~fedlowrank.tasks.base.Task.probe_rows`: enough rows for a full chunk of logits when a round's
     joint batch fills one, so that the chunk is part of the fixed bytes and the estimate holds from r rows on,
     above it for fewer), whose differences are what 2 rows add. The probes run with gradient checkpointing on or
-    off as ``checkpointing`` says (``None``: as the model is); the model is left as it was."""
+    off as ``checkpointing`` says (``None``: as the model is); the model is left as it was.
+
+    With ``per_layer`` (the default) and a decoder of L ≥ 3 layers of one kind (:func:`stacked_layers`), each probe
+    runs on the decoder cut to its first 1 and then 2 layers and is extrapolated to L,
+    ``bytes(L) = bytes(1) + (L − 1)·(bytes(2) − bytes(1))``: every layer adds the same activations (and, with
+    checkpointing, the same saved input) while the head's chunk of logits and a layer's recomputation are counted
+    once; layers past the second are never run (they may even stay on the ``meta`` device)."""
     prepare_training(model, task, cfg)
     net, device = model.net, module_device(model.net)
     own = model.own_parameters()
@@ -152,6 +159,15 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
             for p in own:
                 p.grad = None
 
+    def probes(rows: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The probes of ``rows`` and ``rows + 2`` rows, extrapolated over the layers when ``per_layer``."""
+        stack = stacked_layers(net) if per_layer else None
+        if stack is None:
+            return probe(rows), probe(rows + 2)
+        layers = len(stack[1])
+        one, two = (cut_decoder(net, n, lambda: (probe(rows), probe(rows + 2))) for n in (1, 2))
+        return tuple(tuple(a + (layers - 1) * (b - a) for a, b in zip(p1, p2)) for p1, p2 in zip(one, two))
+
     net.train()
     for p in own:
         p.requires_grad_(True)
@@ -159,7 +175,7 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws: not the run's
             rows = task.probe_rows(cfg.run.clients_per_round * task.rows_per_step(cfg.train.batch_size))
-            small, large = probe(rows), probe(rows + 2)
+            small, large = probes(rows)
     finally:
         set_checkpointing(net, was_checkpointing)
         net.train(was_training)
@@ -174,6 +190,32 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
     return CohortMemory(base=weight_bytes(net), own=own_bytes, slots=slots, forward=line(0, 0),
                         backward=line(1, own_bytes), rows=task.rows_per_step(cfg.train.batch_size),
                         checkpointing=checkpointing)
+
+
+def stacked_layers(net: nn.Module) -> tuple[nn.Module, nn.ModuleList] | None:
+    """``(decoder, its layers)`` of a transformers decoder (``get_decoder().layers``) of at least 3 layers, all of one
+    class and size and of one attention kind (``config.layer_types``), which a probe may cut
+    (:func:`cut_decoder`); ``None`` otherwise."""
+    decoder = net.get_decoder() if hasattr(net, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    config = getattr(decoder, "config", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) < 3 or config is None:
+        return None
+    sizes = {(type(layer), sum(p.numel() for p in layer.parameters())) for layer in layers}
+    kinds = set(getattr(config, "layer_types", None) or [None])
+    return (decoder, layers) if len(sizes) == 1 and len(kinds) == 1 else None
+
+
+def cut_decoder(net: nn.Module, layers: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with ``net``'s decoder (:func:`stacked_layers`) cut to its first ``layers`` layers; restored after."""
+    decoder, full = stacked_layers(net)
+    config = decoder.config
+    depth = config.num_hidden_layers
+    decoder.layers, config.num_hidden_layers = nn.ModuleList(full[:layers]), layers
+    try:
+        return fn()
+    finally:
+        decoder.layers, config.num_hidden_layers = full, depth
 
 
 def largest_fitting_cohort(cfg, task, model: AdaptedModel, device: torch.device, most: int) -> int:
@@ -442,6 +484,6 @@ def cohort_update(method: Method, model: AdaptedModel, views: list[AdaptedModel]
     return run_together(jobs, lambda requests: joint_fit(model, requests, cfg.run.seed, on_step))
 
 
-__all__ = ["cohort_memory", "cohort_size", "cohort_update", "joint_fit", "joint_optimizer", "largest_fitting_cohort",
-           "CohortMemory", "run_together", "CohortTrainer", "FitRequest",
-           "JointFit", "Member"]
+__all__ = ["CohortMemory", "CohortTrainer", "FitRequest", "JointFit", "Member", "cohort_memory", "cohort_size",
+           "cohort_update", "cut_decoder", "joint_fit", "joint_optimizer", "largest_fitting_cohort", "run_together",
+           "stacked_layers"]
