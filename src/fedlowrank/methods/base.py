@@ -235,18 +235,15 @@ class Method(Schema):
         return self.__dict__.pop("_metrics", {})
 
     def cohort_member(self) -> "Method":
-        """This method as one member of a cohort runs it: a shallow copy with its own copies of the composed
-        corrections (whose ``start`` sets every per-client attribute anew), so members' ``train`` calls can
-        interleave."""
-        member = copy.copy(self)
-        if "_corrections" in self.__dict__:
-            member.__dict__["_corrections"] = [copy.copy(c) for c in self.__dict__["_corrections"]]
-        return member
+        """This method as one member of a cohort runs it: a shallow copy, so members' ``train`` calls can
+        interleave (:class:`Corrected` adds its own copies of the composed corrections)."""
+        return copy.copy(self)
 
     # -- shared helpers ------------------------------------------------------------------------------
     def composed_corrections(self) -> list[ClientCorrection]:
-        """The client corrections composed on this method (``correction`` option; none by default)."""
-        return self.__dict__.get("_corrections", [])
+        """The client corrections composed on this method (:class:`Corrected`'s ``correction`` option; none
+        here)."""
+        return []
 
     def correction_broadcast(self, server: State, msg: Message) -> Message:
         """``msg`` plus what the corrections send down (e.g. SCAFFOLD's control variate)."""
@@ -328,7 +325,35 @@ def load_head(model: AdaptedModel, msg: Message) -> None:
 
 
 @dataclass
-class LoRAMethod(Method):
+class Corrected(Method):
+    """A method whose client composes the drift corrections of :mod:`fedlowrank.training.corrections`: the one
+    declaration of the options ``correction``, ``mu`` and ``cv_grad``. A subclass narrows ``correction`` with
+    :func:`correction_option` (its default, allowed values and why); the corrections are made once, here, and a
+    method that adds its own (MOON's contrastive term, ILoRA-S's variates) appends to ``_corrections`` in its
+    ``__post_init__``.
+    """
+
+    correction: str = correction_option()
+    mu: float = mu_option()
+    cv_grad: str = cv_grad_option()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._corrections: list[ClientCorrection] = make_corrections(self.correction, self.mu, self.cv_grad)
+
+    def composed_corrections(self) -> list[ClientCorrection]:
+        return self._corrections
+
+    def cohort_member(self) -> "Method":
+        """A shallow copy with its own copies of the composed corrections (whose ``start`` sets every per-client
+        attribute anew)."""
+        member = copy.copy(self)
+        member._corrections = [copy.copy(c) for c in self._corrections]
+        return member
+
+
+@dataclass
+class LoRAMethod(Corrected):
     """Common machinery of methods that train LoRA factors on the target modules (FedIT and its family).
 
     Message keys: ``"<module>.lora_A"`` ``[r, in]``, ``"<module>.lora_B"`` ``[out, r]``, ``"head/<param>"``,
@@ -340,19 +365,11 @@ class LoRAMethod(Method):
     extra forward passes run per member), FFA-LoRA, FedSA-LoRA, HetLoRA, FLoRA, FlexLoRA, FeDeRA, FedEx-LoRA,
     LoRA-FAIR, ILoRA(-S), FedIT+QR, FR-LoRA, FedRPCA, TIES, Task Arithmetic, RoLoRA).
 
-    Options shared by every LoRA method: ``correction``, ``mu`` and ``cv_grad``.
+    Options shared by every LoRA method: :class:`Corrected`'s ``correction``, ``mu`` and ``cv_grad``.
     """
-
-    correction: str = correction_option()
-    mu: float = mu_option()
-    cv_grad: str = cv_grad_option()
 
     trains: ClassVar[tuple[str, ...]] = ("A", "B")
     supports_cohorts = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._corrections: list[ClientCorrection] = make_corrections(self.correction, self.mu, self.cv_grad)
 
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
@@ -463,6 +480,6 @@ class LoRAMethod(Method):
         self.load_message(model, Message(server))
 
 
-__all__ = ["Method", "LoRAMethod", "SetupInfo", "TensorSpec", "Upload", "specs_of", "correction_option",
+__all__ = ["Method", "Corrected", "LoRAMethod", "SetupInfo", "TensorSpec", "Upload", "specs_of", "correction_option",
            "cv_grad_option", "mu_option", "weighted_sum",
            "head_tensors", "load_head", "on_host"]
