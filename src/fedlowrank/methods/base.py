@@ -143,6 +143,21 @@ class Method(Schema):
             clients, for the sum of their local steps (a centralised reference); the simulator then runs the
             round as one client, the first sampled, holding that data (:func:`~fedlowrank.runtime.engine.pool`).
             Such a method cannot run where each client's data stays on its own node (Flower).
+        per_client_downlink: True if :meth:`broadcast` sends client ``k`` a message of its own, computed for
+            ``k`` (FedALT's leave-one-out Rest-of-World: the same keys and shapes for every client, other
+            values); False if it depends on the client at most through its rank (``info.client_ranks[k]``), so
+            equally ranked clients of a round get the same message.
+        client_state: what a client keeps across rounds, in words with shapes (:meth:`init_client` makes it,
+            :meth:`train` carries it; FedALT's own LoRA ``A¹_k [r,in], B¹_k [out,r]`` and router ``[2,in]``);
+            ``""`` when the method itself keeps nothing (composed corrections may: :meth:`keeps_client_state`).
+            The runtime stores it (``runtime/store.py`` in the simulator, ``context.state`` on a Flower node),
+            checkpoints it, and commits it only when the client's reply was aggregated.
+        batched: True if the method has a vectorised round, :meth:`batched_round` (for closed-form tasks,
+            ``run.vectorized``); the vectorised runner refuses the others.
+        optimizers: the ``train.optimizer`` values the method's local step allows (``()``: any), with
+            ``optimizer_refusal`` saying why; checked at config time (:meth:`optimizer_requirement`).
+        max_server_lr: the largest ``server.lr`` the server step allows (``None``: any), with
+            ``server_lr_refusal`` saying why; checked at config time.
     """
 
     prefix = "method"
@@ -164,6 +179,13 @@ class Method(Schema):
     reference: ClassVar[str] = ""
     communicates: ClassVar[bool] = True
     pooled: ClassVar[bool] = False
+    per_client_downlink: ClassVar[bool] = False
+    client_state: ClassVar[str] = ""
+    batched: ClassVar[bool] = False
+    optimizers: ClassVar[tuple[str, ...]] = ()
+    optimizer_refusal: ClassVar[str] = ""
+    max_server_lr: ClassVar[float | None] = None
+    server_lr_refusal: ClassVar[str] = ""
 
     info: SetupInfo
 
@@ -179,11 +201,24 @@ class Method(Schema):
         """Attach adapters to ``model`` and return the initial server state. Deterministic given ``info``."""
         raise NotImplementedError
 
+    def optimizer_requirement(self) -> tuple[tuple[str, ...], str]:
+        """(the ``train.optimizer`` values allowed with these options, why): ``optimizers`` and
+        ``optimizer_refusal`` unless an option narrows them (FedGaLore's ``state_sync``)."""
+        return self.optimizers, self.optimizer_refusal
+
+    def keeps_client_state(self) -> bool:
+        """Whether a client's state persists across rounds with these options: the method's own
+        (``client_state``) or a composed correction's (SCAFFOLD's control variate)."""
+        return bool(self.client_state) or any(c.client_state for c in self.composed_corrections())
+
     def init_client(self, client: int) -> State:
-        """Initial state of a client that has never trained (default: empty)."""
+        """Initial state of client ``client`` before its first round (the ``client_state`` declared; default:
+        empty). Deterministic given ``info`` and ``client``: the simulator and a Flower node make the same."""
         return State()
 
     def broadcast(self, server: State, client: int, rnd: int) -> Message:
+        """What client ``client`` receives in round ``rnd``: one message per client, equal for equally ranked
+        clients unless ``per_client_downlink``."""
         raise NotImplementedError
 
     def train(self, model: AdaptedModel, msg: Message, state: State, trainer) -> tuple[Message, State]:
@@ -221,6 +256,12 @@ class Method(Schema):
         never do (at equal ranks). Central DP and robust aggregation, which combine replies coordinate by
         coordinate, are refused at config time when it is not empty."""
         return ""
+
+    def batched_round(self, model: AdaptedModel, server: State, clients: np.ndarray, oracle, rnd: int) -> State:
+        """The vectorised runner's round (declared by ``batched``): the sampled ``clients [S]`` train on
+        ``oracle``'s closed-form minibatch gradients (:mod:`fedlowrank.runtime.vectorized`) and the server steps;
+        returns the new server state."""
+        raise NotImplementedError(f"method {self.name!r} has no vectorised round (batched = False)")
 
     def max_reply_bytes(self, down: Message) -> int:
         """Upper bound on an honest reply's serialised size; larger replies are rejected."""

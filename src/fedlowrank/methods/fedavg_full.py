@@ -28,6 +28,7 @@ class FedAvgFull(Corrected):
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks (AISTATS 2017)"
     uplink = "dense W [out,in] per target module, head"
     downlink = "dense W̄ [out,in] per target module, head"
+    batched = True
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         self.info = info

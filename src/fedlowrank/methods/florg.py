@@ -63,6 +63,8 @@ class FLoRG(Corrected):
     downlink = "A [r,k] per target module, head (L, R come from the shared seed)"
     needs_individual_replies = True
     supports_heterogeneous_ranks = False
+    max_server_lr = 1.0
+    server_lr_refusal = "Q must stay positive semi-definite"
     supports_cohorts = True  # train: one fit of gram_A and the head, routed per client like LoRA's factors
     preset = {"server.weighting": "uniform"}  # eq. 4: 1/N
     lr_grid = (1e-3, 3e-3, 1e-2)  # benchmarks/protocols.py's CPU grid (paper: {5e-4, 1e-4, 5e-5, 1e-5}, LLMs)
@@ -94,10 +96,6 @@ class FLoRG(Corrected):
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         """Attach a :class:`GramLinear` to every target (bases and A¹ from per-layer seeded streams)."""
-        if info.heterogeneous_ranks:
-            raise ValueError("lora.ranks: florg does not support heterogeneous client ranks")
-        if info.server_lr > 1:
-            raise ValueError(f"server.lr must be <= 1 for florg (Q must stay PSD), got {info.server_lr}")
         self.info = info
         scale = lora_scale(info.alpha, info.rank, info.scaling)
         index = {name: i for i, name in enumerate(model.target_names)}

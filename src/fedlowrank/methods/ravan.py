@@ -50,6 +50,7 @@ class Ravan(Corrected):
     uplink = "sᵢHᵢ [r,r] for each head i the client trained, per target module, head"
     downlink = "Hᵢ [r,r] for every head per target module, the heads to train, head (bases come from the seed)"
     needs_individual_replies = False
+    per_client_downlink = True  # the heads this client trains (method.client_heads)
     supports_cohorts = True  # train: one fit of the cores, scales and head, routed per client like LoRA's factors
     heterogeneous_ranks_refusal = ("every head has rank lora.rank; RAVAN's compute heterogeneity is how many heads "
                                    "a client trains (method.client_heads)")

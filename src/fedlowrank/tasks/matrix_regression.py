@@ -106,6 +106,7 @@ class MatrixRegression(Task):
     name = "matrix-regression"
     metrics = ("rel_error", "objective")  # objective only with task.options.objective = true
     primary_metric = "rel_error"
+    batched = True
     Options = MatrixRegressionOptions
 
     @classmethod
