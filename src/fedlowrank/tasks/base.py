@@ -163,6 +163,12 @@ class Task:
         """The task of a validated :class:`~fedlowrank.config.RunConfig` (data loaded, model loaded)."""
         raise NotImplementedError(f"task {cls.name!r} declares no from_config")
 
+    @classmethod
+    def own_data(cls, cfg) -> tuple[str, str]:
+        """For a task that makes its data from ``task.options`` (no ``data_sources``): its short title and what it
+        made, in words (:mod:`.catalog`)."""
+        return cls.name, f"{cls.data_description} made from task.options"
+
     def batched_grad(self, weights: dict[str, np.ndarray], examples) -> dict[str, np.ndarray]:
         """Minibatch gradients of S clients at once, NumPy arrays (declared by ``batched``): ``weights`` per
         trained key ``[S, ...]`` and one step's ``examples`` → the gradient per key ``[S, ...]``."""

@@ -110,6 +110,11 @@ class MatrixRegression(Task):
     Options = MatrixRegressionOptions
 
     @classmethod
+    def own_data(cls, cfg) -> tuple[str, str]:
+        return ("synthetic matrix regression",
+                "synthetic (" + ", ".join(f"{k} = {v}" for k, v in cfg.task.options.items()) + ")")
+
+    @classmethod
     def from_config(cls, cfg) -> "MatrixRegression":
         return cls(**cfg.task.options)
 
