@@ -226,6 +226,10 @@ def test_options_are_validated():
             get_method(name, **{option: value})
     with pytest.raises(ValueError, match="train.optimizer = 'adamw': method 'ssf' needs one of sgd"):
         load_config("tiny", ["method.name=ssf", "train.optimizer=adamw"])
+    cfg = config("ssf", rounds=1)
+    cfg.train.optimizer = "adamw"  # changed after validation: refused when the run is built
+    with pytest.raises(ValueError, match="train.optimizer = 'adamw': method 'ssf' needs one of sgd"):
+        Simulation(cfg)
 
 
 def test_ssf_on_a_network_with_a_scaffold_head_sends_less_than_full_scaffold():
