@@ -159,3 +159,21 @@ def test_what_a_requirement_allows_passes():
     load_config("tiny", ["method.name=fedgalore", "train.optimizer=sgd", "method.state_sync=none"])
     load_config("tiny", ["method.name=florg", "server.lr=1.0"])
     load_config("tiny", ["method.name=ssf", "train.optimizer=sgd"])
+
+
+@pytest.mark.parametrize("correction,noted", [("scaffold", True), ("none", False)])
+def test_resuming_a_flower_checkpoint_notes_lost_client_states_only_for_a_method_that_keeps_them(tmp_path, correction,
+                                                                                                   noted):
+    from fedlowrank.runtime.simulator import Simulation
+
+    from helpers import tiny_config, tiny_task
+
+    cfg = tiny_config("method.name=fedit", f"method.correction={correction}", "run.rounds=1")
+    sim = Simulation(cfg, task=tiny_task(), run_dir=tmp_path / "run")
+    sim.client_states = False  # as the Flower server's run: the clients' states stayed on the nodes
+    sim.run()
+    sim.close()
+    notes: list[str] = []
+    resumed = Simulation.resume(tmp_path / "run", task=tiny_task(), warn=notes.append)
+    resumed.close()
+    assert any("stayed on the SuperNodes" in n for n in notes) == noted
