@@ -286,27 +286,6 @@ class Method(Schema):
         here)."""
         return []
 
-    def correction_broadcast(self, server: State, msg: Message) -> Message:
-        """``msg`` plus what the corrections send down (e.g. SCAFFOLD's control variate)."""
-        for c in self.composed_corrections():
-            msg.update(c.broadcast(server))
-        return msg
-
-    def with_corrections(self, down: Message, trained: Upload) -> Upload:
-        """``trained`` (what the client trains and sends back) plus what the composed corrections add to a reply
-        (e.g. SCAFFOLD's ``scaffold.dc/<key>`` of each trained tensor's spec)."""
-        out = dict(trained)
-        for c in self.composed_corrections():
-            out.update(c.upload_spec(down, trained))
-        return out
-
-    def fit_and_reply(self, model: AdaptedModel, msg: Message, state: State, trainer,
-                      params: dict[str, nn.Parameter]) -> tuple[Message, State]:
-        """Train ``params`` of ``model`` (already loaded from ``msg``) with the composed corrections; reply with
-        all of them. Returns (reply, new client state)."""
-        result, extra, state = fit_with_corrections(self.composed_corrections(), model, msg, state, params, trainer)
-        return self.reply(params, params, extra, trainer, result.loss), state
-
     def reply(self, params: dict[str, nn.Parameter], keys: Iterable[str], extra: dict[str, Any], trainer,
               loss: float) -> Message:
         """The reply: ``params[k]`` for ``k`` in ``keys``, the corrections' ``extra`` entries, ``num_examples``
@@ -391,6 +370,27 @@ class Corrected(Method):
         member = copy.copy(self)
         member._corrections = [copy.copy(c) for c in self._corrections]
         return member
+
+    def correction_broadcast(self, server: State, msg: Message) -> Message:
+        """``msg`` plus what the corrections send down (e.g. SCAFFOLD's control variate)."""
+        for c in self.composed_corrections():
+            msg.update(c.broadcast(server))
+        return msg
+
+    def with_corrections(self, down: Message, trained: Upload) -> Upload:
+        """``trained`` (what the client trains and sends back) plus what the composed corrections add to a reply
+        (e.g. SCAFFOLD's ``scaffold.dc/<key>`` of each trained tensor's spec)."""
+        out = dict(trained)
+        for c in self.composed_corrections():
+            out.update(c.upload_spec(down, trained))
+        return out
+
+    def fit_and_reply(self, model: AdaptedModel, msg: Message, state: State, trainer,
+                      params: dict[str, nn.Parameter]) -> tuple[Message, State]:
+        """Train ``params`` of ``model`` (already loaded from ``msg``) with the composed corrections; reply with
+        all of them. Returns (reply, new client state)."""
+        result, extra, state = fit_with_corrections(self.composed_corrections(), model, msg, state, params, trainer)
+        return self.reply(params, params, extra, trainer, result.loss), state
 
 
 @dataclass
