@@ -18,6 +18,7 @@ import fedlowrank
 from fedlowrank import assets, cli
 from fedlowrank.cli import main
 from fedlowrank.config import MEANINGS, RunConfig, config_keys, load_config, read_toml
+from fedlowrank.methods import preset_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -229,8 +230,8 @@ def test_assets_list_install_command_and_missing_asset_message(capsys):
 def test_main_job_runs_fedit_and_the_five_seed_methods(no_work):
     cfg = load_config("main")
     assert cfg.compare.methods == ["fedit", "fedgalore", "florg", "ssf", "ilora", "fedrpca"]
-    for name in cfg.compare.methods:  # every method's settings validate
-        load_config("main", [f"method.name={name}", *cfg.compare.overrides.get(name, [])])
+    for name in cfg.compare.methods:  # every method's settings validate, as compare makes them
+        load_config("main", [f"method.name={name}", *preset_overrides(name), *cfg.compare.overrides.get(name, [])])
 
 
 def test_task_metrics_are_what_evaluate_returns():

@@ -67,13 +67,16 @@ def test_heterogeneous_ranks_dealt_round_robin():
 
 
 def test_bundled_configs_validate_with_every_compared_method():
+    """As ``compare`` configures each method: its preset, then the config's overrides for it."""
     from fedlowrank.config import bundled_configs
+    from fedlowrank.methods import preset_overrides
 
     assert {"main", "tiny", "agnews"} <= set(bundled_configs())
     for name in bundled_configs():
         cfg = load_config(name)
         for method in cfg.compare.methods:
-            load_config(name, [f"method.name={method}", *cfg.compare.overrides.get(method, [])])
+            load_config(name, [f"method.name={method}", *preset_overrides(method),
+                               *cfg.compare.overrides.get(method, [])])
 
 
 def test_agnews_of_the_bundled_config_is_found_from_any_directory(tmp_path, monkeypatch):

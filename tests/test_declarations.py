@@ -172,11 +172,12 @@ def test_methods_lists_each_method_with_its_option_names(capsys):
 
 
 def test_config_shows_the_configured_method_and_task_options(capsys):
-    assert main(["config", "tiny-lm", "--set", "method.name=ssf", "--set", "method.rank=3"]) == 0
+    assert main(["config", "tiny-lm", "--set", "method.name=ssf", "--set", "method.rank=3", "--set",
+                 "train.optimizer=sgd"]) == 0
     out = capsys.readouterr().out
     assert "method.rank = 3\n    subspace dimension" in out and "an integer >= 0 (default 0)\n" in out
     assert "task.options.eval_generate = 4\n" in out and "task.options.eval_seed = 0\n" in out
-    keys = [key for key, _, _ in config_rows(load_config("tiny-lm", ["method.name=ssf"]))]
+    keys = [key for key, _, _ in config_rows(load_config("tiny-lm", ["method.name=ssf", "train.optimizer=sgd"]))]
     assert keys.index("task.options") < keys.index("task.options.eval_examples") < keys.index("data.source")
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedlowrank.config import from_dict
+from fedlowrank.config import from_dict, load_config
 from fedlowrank.message import State
 from fedlowrank.methods import get_method
 from fedlowrank.methods.ssf import local_sgd, project, projector
@@ -83,10 +83,6 @@ def test_vectorised_round_equals_the_message_contract(method, options):
 @pytest.mark.parametrize("correction", ["none", "scaffold"])
 def test_vectorised_full_methods_equal_the_simulator(correction):
     """Full-FedAvg / Full-SCAFFOLD through fedavg-full's batched_round hook (the round of ssf.py with P = I)."""
-    from fedlowrank.methods.fedavg_full import FedAvgFull
-
-    if not hasattr(FedAvgFull, "batched_round"):
-        pytest.skip("fedavg-full has no batched_round hook yet (diff proposed to the lead)")
     cfg = config("fedavg-full", rounds=5, correction=correction)
     sim = simulate(cfg, float64_controls=True)
     run = run_vectorized(cfg, batches="trainer")
@@ -228,10 +224,12 @@ def test_options_are_validated():
                                 ("ssf", "refresh_every", 0), ("fedsub", "ratio", 2.0)):
         with pytest.raises(ValueError, match=f"method.{option}"):
             get_method(name, **{option: value})
+    with pytest.raises(ValueError, match="train.optimizer = 'adamw': method 'ssf' needs one of sgd"):
+        load_config("tiny", ["method.name=ssf", "train.optimizer=adamw"])
     cfg = config("ssf", rounds=1)
-    cfg.train.optimizer = "adamw"
-    with pytest.raises(ValueError, match="train.optimizer"):
-        Simulation(cfg).run()
+    cfg.train.optimizer = "adamw"  # changed after validation: refused when the run is built
+    with pytest.raises(ValueError, match="train.optimizer = 'adamw': method 'ssf' needs one of sgd"):
+        Simulation(cfg)
 
 
 def test_ssf_on_a_network_with_a_scaffold_head_sends_less_than_full_scaffold():

@@ -92,12 +92,21 @@ def cmd_methods(args) -> int:
             flags.append("heterogeneous ranks")
         if cls.supports_cohorts:
             flags.append("cohorts")
+        if cls.per_client_downlink:
+            flags.append("per-client downlink")
+        if cls.batched:
+            flags.append("vectorised round")
         flags.append(f"privacy: {', '.join(cls.supported_privacy_modes()) or 'none'}")
         options = declared(cls)
         print(f"{name}\n  {cls.description}\n  paper: {cls.paper}\n  up:   {cls.uplink}\n  down: {cls.downlink}"
               + f"\n  ({'; '.join(flags)})"
               + (f"\n  equal client ranks only: {cls.heterogeneous_ranks_refusal}"
                  if args.name and cls.heterogeneous_ranks_refusal else "")
+              + (f"\n  client state: {cls.client_state}" if args.name and cls.client_state else "")
+              + (f"\n  train.optimizer: {', '.join(cls.optimizers)} ({cls.optimizer_refusal})"
+                 if args.name and cls.optimizers else "")
+              + (f"\n  server.lr <= {cls.max_server_lr:g} ({cls.server_lr_refusal})"
+                 if args.name and cls.max_server_lr is not None else "")
               + (f"\n  preset: {' '.join(preset_overrides(name))}" if cls.preset else "")
               + f"\n  lr grid: {' '.join(f'{lr:g}' for lr in lr_grid(name))}"
               + ("" if args.name else f"\n  options: {', '.join(options) or 'none'}"))

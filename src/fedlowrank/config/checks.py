@@ -110,9 +110,7 @@ def _check_method(cfg: RunConfig) -> None:
     method = get_method(cfg.method_name, **cfg.method_options)
     cfg.method = {"name": cfg.method_name, **{k: getattr(method, k) for k in cfg.method_options}}
     cls = type(method)
-    _need(not cfg.lora.ranks or cls.supports_heterogeneous_ranks or len(set(cfg.client_ranks())) == 1,
-          f"lora.ranks: method {cfg.method_name!r} does not support heterogeneous ranks"
-          + (f": {cls.heterogeneous_ranks_refusal}" if cls.heterogeneous_ranks_refusal else ""))
+    check_requirements(cfg, method)
     check_privacy(cfg, cls)
     check_server(cfg, cls)
     why = method.unequal_replies()
@@ -122,6 +120,25 @@ def _check_method(cfg: RunConfig) -> None:
         _need(cfg.server.aggregate == "mean",
               f"server.aggregate = {cfg.server.aggregate!r} combines replies coordinate by coordinate, and the replies "
               f"of method {cfg.method_name!r} differ: {why}")
+
+
+def check_requirements(cfg: RunConfig, method) -> None:
+    """What ``method`` declares it needs of the run, the one place these are checked: equal client ranks
+    (``supports_heterogeneous_ranks``, ``heterogeneous_ranks_refusal``), a local optimizer
+    (``optimizer_requirement()``) and a bound on the server step (``max_server_lr``); each error names the key, the
+    allowed values and the method's reason."""
+    cls, name = type(method), cfg.method_name
+    _need(not cfg.lora.ranks or cls.supports_heterogeneous_ranks or len(set(cfg.client_ranks())) == 1,
+          f"lora.ranks: method {name!r} does not support heterogeneous ranks"
+          + (f": {cls.heterogeneous_ranks_refusal}" if cls.heterogeneous_ranks_refusal else ""))
+    allowed, why = method.optimizer_requirement()
+    _need(not allowed or cfg.train.optimizer in allowed,
+          f"train.optimizer = {cfg.train.optimizer!r}: method {name!r} needs one of {', '.join(allowed)}"
+          + (f" ({why})" if why else ""))
+    top = cls.max_server_lr
+    if top is not None:
+        _need(cfg.server.lr <= top, f"server.lr = {cfg.server.lr:g}: method {name!r} needs server.lr <= {top:g}"
+                                    + (f" ({cls.server_lr_refusal})" if cls.server_lr_refusal else ""))
 
 
 def check_server(cfg: RunConfig, method_cls) -> None:

@@ -36,6 +36,7 @@ from ..reporting.plots import with_round_zero
 from ..reporting.progress import format_bytes
 from ..runtime.evaluation import COLLAPSE_SHARE, run_collapse
 from ..tasks import headline_metric, higher_is_better, metric_range
+from ..tasks.catalog import data_name, data_source
 from .stats import (ALPHA, BOOTSTRAP_RESAMPLES, CONFIDENCE, Interval, bootstrap_interval, mean_interval, median,
                     paired_interval, rank_verdict, verdict, wilcoxon_signed_rank, wins_losses)
 from .sweep import Log, Run, Sweep, partition_digest
@@ -145,51 +146,6 @@ def read_tuned(path: str | Path, field: str = "compare.tuned") -> dict[str, dict
         return {name: {k: float(v) for k, v in values.items()} for name, values in sets.items()}
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
         raise ConfigError(f"{field}: {path} is not a tune.json written by fedlowrank tune ({exc})") from None
-
-
-def data_source(cfg: RunConfig) -> str:
-    """Where the data came from, in words."""
-    d = cfg.data
-    if cfg.task.kind == "matrix-regression":
-        return "synthetic (" + ", ".join(f"{k} = {v}" for k, v in cfg.task.options.items()) + ")"
-    if d.source in ("agnews", "gsm8k"):
-        from ..tasks.hub import describe
-
-        return describe(d.source, d.path)
-    if d.source == "arithmetic":
-        return "arithmetic word problems packaged with fedlowrank (train.jsonl, test.jsonl)"
-    if d.source == "bbc-news":
-        return f"BBC News, packaged (test: a {d.test_fraction:g} stratified split)"
-    if d.source == "files":
-        return f"files {d.train}" + (f" and {d.test}" if d.test else f" (test: a {d.test_fraction:g} stratified split)")
-    if d.source == "hf":
-        return f"Hugging Face dataset {d.hf_name}"
-    if cfg.task.kind == "image-classification":
-        opts = cfg.task.options
-        where = {"fashion-mnist": f"Fashion-MNIST (classes {opts.get('classes', 'all')})",
-                 "image-folder": f"image folder {d.train}" + (f" and {d.test}" if d.test else
-                                                              f" (test: a {d.test_fraction:g} stratified split)"),
-                 "hf-images": f"Hugging Face image set {d.hf_name}"}[d.source]
-        return where + (f", domains {', '.join(opts['domains'])}" if opts.get("domains") else "")
-    return f"{d.source} (test: a {d.test_fraction:g} stratified split)"
-
-
-def data_name(cfg: RunConfig) -> str:
-    """The data set's short name, for plot titles: ``AG News``, ``GSM8K``, ``Fashion-MNIST``, a Hugging Face
-    dataset name; for files, the data set they hold, not a file: ``reviews.tsv`` → ``reviews``, ``sst2/train.tsv``
-    → ``sst2``."""
-    d = cfg.data
-    if cfg.task.kind == "matrix-regression":
-        return "synthetic matrix regression"
-    named = {"agnews": "AG News", "gsm8k": "GSM8K", "bbc-news": "BBC News", "fashion-mnist": "Fashion-MNIST"}
-    if d.source in named:
-        return named[d.source]
-    if d.source in ("hf", "hf-images"):
-        return d.hf_name
-    path = Path(d.train)
-    if path.stem.lower() in ("train", "training", "data", "dataset", "all", "full"):  # a split's file or folder
-        path = path.absolute().parent
-    return path.stem or d.source
 
 
 def setup_of(cfg: RunConfig, task_description: dict[str, Any], seeds: list[int]) -> dict[str, Any]:

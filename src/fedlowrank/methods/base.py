@@ -143,6 +143,21 @@ class Method(Schema):
             clients, for the sum of their local steps (a centralised reference); the simulator then runs the
             round as one client, the first sampled, holding that data (:func:`~fedlowrank.runtime.engine.pool`).
             Such a method cannot run where each client's data stays on its own node (Flower).
+        per_client_downlink: True if :meth:`broadcast` sends client ``k`` a message of its own, computed for
+            ``k`` (FedALT's leave-one-out Rest-of-World: the same keys and shapes for every client, other
+            values); False if it depends on the client at most through its rank (``info.client_ranks[k]``), so
+            equally ranked clients of a round get the same message.
+        client_state: what a client keeps across rounds, in words with shapes (:meth:`init_client` makes it,
+            :meth:`train` carries it; FedALT's own LoRA ``A¹_k [r,in], B¹_k [out,r]`` and router ``[2,in]``);
+            ``""`` when the method itself keeps nothing (composed corrections may: :meth:`keeps_client_state`).
+            The runtime stores it (``runtime/store.py`` in the simulator, ``context.state`` on a Flower node),
+            checkpoints it, and commits it only when the client's reply was aggregated.
+        batched: True if the method has a vectorised round, :meth:`batched_round` (for closed-form tasks,
+            ``run.vectorized``); the vectorised runner refuses the others.
+        optimizers: the ``train.optimizer`` values the method's local step allows (``()``: any), with
+            ``optimizer_refusal`` saying why; checked at config time (:meth:`optimizer_requirement`).
+        max_server_lr: the largest ``server.lr`` the server step allows (``None``: any), with
+            ``server_lr_refusal`` saying why; checked at config time.
     """
 
     prefix = "method"
@@ -164,6 +179,13 @@ class Method(Schema):
     reference: ClassVar[str] = ""
     communicates: ClassVar[bool] = True
     pooled: ClassVar[bool] = False
+    per_client_downlink: ClassVar[bool] = False
+    client_state: ClassVar[str] = ""
+    batched: ClassVar[bool] = False
+    optimizers: ClassVar[tuple[str, ...]] = ()
+    optimizer_refusal: ClassVar[str] = ""
+    max_server_lr: ClassVar[float | None] = None
+    server_lr_refusal: ClassVar[str] = ""
 
     info: SetupInfo
 
@@ -179,11 +201,24 @@ class Method(Schema):
         """Attach adapters to ``model`` and return the initial server state. Deterministic given ``info``."""
         raise NotImplementedError
 
+    def optimizer_requirement(self) -> tuple[tuple[str, ...], str]:
+        """(the ``train.optimizer`` values allowed with these options, why): ``optimizers`` and
+        ``optimizer_refusal`` unless an option narrows them (FedGaLore's ``state_sync``)."""
+        return self.optimizers, self.optimizer_refusal
+
+    def keeps_client_state(self) -> bool:
+        """Whether a client's state persists across rounds with these options: the method's own
+        (``client_state``) or a composed correction's (SCAFFOLD's control variate)."""
+        return bool(self.client_state) or any(c.client_state for c in self.composed_corrections())
+
     def init_client(self, client: int) -> State:
-        """Initial state of a client that has never trained (default: empty)."""
+        """Initial state of client ``client`` before its first round (the ``client_state`` declared; default:
+        empty). Deterministic given ``info`` and ``client``: the simulator and a Flower node make the same."""
         return State()
 
     def broadcast(self, server: State, client: int, rnd: int) -> Message:
+        """What client ``client`` receives in round ``rnd``: one message per client, equal for equally ranked
+        clients unless ``per_client_downlink``."""
         raise NotImplementedError
 
     def train(self, model: AdaptedModel, msg: Message, state: State, trainer) -> tuple[Message, State]:
@@ -222,6 +257,12 @@ class Method(Schema):
         coordinate, are refused at config time when it is not empty."""
         return ""
 
+    def batched_round(self, model: AdaptedModel, server: State, clients: np.ndarray, oracle, rnd: int) -> State:
+        """The vectorised runner's round (declared by ``batched``): the sampled ``clients [S]`` train on
+        ``oracle``'s closed-form minibatch gradients (:mod:`fedlowrank.runtime.vectorized`) and the server steps;
+        returns the new server state."""
+        raise NotImplementedError(f"method {self.name!r} has no vectorised round (batched = False)")
+
     def max_reply_bytes(self, down: Message) -> int:
         """Upper bound on an honest reply's serialised size; larger replies are rejected."""
         return 2 * down.nbytes() + (1 << 20)
@@ -235,39 +276,15 @@ class Method(Schema):
         return self.__dict__.pop("_metrics", {})
 
     def cohort_member(self) -> "Method":
-        """This method as one member of a cohort runs it: a shallow copy with its own copies of the composed
-        corrections (whose ``start`` sets every per-client attribute anew), so members' ``train`` calls can
-        interleave."""
-        member = copy.copy(self)
-        if "_corrections" in self.__dict__:
-            member.__dict__["_corrections"] = [copy.copy(c) for c in self.__dict__["_corrections"]]
-        return member
+        """This method as one member of a cohort runs it: a shallow copy, so members' ``train`` calls can
+        interleave (:class:`Corrected` adds its own copies of the composed corrections)."""
+        return copy.copy(self)
 
     # -- shared helpers ------------------------------------------------------------------------------
     def composed_corrections(self) -> list[ClientCorrection]:
-        """The client corrections composed on this method (``correction`` option; none by default)."""
-        return self.__dict__.get("_corrections", [])
-
-    def correction_broadcast(self, server: State, msg: Message) -> Message:
-        """``msg`` plus what the corrections send down (e.g. SCAFFOLD's control variate)."""
-        for c in self.composed_corrections():
-            msg.update(c.broadcast(server))
-        return msg
-
-    def with_corrections(self, down: Message, trained: Upload) -> Upload:
-        """``trained`` (what the client trains and sends back) plus what the composed corrections add to a reply
-        (e.g. SCAFFOLD's ``scaffold.dc/<key>`` of each trained tensor's spec)."""
-        out = dict(trained)
-        for c in self.composed_corrections():
-            out.update(c.upload_spec(down, trained))
-        return out
-
-    def fit_and_reply(self, model: AdaptedModel, msg: Message, state: State, trainer,
-                      params: dict[str, nn.Parameter]) -> tuple[Message, State]:
-        """Train ``params`` of ``model`` (already loaded from ``msg``) with the composed corrections; reply with
-        all of them. Returns (reply, new client state)."""
-        result, extra, state = fit_with_corrections(self.composed_corrections(), model, msg, state, params, trainer)
-        return self.reply(params, params, extra, trainer, result.loss), state
+        """The client corrections composed on this method (:class:`Corrected`'s ``correction`` option; none
+        here)."""
+        return []
 
     def reply(self, params: dict[str, nn.Parameter], keys: Iterable[str], extra: dict[str, Any], trainer,
               loss: float) -> Message:
@@ -328,7 +345,56 @@ def load_head(model: AdaptedModel, msg: Message) -> None:
 
 
 @dataclass
-class LoRAMethod(Method):
+class Corrected(Method):
+    """A method whose client composes the drift corrections of :mod:`fedlowrank.training.corrections`: the one
+    declaration of the options ``correction``, ``mu`` and ``cv_grad``. A subclass narrows ``correction`` with
+    :func:`correction_option` (its default, allowed values and why); the corrections are made once, here, and a
+    method that adds its own (MOON's contrastive term, ILoRA-S's variates) appends to ``_corrections`` in its
+    ``__post_init__``.
+    """
+
+    correction: str = correction_option()
+    mu: float = mu_option()
+    cv_grad: str = cv_grad_option()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._corrections: list[ClientCorrection] = make_corrections(self.correction, self.mu, self.cv_grad)
+
+    def composed_corrections(self) -> list[ClientCorrection]:
+        return self._corrections
+
+    def cohort_member(self) -> "Method":
+        """A shallow copy with its own copies of the composed corrections (whose ``start`` sets every per-client
+        attribute anew)."""
+        member = copy.copy(self)
+        member._corrections = [copy.copy(c) for c in self._corrections]
+        return member
+
+    def correction_broadcast(self, server: State, msg: Message) -> Message:
+        """``msg`` plus what the corrections send down (e.g. SCAFFOLD's control variate)."""
+        for c in self.composed_corrections():
+            msg.update(c.broadcast(server))
+        return msg
+
+    def with_corrections(self, down: Message, trained: Upload) -> Upload:
+        """``trained`` (what the client trains and sends back) plus what the composed corrections add to a reply
+        (e.g. SCAFFOLD's ``scaffold.dc/<key>`` of each trained tensor's spec)."""
+        out = dict(trained)
+        for c in self.composed_corrections():
+            out.update(c.upload_spec(down, trained))
+        return out
+
+    def fit_and_reply(self, model: AdaptedModel, msg: Message, state: State, trainer,
+                      params: dict[str, nn.Parameter]) -> tuple[Message, State]:
+        """Train ``params`` of ``model`` (already loaded from ``msg``) with the composed corrections; reply with
+        all of them. Returns (reply, new client state)."""
+        result, extra, state = fit_with_corrections(self.composed_corrections(), model, msg, state, params, trainer)
+        return self.reply(params, params, extra, trainer, result.loss), state
+
+
+@dataclass
+class LoRAMethod(Corrected):
     """Common machinery of methods that train LoRA factors on the target modules (FedIT and its family).
 
     Message keys: ``"<module>.lora_A"`` ``[r, in]``, ``"<module>.lora_B"`` ``[out, r]``, ``"head/<param>"``,
@@ -340,19 +406,11 @@ class LoRAMethod(Method):
     extra forward passes run per member), FFA-LoRA, FedSA-LoRA, HetLoRA, FLoRA, FlexLoRA, FeDeRA, FedEx-LoRA,
     LoRA-FAIR, ILoRA(-S), FedIT+QR, FR-LoRA, FedRPCA, TIES, Task Arithmetic, RoLoRA).
 
-    Options shared by every LoRA method: ``correction``, ``mu`` and ``cv_grad``.
+    Options shared by every LoRA method: :class:`Corrected`'s ``correction``, ``mu`` and ``cv_grad``.
     """
-
-    correction: str = correction_option()
-    mu: float = mu_option()
-    cv_grad: str = cv_grad_option()
 
     trains: ClassVar[tuple[str, ...]] = ("A", "B")
     supports_cohorts = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._corrections: list[ClientCorrection] = make_corrections(self.correction, self.mu, self.cv_grad)
 
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
@@ -463,6 +521,6 @@ class LoRAMethod(Method):
         self.load_message(model, Message(server))
 
 
-__all__ = ["Method", "LoRAMethod", "SetupInfo", "TensorSpec", "Upload", "specs_of", "correction_option",
+__all__ = ["Method", "Corrected", "LoRAMethod", "SetupInfo", "TensorSpec", "Upload", "specs_of", "correction_option",
            "cv_grad_option", "mu_option", "weighted_sum",
            "head_tensors", "load_head", "on_host"]

@@ -56,6 +56,9 @@ class FedALT(Method):
                 "client's latest upload")
     needs_individual_replies = True          # the server keeps each client's latest upload for the leave-one-out
     personalized = True
+    per_client_downlink = True               # the leave-one-out Rest-of-World of each client
+    client_state = ("own A¹_k [r,in], B¹_k [out,r] and router W_k [2,in] per target module, the head, and the "
+                    "client's index k")
     supports_cohorts = True                  # train: one fit of own factors, router and head, routed per member
     heterogeneous_ranks_refusal = ("the Rest-of-World is a mean of factors, which needs every client at the same "
                                    "rank")

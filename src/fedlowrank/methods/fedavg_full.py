@@ -16,27 +16,19 @@ from torch import nn
 
 from ..adapters.model import AdaptedModel
 from ..message import Message, State
-from ..training.corrections import make_corrections
 from . import register
-from .base import (Method, SetupInfo, Upload, correction_option, head_tensors, load_head, mu_option, specs_of,
-                   weighted_sum)
+from .base import Corrected, SetupInfo, Upload, correction_option, head_tensors, load_head, specs_of, weighted_sum
 
 
 @register
 @dataclass
-class FedAvgFull(Method):
+class FedAvgFull(Corrected):
     name = "fedavg-full"
     description = "full fine-tuning of the target weights, FedAvg (optionally with FedProx/SCAFFOLD)"
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks (AISTATS 2017)"
     uplink = "dense W [out,in] per target module, head"
     downlink = "dense W̄ [out,in] per target module, head"
-
-    correction: str = correction_option()
-    mu: float = mu_option()
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._corrections = make_corrections(self.correction, mu=self.mu)
+    batched = True
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         self.info = info

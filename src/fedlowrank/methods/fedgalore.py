@@ -68,6 +68,7 @@ class FedGaLore(FedAvgFull):
               "+ the [d_p,r] basis of SVD segments) and the projected ṽ [d_u,r]; head; final basis index")
     downlink = "dense W̄ [out,in] per target module, head, round seed, synced S̄ [d_u,r] per module + its basis id"
     needs_individual_replies = True
+    batched = False  # FedAvg-full's vectorised round has no GaLore steps
 
     rank: int = setting(0, "GaLore rank r (0 = lora.rank, the baselines' rank)", ge=0)
     tau: int = setting(0, "basis refresh period τ in local steps (0 = ⌈T/4⌉: half an epoch at two local epochs, "
@@ -179,15 +180,18 @@ class FedGaLore(FedAvgFull):
                     specs[f"{n}.galore_seg{k}.Q"] = TensorSpec((d_p, r), dtype)
         return specs
 
+    def optimizer_requirement(self) -> tuple[tuple[str, ...], str]:
+        """Adam or AdamW when ``state_sync`` synchronises Adam's second moment; any optimizer otherwise."""
+        if self.state_sync == "none":
+            return (), ""
+        return ("adam", "adamw"), f"method.state_sync = {self.state_sync!r} synchronises Adam's second moment"
+
     # -- client ----------------------------------------------------------------------------------------
     def train(self, model, msg, state, trainer):
         self.load_global(model, msg)
         params = self.trainable(model)
         names = list(model.target_names)
         cfg = trainer.cfg
-        if self.state_sync != "none" and cfg.optimizer not in ("adam", "adamw"):
-            raise ValueError(f"method.state_sync={self.state_sync!r} synchronises Adam's second moment and needs "
-                             f"train.optimizer 'adam' or 'adamw', got {cfg.optimizer!r}")
         steps = trainer.num_steps
         tau = self.tau or max(1, math.ceil(steps / 4))
         # at most (T−1)//τ SVD refreshes, so that the round ends in a seeded (rebuildable) basis: T > S·τ

@@ -55,6 +55,8 @@ class FedLEASE(Method):
                 "experts [M−1,r,in], [M−1,out,r], the cluster's router and bias per target module, head")
     needs_individual_replies = True          # the clustering needs each client's B
     personalized = True
+    per_client_downlink = True  # the client's cluster's expert, router and head, and the other experts
+    client_state = "the client's index k (its cluster, in the server state, picks its personal model)"
     supports_cohorts = True                  # train: one fit of the own expert, router and head
     heterogeneous_ranks_refusal = "an expert is a mean of its members' factors, which needs one rank"
     preset = {"train.optimizer": "adamw"}

@@ -36,6 +36,7 @@ class FedSALoRA(LoRAMethod):
     needs_individual_replies = False
     supports_heterogeneous_ranks = False
     personalized = True
+    client_state = "private B_k [out,r] per target module"
 
     correction: str = correction_option("none", ("none", "fedprox"), "SCAFFOLD would upload B's control variate")
 

@@ -53,6 +53,7 @@ class FLoRA(LoRAMethod):
                 "base delta [out,in] to a client that missed merges; head")
     needs_individual_replies = True
     supports_heterogeneous_ranks = True
+    per_client_downlink = True  # the stacked factors, or the merged base delta to a client that missed merges
 
     correction: str = correction_option("none", ("none", "fedprox"), "the adapters are re-initialised every round, "
                                         "so control variates could not follow them")

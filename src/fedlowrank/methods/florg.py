@@ -44,15 +44,13 @@ from ..linalg.gram import GRAM_DECOMPOSITIONS, aggregate_gram, canonical_rows, g
 from ..message import Message, State
 from ..schema import setting, with_default
 from ..seeding import torch_generator
-from ..training.corrections import make_corrections
 from . import register
-from .base import (Method, SetupInfo, Upload, correction_option, cv_grad_option, head_tensors, load_head, mu_option,
-                   specs_of, weighted_sum)
+from .base import Corrected, SetupInfo, Upload, head_tensors, load_head, specs_of, weighted_sum
 
 
 @register
 @dataclass
-class FLoRG(Method):
+class FLoRG(Corrected):
     """FLoRG (module docstring). The three ``server_decomp`` give the same factor: ``stacked_svd`` in O(k(Nr)²),
     ``eigh`` in O(k³), ``closed_form`` ``(AQAᵀ)^{-1/2}AQ`` in O(Nr²k). ``correction`` applies FedProx / SCAFFOLD to
     A and the head, as in the LoRA methods.
@@ -65,6 +63,8 @@ class FLoRG(Method):
     downlink = "A [r,k] per target module, head (L, R come from the shared seed)"
     needs_individual_replies = True
     supports_heterogeneous_ranks = False
+    max_server_lr = 1.0
+    server_lr_refusal = "Q must stay positive semi-definite"
     supports_cohorts = True  # train: one fit of gram_A and the head, routed per client like LoRA's factors
     preset = {"server.weighting": "uniform"}  # eq. 4: 1/N
     lr_grid = (1e-3, 3e-3, 1e-2)  # benchmarks/protocols.py's CPU grid (paper: {5e-4, 1e-4, 5e-5, 1e-5}, LLMs)
@@ -83,9 +83,6 @@ class FLoRG(Method):
     compensate_init: bool = setting(False, "start from the pretrained model: ΔW = s L(AᵀA − A¹ᵀA¹)R")
     eig_tol: float = setting(1e-10, "relative threshold on the eigenvalues of Q: r' = the number above "
                              "eig_tol·λ_max", gt=0, lt=1)
-    correction: str = correction_option()
-    mu: float = mu_option()
-    cv_grad: str = cv_grad_option()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,15 +92,10 @@ class FLoRG(Method):
         if self.growing_rank and self.correction != "none":
             raise ValueError("method.correction: the factor's rank changes every round without Procrustes and "
                              "truncation, so the control variates cannot follow; allowed: 'none'")
-        self._corrections = make_corrections(self.correction, self.mu, self.cv_grad)
 
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:
         """Attach a :class:`GramLinear` to every target (bases and A¹ from per-layer seeded streams)."""
-        if info.heterogeneous_ranks:
-            raise ValueError("lora.ranks: florg does not support heterogeneous client ranks")
-        if info.server_lr > 1:
-            raise ValueError(f"server.lr must be <= 1 for florg (Q must stay PSD), got {info.server_lr}")
         self.info = info
         scale = lora_scale(info.alpha, info.rank, info.scaling)
         index = {name: i for i, name in enumerate(model.target_names)}

@@ -27,6 +27,7 @@ class LocalOnly(LoRAMethod):
     reference = "each client alone, its own model on the test set"
     communicates = False
     personalized = True
+    client_state = "own A_k [r,in], B_k [out,r] per target module and head (nothing else exists)"
     privacy_modes = ()
     privacy_refusal = "a client that trains alone sends no update to protect"
 

@@ -48,6 +48,7 @@ class ModelContrastive(ClientCorrection):
     """
 
     name = "moon"
+    client_state = "the trained tensors of the client's last round, moon.prev/<key>"
     prefix_prev = "moon.prev/"
 
     def __init__(self, mu: float, temperature: float):

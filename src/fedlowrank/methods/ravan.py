@@ -29,9 +29,9 @@ from ..adapters.ravan import BASES_INITS, RavanLinear, ravan_bases, ravan_module
 from ..message import Message, State
 from ..schema import setting
 from ..seeding import torch_generator
-from ..training.corrections import fit_with_corrections, make_corrections
+from ..training.corrections import fit_with_corrections
 from . import register
-from .base import (Method, SetupInfo, Upload, correction_option, head_tensors, load_head, mu_option, on_host, specs_of,
+from .base import (Corrected, SetupInfo, Upload, correction_option, head_tensors, load_head, on_host, specs_of,
                    weighted_sum)
 
 
@@ -42,7 +42,7 @@ def core_key(name: str, head: int) -> str:
 
 @register
 @dataclass
-class Ravan(Method):
+class Ravan(Corrected):
     name = "ravan"
     description = "h heads Σ sᵢBᵢHᵢAᵢ with frozen seeded bases; only the r×r cores Hᵢ (and sᵢ) train; exact"
     paper = ("Raje, Askin, Jhunjhunwala, Joshi, Ravan: Multi-Head Low-Rank Adaptation for Federated Fine-Tuning "
@@ -50,6 +50,7 @@ class Ravan(Method):
     uplink = "sᵢHᵢ [r,r] for each head i the client trained, per target module, head"
     downlink = "Hᵢ [r,r] for every head per target module, the heads to train, head (bases come from the seed)"
     needs_individual_replies = False
+    per_client_downlink = True  # the heads this client trains (method.client_heads)
     supports_cohorts = True  # train: one fit of the cores, scales and head, routed per client like LoRA's factors
     heterogeneous_ranks_refusal = ("every head has rank lora.rank; RAVAN's compute heterogeneity is how many heads "
                                    "a client trains (method.client_heads)")
@@ -63,7 +64,6 @@ class Ravan(Method):
                                       "heterogeneity; each entry in [1, method.heads]); [] = every head")
     correction: str = correction_option("none", ("none", "fedprox"),
                                         "a client may train a subset of the heads, SCAFFOLD's variates assume all")
-    mu: float = mu_option()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,7 +71,6 @@ class Ravan(Method):
         if bad:
             raise ValueError(f"method.client_heads: each entry must be in [1, method.heads = {self.heads}], "
                              f"got {bad[0]}")
-        self._corrections = make_corrections(self.correction, self.mu, "mean")
 
     def unequal_replies(self) -> str:
         if not self.client_heads:

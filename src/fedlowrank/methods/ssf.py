@@ -257,6 +257,11 @@ class SubspaceMethod(Method):
     refresh_every: int = setting(1, "new projectors every this many rounds", ge=1)
 
     needs_individual_replies: ClassVar[bool] = True
+    per_client_downlink = True  # the model increments since the client's last sync, its own correction
+    client_state = "the client's copy w/<layer> [out,in] of each target weight and the model version it holds (synced)"
+    batched = True
+    optimizers = ("sgd",)
+    optimizer_refusal = "the local steps are the paper's plain SGD on the projected coefficients"
     uploads_gradients: ClassVar[bool] = False   # whether replies carry ḡᵢ (``g/<key>``)
     preset = {"train.optimizer": "sgd", "train.head_lr": 0.0}  # plain SGD, one η_l for every parameter (Alg. 1)
     lr_grid = (1e-4, 1e-3, 1e-2, 1e-1)  # SSF's search grid (FedSub's too, for the comparison with it)
@@ -415,10 +420,6 @@ class SubspaceMethod(Method):
 
     # -- contract: client side ---------------------------------------------------------------------------
     def train(self, model: AdaptedModel, msg: Message, state: State, trainer) -> tuple[Message, State]:
-        cfg = getattr(trainer, "cfg", None)
-        if cfg is not None and cfg.optimizer != "sgd":
-            raise ValueError(f"train.optimizer: method {self.name!r} takes plain SGD local steps (the paper's); "
-                             f"set train.optimizer = 'sgd', got {cfg.optimizer!r}")
         rnd = int(msg["round"])
         proj = self.projectors(self.epoch(rnd))
         state = self.catch_up(model, msg, state)

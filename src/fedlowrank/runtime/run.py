@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..adapters.model import AdaptedModel
+from ..config.checks import check_requirements
 from ..device import check_dtype, resolve_device
 from ..message import State
 from ..methods import get_method
@@ -107,9 +108,7 @@ def build_run(cfg, task: Task | None = None, parts: list[np.ndarray] | None = No
     method = get_method(cfg.method_name, **cfg.method_options)
     model = task.build_model()
     info = setup_info(cfg, [len(p) for p in parts])
-    if info.heterogeneous_ranks and not method.supports_heterogeneous_ranks:
-        raise ValueError(f"lora.ranks: method {method.name!r} does not support heterogeneous ranks"
-                         + (f": {method.heterogeneous_ranks_refusal}" if method.heterogeneous_ranks_refusal else ""))
+    check_requirements(cfg, method)  # config validation's check, again for a config changed after it
     server = method.setup(model, info)
     device = resolve_device(cfg.run.device)
     check_dtype(cfg.train.dtype, device)

@@ -290,7 +290,7 @@ class ServerRun(Run):
         run.use_dir(Path(run_dir))
         run._lock = lock
         restart_from(run.run_dir, run.round, run.history, run.ledger.rows, warn or log)
-        if not run.client_states and (warn or log):
+        if not run.client_states and run.method.keeps_client_state() and (warn or log):
             (warn or log)(f"note: the checkpoint of round {run.round} is the Flower server's; the clients' states "
                           f"stayed on the SuperNodes, so clients start here from their initial states")
         run.client_states = True  # from here on the runner holds them

@@ -154,9 +154,9 @@ def check_vectorizable(cfg, batches: str = "fresh") -> None:
         raise ValueError("privacy: the vectorised runner has no privacy hooks; run without --vectorized")
     if batches not in BATCHES:
         raise ValueError(f"batches must be one of {tuple(BATCHES)}, got {batches!r}")
-    if not hasattr(task_class(cfg.task.kind), "batched_grad"):
+    if not task_class(cfg.task.kind).batched:
         raise ValueError(f"task.kind = {cfg.task.kind!r} has no closed-form batched_grad; use the simulator")
-    if not hasattr(method_class(cfg.method_name), "batched_round"):
+    if not method_class(cfg.method_name).batched:
         raise ValueError(f"method {cfg.method_name!r} has no vectorised round (batched_round); use the simulator")
 
 

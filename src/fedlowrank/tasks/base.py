@@ -124,6 +124,8 @@ class Task:
             that several clients' steps can share one forward pass (:mod:`fedlowrank.runtime.cohort`).
         supports_quantize: whether the task builds its backbone through :meth:`adapted_copy` with
             ``task.quantize`` (QLoRA, :mod:`fedlowrank.models.quantize`).
+        batched: whether the task has closed-form minibatch gradients of many clients at once,
+            :meth:`batched_grad` (the vectorised runner, ``run.vectorized``, refuses the others).
         Options: the task's options (``task.options.*``), a :class:`~fedlowrank.schema.Schema` with prefix
             ``task.options``; :meth:`from_config` gets them checked.
         data_sources: for each ``data.source`` the task reads, the other ``[data]`` keys it uses; a key it does
@@ -148,6 +150,7 @@ class Task:
     validation_metric: str = "loss"
     supports_cohorts: bool = False
     supports_quantize: bool = False
+    batched: bool = False
     Options: type[Schema] = NoOptions
     data_sources: dict[str, tuple[str, ...]] = {}
     data_description: str = "data"
@@ -159,6 +162,17 @@ class Task:
     def from_config(cls, cfg) -> "Task":
         """The task of a validated :class:`~fedlowrank.config.RunConfig` (data loaded, model loaded)."""
         raise NotImplementedError(f"task {cls.name!r} declares no from_config")
+
+    @classmethod
+    def own_data(cls, cfg) -> tuple[str, str]:
+        """For a task that makes its data from ``task.options`` (no ``data_sources``): its short title and what it
+        made, in words (:mod:`.catalog`)."""
+        return cls.name, f"{cls.data_description} made from task.options"
+
+    def batched_grad(self, weights: dict[str, np.ndarray], examples) -> dict[str, np.ndarray]:
+        """Minibatch gradients of S clients at once, NumPy arrays (declared by ``batched``): ``weights`` per
+        trained key ``[S, ...]`` and one step's ``examples`` → the gradient per key ``[S, ...]``."""
+        raise NotImplementedError(f"task {self.name!r} has no closed-form batched gradients (batched = False)")
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -41,7 +41,7 @@ from ..schema import Schema, setting
 from ..seeding import numpy_rng
 from . import register_task
 from .base import Task, adapted_copy, check_max_length, join_padded, padded_length
-from .instructions import InstructionData
+from .instructions import INSTRUCTION_SOURCES, InstructionData
 
 log = logging.getLogger("fedlowrank")
 
@@ -462,12 +462,7 @@ class CausalLM(Task):
     supports_quantize = True
     Options = CausalLMOptions
     data_description = "instruction data"
-    data_sources = {"arithmetic": ("max_train_examples", "max_test_examples"),
-                    "gsm8k": ("max_train_examples", "max_test_examples", "path"),
-                    "files": ("max_train_examples", "max_test_examples", "train", "test", "prompt_column",
-                              "response_column", "test_fraction", "header"),
-                    "hf": ("max_train_examples", "max_test_examples", "hf_name", "prompt_column", "response_column",
-                           "train", "test")}
+    data_sources = INSTRUCTION_SOURCES  # every registered instruction data set (instructions.py)
 
     @classmethod
     def check_config(cls, cfg) -> None:

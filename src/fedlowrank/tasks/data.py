@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..seeding import numpy_rng
+from .catalog import DataSet, held_out, register_data
 from .hub import KNOWN_SETS, hub_splits, known_hub_splits, local_copy
 from .table import read_table
 
@@ -56,6 +57,9 @@ def _stratified_split(texts: list[str], labels: list[str], test_fraction: float,
     te = np.flatnonzero(is_test)
     ytr, yte, names = _encode_labels([labels[i] for i in tr], [labels[i] for i in te])
     return TextData([texts[i] for i in tr], ytr, [texts[i] for i in te], yte, names)
+
+
+register_data(DataSet("bbc-news", "BBC News", lambda cfg: f"BBC News, packaged{held_out(cfg.data)}"))
 
 
 def load_bbc_news(test_fraction: float = 0.2, seed: int = 0) -> TextData:

@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .catalog import DataSet, register_data
+
 ENV = "FEDLOWRANK_DATA"
 
 
@@ -128,3 +130,8 @@ def describe(source: str, path: str) -> str:
     if folder is None:
         return f"{known.title} from the Hugging Face hub ({known.hub_id})"
     return f"{known.title} files in {folder.resolve()}" + ("" if path else f" ({ENV})")
+
+
+for _known in KNOWN_SETS.values():
+    register_data(DataSet(_known.source, _known.title,
+                          lambda cfg, source=_known.source: describe(source, cfg.data.path)))

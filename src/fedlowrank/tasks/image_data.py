@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..seeding import numpy_rng, torch_generator
+from .catalog import DataSet, held_out, register_data
 from .hub import hub_splits
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -26,6 +27,20 @@ FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", 
                          "Ankle boot")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 DOMAINS = ("clean", "rotate", "contrast", "blur", "noise", "invert")
+
+
+def _with_domains(cfg, where: str) -> str:
+    """``where`` and, with ``task.options.domains``, the domains (for :mod:`.catalog`)."""
+    domains = cfg.task.options.get("domains")
+    return where + (f", domains {', '.join(domains)}" if domains else "")
+
+
+register_data(DataSet("fashion-mnist", "Fashion-MNIST", lambda cfg: _with_domains(
+    cfg, f"Fashion-MNIST (classes {cfg.task.options.get('classes', 'all')})")))
+register_data(DataSet("image-folder", "images", lambda cfg: _with_domains(
+    cfg, f"image folder {cfg.data.train}" + (f" and {cfg.data.test}" if cfg.data.test else held_out(cfg.data)))))
+register_data(DataSet("hf-images", "images", lambda cfg: _with_domains(
+    cfg, f"Hugging Face image set {cfg.data.hf_name}")))
 
 
 @dataclass

@@ -8,12 +8,14 @@ example for partitioners.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..seeding import numpy_rng
+from .catalog import DataSet, register_data
 from .hub import KNOWN_SETS, hub_splits, known_hub_splits, local_copy
 from .table import column_spec, read_table
 
@@ -74,6 +76,10 @@ def load_gsm8k(path: str = "", extra: list[str] | None = None) -> InstructionDat
     return _hub_instruction_data(*known_hub_splits(known), known.hub_id, "question", "answer", extra)
 
 
+register_data(DataSet("arithmetic", "arithmetic",
+                      lambda cfg: "arithmetic word problems packaged with fedlowrank (train.jsonl, test.jsonl)"))
+
+
 def load_arithmetic(extra: list[str] | None = None) -> InstructionData:
     """The packaged arithmetic word problems (:mod:`~fedlowrank.tasks.arithmetic`: 400 train, 100 test;
     ``question``/``answer``, column ``skill``)."""
@@ -104,23 +110,43 @@ def _hub_instruction_data(train, test, name: str, prompt: str, response: str,
                            {c: [str(x) for x in train[c]] for c in extra or []})
 
 
+INSTRUCTION_SOURCES: dict[str, tuple[str, ...]] = {}
+"""Each registered ``data.source`` of instruction data and the ``[data]`` keys it reads (the causal-LM task's
+``data_sources``)."""
+_LOADERS: dict[str, Callable[..., InstructionData]] = {}
+
+
+def register_instructions(source: str, keys: tuple[str, ...],
+                          load: Callable[[object, list[str], int], InstructionData]) -> None:
+    """Make ``data.source = source`` instruction data for the causal-LM task: ``load(d, extra, seed)`` reads it
+    from the ``[data]`` section ``d`` with the ``extra`` columns (``partition.partition_by``), and it reads the
+    ``[data]`` keys ``keys`` besides ``data.max_train_examples`` and ``data.max_test_examples``."""
+    if source in _LOADERS and _LOADERS[source] is not load:
+        raise ValueError(f"instruction data {source!r} registered twice")
+    INSTRUCTION_SOURCES[source] = ("max_train_examples", "max_test_examples", *keys)
+    _LOADERS[source] = load
+
+
+register_instructions("arithmetic", (), lambda d, extra, seed: load_arithmetic(extra))
+register_instructions("gsm8k", ("path",), lambda d, extra, seed: load_gsm8k(d.path, extra))
+register_instructions("files", ("train", "test", "prompt_column", "response_column", "test_fraction", "header"),
+                      lambda d, extra, seed: load_instruction_files(d.train, d.test or None, d.prompt_column,
+                                                                    d.response_column, extra, d.test_fraction, seed,
+                                                                    d.header))
+register_instructions("hf", ("hf_name", "prompt_column", "response_column", "train", "test"),
+                      lambda d, extra, seed: load_instruction_hf(
+                          d.hf_name, d.prompt_column, d.response_column, extra,
+                          {k: v for k, v in (("train", d.train), ("test", d.test)) if v} or None))
+
+
 def load_instructions(d, partition_by: str, seed: int) -> InstructionData:
     """The instruction data of a config's ``[data]`` section (``d``), subsampled to ``data.max_*_examples``;
     ``partition_by`` (a column name, or ``""``) is read as well."""
     extra = [partition_by] if partition_by else []
-    if d.source == "arithmetic":
-        data = load_arithmetic(extra)
-    elif d.source == "gsm8k":
-        data = load_gsm8k(d.path, extra)
-    elif d.source == "files":
-        data = load_instruction_files(d.train, d.test or None, d.prompt_column, d.response_column, extra,
-                                      d.test_fraction, seed, d.header)
-    elif d.source == "hf":
-        files = {k: v for k, v in (("train", d.train), ("test", d.test)) if v} or None
-        data = load_instruction_hf(d.hf_name, d.prompt_column, d.response_column, extra, files)
-    else:
+    if d.source not in _LOADERS:
         raise ValueError(f"data.source = {d.source!r} is not instruction data; for task.kind = 'causal-lm' use "
-                         "arithmetic, gsm8k, files or hf")
+                         f"{', '.join(INSTRUCTION_SOURCES)}")
+    data = _LOADERS[d.source](d, extra, seed)
 
     def pick(n: int, k: int, stream: str) -> np.ndarray:
         if k <= 0 or k >= n:

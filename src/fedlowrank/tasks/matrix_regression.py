@@ -106,7 +106,13 @@ class MatrixRegression(Task):
     name = "matrix-regression"
     metrics = ("rel_error", "objective")  # objective only with task.options.objective = true
     primary_metric = "rel_error"
+    batched = True
     Options = MatrixRegressionOptions
+
+    @classmethod
+    def own_data(cls, cfg) -> tuple[str, str]:
+        return ("synthetic matrix regression",
+                "synthetic (" + ", ".join(f"{k} = {v}" for k, v in cfg.task.options.items()) + ")")
 
     @classmethod
     def from_config(cls, cfg) -> "MatrixRegression":

@@ -29,7 +29,11 @@ CV_REFRESH = ("mean", "last", "option2")
 
 
 class ClientCorrection:
+    """One correction's hooks (module docstring). ``client_state``: what it keeps in the client's state across
+    rounds, in words with shapes (``""``: nothing); the method's ``keeps_client_state`` reads it."""
+
     name = ""
+    client_state = ""
 
     def init_server(self, server: State, shapes: dict[str, tuple[int, ...]]) -> None:
         pass
@@ -94,6 +98,7 @@ class Scaffold(ClientCorrection):
     """
 
     name = "scaffold"
+    client_state = "the client's control variate scaffold.ci/<key>, shaped as each trained tensor"
     prefix_c, prefix_ci, prefix_dc = "scaffold.c/", "scaffold.ci/", "scaffold.dc/"
 
     def __init__(self, refresh: str = "mean"):
