@@ -6,8 +6,15 @@ from __future__ import annotations
 
 
 def runner_for(cfg) -> type:
-    """The runner class of ``cfg``: :class:`~.vectorized.Vectorized` with ``run.vectorized``, else
-    :class:`~.simulator.Simulation`; either is called as ``runner(cfg, run_dir=..., log=..., overwrite=...)``."""
+    """The runner class of ``cfg``: :class:`~.distributed.Distributed` in a rank of a ``torch.distributed`` job
+    (``torchrun``'s environment), :class:`~.vectorized.Vectorized` with ``run.vectorized``, else
+    :class:`~.simulator.Simulation`; each is called as ``runner(cfg, run_dir=..., log=..., overwrite=...)``."""
+    from .distributed import under_torchrun
+
+    if under_torchrun():
+        from .distributed import Distributed
+
+        return Distributed
     if cfg.run.vectorized:
         from .vectorized import Vectorized
 

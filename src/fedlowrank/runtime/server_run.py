@@ -147,8 +147,8 @@ class ServerRun:
         row.update(metrics)
         t = row["time"]
         total = time.perf_counter() - outcome.started
-        t.update({"evaluation": evaluation, "other": total - t["client_compute"] - t["aggregation"] - evaluation,
-                  "total": total})
+        t.update({"evaluation": evaluation, "other": total - t["client_compute"] - t["aggregation"] - evaluation
+                  - t.get("collective", 0.0), "total": total})
         row["peak_rss_mb"] = peak_rss_mb()
         row.update(accounting(self.cfg, self.info.client_sizes, self.history, row))
         row["per_client"] = client_rows(outcome.ledger, outcome.replies, self.evaluator.pop_client_tests())
@@ -166,11 +166,15 @@ class ServerRun:
         self.files.append_round(row, ledger, self.task.pop_generations())
         self.tracker.log(row)
         self.check_divergence(row)
-        if self.checkpoints.due(self.round):
+        if self.checkpoint_due(self.round):
             self.save_checkpoint()
         self.progress.round_end(row, metrics, rounds)
         if collapse_of(row) and not any(collapse_of(r) for r in self.history[:-1]):
             self.warn(collapse_line(collapse_of(row)))
+
+    def checkpoint_due(self, rnd: int) -> bool:
+        """Whether the state after round ``rnd`` is saved (:meth:`~.checkpoint.Checkpointer.due`)."""
+        return self.checkpoints.due(rnd)
 
     def check_divergence(self, row: dict[str, Any]) -> None:
         """Stop on a non-finite global parameter, a round whose every reply was non-finite (from two clients or
