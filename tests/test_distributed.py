@@ -94,7 +94,8 @@ def _assert_equal(got: tuple[dict, bytes], sim: Simulation) -> None:
 
 
 def test_assignment_is_balanced_deterministic_and_changes_between_rounds():
-    assert assign({5: 10.0, 1: 10.0, 2: 30.0, 7: 5.0}, 2) == {2: 0, 1: 1, 5: 1, 7: 0}
+    assert assign({5: 10.0, 1: 10.0, 2: 30.0, 7: 5.0}, 2) == {2: 0, 1: 1, 5: 1, 7: 1}  # loads 30, 25
+    assert assign({5: 10.0, 1: 10.0, 2: 30.0, 7: 5.0, 3: 20.0}, 2) == {2: 0, 3: 1, 1: 1, 5: 0, 7: 1}
     assert assign({3: 1.0}, 1) == {3: 0}
     from fedlowrank.runtime.engine import sample_clients
 

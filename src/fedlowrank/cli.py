@@ -366,9 +366,24 @@ def _sweep_stopped(args, out: Path, stop: KeyboardInterrupt) -> int:
     return getattr(stop, "exit_status", 130)
 
 
+def _one_process(args) -> None:
+    """``compare`` and ``tune`` run each of their runs in one process (``--jobs N``: N at once); refuse
+    ``run.devices`` and a ``torchrun`` launch, before any work."""
+    from .config import ConfigError, load_config
+    from .runtime.distributed import under_torchrun
+
+    if under_torchrun():
+        raise ConfigError(f"fedlowrank {args.command} runs each run in one process (--jobs N runs N at once); under "
+                          f"torchrun, launch `fedlowrank run` or `fedlowrank resume`")
+    if args.config is not None and load_config(args.config, args.set).run.devices:
+        raise ConfigError(f"run.devices: fedlowrank {args.command} runs each run in one process (--jobs N runs N at "
+                          f"once); set run.devices = [] (run.devices serves `fedlowrank run` and `resume`)")
+
+
 def cmd_compare(args) -> int:
     from .experiments.compare import results_markdown, run_comparison
 
+    _one_process(args)
     with _claimed_output(args, "compare") as out:
         try:
             results = run_comparison(args.config, args.methods, args.seeds, args.set, out,
@@ -384,6 +399,7 @@ def cmd_compare(args) -> int:
 def cmd_tune(args) -> int:
     from .experiments.tune import run_tuning, tune_markdown
 
+    _one_process(args)
     with _claimed_output(args, "tune") as out:
         try:
             result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out,
