@@ -27,10 +27,11 @@ from helpers import tiny_config, tiny_task
 SETS = ("run.clients_per_round=3", "run.rounds=2")  # 4 clients, 3 a round: assignments change between rounds
 METHODS = sorted(available_methods())
 RESUMED = ("fedsa-lora", "scaffold")  # per-client states (personal adapters, control variates) that move
+PLAIN_SGD = {"ssf": ("train.optimizer=sgd", "train.lr=0.05"), "fedsub": ("train.optimizer=sgd", "train.lr=0.05")}
 
 
 def _config(method: str, *sets: str):
-    return tiny_config(f"method.name={method}", *SETS, *sets)
+    return tiny_config(f"method.name={method}", *SETS, *PLAIN_SGD.get(method, ()), *sets)
 
 
 def _comparable(history: list[dict]) -> list[dict]:
