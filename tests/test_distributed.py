@@ -74,7 +74,7 @@ def _job(out: str, resume_dir: str) -> int:
         run = Distributed(_config(method, "run.rounds=3", "run.checkpoint_every=1"), task=tiny_task(),
                           run_dir=out_path / f"two-ranks-{method}")
         run.run()
-        run = Distributed.resume(Path(resume_dir) / method, task=tiny_task(), round=1)
+        run = Distributed.resume(Path(resume_dir) / method, task=tiny_task(), round=2)
         run.run()
         if rank == 0:
             _write(out_path, f"resumed-{method}", run)
@@ -109,7 +109,7 @@ def test_assignment_is_balanced_deterministic_and_changes_between_rounds():
 def test_two_gloo_ranks_equal_one_process_for_every_method_and_resume_across_rank_counts(tmp_path):
     resume_dir = tmp_path / "one-rank"
     uninterrupted = {}
-    for method in RESUMED:  # 1-rank runs with a checkpoint per round, resumed on 2 ranks from round 1
+    for method in RESUMED:  # 1-rank runs with a checkpoint per round (the newest two kept), resumed on 2 ranks from round 2
         uninterrupted[method] = _reference(method, "run.rounds=3", "run.checkpoint_every=1",
                                            run_dir=resume_dir / method)
     out = tmp_path / "out"
@@ -131,7 +131,7 @@ def test_two_gloo_ranks_equal_one_process_for_every_method_and_resume_across_ran
                     else states[key] == value), (method, key)
     for method in RESUMED:
         _assert_equal(_read(out, f"resumed-{method}"), uninterrupted[method])  # 1 -> 2 ranks
-        resumed = Simulation.resume(out / f"two-ranks-{method}", task=tiny_task(), round=1)  # 2 -> 1 rank
+        resumed = Simulation.resume(out / f"two-ranks-{method}", task=tiny_task(), round=2)  # 2 -> 1 rank
         resumed.run()
         assert _comparable(resumed.history) == _comparable(uninterrupted[method].history)
         assert resumed.ledger.rows == uninterrupted[method].ledger.rows
