@@ -221,7 +221,8 @@ def summary_table(summary: dict) -> str:
         rows.append(("best accuracy", f"{summary['best_accuracy']:.4g}"))
     rows.append(("bytes up / down", f"{format_bytes(summary['bytes_up'])} / {format_bytes(summary['bytes_down'])}"))
     rows.append(("time", f"{t['total']:.1f} s (clients {t['client_compute']:.1f} s, aggregation {t['aggregation']:.1f} s, "
-                         f"evaluation {t['evaluation']:.1f} s, other {t['other']:.1f} s)"))
+                         f"evaluation {t['evaluation']:.1f} s, other {t['other']:.1f} s"
+                         + (f", collectives {t['collective']:.1f} s" if "collective" in t else "") + ")"))
     rows.append(("peak memory", f"{summary['peak_rss_mb']:.0f} MB"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
