@@ -131,11 +131,9 @@ def cmd_run(args) -> int:
         Distributed(cfg).run()
         return 0
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
-    if cfg.run.devices and not _other_rank(0):
-        out = Path(args.out) if args.out else _run_dir(cfg, cfg.method_name)
-        words = [w for w in args.argv if w != "--out" and not w.startswith("--out=")]
-        return _spawn_ranks([*words, "--out", str(out)] if not args.out else args.argv, cfg.run.devices,
-                            cfg.run.collective_timeout_s)
+    if cfg.run.devices and not _other_rank(0):  # spawn the ranks, rank 0 writing into one directory named here
+        argv = args.argv if args.out else [*args.argv, "--out", str(_run_dir(cfg, cfg.method_name))]
+        return _spawn_ranks(argv, cfg.run.devices, cfg.run.collective_timeout_s)
     with _output_dir(args, cfg, cfg.method_name) as run_dir, writing(run_dir, "run directory"):
         run = runner_for(cfg)(cfg, run_dir=run_dir, log=None if args.quiet else _log, overwrite=args.overwrite)
     with writing(run_dir, "run directory"):
