@@ -132,6 +132,7 @@ def cmd_run(args) -> int:
         return 0
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
     if cfg.run.devices and not _other_rank(0):  # spawn the ranks, rank 0 writing into one directory named here
+        _check_devices(cfg.run.devices, "run.devices")
         argv = args.argv if args.out else [*args.argv, "--out", str(_run_dir(cfg, cfg.method_name))]
         return _spawn_ranks(argv, cfg.run.devices, cfg.run.collective_timeout_s)
     with _output_dir(args, cfg, cfg.method_name) as run_dir, writing(run_dir, "run directory"):
@@ -241,15 +242,20 @@ def _rank_cli(argv: list[str]) -> int:
     return main(argv)
 
 
-def _spawn_ranks(argv: list[str], devices: list[str], timeout_s: float) -> int:
-    """The command ``argv`` as one rank per device of ``devices`` on this machine
-    (:func:`~fedlowrank.runtime.distributed.spawn`); each device is checked first. Returns the first failed
-    rank's exit status (a rank that fails says why in its own line), else 0."""
+def _check_devices(devices: list[str], option: str) -> None:
+    """Each of ``devices`` (``option``: where they were given) is there on this machine (one line if not)."""
     from .device import resolve_device
-    from .runtime.distributed import spawn
 
     for i, spec in enumerate(devices):
-        resolve_device(spec, f"run.devices[{i}]")
+        resolve_device(spec, f"{option}[{i}]")
+
+
+def _spawn_ranks(argv: list[str], devices: list[str], timeout_s: float) -> int:
+    """The command ``argv`` as one rank per device of ``devices`` on this machine
+    (:func:`~fedlowrank.runtime.distributed.spawn`). Returns the first failed rank's exit status (a rank that
+    fails says why in its own line), else 0."""
+    from .runtime.distributed import spawn
+
     codes = spawn(_rank_cli, (argv,), devices, grace_s=timeout_s + 30)
     failed = [c for c in codes if c]
     return (failed[0] if failed[0] > 0 else 1) if failed else 0
@@ -266,10 +272,7 @@ def cmd_resume(args) -> int:
     listed = section.get("devices") if isinstance(section.get("devices"), list) else []
     devices = [str(d) for d in listed] if args.devices is None else [d for d in args.devices.split(",") if d]
     if devices and not _other_rank(0) and not _other_rank():
-        from .device import check_device_spec
-
-        for i, spec in enumerate(devices):
-            check_device_spec(spec, f"--devices[{i}]")
+        _check_devices(devices, "run.devices" if args.devices is None else "--devices")
         timeout = section.get("collective_timeout_s")
         return _spawn_ranks([*args.argv, *(["--devices", ",".join(devices)] if args.devices is None else [])],
                             devices, float(timeout) if isinstance(timeout, (int, float)) else 600.0)
