@@ -135,7 +135,16 @@ def cmd_run(args) -> int:
 
     _need_config(args)
     cfg = load_config(args.config, [*args.set, *(["run.vectorized=true"] if args.vectorized else [])])
+    if _other_rank():  # a rank of a distributed job other than 0: it trains its share and writes nothing
+        from .runtime.distributed import Distributed
+
+        Distributed(cfg).run()
+        return 0
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
+    if cfg.run.devices and not _other_rank(0):  # spawn the ranks, rank 0 writing into one directory named here
+        _check_devices(cfg.run.devices, "run.devices")
+        argv = args.argv if args.out else [*args.argv, "--out", str(_run_dir(cfg, cfg.method_name))]
+        return _spawn_ranks(argv, cfg.run.devices, cfg.run.collective_timeout_s)
     with _output_dir(args, cfg, cfg.method_name) as run_dir, writing(run_dir, "run directory"):
         run = runner_for(cfg)(cfg, run_dir=run_dir, log=None if args.quiet else _log, overwrite=args.overwrite)
     with writing(run_dir, "run directory"):
@@ -221,23 +230,79 @@ def summary_table(summary: dict) -> str:
         rows.append(("best accuracy", f"{summary['best_accuracy']:.4g}"))
     rows.append(("bytes up / down", f"{format_bytes(summary['bytes_up'])} / {format_bytes(summary['bytes_down'])}"))
     rows.append(("time", f"{t['total']:.1f} s (clients {t['client_compute']:.1f} s, aggregation {t['aggregation']:.1f} s, "
-                         f"evaluation {t['evaluation']:.1f} s, other {t['other']:.1f} s)"))
+                         f"evaluation {t['evaluation']:.1f} s, other {t['other']:.1f} s"
+                         + (f", collectives {t['collective']:.1f} s" if "collective" in t else "") + ")"))
     rows.append(("peak memory", f"{summary['peak_rss_mb']:.0f} MB"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def _other_rank(rank: int | None = None) -> bool:
+    """In a rank of a ``torch.distributed`` job (``torchrun``'s environment): whether this is a rank other than 0
+    (``rank`` given: whether this is that rank)."""
+    from .runtime.distributed import under_torchrun
+
+    if not under_torchrun():
+        return False
+    return int(os.environ["RANK"]) == rank if rank is not None else int(os.environ["RANK"]) != 0
+
+
+def _rank_cli(argv: list[str]) -> int:
+    """One rank spawned by :func:`_spawn_ranks`: the same command, in the rank's environment."""
+    return main(argv)
+
+
+def _check_devices(devices: list[str], option: str) -> None:
+    """Each of ``devices`` (``option``: where they were given) is there on this machine (one line if not)."""
+    from .device import resolve_device
+
+    for i, spec in enumerate(devices):
+        resolve_device(spec, f"{option}[{i}]")
+
+
+def _spawn_ranks(argv: list[str], devices: list[str], timeout_s: float) -> int:
+    """The command ``argv`` as one rank per device of ``devices`` on this machine
+    (:func:`~fedlowrank.runtime.distributed.spawn`). Returns the first failed rank's exit status (a rank that
+    fails says why in its own line), else 0."""
+    from .runtime.distributed import spawn
+
+    codes = spawn(_rank_cli, (argv,), devices, grace_s=timeout_s + 30)
+    failed = [c for c in codes if c]
+    return (failed[0] if failed[0] > 0 else 1) if failed else 0
+
+
 def cmd_resume(args) -> int:
+    from .runtime.distributed import Distributed, under_torchrun
     from .runtime.rundir import writing
     from .runtime.simulator import Simulation
     from .runtime.vectorized import Vectorized
 
     run_dir = Path(args.run_dir)
-    runner = Vectorized if _vectorized_run(run_dir) else Simulation
+    section = _run_section(run_dir)
+    listed = section.get("devices") if isinstance(section.get("devices"), list) else []
+    devices = [str(d) for d in listed] if args.devices is None else [d for d in args.devices.split(",") if d]
+    if devices and not _other_rank(0) and not _other_rank():
+        _check_devices(devices, "run.devices" if args.devices is None else "--devices")
+        timeout = section.get("collective_timeout_s")
+        return _spawn_ranks([*args.argv, *(["--devices", ",".join(devices)] if args.devices is None else [])],
+                            devices, float(timeout) if isinstance(timeout, (int, float)) else 600.0)
+    if _other_rank():
+        Distributed.resume(run_dir).run()
+        return 0
+    runner = Distributed if under_torchrun() else Vectorized if _vectorized_run(run_dir) else Simulation
     with writing(run_dir, "run directory"):
         run = runner.resume(run_dir, log=None if args.quiet else _log, round=args.round, warn=_log)
         _log(f"resuming {run_dir} after round {run.round} of {run.cfg.run.rounds}")
         return _finish(run, run_dir, args.json)
+
+
+def _run_section(run_dir: Path) -> dict:
+    """The ``[run]`` section of ``run_dir``'s config ({} when unreadable: resume says what is wrong)."""
+    try:
+        section = json.loads((run_dir / "config.json").read_text())["run"]
+        return section if isinstance(section, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def _vectorized_run(run_dir: Path) -> bool:
@@ -320,9 +385,24 @@ def _sweep_stopped(args, out: Path, stop: KeyboardInterrupt) -> int:
     return getattr(stop, "exit_status", 130)
 
 
+def _one_process(args) -> None:
+    """``compare`` and ``tune`` run each of their runs in one process (``--jobs N``: N at once); refuse
+    ``run.devices`` and a ``torchrun`` launch, before any work."""
+    from .config import ConfigError, load_config
+    from .runtime.distributed import under_torchrun
+
+    if under_torchrun():
+        raise ConfigError(f"fedlowrank {args.command} runs each run in one process (--jobs N runs N at once); under "
+                          f"torchrun, launch `fedlowrank run` or `fedlowrank resume`")
+    if args.config is not None and load_config(args.config, args.set).run.devices:
+        raise ConfigError(f"run.devices: fedlowrank {args.command} runs each run in one process (--jobs N runs N at "
+                          f"once); set run.devices = [] (run.devices serves `fedlowrank run` and `resume`)")
+
+
 def cmd_compare(args) -> int:
     from .experiments.compare import results_markdown, run_comparison
 
+    _one_process(args)
     with _claimed_output(args, "compare") as out:
         try:
             results = run_comparison(args.config, args.methods, args.seeds, args.set, out,
@@ -338,6 +418,7 @@ def cmd_compare(args) -> int:
 def cmd_tune(args) -> int:
     from .experiments.tune import run_tuning, tune_markdown
 
+    _one_process(args)
     with _claimed_output(args, "tune") as out:
         try:
             result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out,
@@ -500,6 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="continue from the checkpoint of round N (default: the newest intact one)")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
     sp.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    sp.add_argument("--devices", default=None, metavar="LIST",
+                    help="comma-separated devices, one rank each (e.g. cpu,cpu or cuda:0,cuda:1; '' = one process); "
+                    "default: the run's run.devices (under torchrun: torchrun's ranks)")
     sp.set_defaults(func=cmd_resume)
     sp = sub.add_parser("methods", help="list the methods; with NAME, one method's options, preset and lr grid",
                         parents=[debug])

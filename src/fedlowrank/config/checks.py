@@ -45,6 +45,11 @@ def _check_run(cfg: RunConfig) -> None:
           f"run.clients_per_round must be in [1, partition.num_clients = {m}], got {r.clients_per_round}")
     _need(0 <= r.personal_eval_clients <= m, f"run.personal_eval_clients must be in [0, partition.num_clients = {m}] "
                                         f"(0 = every client), got {r.personal_eval_clients}")
+    _need(len(r.devices) <= r.clients_per_round,
+          f"run.devices lists {len(r.devices)} devices, more than run.clients_per_round = {r.clients_per_round}: "
+          f"every rank trains at least one client a round")
+    _need(not (r.devices and r.vectorized), "run.devices and run.vectorized: the vectorised runner runs in one "
+          "process; set one of them")
     _need(r.min_replies <= r.clients_per_round,
           f"run.min_replies must be in [1, run.clients_per_round = {r.clients_per_round}], got {r.min_replies}")
     for rnd, client in r.dropout_schedule:

@@ -47,6 +47,19 @@ def data_sources() -> tuple[str, ...]:
     return tuple(dict.fromkeys(s for cls in available_tasks().values() for s in cls.data_sources))
 
 
+def check_devices(devices: list[str], key: str = "run.devices") -> None:
+    """``run.devices``: each entry a device spec (:func:`~fedlowrank.device.check_device_spec`, ``auto`` excluded),
+    all CPUs or all GPUs (one backend: gloo or NCCL). No hardware query: the launcher checks the devices are
+    there."""
+    for i, spec in enumerate(devices):
+        if spec == "auto":
+            raise ValueError(f"{key}[{i}] must be cpu, cuda or cuda:N, got 'auto' (name each rank's device)")
+        check_device_spec(spec, f"{key}[{i}]")
+    if len({spec == "cpu" for spec in devices}) > 1:
+        raise ValueError(f"{key} mixes CPUs and GPUs ({devices}): list only cpu entries (gloo) or only cuda "
+                         f"entries (NCCL)")
+
+
 def check_model(model: str, key: str = "task.model") -> None:
     """``task.model`` given as a path (starting with ``/``, ``.`` or ``~``) is an existing folder. Bundled names
     and hub ids are resolved, with their own one-line errors, when the model is loaded
@@ -120,6 +133,12 @@ class RunSection(Schema):
                             choices=("", *TRACKERS))
     device: str = setting("auto", "where to compute: auto (a CUDA GPU when there is one), cpu, cuda or cuda:N",
                           check=check_device_spec, form="one of auto, cpu, cuda, cuda:N")
+    devices: list[str] = setting(
+        [], "one process per listed device, the round's clients spread over them (runtime/distributed.py; "
+        "docs/distributed.md): cpu, cuda or cuda:N each, all CPUs or all GPUs; [] = one process (torchrun "
+        "launches its own ranks)", check=check_devices, form="a list of cpu, cuda or cuda:N, all CPUs or all GPUs")
+    collective_timeout_s: float = setting(600.0, "run.devices / torchrun: the longest a rank waits in a collective "
+                                          "for the others (a rank that died stops the job after it)", gt=0)
     state_memory_mb: float = setting(0.0, "MiB of client states kept in memory; beyond it the least recently used "
                                      "spill to disk (RUN_DIR/client_states/) and are read back on demand (0 = keep "
                                      "all in memory)", ge=0)

@@ -6,8 +6,19 @@ from __future__ import annotations
 
 
 def runner_for(cfg) -> type:
-    """The runner class of ``cfg``: :class:`~.vectorized.Vectorized` with ``run.vectorized``, else
-    :class:`~.simulator.Simulation`; either is called as ``runner(cfg, run_dir=..., log=..., overwrite=...)``."""
+    """The runner class of ``cfg``: :class:`~.distributed.Distributed` in a rank of a ``torch.distributed`` job
+    (``torchrun``'s environment; ``run.devices`` outside one is refused), :class:`~.vectorized.Vectorized` with
+    ``run.vectorized``, else :class:`~.simulator.Simulation`; each is called as
+    ``runner(cfg, run_dir=..., log=..., overwrite=...)``."""
+    from .distributed import under_torchrun
+
+    if under_torchrun():
+        from .distributed import Distributed
+
+        return Distributed
+    if cfg.run.devices:
+        raise ValueError(f"run.devices = {cfg.run.devices}: `fedlowrank run` and `fedlowrank resume` spawn one rank "
+                         f"per device; in Python, launch the script with torchrun (docs/distributed.md)")
     if cfg.run.vectorized:
         from .vectorized import Vectorized
 

@@ -77,7 +77,7 @@ class Checkpoint:
 # run.compile, task.length_buckets (padding), train.gradient_checkpointing: the same maths, compiled, padded
 # further or recomputed (float rounding at most); run.gpu_memory_fraction: how large an automatic cohort is.
 NON_MATHS_KEYS = {"run": ("name", "out_dir", "threads", "checkpoint_every", "checkpoint_seconds", "state_memory_mb",
-                          "cohort", "compile", "gpu_memory_fraction"),
+                          "cohort", "compile", "gpu_memory_fraction", "devices", "collective_timeout_s"),
                   "task": ("length_buckets",), "train": ("gradient_checkpointing",), "compare": None}
 
 

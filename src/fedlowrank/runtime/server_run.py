@@ -1,6 +1,7 @@
 """The server side of a run, shared by the simulator and the Flower ServerApp.
 
-A :class:`ServerRun` is a :class:`~.run.Run` with the collaborators the round loop calls: the client states the
+A :class:`ServerRun` holds a :class:`~.run.Run` (:attr:`ServerRun.state`, whose fields it reads and sets as its
+own attributes: ``cfg``, ``task``, ``method``, ``model``, ``server``, ``round``...) and adds the collaborators the round loop calls: the client states the
 server holds (:class:`~.store.ClientStore`; none on Flower, where they stay on the nodes), the run directory's files
 (:class:`~.rundir.RunFiles`, in the directory :mod:`.rundir` claims and locks), evaluation (:mod:`.evaluation`),
 checkpoints (:mod:`.checkpoint`), the experiment tracker (:class:`~fedlowrank.reporting.tracking.RunTracker`) and
@@ -23,7 +24,6 @@ from __future__ import annotations
 import math
 import time
 from collections import ChainMap
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -44,11 +44,17 @@ from .stopping import StopRequested, check_stop, stop_signals
 from .store import ClientStore
 
 
-class ServerRun(Run):
-    """``run`` with the server's collaborators (see the module docstring).
+def _held(name: str) -> property:
+    """The field ``name`` of the held :class:`~.run.Run`, read and set through :attr:`ServerRun.state`."""
+    return property(lambda self: getattr(self.state, name), lambda self, value: setattr(self.state, name, value),
+                    doc=f"``state.{name}`` (:class:`~.run.Run`)")
+
+
+class ServerRun:
+    """A :class:`~.run.Run` with the server's collaborators (see the module docstring).
 
     Args:
-        run: the run (from :func:`~.run.build_run`); this object takes over its fields.
+        run: the run (from :func:`~.run.build_run`), held as :attr:`state`.
         run_dir: where to write the run's files; ``None`` writes nothing. It must be empty or absent unless
             ``overwrite`` (which deletes the old run's files), and is locked until :meth:`close` or the end of the
             process. Call :meth:`check` with it before building the run, to refuse it before any work.
@@ -58,9 +64,23 @@ class ServerRun(Run):
         client_states: whether the server holds the clients' states (``False`` on Flower; checkpoints say so).
     """
 
+    cfg = _held("cfg")
+    task = _held("task")
+    parts = _held("parts")
+    split = _held("split")
+    method = _held("method")
+    model = _held("model")
+    info = _held("info")
+    device = _held("device")
+    server = _held("server")
+    round = _held("round")
+    history = _held("history")
+    ledger = _held("ledger")
+    last_eval = _held("last_eval")
+
     def __init__(self, run: Run, run_dir: str | Path | None = None, log: Callable[[str], None] | None = None,
                  overwrite: bool = False, log_partition: bool = True, client_states: bool = True):
-        super().__init__(**{f.name: getattr(run, f.name) for f in fields(Run)})
+        self.state = run
         cfg = self.cfg
         self.client_states = client_states
         self.initial_eval: dict[str, Any] = {}  # round 0, before training (:meth:`evaluate_initial`)
@@ -99,7 +119,7 @@ class ServerRun(Run):
     def close_round(self, got: RoundReplies, started: float, warn: Warn | None = None) -> RoundOutcome:
         """The server's step of round ``got.round`` (:func:`.rounds.close_round`); ``warn`` (default: the run's
         log) gets the round's warnings."""
-        return close_round(self, got, started, warn or self.warn)
+        return close_round(self.state, got, started, warn or self.warn)
 
     def evaluate_round(self, outcome: RoundOutcome,
                        new_states: Mapping[int, State] | None = None) -> tuple[dict[str, float], float]:
@@ -127,8 +147,8 @@ class ServerRun(Run):
         row.update(metrics)
         t = row["time"]
         total = time.perf_counter() - outcome.started
-        t.update({"evaluation": evaluation, "other": total - t["client_compute"] - t["aggregation"] - evaluation,
-                  "total": total})
+        t.update({"evaluation": evaluation, "other": total - t["client_compute"] - t["aggregation"] - evaluation
+                  - t.get("collective", 0.0), "total": total})
         row["peak_rss_mb"] = peak_rss_mb()
         row.update(accounting(self.cfg, self.info.client_sizes, self.history, row))
         row["per_client"] = client_rows(outcome.ledger, outcome.replies, self.evaluator.pop_client_tests())
@@ -146,11 +166,15 @@ class ServerRun(Run):
         self.files.append_round(row, ledger, self.task.pop_generations())
         self.tracker.log(row)
         self.check_divergence(row)
-        if self.checkpoints.due(self.round):
+        if self.checkpoint_due(self.round):
             self.save_checkpoint()
         self.progress.round_end(row, metrics, rounds)
         if collapse_of(row) and not any(collapse_of(r) for r in self.history[:-1]):
             self.warn(collapse_line(collapse_of(row)))
+
+    def checkpoint_due(self, rnd: int) -> bool:
+        """Whether the state after round ``rnd`` is saved (:meth:`~.checkpoint.Checkpointer.due`)."""
+        return self.checkpoints.due(rnd)
 
     def check_divergence(self, row: dict[str, Any]) -> None:
         """Stop on a non-finite global parameter, a round whose every reply was non-finite (from two clients or

@@ -1,0 +1,207 @@
+"""The distributed runner (runtime/distributed.py) on CPU gloo ranks spawned on this machine: two ranks equal one
+process bit for bit for every registered method, resume across rank counts, a rank that dies, bad ``run.devices``.
+
+Every spawned job runs many runs in each rank (spawning costs seconds); rank 0 writes what it got under tmp_path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedlowrank.cli import main
+from fedlowrank.config import ConfigError
+from fedlowrank.message import State
+from fedlowrank.methods import available_methods
+from fedlowrank.runtime.distributed import Distributed, RankFailure, assign, spawn
+from fedlowrank.runtime.simulator import Simulation
+
+from helpers import tiny_config, tiny_task
+
+SETS = ("run.clients_per_round=3", "run.rounds=2")  # 4 clients, 3 a round: assignments change between rounds
+METHODS = sorted(available_methods())
+RESUMED = ("fedsa-lora", "scaffold")  # per-client states (personal adapters, control variates) that move
+PLAIN_SGD = {"ssf": ("train.optimizer=sgd", "train.lr=0.05"), "fedsub": ("train.optimizer=sgd", "train.lr=0.05")}
+
+
+def _config(method: str, *sets: str):
+    return tiny_config(f"method.name={method}", *SETS, *PLAIN_SGD.get(method, ()), *sets)
+
+
+def _comparable(history: list[dict]) -> list[dict]:
+    """The history rows without what depends on the machine: times (a method's diagnostics included), memory."""
+    rows = []
+    for row in history:
+        row = {k: v for k, v in row.items() if k not in ("time", "peak_rss_mb")}
+        if "diagnostics" in row:
+            row["diagnostics"] = {k: v for k, v in row["diagnostics"].items() if not k.endswith("seconds")}
+        rows.append(row)
+    return rows
+
+
+def _result(run) -> dict:
+    return {"history": _comparable(run.history), "ledger": run.ledger.rows}
+
+
+def _write(out: Path, name: str, run) -> None:
+    (out / f"{name}.json").write_text(json.dumps(_result(run)))
+    (out / f"{name}.server").write_bytes(run.server.to_bytes())
+
+
+def _write_states(out: Path, name: str, run) -> None:
+    states = State({f"{k}/{key}": v for k in run.store for key, v in run.store[k].items()})
+    (out / f"{name}.states-{run.rank}").write_bytes(states.to_bytes())
+
+
+def _read(out: Path, name: str) -> tuple[dict, bytes]:
+    return json.loads((out / f"{name}.json").read_text()), (out / f"{name}.server").read_bytes()
+
+
+def _job(out: str, resume_dir: str) -> int:
+    """Each rank of the 2-rank job: every method for 2 rounds, a 3-round run to resume on 1 rank, and the resume
+    on 2 ranks of a 1-rank checkpoint."""
+    out_path = Path(out)
+    rank = int(os.environ["RANK"])
+    moves = 0
+    for method in METHODS:
+        run = Distributed(_config(method), task=tiny_task())
+        run.run()
+        moves += run.moves
+        _write_states(out_path, method, run)
+        if rank == 0:
+            _write(out_path, method, run)
+    for method in RESUMED:
+        run = Distributed(_config(method, "run.rounds=3", "run.checkpoint_every=1"), task=tiny_task(),
+                          run_dir=out_path / f"two-ranks-{method}")
+        run.run()
+        run = Distributed.resume(Path(resume_dir) / method, task=tiny_task(), round=2)
+        run.run()
+        if rank == 0:
+            _write(out_path, f"resumed-{method}", run)
+    (out_path / f"moves-{rank}").write_text(str(moves))
+    return 0
+
+
+def _reference(method: str, *sets: str, run_dir: Path | None = None) -> Simulation:
+    sim = Simulation(_config(method, *sets), task=tiny_task(), run_dir=run_dir)
+    sim.run()
+    return sim
+
+
+def _assert_equal(got: tuple[dict, bytes], sim: Simulation, what: str = "") -> None:
+    result, server = got
+    assert result == json.loads(json.dumps(_result(sim))), what
+    assert server == sim.server.to_bytes(), what
+
+
+def test_assignment_is_balanced_deterministic_and_changes_between_rounds():
+    assert assign({5: 10.0, 1: 10.0, 2: 30.0, 7: 5.0}, 2) == {2: 0, 1: 1, 5: 1, 7: 1}  # loads 30, 25
+    assert assign({5: 10.0, 1: 10.0, 2: 30.0, 7: 5.0, 3: 20.0}, 2) == {2: 0, 3: 1, 1: 1, 5: 0, 7: 1}
+    assert assign({3: 1.0}, 1) == {3: 0}
+    from fedlowrank.runtime.engine import sample_clients
+
+    cfg = _config("fedit")
+    run_sizes = [len(p) for p in Simulation(cfg, task=tiny_task()).parts]
+    owners = [assign({k: float(run_sizes[k]) for k in sample_clients(cfg.run.seed, rnd, 4, 3)}, 2) for rnd in (1, 2)]
+    assert any(owners[0][k] != owners[1][k] for k in owners[0].keys() & owners[1].keys())
+
+
+def test_two_gloo_ranks_equal_one_process_for_every_method_and_resume_across_rank_counts(tmp_path):
+    resume_dir = tmp_path / "one-rank"
+    uninterrupted = {}
+    for method in RESUMED:  # 1-rank runs, a checkpoint a round (the newest two kept), resumed on 2 ranks from round 2
+        uninterrupted[method] = _reference(method, "run.rounds=3", "run.checkpoint_every=1",
+                                           run_dir=resume_dir / method)
+    out = tmp_path / "out"
+    out.mkdir()
+    t0 = time.monotonic()
+    assert spawn(_job, (str(out), str(resume_dir)), ["cpu", "cpu"], grace_s=60) == [0, 0]
+    print(f"2-rank job: {time.monotonic() - t0:.1f} s")
+    assert sum(int((out / f"moves-{r}").read_text()) for r in (0, 1)) > 0  # client states moved between ranks
+    for method in METHODS:
+        sim = _reference(method)
+        _assert_equal(_read(out, method), sim, method)
+        states = {}
+        for r in (0, 1):
+            states.update(State.from_bytes((out / f"{method}.states-{r}").read_bytes()))
+        expected = {f"{k}/{key}": v for k in sim.store for key, v in sim.store[k].items()}
+        assert states.keys() == expected.keys(), method
+        for key, value in expected.items():
+            assert (torch.equal(states[key], value) if isinstance(value, torch.Tensor)
+                    else states[key] == value), (method, key)
+    for method in RESUMED:
+        _assert_equal(_read(out, f"resumed-{method}"), uninterrupted[method])  # 1 -> 2 ranks
+        resumed = Simulation.resume(out / f"two-ranks-{method}", task=tiny_task(), round=2)  # 2 -> 1 rank
+        resumed.run()
+        assert _comparable(resumed.history) == _comparable(uninterrupted[method].history)
+        assert resumed.ledger.rows == uninterrupted[method].ledger.rows
+        assert resumed.server.to_bytes() == uninterrupted[method].server.to_bytes()
+
+
+class _Dies(Distributed):
+    def train_clients(self, rnd, sent, data, cfg):
+        if self.rank == 1 and rnd == 2:
+            os._exit(9)
+        return super().train_clients(rnd, sent, data, cfg)
+
+
+def _dying_job(out: str) -> int:
+    rank = int(os.environ["RANK"])
+    cfg = _config("scaffold", "run.rounds=3", "run.checkpoint_every=1", "run.collective_timeout_s=30")
+    try:
+        _Dies(cfg, task=tiny_task(), run_dir=Path(out) / "run").run()
+    except RankFailure as exc:
+        (Path(out) / f"error-{rank}").write_text(str(exc))
+        return 1
+    return 0
+
+
+def test_a_rank_that_dies_stops_the_other_with_one_line_and_resume_continues(tmp_path):
+    t0 = time.monotonic()
+    codes = spawn(_dying_job, (str(tmp_path),), ["cpu", "cpu"], grace_s=60)
+    assert time.monotonic() - t0 < 60 + 30  # within the collective timeout, with the start of two processes
+    assert codes == [1, 9]
+    line = (tmp_path / "error-0").read_text()
+    assert "\n" not in line and "rank 1" in line and f"fedlowrank resume {tmp_path / 'run'}" in line
+    resumed = Simulation.resume(tmp_path / "run", task=tiny_task())
+    assert resumed.round == 1
+    resumed.run()
+    reference = _reference("scaffold", "run.rounds=3")
+    assert _comparable(resumed.history) == _comparable(reference.history)
+    assert resumed.server.to_bytes() == reference.server.to_bytes()
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["run.devices=[\"gpu\"]"], "run.devices[0] must be one of"),
+    (["run.devices=[\"auto\"]"], "run.devices[0] must be cpu, cuda or cuda:N"),
+    (["run.devices=[\"cpu\",\"cuda:0\"]"], "run.devices mixes CPUs and GPUs"),
+    (["run.devices=[\"cpu\",\"cpu\",\"cpu\"]", "run.clients_per_round=2"], "more than run.clients_per_round = 2"),
+])
+def test_bad_devices_are_refused_by_the_config(sets, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        tiny_config(*sets)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 7, reason="this machine has a cuda:7")
+def test_a_missing_device_is_one_error_line(tmp_path, capsys):
+    status = main(["run", "tiny", "--out", str(tmp_path / "run"), "--set", "run.devices=[\"cuda:7\",\"cuda:7\"]"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status != 0 and len(err) == 1 and err[0].startswith("error: run.devices[0] = 'cuda:7'")
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_devices_outside_a_job_is_refused_by_the_python_api_and_by_compare(tmp_path, capsys):
+    from fedlowrank.runtime import runner_for
+
+    with pytest.raises(ValueError, match="run.devices"):
+        runner_for(tiny_config('run.devices=["cpu","cpu"]'))
+    status = main(["compare", "tiny", "--out", str(tmp_path / "cmp"), "--set", 'run.devices=["cpu","cpu"]'])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and err[0].startswith("error: run.devices: fedlowrank compare runs")
+    assert not (tmp_path / "cmp").exists()
