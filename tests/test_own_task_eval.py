@@ -4,6 +4,8 @@ global model on each client's subset; data sets without a test-side column keep 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -114,3 +116,20 @@ def test_own_task_resume_is_identical(tmp_path):
     keys = ("loss", "exact_match", "by_task", "per_client")
     assert [{k: r[k] for k in keys} for r in straight.history] == [{k: r[k] for k in keys} for r in resumed.history]
     assert straight.summary()["by_task"] == resumed.summary()["by_task"]
+
+
+def test_compare_tabulates_the_mean_own_task_metric_and_says_so(tmp_path):
+    from fedlowrank.experiments.compare import results_markdown, run_comparison
+
+    sets = ["data.source=task-mix", "partition.kind=shards", "partition.partition_by=task",
+            "partition.classes_per_client=1", "partition.num_clients=3", "run.clients_per_round=3", "run.rounds=1",
+            "train.local_steps=1", "data.max_train_examples=0", "data.max_test_examples=12", OPTIONS,
+            "run.stop_metric=exact_match", "train.local_epochs=0", "train.batch_size=4"]
+    res = run_comparison("tiny-lm", "fedalt,fedit", "0", sets, tmp_path / "c")
+    assert res["metric"] == "exact_match"
+    assert res["metric_description"] == "mean own-task exact match over clients"
+    for row in res["rows"]:
+        metrics = tmp_path / "c" / f"{row['method']}-seed0" / "metrics.jsonl"
+        history = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert row["runs"][0]["final"] == pytest.approx(history[-1]["exact_match"])
+    assert "| method | final mean own-task exact match over clients |" in results_markdown(res)
