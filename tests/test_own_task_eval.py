@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedlowrank.cli import summary_table
 from fedlowrank.config import load_config
 from fedlowrank.runtime.evaluation import OWN_TASK, metric_description, own_groups
 from fedlowrank.runtime.simulator import Simulation
@@ -115,7 +116,11 @@ def test_own_task_resume_is_identical(tmp_path):
             assert torch.equal(v, resumed.store[c][k]), (c, k)
     keys = ("loss", "exact_match", "by_task", "per_client")
     assert [{k: r[k] for k in keys} for r in straight.history] == [{k: r[k] for k in keys} for r in resumed.history]
-    assert straight.summary()["by_task"] == resumed.summary()["by_task"]
+    summary = straight.summary()
+    assert summary["by_task"] == resumed.summary()["by_task"]
+    table = summary_table(summary)
+    for name, metrics in summary["by_task"].items():
+        assert f"task {name}" in table and f"exact_match {metrics['exact_match']:.4g}" in table
 
 
 def test_compare_tabulates_the_mean_own_task_metric_and_says_so(tmp_path):
@@ -133,3 +138,13 @@ def test_compare_tabulates_the_mean_own_task_metric_and_says_so(tmp_path):
         history = [json.loads(line) for line in metrics.read_text().splitlines()]
         assert row["runs"][0]["final"] == pytest.approx(history[-1]["exact_match"])
     assert "| method | final mean own-task exact match over clients |" in results_markdown(res)
+
+
+def test_the_round_line_says_the_metrics_are_own_task_means():
+    from fedlowrank.reporting.progress import round_line
+
+    row = {"round": 1, "train_loss": 1.0, "replied": [0], "clients": [0], "bytes_up": 1, "bytes_down": 1,
+           "time": {"total": 1.0}}
+    metrics = {"loss": 2.0, "exact_match": 0.25, "by_task": {"gsm8k": {"exact_match": 0.25}}}
+    line = round_line("fedit", row, metrics, 1, 0.0, {"exact_match": 60})
+    assert "own-task mean over clients: test loss 2.0000, exact_match 0.25" in line and "/60" not in line
