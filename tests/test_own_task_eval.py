@@ -148,3 +148,11 @@ def test_the_round_line_says_the_metrics_are_own_task_means():
     metrics = {"loss": 2.0, "exact_match": 0.25, "by_task": {"gsm8k": {"exact_match": 0.25}}}
     line = round_line("fedit", row, metrics, 1, 0.0, {"exact_match": 60})
     assert "own-task mean over clients: test loss 2.0000, exact_match 0.25" in line and "/60" not in line
+
+
+def test_a_subset_whose_responses_were_all_cut_reports_no_loss():
+    sim = Simulation(mix_config("fedit", 3, "task.max_length=256"))  # tiny-llama's bytes: articles fill 256 tokens
+    topic = np.asarray(sim.task.data.test_columns["task"]) == "topic"
+    assert all(e.lost_response for e, i in zip(sim.task.eval_encoded, sim.task.eval_order) if topic[i])
+    metrics = sim.task.evaluate_subset(sim.model.net, topic)
+    assert "loss" not in metrics and "exact_match" in metrics

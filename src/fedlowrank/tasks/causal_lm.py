@@ -711,14 +711,15 @@ class CausalLM(Task):
     def _evaluate(self, net: nn.Module, examples: list[Encoded],
                   questions: list[tuple[int, list[int]]]) -> dict[str, float]:
         """Token loss on ``examples`` (length-sorted) and exact match on ``questions`` (test index, prompt ids);
-        each metric only when it has examples."""
+        each metric only when it has examples (the loss: with a response token left after truncation)."""
         if self.loaded.speed_and_memory_only:  # random weights: no metric would mean anything
             if not self._said_speed_only:
                 log.warning("causal-lm: task.model = %r has %s; evaluation skipped", self.model_name,
                             SPEED_AND_MEMORY_ONLY)
                 self._said_speed_only = True
             return {}
-        metrics = self._token_loss(net, examples) if examples else {}
+        scored = [e for e in examples if not e.lost_response]  # the others have no response token left
+        metrics = self._token_loss(net, scored) if scored else {}
         if questions:
             outputs = generate(net, self.tokenizer, [p for _, p in questions], self.max_new_tokens,
                                self.generation_batch_size)
