@@ -7,10 +7,10 @@ every method before anything trains (:meth:`fedlowrank.experiments.sweep.Sweep.c
 final and best metric over rounds, as the mean over seeds and its 95% Student-t interval
 (:mod:`fedlowrank.experiments.stats`); on task-heterogeneous clients (an own-task evaluation,
 :mod:`fedlowrank.runtime.evaluation`) the metric is the mean over clients of each one's own-task metric, and the
-tables say so (``metric_description``, e.g. "mean own-task exact match over clients"). Against the reference method, per seed, the differences and
-(:func:`paired_statistics`) their mean with its paired t-interval, their median, the method's wins and losses, a
-paired bootstrap interval of the mean and the Wilcoxon signed-rank test, whose two-sided ``p < 0.05`` alone
-gives a verdict ("better"/"worse"; else "undecided"): it does not assume normal differences, which a method that
+tables say so (``metric_description``, e.g. "mean own-task exact match over clients"). Against the reference
+method, per seed, the differences and (:func:`paired_statistics`) their mean with its paired t-interval, their
+median, the method's wins and losses, a paired bootstrap interval of the mean and the Wilcoxon signed-rank test,
+whose two-sided ``p < 0.05`` alone gives a verdict ("better"/"worse"; else "undecided"): it does not assume normal differences, which a method that
 sometimes collapses does not have.
 
 Settings per method, later ones winning: the method's preset (:func:`fedlowrank.methods.preset_overrides`),
