@@ -214,7 +214,7 @@ def summary_table(summary: dict) -> str:
     t = summary["time"]
     rows = [("method", f"{summary['method']}, {summary['rounds']} rounds")]
     skip = {"method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy", "predictions",
-            "collapse", "initial"}
+            "collapse", "initial", "by_task"}
     for key, value in summary.items():
         if key not in skip:
             rows.append((key, f"{value:.4g}" if isinstance(value, float) else str(value)))
@@ -222,6 +222,8 @@ def summary_table(summary: dict) -> str:
         p = summary["predictions"]
         rows.append(("most predicted", f"class {p['top_label']!r}, {100 * p['top_share']:.1f} % of the test set "
                                        f"(chance level {100 * p['majority_share']:.1f} %)"))
+    for name, metrics in summary.get("by_task", {}).items():  # an own-task evaluation's mean per task
+        rows.append((f"task {name}", ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())))
     if "collapse" in summary:
         c = summary["collapse"]
         rows.append(("collapse", f"from round {c['round']}: class {c['top_label']!r}, {100 * c['top_share']:.1f} % "

@@ -5,10 +5,12 @@ For each seed every method sees the same data, the same partition (a function of
 (``run.seed``, client, round): the runs are *paired* by seed, and the partition is checked to be the same for
 every method before anything trains (:meth:`fedlowrank.experiments.sweep.Sweep.check_pairing`). Per method: the
 final and best metric over rounds, as the mean over seeds and its 95% Student-t interval
-(:mod:`fedlowrank.experiments.stats`). Against the reference method, per seed, the differences and
-(:func:`paired_statistics`) their mean with its paired t-interval, their median, the method's wins and losses, a
-paired bootstrap interval of the mean and the Wilcoxon signed-rank test, whose two-sided ``p < 0.05`` alone
-gives a verdict ("better"/"worse"; else "undecided"): it does not assume normal differences, which a method that
+(:mod:`fedlowrank.experiments.stats`); on task-heterogeneous clients (an own-task evaluation,
+:mod:`fedlowrank.runtime.evaluation`) the metric is the mean over clients of each one's own-task metric, and the
+tables say so (``metric_description``, e.g. "mean own-task exact match over clients"). Against the reference
+method, per seed, the differences and (:func:`paired_statistics`) their mean with its paired t-interval, their
+median, the method's wins and losses, a paired bootstrap interval of the mean and the Wilcoxon signed-rank test,
+whose two-sided ``p < 0.05`` alone gives a verdict ("better"/"worse"; else "undecided"): it does not assume normal differences, which a method that
 sometimes collapses does not have.
 
 Settings per method, later ones winning: the method's preset (:func:`fedlowrank.methods.preset_overrides`),
@@ -34,7 +36,7 @@ from ..config import ConfigError, RunConfig, load_config
 from ..models.architectures import check_measures_quality
 from ..reporting.plots import with_round_zero
 from ..reporting.progress import format_bytes
-from ..runtime.evaluation import COLLAPSE_SHARE, run_collapse
+from ..runtime.evaluation import COLLAPSE_SHARE, metric_description, run_collapse
 from ..tasks import headline_metric, higher_is_better, metric_range
 from ..tasks.catalog import data_name, data_source
 from .stats import (ALPHA, BOOTSTRAP_RESAMPLES, CONFIDENCE, Interval, bootstrap_interval, mean_interval, median,
@@ -298,7 +300,9 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
             entry[key] = paired_statistics([r[key] for r in row["runs"]], [r[key] for r in ref["runs"]],
                                            higher_is_better(metric))
         paired.append(entry)
-    results = {"metric": metric, "higher_is_better": higher_is_better(metric), "confidence": CONFIDENCE,
+    described = metric_description(metric, [r for o in outcomes for r in o.history])
+    results = {"metric": metric, "metric_description": described, "higher_is_better": higher_is_better(metric),
+               "confidence": CONFIDENCE,
                "alpha": ALPHA, "setup": setup, "seeds": seed_list, "reference": reference,
                "tuned": str(tuned) if tuned else None, "rows": rows, "paired": paired}
     if out is not None:
@@ -388,11 +392,17 @@ def results_markdown(results: dict[str, Any]) -> str:
     pm = (f"mean ± half-width of the {conf} Student-t confidence interval of the mean over the {n} seeds "
           f"(t_{{{0.5 + results['confidence'] / 2:g}, n−1}} · sd / √n, sample sd with ddof = 1)" if n > 1
           else "a single seed (n = 1): no interval")
-    where = f"on the {setup['num_test']:,} test examples" if setup.get("num_test") else "as the task evaluates it"
+    named = results.get("metric_description", metric)
+    if named != metric:  # own-task evaluation (fedlowrank.runtime.evaluation)
+        where = "(each client scored on the test examples of its own task, by its own model or the global one)"
+    elif setup.get("num_test"):
+        where = f"on the {setup['num_test']:,} test examples"
+    else:
+        where = "as the task evaluates it"
     private = any(r.get("epsilon") is not None for r in results["rows"])
-    lines += ["", "## Results", "", f"Metric: {metric} {where} ({direction}); final = after the last round, "
+    lines += ["", "## Results", "", f"Metric: {named} {where} ({direction}); final = after the last round, "
               f"best = the best evaluated round. Values are {pm}.", "",
-              f"| method | final {metric} | best {metric} | bytes up | bytes down | time (s) |"
+              f"| method | final {named} | best {named} | bytes up | bytes down | time (s) |"
               + (" ε (client-level DP) |" if private else ""), "|---|---|---|---|---|---|" + ("---|" if private else "")]
     for r in results["rows"]:
         eps = (f" {r['epsilon']:.3g} |" if r.get("epsilon") is not None else " – |") if private else ""
@@ -404,14 +414,14 @@ def results_markdown(results: dict[str, Any]) -> str:
         lines += ["", *(f"- {line}" for line in collapses)]
     if results["paired"]:
         lines += ["", f"## Paired differences against {ref}", "", *paired_explanation(results), "",
-                  f"| method | Δ {metric} | mean ± {conf} t | median | {conf} bootstrap | wins–ties–losses | "
+                  f"| method | Δ {named} | mean ± {conf} t | median | {conf} bootstrap | wins–ties–losses | "
                   "signed-rank p | verdict |", "|---|---|---|---|---|---|---|---|"]
         rows = {r["method"]: r for r in results["rows"]}
         for p in results["paired"]:
             for key in ("final", "best"):
                 lines.append(f"| {method_cell(rows[p['method']])} | {key} | {_interval(p[key]).format(signed=True)} | "
                              f"{paired_cells(p[key])} |")
-        lines += ["", f"Δ final {metric} per seed:", "", "| method | " + " | ".join(
+        lines += ["", f"Δ final {named} per seed:", "", "| method | " + " | ".join(
             f"seed {s}" for s in results["seeds"]) + " |", "|---|" + "---|" * n]
         for p in results["paired"]:
             lines.append(f"| {p['method']} | " + " | ".join(f"{d:+.4f}" for d in p["final"]["differences"]) + " |")

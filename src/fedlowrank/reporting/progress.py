@@ -79,12 +79,13 @@ def round_line(method: str, row: dict[str, Any], metrics: dict[str, float], roun
     if row["train_loss"] == row["train_loss"]:  # no train loss (nan) when no reply was used, or none exists
         parts.append(f"train loss {row['train_loss']:.4f}")
     tests = []
+    own = "by_task" in metrics  # an own-task evaluation: means over clients, not shares of the counts
     if "loss" in metrics:
         tests.append(f"test loss {metrics['loss']:.4f}")
-    tests += [format_metric(k, v, counts) for k, v in metrics.items()
+    tests += [format_metric(k, v, None if own else counts) for k, v in metrics.items()
               if k != "loss" and isinstance(v, (int, float))]  # not the predictions' summary
     if tests:
-        parts.append(", ".join(tests))
+        parts.append(("own-task mean over clients: " if own else "") + ", ".join(tests))
     if len(row["replied"]) < len(row["clients"]):
         parts.append(f"replied {len(row['replied'])}/{len(row['clients'])}")
     parts.append(f"up {format_bytes(row['bytes_up'])}, down {format_bytes(row['bytes_down'])}")

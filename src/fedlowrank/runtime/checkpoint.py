@@ -493,4 +493,5 @@ def restore(run, ck: Checkpoint) -> None:
     run.history, run.ledger.rows = ck.history, ck.ledger
     metrics = run.task.metrics
     evals = [r for r in ck.history if any(k in r for k in metrics)]
-    run.last_eval = {k: v for k, v in evals[-1].items() if k in metrics or k == "predictions"} if evals else {}
+    run.last_eval = ({k: v for k, v in evals[-1].items() if k in metrics or k in ("predictions", "by_task")}
+                     if evals else {})

@@ -8,6 +8,16 @@ every client with a state, or the first ``run.personal_eval_clients`` of them in
 ``run.seed`` (the same every round). Without client states (the Flower server's run: they stay on the nodes)
 the global model is evaluated.
 
+**Own-task evaluation.** When the data set declares the column that the partition splits on
+(``partition.partition_by``) on its test examples too (:meth:`~fedlowrank.tasks.Task.test_column`: a task or group
+per example, e.g. task-mix's ``task``), each client is scored on the test examples of its own values of that column
+(:func:`own_groups`): a personalised method's clients with their own models, and for every other method the global
+model on each client's subset (each distinct subset evaluated once, its metrics given to every client that has it).
+Every method then reports the same ``per_client`` entries, and the round's metrics are the mean over the evaluated
+clients of their own-task metrics (:data:`OWN_TASK`), with ``by_task``: that mean per value (clients of several
+values under their values joined by ``+``). Which clients: as for a personalised method, among all clients for a
+global model.
+
 A classification task's evaluation also says what the model predicted (``predictions``:
 :func:`fedlowrank.tasks.base.prediction_summary`). The global model has *collapsed* in a round when one class takes
 at least :data:`COLLAPSE_SHARE` of its test predictions (:func:`collapse_of`); the run says so in one line at the
@@ -30,9 +40,10 @@ from .stopping import interruptible
 class Evaluator:
     """Evaluates the models of a run (see the module docstring); ``progress`` shows the evaluation bar."""
 
-    def __init__(self, cfg, task, method, model, progress: Progress):
+    def __init__(self, cfg, task, method, model, progress: Progress, parts: list[np.ndarray] | None = None):
         self.cfg, self.task, self.method, self.model, self.progress = cfg, task, method, model, progress
         self.client_tests: dict[int, dict[str, float]] = {}  # the last evaluation's per-client metrics
+        self.own = own_groups(task, cfg.partition.partition_by, parts) if parts is not None else None
 
     def due(self, rnd: int) -> bool:
         return rnd % self.cfg.run.eval_every == 0 or rnd == self.cfg.run.rounds
@@ -49,6 +60,8 @@ class Evaluator:
         """The metrics of the global model ``server``, or for a personalised method with client ``states`` the mean
         of its evaluated clients' own models (each client's in :attr:`client_tests`)."""
         self.client_tests = {}
+        if self.own is not None:
+            return self.evaluate_own(server, states)
         if self.method.personalized and len(states):
             clients = self.personal_clients(states)
             self.progress.eval_start(len(clients))
@@ -63,10 +76,66 @@ class Evaluator:
         with interruptible(), self.progress.evaluating(self.model.net):
             return self.task.evaluate(self.model.net)
 
+    def evaluate_own(self, server: State, states: Mapping[int, State]) -> dict[str, Any]:
+        """Each evaluated client's own-task metrics (in :attr:`client_tests`) and their mean over the clients, with
+        ``by_task`` (the module docstring's own-task evaluation)."""
+        groups, test_values = self.own
+        personal = self.method.personalized and len(states)
+        clients = self.personal_clients(states if personal else range(len(groups)))
+        if not personal:
+            self.method.load_global(self.model, server)
+        by_subset: dict[tuple[str, ...], dict[str, float]] = {}
+        self.progress.eval_start(len(clients))
+        for k in clients:
+            own = groups[k]
+            if personal or own not in by_subset:
+                if personal:
+                    self.method.load_personal(self.model, server, states[k])
+                with interruptible():
+                    by_subset[own] = self.task.evaluate_subset(self.model.net, np.isin(test_values, own))
+            self.client_tests[k] = by_subset[own]
+            self.progress.eval_step()
+        metrics: dict[str, Any] = mean_metrics([self.client_tests[k] for k in clients])
+        labels = sorted({"+".join(groups[k]) for k in clients})
+        metrics["by_task"] = {g: mean_metrics([self.client_tests[k] for k in clients if "+".join(groups[k]) == g])
+                              for g in labels}
+        return metrics
+
     def pop_client_tests(self) -> dict[int, dict[str, float]]:
         """The per-client metrics of the last evaluation, once (a round's ``per_client`` entries take them)."""
         tests, self.client_tests = self.client_tests, {}
         return tests
+
+
+OWN_TASK = "mean own-task {metric} over clients"
+"""What an own-task evaluation's metric is (:func:`metric_description`)."""
+
+
+def own_groups(task, column: str, parts: list[np.ndarray]) -> tuple[list[tuple[str, ...]], np.ndarray] | None:
+    """``(groups, test_values)`` when the data set declares the partition's ``column`` on its test examples
+    (:meth:`~fedlowrank.tasks.Task.test_column`), else ``None``: ``groups[k]`` the sorted values of ``column`` among
+    client ``k``'s training examples ``parts[k]``, ``test_values`` ``[num_test]`` the column of the test
+    examples."""
+    test = task.test_column(column) if column else None
+    if test is None:
+        return None
+    train = task.column_values(column)
+    return [tuple(sorted({train[int(i)] for i in p})) for p in parts], np.asarray(test)
+
+
+def mean_metrics(rows: list[Mapping[str, Any]]) -> dict[str, float]:
+    """The mean of each numeric metric over the ``rows`` that have it."""
+    rows = [scalar_metrics(r) for r in rows]
+    keys = dict.fromkeys(k for r in rows for k in r)
+    return {k: float(np.mean([r[k] for r in rows if k in r])) for k in keys}
+
+
+def metric_description(metric: str, rows: list[Mapping[str, Any]]) -> str:
+    """What ``metric`` of the metrics ``rows`` of a run is: :data:`OWN_TASK` when they come from an own-task
+    evaluation (they have ``by_task``), else the metric's name."""
+    if any("by_task" in r for r in rows):
+        return OWN_TASK.format(metric=metric.replace("_", " "))
+    return metric
 
 
 COLLAPSE_SHARE = 0.95

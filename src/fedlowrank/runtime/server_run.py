@@ -87,7 +87,7 @@ class ServerRun:
         self.store = ClientStore(cfg.run.state_memory_mb, None if run_dir is None else Path(run_dir) / "client_states")
         self.progress = Progress(log, self.method.name, cfg.run.rounds, counts=self.task.metric_counts)
         self.log = self.progress.write if log is not None else None
-        self.evaluator = Evaluator(cfg, self.task, self.method, self.model, self.progress)
+        self.evaluator = Evaluator(cfg, self.task, self.method, self.model, self.progress, self.parts)
         self._lock = None
         self.use_dir(None)
         if run_dir is not None:

@@ -263,6 +263,16 @@ class Task:
         """The value of data column ``name`` for every training example (for ``partition.partition_by``)."""
         raise ValueError(f"partition.partition_by: task {self.name!r} has no data columns to split on")
 
+    def test_column(self, name: str) -> list[str] | None:
+        """The value of data column ``name`` for every test example when the data set declares it on the test
+        examples too (a task or group per example, e.g. task-mix's ``task``), else ``None`` (the default)."""
+        return None
+
+    def evaluate_subset(self, net: nn.Module, keep: np.ndarray) -> dict[str, Any]:
+        """:meth:`evaluate` restricted to the test examples where ``keep`` ``[num_test]`` (bool) holds; for the
+        tasks with a :meth:`test_column`."""
+        raise NotImplementedError(f"task {self.name!r} cannot evaluate on part of its test set")
+
     def embedding_texts(self) -> list[str]:
         """The text of every training example (for ``partition.kind = "clusters"``)."""
         raise ValueError(f"partition.kind = 'clusters': task {self.name!r} has no texts to embed")

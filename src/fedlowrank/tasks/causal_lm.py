@@ -530,6 +530,7 @@ class CausalLM(Task):
         evals = [encode_example(tok, data.test_prompts[i], data.test_responses[i], max_length) for i in self.eval_idx]
         order = np.argsort([len(e.ids) for e in evals], kind="stable")  # length-sorted: less padding
         self.eval_encoded = [evals[i] for i in order]
+        self.eval_order = self.eval_idx[order]  # the test index of each of eval_encoded
         numeric = [i for i in range(n_test) if extract_answer(data.test_responses[i]) is not None]
         pick = numpy_rng(eval_seed, "eval-generate-subset").permutation(len(numeric))[:eval_generate]
         self.generate_idx = np.sort(np.asarray(numeric, dtype=np.int64)[pick]) if eval_generate else np.zeros(0, int)
@@ -557,6 +558,9 @@ class CausalLM(Task):
         if name not in self.data.train_columns:
             raise ValueError(f"partition.partition_by = {name!r}: the data was read without that column")
         return self.data.train_columns[name]
+
+    def test_column(self, name: str) -> list[str] | None:
+        return self.data.test_columns.get(name)
 
     def embedding_texts(self) -> list[str]:
         return self.data.train_prompts
@@ -694,20 +698,33 @@ class CausalLM(Task):
         """Loss and perplexity on the training examples at ``indices`` (a validation split for tuning)."""
         return self._token_loss(net, sorted((self.train[int(i)] for i in indices), key=lambda e: len(e.ids)))
 
-    @torch.no_grad()
     def evaluate(self, net: nn.Module) -> dict[str, float]:
+        return self._evaluate(net, self.eval_encoded, list(zip(self.generate_idx, self.generation_prompts)))
+
+    def evaluate_subset(self, net: nn.Module, keep: np.ndarray) -> dict[str, float]:
+        """:meth:`evaluate` on the examples of the two fixed evaluation subsets that ``keep`` ``[num_test]``
+        holds; ``exact_match`` only when one of them is in the generation subset."""
+        return self._evaluate(net, [e for e, i in zip(self.eval_encoded, self.eval_order) if keep[i]],
+                              [(i, p) for i, p in zip(self.generate_idx, self.generation_prompts) if keep[i]])
+
+    @torch.no_grad()
+    def _evaluate(self, net: nn.Module, examples: list[Encoded],
+                  questions: list[tuple[int, list[int]]]) -> dict[str, float]:
+        """Token loss on ``examples`` (length-sorted) and exact match on ``questions`` (test index, prompt ids);
+        each metric only when it has examples (the loss: with a response token left after truncation)."""
         if self.loaded.speed_and_memory_only:  # random weights: no metric would mean anything
             if not self._said_speed_only:
                 log.warning("causal-lm: task.model = %r has %s; evaluation skipped", self.model_name,
                             SPEED_AND_MEMORY_ONLY)
                 self._said_speed_only = True
             return {}
-        metrics = self._token_loss(net, self.eval_encoded)
-        if len(self.generate_idx):
-            outputs = generate(net, self.tokenizer, self.generation_prompts, self.max_new_tokens,
+        scored = [e for e in examples if not e.lost_response]  # the others have no response token left
+        metrics = self._token_loss(net, scored) if scored else {}
+        if questions:
+            outputs = generate(net, self.tokenizer, [p for _, p in questions], self.max_new_tokens,
                                self.generation_batch_size)
             records = []
-            for i, out in zip(self.generate_idx, outputs):
+            for (i, _), out in zip(questions, outputs):
                 text = self.tokenizer.decode(out, skip_special_tokens=True)
                 reference = self.data.test_responses[i]
                 predicted = extract_answer(text)

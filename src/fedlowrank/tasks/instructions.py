@@ -23,19 +23,24 @@ from .table import column_spec, read_table
 @dataclass
 class InstructionData:
     """Prompts and responses of a train and a test split; ``train_columns[name][i]`` is column ``name`` of
-    training example ``i`` (the columns asked for besides prompt and response)."""
+    training example ``i`` (the columns asked for besides prompt and response). ``test_columns[name][i]`` is column
+    ``name`` of test example ``i``, for the columns the data set declares on every example of both splits (a task
+    or group, e.g. task-mix's ``task``): a client partitioned on such a column is evaluated on its own values' test
+    examples (:func:`fedlowrank.runtime.evaluation.own_groups`)."""
 
     train_prompts: list[str]
     train_responses: list[str]
     test_prompts: list[str]
     test_responses: list[str]
     train_columns: dict[str, list[str]] = field(default_factory=dict)
+    test_columns: dict[str, list[str]] = field(default_factory=dict)
 
     def select(self, train: np.ndarray, test: np.ndarray) -> "InstructionData":
         """The examples at the given train and test indices."""
         return InstructionData([self.train_prompts[i] for i in train], [self.train_responses[i] for i in train],
                                [self.test_prompts[i] for i in test], [self.test_responses[i] for i in test],
-                               {k: [v[i] for i in train] for k, v in self.train_columns.items()})
+                               {k: [v[i] for i in train] for k, v in self.train_columns.items()},
+                               {k: [v[i] for i in test] for k, v in self.test_columns.items()})
 
 
 def _read(path: str | Path, prompt: str, response: str, extra: list[str], header: str) -> list[list[str]]:

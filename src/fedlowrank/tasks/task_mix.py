@@ -12,7 +12,9 @@ of FedALT (arXiv:2503.11880: eight clients, one FLAN task each) and FedLEASE (ar
 Each task gives :data:`PER_TASK` training and test examples (a seeded draw, stream ``"task-mix"``), the packaged
 arithmetic set's sizes, so no task outnumbers another; ``data.max_*_examples`` then subsample the mix. Every response
 ends with ``#### <number>``, so the causal-LM task's ``exact_match`` (``task.options.eval_generate`` > 0) scores all
-three tasks alike: the final number of the generated answer against the reference's.
+three tasks alike: the final number of the generated answer against the reference's. The test examples carry
+their ``task`` as well, so that a run partitioned by it scores each client on its own task's test examples
+(:mod:`fedlowrank.runtime.evaluation`).
 """
 
 from __future__ import annotations
@@ -46,12 +48,13 @@ def _topics() -> InstructionData:
 
 
 def load_task_mix(d, extra: list[str], seed: int) -> InstructionData:
-    """The three tasks' examples (:data:`PER_TASK` of each), with the column ``task``; ``extra`` may ask for
-    ``task`` only (``partition.partition_by``)."""
+    """The three tasks' examples (:data:`PER_TASK` of each), with the column ``task`` (declared on the test
+    examples too: each client is scored on its own task's); ``extra`` may ask for ``task`` only
+    (``partition.partition_by``)."""
     if any(c != "task" for c in extra):
         raise ValueError(f"partition.partition_by = {extra[0]!r}: data.source = 'task-mix' has one column, 'task'")
     parts = {"arithmetic": load_arithmetic(), "gsm8k": load_gsm8k(), "topic": _topics()}
-    out = InstructionData([], [], [], [], {"task": []})
+    out = InstructionData([], [], [], [], {"task": []}, {"task": []})
     for name in TASKS:
         data = parts[name]
         picks = []
@@ -64,6 +67,7 @@ def load_task_mix(d, extra: list[str], seed: int) -> InstructionData:
         out.test_prompts += part.test_prompts
         out.test_responses += part.test_responses
         out.train_columns["task"] += [name] * len(part.train_prompts)
+        out.test_columns["task"] += [name] * len(part.test_prompts)
     if not extra:
         out.train_columns = {}
     return out
