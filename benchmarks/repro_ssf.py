@@ -19,7 +19,7 @@ A reduced run, e.g. Table 2 at het 0.1/0.5 with T = 5,000 and one seed:
 A paired verdict in one cell (each method's η_l tuned on 3 seeds apart from the compared ones, then 64 paired
 seeds at the tuned rates; the signed-rank test, bootstrap interval and an equivalence margin on RelErr ratios):
 
-    .venv/bin/python benchmarks/repro_ssf.py --decide ssf,fedsub --het 0.5 --ranks 20 --rounds 3000 \
+    .venv/bin/python benchmarks/repro_ssf.py --decide ssf,fedsub --het 0.5 --ranks 20 --rounds 2000 \
         --decide-grid 1e-3,3e-3,1e-2,3e-2 --tune-seeds 100,101,102 --seeds 0-63
 
 Network part (many MiniLM rounds; not CPU-cheap):
