@@ -84,7 +84,7 @@ def per_seed(out: Path) -> dict:
 def rounds_of(run_dir: Path) -> list[str]:
     """Per evaluated round of a run: its accuracy, the most-predicted class with its share of the test predictions,
     and that class's share of the label mix the server's average saw (the sampled clients' label histograms
-    weighted as ``server.weighting`` weights them), e.g. ``r1 0.501 Sci/Tech 100 % (mix 71 %)``. A pooled
+    weighted as ``server.weighting`` weights them), e.g. ``r1 0.501 Sci/Tech 100 % (mix 71 %, its largest class)``. A pooled
     reference (``centralized``) records only the first client of the pooled ones: no mix for it."""
     part = json.loads((run_dir / "partition.json").read_text())
     cfg = json.loads((run_dir / "config.json").read_text())
@@ -96,7 +96,9 @@ def rounds_of(run_dir: Path) -> list[str]:
             continue
         weights = [1.0 / sum(hist[k]) if cfg["server"]["weighting"] == "uniform" else 1.0 for k in clients]
         mix = [sum(w * hist[k][c] for w, k in zip(weights, clients)) for c in range(len(names))]
-        share = "" if cfg["method"]["name"] == "centralized" else f" (mix {100 * mix[pred['top_class']] / sum(mix):.0f} %)"
+        largest = ", its largest class" if mix[pred["top_class"]] == max(mix) else ""
+        share = "" if cfg["method"]["name"] == "centralized" else \
+            f" (mix {100 * mix[pred['top_class']] / sum(mix):.0f} %{largest})"
         out.append(f"r{row['round']} {row['accuracy']:.3f} {pred['top_label']} {100 * pred['top_share']:.0f} %{share}")
     return out
 
