@@ -1,11 +1,11 @@
 """When federated models collapse under label skew: arms that each change one factor of a base setting, paired by
 seed (docs/comparison.md, "When federated models collapse"). Not part of CI.
 
-Base (the held-out check of issue 42 cut to fit a shared 2-core CPU: 3 rounds instead of 6, batches of 8 × 32 tokens
+Base (a held-out check's setting, cut to fit a shared 2-core CPU: 3 rounds instead of 6, batches of 8 × 32 tokens
 instead of 16 × 64, 500 test examples): MiniLM-L6, 10 clients, Dirichlet α = 0.5, 3 rounds of 5 clients × 10 local
-AdamW steps, lr 3e-3, head lr 1e-2, clients weighted by their examples, every round evaluated. Each arm is one ``fedlowrank compare`` (``run``) with the
-arm's ``--set`` values on the same seeds, so each arm's runs are paired with the base's by seed (same partition,
-sampling and data order wherever the arm leaves the partition alone).
+AdamW steps, lr 3e-3, head lr 1e-2, clients weighted by their examples, every round evaluated. Each arm is one
+``fedlowrank compare`` (``run``) with the arm's ``--set`` values on the same seeds, so each arm's runs are paired
+with the base's by seed (same partition, sampling and data order wherever the arm leaves the partition alone).
 
     python benchmarks/collapse_study.py run --data binary --seeds 0,1,2 --out runs/collapse
     python benchmarks/collapse_study.py run --data agnews --arms base,uniform --seeds 0,1,2 --out runs/collapse
@@ -84,8 +84,8 @@ def per_seed(out: Path) -> dict:
 def rounds_of(run_dir: Path) -> list[str]:
     """Per evaluated round of a run: its accuracy, the most-predicted class with its share of the test predictions,
     and that class's share of the label mix the server's average saw (the sampled clients' label histograms
-    weighted as ``server.weighting`` weights them), e.g. ``r1 0.501 Sci/Tech 100 % (mix 71 %, its largest class)``. A pooled
-    reference (``centralized``) records only the first client of the pooled ones: no mix for it."""
+    weighted as ``server.weighting`` weights them), e.g. ``r1 0.501 Sci/Tech 100 % (mix 71 %, its largest
+    class)``. A pooled reference (``centralized``) records only the first client of the pooled ones: no mix for it."""
     part = json.loads((run_dir / "partition.json").read_text())
     cfg = json.loads((run_dir / "config.json").read_text())
     names, hist = part["task"]["labels"], [[float(x) for x in h] for h in part["label_histograms"]]
