@@ -2,10 +2,11 @@
 seed (docs/comparison.md, "When federated models collapse"). Not part of CI.
 
 Base (a held-out check's setting, cut to fit a shared 2-core CPU: 3 rounds instead of 6, batches of 8 × 32 tokens
-instead of 16 × 64, 500 test examples): MiniLM-L6, 10 clients, Dirichlet α = 0.5, 3 rounds of 5 clients × 10 local
-AdamW steps, lr 3e-3, head lr 1e-2, clients weighted by their examples, every round evaluated. Each arm is one
-``fedlowrank compare`` (``run``) with the arm's ``--set`` values on the same seeds, so each arm's runs are paired
-with the base's by seed (same partition, sampling and data order wherever the arm leaves the partition alone).
+instead of 16 × 64 (the agnews config's length), 500 test examples): MiniLM-L6, 10 clients, Dirichlet α = 0.5, 3
+rounds of 5 clients × 10 local AdamW steps, lr 3e-3, head lr 1e-2, clients weighted by their examples, every round
+evaluated. Each arm is one ``fedlowrank compare`` (``run``) with the arm's ``--set`` values on the same seeds, so
+each arm's runs are paired with the base's by seed (same partition, sampling and data order wherever the arm leaves
+the partition alone).
 
     python benchmarks/collapse_study.py run --data binary --seeds 0,1,2 --out runs/collapse
     python benchmarks/collapse_study.py run --data agnews --arms base,uniform --seeds 0,1,2 --out runs/collapse
