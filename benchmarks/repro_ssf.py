@@ -250,25 +250,25 @@ def decide(args, log) -> None:
         rates[name] = min(args.decide_grid, key=lambda lr: (scores[lr], lr))
         print(f"tune {name} het={het} r={rank} T={args.rounds} seeds {args.tune_seeds}: "
               + " ".join(f"{lr:g}:{scores[lr]:.4e}" for lr in args.decide_grid) + f" -> {rates[name]:g}", flush=True)
-    errs = {name: [] for name in args.decide}
+    errs: list[list[float]] = [[] for _ in args.decide]  # by position: A and B may be the same method
     for seed in args.seeds:
-        for name in args.decide:
+        for i, name in enumerate(args.decide):
             method = FULL.get(name) or SUB[name]
             run = run_vectorized(toy_config(method, het, rank, rates[name], args.rounds, seed, args.data_seed,
                                             args.rounds))
-            errs[name].append(final_error(run))
+            errs[i].append(final_error(run))
             log({"kind": "decide", "het": het, "r": rank, "method": name, "lr": rates[name], "seed": seed,
-                 "rel_error": errs[name][-1], "seconds": run.seconds})
-        print(f"seed={seed} " + " ".join(f"{n}={errs[n][-1]:.4e}" for n in args.decide)
+                 "rel_error": errs[i][-1], "seconds": run.seconds})
+        print(f"seed={seed} " + " ".join(f"{n}={e[-1]:.4e}" for n, e in zip(args.decide, errs))
               + f" (load {os.getloadavg()[0]:.1f})", flush=True)
     a, b = args.decide
     d = [eb / ea - 1.0 if math.isfinite(ea) and math.isfinite(eb) else math.inf if math.isfinite(ea) else -math.inf
-         for ea, eb in zip(errs[a], errs[b])]
+         for ea, eb in zip(*errs)]
     t, boot, test = mean_interval(d), bootstrap_interval(d), wilcoxon_signed_rank(d)
     wl = wins_losses(d, higher_is_better=False)
     inside = boot is not None and -args.margin < boot[0] and boot[1] < args.margin
-    for n in args.decide:
-        print(f"{n}: lr {rates[n]:g}, final RelErr {mean_interval(errs[n]).format(6)} over {len(args.seeds)} seeds")
+    for n, e in zip(args.decide, errs):
+        print(f"{n}: lr {rates[n]:g}, final RelErr {mean_interval(e).format(6)} over {len(args.seeds)} seeds")
     print(f"{b}/{a} − 1 per seed: mean {t.format(4, signed=True)} (95 % t), bootstrap 95 % "
           f"[{boot[0]:+.4f}, {boot[1]:+.4f}], median {median(d):+.4f}, {b} better on {wl['wins']}, worse on "
           f"{wl['losses']}, tied {wl['ties']}; signed-rank p = {test.p:.3g} ({'exact' if test.exact else 'normal'}):"
