@@ -17,6 +17,12 @@ A reduced run, e.g. Table 2 at het 0.1/0.5 with T = 5,000 and one seed:
 
     .venv/bin/python benchmarks/repro_ssf.py --lr-search --het 0.1,0.5 --tables 2 --rounds 5000 --seeds 0
 
+A paired verdict in one cell (each method's η_l tuned on 3 seeds apart from the compared ones, then 64 paired
+seeds at the tuned rates; the signed-rank test, bootstrap interval and an equivalence margin on RelErr ratios):
+
+    .venv/bin/python benchmarks/repro_ssf.py --decide ssf,fedsub --het 0.5 --ranks 20 --rounds 2000 \
+        --decide-grid 1e-3,3e-3,1e-2,3e-2 --tune-seeds 100,101,102 --seeds 0-63
+
 Network part (many MiniLM rounds; not CPU-cheap):
 
     .venv/bin/python benchmarks/repro_ssf.py --network --network-rounds 50
@@ -39,6 +45,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import Grid, provenance, sweep_options  # noqa: E402
 
 from fedlowrank.config import from_dict, load_config  # noqa: E402
+from fedlowrank.experiments.stats import (bootstrap_interval, mean_interval, median, rank_verdict,  # noqa: E402
+                                          wilcoxon_signed_rank, wins_losses)
 
 FULL = {"scaffold": {"name": "fedavg-full", "correction": "scaffold"}, "fedavg": {"name": "fedavg-full"}}
 SUB = {"ssf": {"name": "ssf"}, "fedsub": {"name": "fedsub", "refresh_every": 5}}
@@ -231,6 +239,72 @@ def plots(args, grid, out: Path) -> None:
         print(f"plot: {out / (fname + '.png')}")
 
 
+def decide(args, log) -> None:
+    """FedSub vs SSF (``--decide A,B``) in one cell (het, r): each method's η_l chosen from ``--decide-grid`` by the
+    mean final RelErr over ``--tune-seeds`` (diverged = +inf; ties toward the smaller step), then both at their
+    rates on ``--seeds``. Per seed the relative difference ``d = RelErr_B / RelErr_A − 1`` (negative: B better);
+    its mean with the 95 % t- and paired bootstrap intervals, median, wins, the signed-rank verdict, and whether the
+    bootstrap interval lies within ±``--margin`` (equivalence)."""
+    (het,), (rank,) = args.het, args.ranks
+    methods = {name: FULL.get(name) or SUB[name] for name in args.decide}
+    tuning = Grid(args, metric="rel_error")
+    for name in methods:
+        for lr in args.decide_grid:
+            for seed in args.tune_seeds:
+                tuning.add(f"decide-tune-{name}-lr{lr:g}-seed{seed}",
+                           toy_config(methods[name], het, rank, lr, args.rounds, seed, args.data_seed, args.rounds))
+    tuned: dict[tuple[str, float], list[float]] = {}
+
+    def tuned_one(i: int, outcome) -> None:
+        name = list(methods)[i // (len(args.decide_grid) * len(args.tune_seeds))]
+        lr = args.decide_grid[i // len(args.tune_seeds) % len(args.decide_grid)]
+        seed = args.tune_seeds[i % len(args.tune_seeds)]
+        tuned.setdefault((name, lr), []).append(final_error(outcome))
+        log({"kind": "tune", "het": het, "r": rank, "method": name, "lr": lr, "seed": seed,
+             "rel_error": tuned[name, lr][-1], "seconds": tuning.seconds(outcome)})
+
+    tuning.run(tuned_one)
+    rates = {}
+    for name in methods:
+        scores = {lr: float(np.mean(tuned[name, lr])) if all(map(math.isfinite, tuned[name, lr])) else math.inf
+                  for lr in args.decide_grid}
+        rates[name] = min(args.decide_grid, key=lambda lr: (scores[lr], lr))
+        print(f"tune {name} het={het} r={rank} T={args.rounds} seeds {args.tune_seeds}: "
+              + " ".join(f"{lr:g}:{scores[lr]:.4e}" for lr in args.decide_grid) + f" -> {rates[name]:g}", flush=True)
+    paired = Grid(args, metric="rel_error")
+    for seed in args.seeds:
+        for i, name in enumerate(args.decide):  # by position: A and B may be the same method
+            paired.add(f"decide-{i}-{name}-lr{rates[name]:g}-seed{seed}",
+                       toy_config(methods[name], het, rank, rates[name], args.rounds, seed, args.data_seed,
+                                  args.rounds))
+    errs: list[list[float]] = [[] for _ in args.decide]
+
+    def paired_one(i: int, outcome) -> None:
+        seed, k = args.seeds[i // len(args.decide)], i % len(args.decide)
+        errs[k].append(final_error(outcome))
+        log({"kind": "decide", "het": het, "r": rank, "method": args.decide[k], "lr": rates[args.decide[k]],
+             "seed": seed, "rel_error": errs[k][-1], "seconds": paired.seconds(outcome)})
+        if k == len(args.decide) - 1:
+            print(f"seed={seed} " + " ".join(f"{n}={e[-1]:.4e}" for n, e in zip(args.decide, errs))
+                  + f" (load {os.getloadavg()[0]:.1f})", flush=True)
+
+    paired.run(paired_one)
+    a, b = args.decide
+    d = [eb / ea - 1.0 if math.isfinite(ea) and math.isfinite(eb) else math.inf if math.isfinite(ea) else -math.inf
+         for ea, eb in zip(*errs)]
+    t, boot, test = mean_interval(d), bootstrap_interval(d), wilcoxon_signed_rank(d)
+    wl = wins_losses(d, higher_is_better=False)
+    inside = boot is not None and -args.margin < boot[0] and boot[1] < args.margin
+    for n, e in zip(args.decide, errs):
+        print(f"{n}: lr {rates[n]:g}, final RelErr {mean_interval(e).format(6)} over {len(args.seeds)} seeds")
+    print(f"{b}/{a} − 1 per seed: mean {t.format(4, signed=True)} (95 % t), bootstrap 95 % "
+          f"[{boot[0]:+.4f}, {boot[1]:+.4f}], median {median(d):+.4f}, {b} better on {wl['wins']}, worse on "
+          f"{wl['losses']}, tied {wl['ties']}; signed-rank p = {test.p:.3g} ({'exact' if test.exact else 'normal'}):"
+          f" verdict for {b} against {a}: {rank_verdict(test, higher_is_better=False)}; the bootstrap interval "
+          f"{'lies' if inside else 'does not lie'} within ±{args.margin:g} (equivalence at that margin "
+          f"{'shown' if inside else 'not shown'})")
+
+
 def network(args, log) -> None:
     """SSF vs SCAFFOLD vs FedAvg vs FedSub on text classification through the simulator (bytes from the ledger)."""
     methods = {"ssf": ["method.name=ssf", f"method.ratio={args.network_ratio}"],
@@ -260,6 +334,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+
+    def seed_list(s: str) -> list[int]:  # "0,1,2" or "0-63"
+        lo, _, hi = s.partition("-")
+        return list(range(int(lo), int(hi) + 1)) if hi else ints(s)
     ap.add_argument("--het", type=floats, default=[0.1, 0.5, 2.0])
     ap.add_argument("--ranks", type=ints, default=[1, 5, 10, 20, 50])
     ap.add_argument("--tables", type=ints, default=[2, 3, 4])
@@ -267,11 +345,18 @@ def main() -> None:
                     help="subset of scaffold,fedavg,ssf,fedsub")
     ap.add_argument("--rounds", type=int, default=25_000)
     ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--seeds", type=ints, default=[0, 1, 2])
+    ap.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="0,1,2 or a range 0-63")
     ap.add_argument("--data-seed", type=int, default=0)
     ap.add_argument("--lr-search", action="store_true", help="search η_l (else the paper's 1e-2/1e-2/1e-3)")
     ap.add_argument("--search-rounds", type=int, default=500)
     ap.add_argument("--plots", action="store_true")
+    ap.add_argument("--decide", type=lambda s: s.split(","), default=None, metavar="A,B",
+                    help="paired verdict of B against A in the one cell --het H --ranks R (see decide())")
+    ap.add_argument("--decide-grid", type=floats, default=[1e-3, 3e-3, 1e-2, 3e-2])
+    ap.add_argument("--tune-seeds", type=seed_list, default=[100, 101, 102],
+                    help="--decide: the seeds each rate is tuned on (apart from --seeds)")
+    ap.add_argument("--margin", type=float, default=0.05,
+                    help="--decide: equivalence margin on the relative RelErr difference (0.05 = ±5 %%)")
     ap.add_argument("--out", default="bench_out/ssf")
     ap.add_argument("--network", action="store_true", help="run the network comparison instead of the toy")
     ap.add_argument("--network-config", default="agnews",
@@ -296,6 +381,12 @@ def main() -> None:
 
     if args.network:
         network(args, log)
+        return
+    if args.decide:
+        if len(args.decide) != 2 or len(args.het) != 1 or len(args.ranks) != 1:
+            ap.error("--decide takes two methods A,B and one cell: --het H --ranks R")
+        decide(args, log)
+        print(f"log: {log_path}")
         return
     lrs = lr_search(args, log) if args.lr_search else {het: PAPER_LR[het] for het in args.het}
     grid = run_grid(args, lrs, log)

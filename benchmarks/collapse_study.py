@@ -1,0 +1,160 @@
+"""When federated models collapse under label skew: arms that each change one factor of a base setting, paired by
+seed (docs/comparison.md, "When federated models collapse"). Not part of CI.
+
+Base (a held-out check's setting, cut to fit a shared 2-core CPU: 3 rounds instead of 6, batches of 8 × 32 tokens
+instead of 16 × 64 (the agnews config's length), 500 test examples): MiniLM-L6, 10 clients, Dirichlet α = 0.5, 3
+rounds of 5 clients × 10 local AdamW steps, lr 3e-3, head lr 1e-2, clients weighted by their examples, every round
+evaluated. Each arm is one ``fedlowrank compare`` (``run``) with the arm's ``--set`` values on the same seeds, so
+each arm's runs are paired with the base's by seed (same partition, sampling and data order wherever the arm leaves
+the partition alone).
+
+    python benchmarks/collapse_study.py run --data binary --seeds 0,1,2 --out runs/collapse
+    python benchmarks/collapse_study.py run --data agnews --arms base,uniform --seeds 0,1,2 --out runs/collapse
+    python benchmarks/collapse_study.py report --out runs/collapse
+
+``--data binary`` is AG News' Business and Sci/Tech classes (written once under ``--out`` from the local copy,
+``$FEDLOWRANK_DATA/agnews``): a binary task built from the data the project uses. Every run is kept under
+``--out/<data>/<arm>/`` and read back when the command is repeated (``compare --resume``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import provenance  # noqa: E402
+
+from fedlowrank.experiments.compare import run_comparison  # noqa: E402
+from fedlowrank.experiments.stats import median, wilcoxon_signed_rank  # noqa: E402
+
+BASE = ["partition.num_clients=10", "partition.alpha=0.5", "run.rounds=3", "run.clients_per_round=5",
+        "train.local_steps=10", "train.batch_size=8", "train.lr=3e-3", "train.head_lr=1e-2",
+        "server.weighting=num_examples", "task.max_length=32", "data.max_test_examples=500", "run.eval_every=1",
+        "run.threads=1"]
+# arm -> (methods, settings on top of BASE): one factor each
+ARMS = {
+    "base": (["fedit"], []),
+    "centralized": (["centralized"], []),
+    "uniform": (["fedit"], ["server.weighting=uniform"]),
+    "head-lr-1e-3": (["fedit"], ["train.head_lr=1e-3"]),
+    "lr-1e-3": (["fedit"], ["train.lr=1e-3"]),
+    "steps-2": (["fedit"], ["train.local_steps=2"]),
+    "alpha-100": (["fedit"], ["partition.alpha=100"]),
+    "florg": (["florg"], ["train.lr=1e-3"]),
+}
+CLASSES = ("Business", "Sci/Tech")
+
+
+def binary_files(out: Path) -> list[str]:
+    """AG News' Business and Sci/Tech examples as ``out/agnews-binary/{train,test}.tsv`` (written once)."""
+    folder = out / "agnews-binary"
+    source = Path(os.environ.get("FEDLOWRANK_DATA", "")) / "agnews"
+    if not (folder / "test.tsv").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        for split in ("train", "test"):
+            lines = (source / f"{split}.tsv").read_text().splitlines()
+            kept = [line for line in lines if line.rsplit("\t", 1)[-1] in CLASSES]
+            (folder / f"{split}.tsv").write_text("\n".join(kept) + "\n")
+    return ["data.source=files", f"data.train={folder / 'train.tsv'}", f"data.test={folder / 'test.tsv'}",
+            "data.header=false", "data.max_train_examples=0"]
+
+
+def run(args) -> None:
+    data = binary_files(args.out) if args.data == "binary" else ["data.source=agnews"]
+    for arm in args.arms:
+        methods, sets = ARMS[arm]
+        print(f"\n## {args.data} / {arm}: {','.join(methods)} --set {' '.join(sets) or '(base)'}", flush=True)
+        run_comparison("agnews", methods, args.seeds, BASE + data + sets, args.out / args.data / arm,
+                       lambda line: print(line, flush=True), resume=True)
+
+
+def per_seed(out: Path) -> dict:
+    """``{(data, arm): {seed: run}}`` from every ``results.json`` under ``out``."""
+    found = {}
+    for path in sorted(out.glob("*/*/results.json")):
+        results = json.loads(path.read_text())
+        for row in results["rows"]:
+            found[(path.parent.parent.name, path.parent.name)] = {r["seed"]: r for r in row["runs"]}
+    return found
+
+
+def rounds_of(run_dir: Path) -> list[str]:
+    """Per evaluated round of a run: its accuracy, the most-predicted class with its share of the test predictions,
+    and that class's share of the label mix the server's average saw (the sampled clients' label histograms
+    weighted as ``server.weighting`` weights them), e.g. ``r1 0.501 Sci/Tech 100 % (mix 71 %, its largest
+    class)``. A pooled reference (``centralized``) records only the first client of the pooled ones: no mix for it."""
+    part = json.loads((run_dir / "partition.json").read_text())
+    cfg = json.loads((run_dir / "config.json").read_text())
+    names, hist = part["task"]["labels"], [[float(x) for x in h] for h in part["label_histograms"]]
+    out = []
+    for row in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line):
+        pred, clients = row.get("predictions"), row.get("clients")
+        if not pred or not clients:
+            continue
+        weights = [1.0 / sum(hist[k]) if cfg["server"]["weighting"] == "uniform" else 1.0 for k in clients]
+        mix = [sum(w * hist[k][c] for w, k in zip(weights, clients)) for c in range(len(names))]
+        largest = ", its largest class" if mix[pred["top_class"]] == max(mix) else ""
+        share = "" if cfg["method"]["name"] == "centralized" else \
+            f" (mix {100 * mix[pred['top_class']] / sum(mix):.0f} %{largest})"
+        out.append(f"r{row['round']} {row['accuracy']:.3f} {pred['top_label']} {100 * pred['top_share']:.0f} %{share}")
+    return out
+
+
+def report(args) -> None:
+    found = per_seed(args.out)
+    for data in sorted({d for d, _ in found}):
+        base = found.get((data, "base"), {})
+        print(f"\n### {data}\n")
+        print("| arm | final accuracy per seed (collapsed: first round → end) | mean | collapsed at the end | "
+              "arm − base: median; ahead; signed-rank p |")
+        print("|---|---|---|---|---|")
+        for arm in ARMS:
+            runs = found.get((data, arm))
+            if not runs:
+                continue
+            seeds = sorted(runs)
+            cells = []
+            for s in seeds:
+                c = runs[s]["collapse"]
+                mark = "" if c is None else f" (c {c['round']}→{'end' if c['at_end'] else 'no'})"
+                cells.append(f"s{s} {runs[s]['final']:.3f}{mark}")
+            finals = [runs[s]["final"] for s in seeds]
+            at_end = sum(1 for s in seeds if runs[s]["collapse"] and runs[s]["collapse"]["at_end"])
+            shared = [s for s in seeds if s in base]
+            diff = "–"
+            if arm != "base" and shared:
+                d = [runs[s]["final"] - base[s]["final"] for s in shared]
+                diff = (f"{median(d):+.3f}; {sum(x > 0 for x in d)} of {len(d)}; "
+                        f"p = {wilcoxon_signed_rank(d).p:.3g}")
+            print(f"| {arm} | {', '.join(cells)} | {sum(finals) / len(finals):.3f} | {at_end} of {len(seeds)} | "
+                  f"{diff} |")
+        print("\nPer round: accuracy, the most-predicted class and its share, and that class's share of the label "
+              "mix the round's average saw\n")
+        for arm in ARMS:
+            for s, r in sorted(found.get((data, arm), {}).items()):
+                if "run_dir" in r:
+                    print(f"- {arm} s{s}: " + "; ".join(rounds_of(Path(r["run_dir"]))))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("command", choices=("run", "report"))
+    ap.add_argument("--data", choices=("agnews", "binary"), default="binary")
+    ap.add_argument("--arms", type=lambda s: s.split(","), default=list(ARMS))
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--out", type=Path, default=Path("runs/collapse"))
+    args = ap.parse_args(argv)
+    unknown = [a for a in args.arms if a not in ARMS]
+    if unknown:
+        ap.error(f"--arms: unknown {', '.join(unknown)} (known: {', '.join(ARMS)})")
+    print(provenance(argv))
+    (run if args.command == "run" else report)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

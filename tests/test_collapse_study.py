@@ -1,0 +1,60 @@
+"""benchmarks/collapse_study.py: the label mix a round's average saw (the evidence of docs/comparison.md, "When
+federated models collapse"), from a run directory's partition, config and metrics, and the arms' settings."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedlowrank.config import load_config
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def study():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location("benchmark_collapse_study", BENCHMARKS / "collapse_study.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def write_run(folder: Path, method: str, weighting: str) -> Path:
+    """A run directory: clients 0 (90 A, 10 B), 1 (0 A, 10 B), 2 (5 A, 5 B); round 1 trains clients 0 and 1 and
+    predicts B for 97 % of the test set."""
+    folder.mkdir()
+    (folder / "partition.json").write_text(json.dumps({"task": {"labels": ["A", "B"]},
+                                                       "label_histograms": [[90, 10], [0, 10], [5, 5]]}))
+    (folder / "config.json").write_text(json.dumps({"method": {"name": method}, "server": {"weighting": weighting}}))
+    rows = [{"round": 0, "accuracy": 0.5, "predictions": {"top_class": 0, "top_label": "A", "top_share": 0.6}},
+            {"round": 1, "clients": [0, 1], "accuracy": 0.52,
+             "predictions": {"top_class": 1, "top_label": "B", "top_share": 0.97}}]
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return folder
+
+
+def test_mix_weighted_by_examples_and_uniformly(study, tmp_path):
+    # by examples: B is 20 of 110 examples; uniformly: (0.1 + 1.0) / 2 = 55 %, the round's largest class
+    assert study.rounds_of(write_run(tmp_path / "a", "fedit", "num_examples")) == ["r1 0.520 B 97 % (mix 18 %)"]
+    assert study.rounds_of(write_run(tmp_path / "b", "fedit", "uniform")) == [
+        "r1 0.520 B 97 % (mix 55 %, its largest class)"]
+
+
+def test_pooled_reference_has_no_mix(study, tmp_path):
+    assert study.rounds_of(write_run(tmp_path / "c", "centralized", "num_examples")) == ["r1 0.520 B 97 %"]
+
+
+@pytest.mark.parametrize("arm", ["base", "uniform", "head-lr-1e-3", "lr-1e-3", "steps-2", "alpha-100"])
+def test_each_arm_changes_one_setting_of_the_base(study, arm):
+    methods, sets = study.ARMS[arm]
+    base = load_config("agnews", study.BASE)
+    cfg = load_config("agnews", study.BASE + sets)
+    changed = {f"{s}.{k}" for s in ("train", "server", "partition", "run")
+               for k, v in vars(getattr(cfg, s)).items() if v != vars(getattr(base, s))[k]}
+    assert methods == ["fedit"] and len(changed) == (0 if arm == "base" else 1)
