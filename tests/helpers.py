@@ -79,3 +79,23 @@ def require_dataset(source: str) -> None:
     reason = unavailable(source)
     if reason:
         pytest.skip(f"needs {source} (the tests run with HF_HUB_OFFLINE=1 unless it is set): {reason}")
+
+
+def benchmark_module(name: str):
+    """``benchmarks/NAME.py`` imported as a module (as ``benchmark_NAME``, registered while it loads, for its
+    dataclasses), with ``benchmarks/`` on the path for its imports of ``common``."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", f"{folder}/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, folder)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+        sys.modules.pop(spec.name, None)
+    return module

@@ -2,24 +2,17 @@
 by their labels, resumption, and one error line for bad options."""
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import benchmark_module
 
 from fedlowrank.config import load_config
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def common():
     """benchmarks/common.py as a module."""
-    spec = importlib.util.spec_from_file_location("benchmark_common", BENCHMARKS / "common.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("common")
 
 
 def options(common, *argv: str) -> argparse.Namespace:

@@ -1,28 +1,18 @@
 """benchmarks/collapse_study.py: the label mix a round's average saw (the evidence of docs/comparison.md, "When
 federated models collapse"), from a run directory's partition, config and metrics, and the arms' settings."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import benchmark_module
 
 from fedlowrank.config import load_config
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def study():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location("benchmark_collapse_study", BENCHMARKS / "collapse_study.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return benchmark_module("collapse_study")
 
 
 def write_run(folder: Path, method: str, weighting: str) -> Path:

@@ -2,31 +2,17 @@
 examples); ``florg-uniform`` and ``florg-examples`` must weight every method alike, which means the protocol's
 settings win over a method's preset (docs/methods/florg.md, "Why FLoRG collapsed on some seeds")."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from helpers import benchmark_module
 
 from fedlowrank.config import load_config
 from fedlowrank.experiments.compare import method_settings
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def protocols():
     """benchmarks/protocols.py as a module (it imports its neighbour ``common``)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location("benchmark_protocols", BENCHMARKS / "protocols.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-        yield module.PROTOCOLS
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        sys.modules.pop("benchmark_protocols", None)
+    return benchmark_module("protocols").PROTOCOLS
 
 
 def resolved_weighting(p, method: str) -> str:

@@ -3,25 +3,15 @@ equivalence at any margin; a method against a worse one is worse on every seed (
 decided")."""
 
 import argparse
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def repro():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location("benchmark_repro_ssf", BENCHMARKS / "repro_ssf.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return benchmark_module("repro_ssf")
 
 
 def decide(repro, methods, capsys) -> tuple[list[dict], str]:

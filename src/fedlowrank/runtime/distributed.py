@@ -49,7 +49,6 @@ from ..training.local import steps_per_round
 from .engine import pool, sample_clients, wire
 from .rounds import RoundReplies
 from .simulator import Simulation
-from .stopping import interruptible
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -267,22 +266,13 @@ class Distributed(Simulation):
         entries: dict[str, Any] = {}
         downs: dict[int, Message] = {}
         pending: dict[int, State] = {}
-        size = self.cohort_size()
-        for chunk in (mine[i:i + size] for i in range(0, len(mine), size)):
-            sent = []
-            for k in chunk:
-                msg = self.method.broadcast(self.server, k, rnd)
-                state = self.store.get(k)
-                sent.append((k, msg.nbytes(), wire(msg), self.method.init_client(k) if state is None else state))
-            with interruptible():
-                trained = self.train_clients(rnd, sent, data, cfg)
-            for (k, down_bytes, down, _), (reply, new_state, trainer) in zip(sent, trained):
-                entries[f"compute/{k}"] = float(trainer.compute_seconds)
-                entries[f"down/{k}"] = down_bytes
-                downs[k] = down
-                if k not in dropped:
-                    entries[f"reply/{k}"] = reply.to_bytes()
-                    pending[k] = new_state
+        for k, down_bytes, down, reply, new_state, trainer in self.trained_clients(rnd, mine, data, cfg):
+            entries[f"compute/{k}"] = float(trainer.compute_seconds)
+            entries[f"down/{k}"] = down_bytes
+            downs[k] = down
+            if k not in dropped:
+                entries[f"reply/{k}"] = reply.to_bytes()
+                pending[k] = new_state
         blobs = self.comm.gather_bytes("gathering replies", _pack(entries))
         outcome = None
         if self.rank == 0:

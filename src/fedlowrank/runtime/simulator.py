@@ -138,6 +138,21 @@ class Simulation(ServerRun):
                              clients, rnd, on_step)
 
     # -- rounds --------------------------------------------------------------------------------------
+    def trained_clients(self, rnd: int, clients: list[int], data: dict[int, np.ndarray], cfg):
+        """Broadcast to ``clients`` and train them, a cohort of :meth:`cohort_size` at a time; yields per client
+        (client, bytes down, the message it received, its reply, its new state, its trainer)."""
+        size = self.cohort_size()
+        for chunk in (clients[i:i + size] for i in range(0, len(clients), size)):
+            sent: list[tuple[int, int, Message, State]] = []  # (client, bytes down, what it received, its state)
+            for k in chunk:
+                msg = self.method.broadcast(self.server, k, rnd)
+                state = self.store.get(k)
+                sent.append((k, msg.nbytes(), wire(msg), self.method.init_client(k) if state is None else state))
+            with interruptible():
+                trained = self.train_clients(rnd, sent, data, cfg)
+            for (k, down_bytes, down, _), (reply, new_state, trainer) in zip(sent, trained):
+                yield k, down_bytes, down, reply, new_state, trainer
+
     def run_round(self) -> dict[str, Any]:
         """Run the next round; returns its metrics row."""
         cfg, rnd = self.cfg, self.round + 1
@@ -151,25 +166,16 @@ class Simulation(ServerRun):
         got = RoundReplies(rnd, clients)
         new_states: dict[int, State] = {}  # committed only when the round is aggregated
         self.progress.round_start(rnd, len(clients))
-        size = self.cohort_size()
-        for chunk in (clients[i:i + size] for i in range(0, len(clients), size)):
-            sent: list[tuple[int, int, Message, State]] = []  # (client, bytes down, what it received, its state)
-            for k in chunk:
-                msg = self.method.broadcast(self.server, k, rnd)
-                state = self.store.get(k)
-                sent.append((k, msg.nbytes(), wire(msg), self.method.init_client(k) if state is None else state))
-            with interruptible():
-                trained = self.train_clients(rnd, sent, data, cfg)
-            for (k, down_bytes, down, _), (reply, new_state, trainer) in zip(sent, trained):
-                got.compute += trainer.compute_seconds
-                self.progress.client_done()
-                if k in dropped:
-                    got.drop(k, dropped[k], down_bytes)
-                    continue
-                if self.tamper is not None:
-                    reply = self.tamper(rnd, k, reply)
-                if got.receive(self.method, k, down, wire(reply), len(data[k]), reply.nbytes()):
-                    new_states[k] = new_state
+        for k, down_bytes, down, reply, new_state, trainer in self.trained_clients(rnd, clients, data, cfg):
+            got.compute += trainer.compute_seconds
+            self.progress.client_done()
+            if k in dropped:
+                got.drop(k, dropped[k], down_bytes)
+                continue
+            if self.tamper is not None:
+                reply = self.tamper(rnd, k, reply)
+            if got.receive(self.method, k, down, wire(reply), len(data[k]), reply.nbytes()):
+                new_states[k] = new_state
         outcome = self.close_round(got, started)
         used = {r.client for r in outcome.replies}  # a reply rejected in close_round leaves its client's state
         new_states = {k: state for k, state in new_states.items() if k in used}
