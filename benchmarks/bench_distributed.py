@@ -1,7 +1,7 @@
 """Round throughput of the distributed runner: 2 gloo ranks × 1 thread against 1 process × 1 thread, on the
 bundled ``main`` config with FedIT (evaluation only after the last round), and a scaling model for K ranks.
 
-    python benchmarks/bench_distributed.py [--rounds 3] [--repeats 3] [--config main]
+    python benchmarks/bench_distributed.py [--rounds 3] [--repeats 3] [--config main] [--set KEY=VALUE ...]
 
 Per repeat it runs the same rounds in one process (:class:`~fedlowrank.runtime.simulator.Simulation`) and on two
 spawned ranks (:class:`~fedlowrank.runtime.distributed.Distributed`), and reads each round's time from the metrics
@@ -34,25 +34,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import provenance, setup_line  # noqa: E402
 
 
-def _config(name: str, rounds: int):
+def _config(name: str, rounds: int, sets: list[str]):
     from fedlowrank.config import load_config
 
     return load_config(name, ["method.name=fedit", f"run.rounds={rounds}", f"run.eval_every={rounds}",
-                              "run.threads=1", "run.device=cpu", "run.checkpoint_seconds=0"])
+                              "run.threads=1", "run.device=cpu", "run.checkpoint_seconds=0", *sets])
 
 
 def _round_times(history: list[dict]) -> list[float]:
     return [r["time"]["total"] - r["time"]["evaluation"] for r in history[1:]]
 
 
-def _ranks_job(name: str, rounds: int, out: str) -> int:
+def _ranks_job(name: str, rounds: int, sets: list[str], out: str) -> int:
     """Each spawned rank: the distributed run, then an all-gather of one reply's size (bandwidth)."""
     import torch
     import torch.distributed as dist
 
     from fedlowrank.runtime.distributed import Distributed
 
-    run = Distributed(_config(name, rounds))
+    run = Distributed(_config(name, rounds, sets))
     run.run()
     size = int(run.history[-1]["bytes_up"] / len(run.history[-1]["replied"])) if run.rank == 0 else 0
     n = torch.tensor([size])
@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="main")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for both runs, e.g. run.clients_per_round=6 (repeatable)")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     print(provenance(argv))
-    cfg = _config(args.config, args.rounds)
+    cfg = _config(args.config, args.rounds, args.set)
     one, two, shares, parts = [], [], [], []
     for rep in range(args.repeats):
         sim = Simulation(cfg)
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         one += _round_times(sim.history)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "ranks.json"
-            codes = spawn(_ranks_job, (args.config, args.rounds, str(out)), ["cpu", "cpu"], grace_s=120)
+            codes = spawn(_ranks_job, (args.config, args.rounds, args.set, str(out)), ["cpu", "cpu"], grace_s=120)
             if codes != [0, 0]:
                 raise SystemExit(f"error: the 2-rank run failed (exit codes {codes})")
             got = json.loads(out.read_text())
