@@ -9,6 +9,10 @@ run of one seed trains on the same partition, and evaluates on the same validati
 * one after another in this process (with the runs' progress lines), or in ``jobs`` worker processes
   (:func:`run_in_processes`), each run writing its run directory, read back with :func:`finished_run`; the results
   are the same either way;
+* over the ranks of a ``torch.distributed`` job (``torchrun``, or ``run.devices`` through the command line):
+  rank 0 deals the runs to the ranks in run order, round-robin (:func:`deal`, :func:`serve_ranks`); each rank runs
+  its share one after another, each run a plain one-process run on the rank's device; the ranks meet at a gather
+  (the divergence messages) and rank 0 reads the runs back with :func:`finished_run`; the results are the same;
 * with ``resume``, a run directory whose run ended with the same config is read instead of run again, so an
   interrupted sweep continues where it stopped and runs made by separate processes into one ``out`` combine;
 * each run by the runner its config asks for (:func:`runner`: the simulator, or the vectorised runner with
@@ -88,7 +92,7 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     ``metrics.jsonl`` does not reach the round ``summary.json`` ends at).
 
     A run that ended with another config than ``cfg`` (its ``config.json`` has another fingerprint,
-    :func:`fedlowrank.runtime.checkpoint.config_fingerprint`) raises :class:`ConfigError`: reusing it would mix
+    :func:`fedlowrank.runtime.checkpoint.config_fingerprint`; ``run.device`` aside) raises :class:`ConfigError`: reusing it would mix
     two experiments."""
     from ..config import from_dict
     from ..runtime.checkpoint import config_fingerprint
@@ -108,7 +112,8 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
                           "again") from None
     if not history or history[-1].get("round") != summary.get("rounds"):  # its metrics were cut: run it again
         return None
-    if config_fingerprint(old) != config_fingerprint(cfg):
+    same_device = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device=old.run.device))
+    if config_fingerprint(old) != config_fingerprint(same_device):  # a rank of a sweep pins its device
         raise ConfigError(f"--resume: {run_dir} holds a run of another config than this one (different settings "
                           "or learning rate); use another --out, or delete that directory")
     metrics = {k: v for k, v in summary.items() if k not in SUMMARY_KEYS}
@@ -117,15 +122,15 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
 
 def runner(cfg: RunConfig, task, parts: list[np.ndarray], run_dir: Path | None, log: Log, log_partition: bool,
            overwrite: bool):
-    """The runner of ``cfg`` (:func:`fedlowrank.runtime.runner_for`) on ``task`` with the clients' index arrays
+    """The one-process runner of ``cfg`` (:func:`fedlowrank.runtime.runner_for`) on ``task`` with the clients' index arrays
     ``parts``: the simulator, or with ``run.vectorized`` the vectorised runner, which partitions ``task`` itself
     (the same partition as :meth:`Sweep.partition`; a run with a validation split is refused by :meth:`Sweep.run`).
     A vectorised run that diverges stops and says so in its summary (``diverged_at``) instead of raising."""
     from ..runtime import runner_for
 
     if cfg.run.vectorized:
-        return runner_for(cfg)(cfg, task=task, run_dir=run_dir, log=log, overwrite=overwrite)
-    return runner_for(cfg)(cfg, task=task, run_dir=run_dir, log=log, parts=parts, overwrite=overwrite,
+        return runner_for(cfg, one_process=True)(cfg, task=task, run_dir=run_dir, log=log, overwrite=overwrite)
+    return runner_for(cfg, one_process=True)(cfg, task=task, run_dir=run_dir, log=log, parts=parts, overwrite=overwrite,
                            log_partition=log_partition)
 
 
@@ -303,6 +308,70 @@ def _stop_workers(workers: list, events, report: Callable[[str, int, Any], None]
                 w.join()
 
 
+Work = tuple[RunConfig, Path, list[np.ndarray], np.ndarray | None, bool, bool]  # _run_one's arguments but log
+
+
+def deal(n: int, world: int, rank: int) -> list[int]:
+    """The runs (of ``n``, in run order) that rank ``rank`` of ``world`` runs: round-robin, ``rank, rank + world,
+    ...``."""
+    return list(range(rank, n, world))
+
+
+def _run_share(work: list[Work], log: Log) -> dict[int, str | None]:
+    """This rank's share of ``work`` (:func:`deal`), one after another, each run pinned to the rank's device
+    (:func:`~fedlowrank.runtime.distributed.init_process_group`) with ``run.devices`` cleared and ``run.threads``
+    torch threads (0: the cores / the ranks on this machine, at least 1); ``{index in work: divergence message or
+    None}``."""
+    import torch.distributed as dist
+
+    from ..runtime.distributed import init_process_group
+
+    threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+    done = {}
+    for i in deal(len(work), dist.get_world_size(), dist.get_rank()):
+        cfg, *arguments = work[i]
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device=str(init_process_group(cfg)),
+                                                               devices=[], threads=cfg.run.threads or threads))
+        done[i] = _run_one(cfg, *arguments, log=log)
+    return done
+
+
+def _meet(done: dict[int, str | None]) -> dict[int, str | None]:
+    """Every rank's ``done`` (:func:`_run_share`) gathered to rank 0 (``{}`` on the others): the ranks meet here,
+    within ``run.collective_timeout_s`` of the slowest."""
+    import torch.distributed as dist
+
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(done, out, dst=0)
+    return {i: m for d in out for i, m in d.items()} if out is not None else {}
+
+
+def serve_ranks(cfg: RunConfig) -> None:
+    """A rank other than 0 of a sweep over ranks: joins the job (``cfg``: its ``run.devices`` and
+    ``run.collective_timeout_s``), then runs its share of each list of runs rank 0 sends (:meth:`Sweep.run`), until
+    rank 0 sends ``None`` (:func:`end_ranks`). Its runs' progress lines go to stderr, prefixed with the rank."""
+    import torch.distributed as dist
+
+    from ..runtime.distributed import init_process_group
+
+    init_process_group(cfg)
+    rank = dist.get_rank()
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return
+        _meet(_run_share(box[0], lambda line: print(f"rank {rank}: {line}", file=sys.stderr, flush=True)))
+
+
+def end_ranks() -> None:
+    """Rank 0 of a sweep over ranks: tell the other ranks (:func:`serve_ranks`) that no runs follow."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.broadcast_object_list([None], src=0)
+
+
 @dataclass(frozen=True)
 class Run:
     """One run of a sweep: ``method`` at ``cfg`` (its seed is ``cfg.run.seed``), writing ``run_dir`` (``None``:
@@ -414,6 +483,8 @@ class Sweep:
             if run.validation and run.cfg.run.vectorized:
                 raise ConfigError(f"{run.label}: run.vectorized = true cannot hold out a validation split (the "
                                   "vectorised runner trains on its configured partition); use the simulator")
+        from ..runtime.distributed import under_torchrun
+
         outcomes: dict[int, Outcome] = {}
         heard = 0  # the runs on_done has heard: runs[:heard]
 
@@ -434,7 +505,12 @@ class Sweep:
             self._say(f"run {i + 1} of {len(runs)}: {run.label}: reusing the finished run in {run.run_dir}")
             settle(i, Outcome(done["history"], done["metrics"], done["summary"], reused=True))
         clock = _Clock(len(pending), self.jobs)
-        if self.jobs > 1 and pending:
+        if under_torchrun() and pending:
+            self._run_on_ranks(runs, pending, settle)
+            for i in pending:
+                if outcomes[i].diverged is not None and stop_on_divergence:
+                    raise DivergenceError(f"{runs[i].label}: {outcomes[i].diverged}")
+        elif self.jobs > 1 and pending:
             self._say(f"{len(pending)} of {len(runs)} runs go to {self.jobs} worker processes")
             self._run_in_processes(runs, pending, clock, settle)
             for i in pending:
@@ -501,6 +577,29 @@ class Sweep:
                     settle(k, outcomes[k])
 
         run_in_processes(work, self.jobs, self.resume, report, lines=self.log is not None)
+
+    def _run_on_ranks(self, runs: list[Run], pending: list[int], settle: Callable[[int, Outcome], None]) -> None:
+        """Rank 0 of a sweep over ranks: send the pending runs to every rank (:func:`serve_ranks`), run its own
+        share (:func:`deal`), meet the others, then read every run back; ``settle(i, outcome)`` for each."""
+        import torch.distributed as dist
+
+        from ..runtime.distributed import init_process_group
+
+        init_process_group(runs[pending[0]].cfg)
+        work: list[Work] = []
+        for i in pending:
+            _, parts, held_out = self.data_of(runs[i])
+            digest = partition_digest(parts)
+            work.append((runs[i].cfg, runs[i].run_dir, parts, held_out, self.resume,
+                         digest not in self._logged_partitions))
+            self._logged_partitions.add(digest)
+        self._say(f"{len(pending)} of {len(runs)} runs go to {dist.get_world_size()} ranks")
+        dist.broadcast_object_list([work], src=0)
+        messages = _meet(_run_share(work, self.log))
+        for j, i in enumerate(pending):
+            outcome = Outcome(diverged=messages[j]) if messages[j] is not None else self._read(runs[i])
+            self._say(f"run {i + 1} of {len(runs)} done: {runs[i].label}: {_result(runs[i], outcome)}")
+            settle(i, outcome)
 
     @staticmethod
     def _read(run: Run) -> Outcome:
