@@ -409,7 +409,7 @@ def _sweep_ranks(args) -> int | None:
     if _other_rank():
         from .experiments.sweep import serve_ranks
 
-        serve_ranks(cfg)
+        serve_ranks(cfg, args.quiet)
         return 0
     init_process_group(cfg)
     return None

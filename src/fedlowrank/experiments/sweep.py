@@ -50,7 +50,8 @@ from ..seeding import numpy_rng
 
 Log = Callable[[str], None] | None
 
-SUMMARY_KEYS = ("method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy", "epsilon")
+SUMMARY_KEYS = ("method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy", "epsilon",
+                "initial")  # summary.json keys that are not the final evaluation
 
 
 def task_key(cfg: RunConfig) -> str:
@@ -346,10 +347,11 @@ def _meet(done: dict[int, str | None]) -> dict[int, str | None]:
     return {i: m for d in out for i, m in d.items()} if out is not None else {}
 
 
-def serve_ranks(cfg: RunConfig) -> None:
+def serve_ranks(cfg: RunConfig, quiet: bool = False) -> None:
     """A rank other than 0 of a sweep over ranks: joins the job (``cfg``: its ``run.devices`` and
     ``run.collective_timeout_s``), then runs its share of each list of runs rank 0 sends (:meth:`Sweep.run`), until
-    rank 0 sends ``None`` (:func:`end_ranks`). Its runs' progress lines go to stderr, prefixed with the rank."""
+    rank 0 sends ``None`` (:func:`end_ranks`). Its runs' progress lines go to stderr, prefixed with the rank
+    (none with ``quiet``)."""
     import torch.distributed as dist
 
     from ..runtime.distributed import init_process_group
@@ -361,7 +363,8 @@ def serve_ranks(cfg: RunConfig) -> None:
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             return
-        _meet(_run_share(box[0], lambda line: print(f"rank {rank}: {line}", file=sys.stderr, flush=True)))
+        _meet(_run_share(box[0], None if quiet else lambda line: print(f"rank {rank}: {line}", file=sys.stderr,
+                                                                        flush=True)))
 
 
 def end_ranks() -> None:
