@@ -5,6 +5,7 @@ process; ``--resume`` reuses them; bad combinations are one error line."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -85,4 +86,16 @@ def test_a_missing_device_on_compare_is_one_error_line(tmp_path, capsys):
     status = main([*COMPARE, "--out", str(tmp_path / "out"), "--set", 'run.devices=["cuda:7","cuda:7"]'])
     err = capsys.readouterr().err.strip().splitlines()
     assert status != 0 and len(err) == 1 and err[0].startswith("error: run.devices[0] = 'cuda:7'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_rank_0_stopped_by_an_error_ends_the_other_rank_with_one_line(tmp_path, capfd):
+    t0 = time.monotonic()
+    status = main(["compare", "tiny", "--methods", "nosuch", "--out", str(tmp_path / "out"), "--quiet", *DEVICES,
+                   "--set", "run.collective_timeout_s=30"])
+    assert time.monotonic() - t0 < 30 + 30  # within the collective timeout, with the start of two processes
+    err = capfd.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 2
+    assert any(line.startswith("error: method.name: unknown method 'nosuch'") for line in err)
+    assert any("rank 1 of 2: another rank of the sweep stopped" in line for line in err)
     assert not (tmp_path / "out").exists()

@@ -422,16 +422,14 @@ def cmd_compare(args) -> int:
     status = _sweep_ranks(args)
     if status is not None:
         return status
-    try:
-        with _claimed_output(args, "compare") as out:
-            try:
-                results = run_comparison(args.config, args.methods, args.seeds, args.set, out,
-                                         None if args.quiet else _log, reference=args.reference, tuned=args.tuned,
-                                         resume=args.resume, jobs=args.jobs)
-            except KeyboardInterrupt as stop:
-                return _sweep_stopped(args, out, stop)
-    finally:
-        end_ranks()
+    with _claimed_output(args, "compare") as out:
+        try:
+            results = run_comparison(args.config, args.methods, args.seeds, args.set, out,
+                                     None if args.quiet else _log, reference=args.reference, tuned=args.tuned,
+                                     resume=args.resume, jobs=args.jobs)
+        except KeyboardInterrupt as stop:
+            return _sweep_stopped(args, out, stop)
+    end_ranks()
     print(results_markdown(results))
     _log(f"results: {out / 'results.md'}" + "".join(f"\nplot: {p}" for p in results.get("plots", [])))
     return 0
@@ -444,16 +442,14 @@ def cmd_tune(args) -> int:
     status = _sweep_ranks(args)
     if status is not None:
         return status
-    try:
-        with _claimed_output(args, "tune") as out:
-            try:
-                result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out,
-                                    None if args.quiet else _log, resume=args.resume, jobs=args.jobs,
-                                    param=args.param, tuned=args.tuned, extend=args.extend)
-            except KeyboardInterrupt as stop:
-                return _sweep_stopped(args, out, stop)
-    finally:
-        end_ranks()
+    with _claimed_output(args, "tune") as out:
+        try:
+            result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out,
+                                None if args.quiet else _log, resume=args.resume, jobs=args.jobs, param=args.param,
+                                tuned=args.tuned, extend=args.extend)
+        except KeyboardInterrupt as stop:
+            return _sweep_stopped(args, out, stop)
+    end_ranks()
     print(tune_markdown(result))
     _log(f"tuning: {out / 'tune.json'}; use it with: fedlowrank compare ... --tuned {out / 'tune.json'}")
     return 0

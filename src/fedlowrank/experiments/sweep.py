@@ -337,13 +337,28 @@ def _run_share(work: list[Work], log: Log) -> dict[int, str | None]:
     return done
 
 
+def _collective(fn, *args, **kwargs) -> None:
+    """``fn(*args, **kwargs)``, a collective of the sweep's ranks; its failure (a rank stopped, or did not answer
+    within ``run.collective_timeout_s``) is one :class:`~fedlowrank.runtime.distributed.RankFailure` line."""
+    import torch.distributed as dist
+
+    from ..runtime.distributed import RankFailure
+
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        raise RankFailure(f"rank {dist.get_rank()} of {dist.get_world_size()}: another rank of the sweep stopped or "
+                          f"did not answer within run.collective_timeout_s ({type(exc).__name__}); the finished runs "
+                          "are kept: run the same command with --out and --resume to continue") from None
+
+
 def _meet(done: dict[int, str | None]) -> dict[int, str | None]:
     """Every rank's ``done`` (:func:`_run_share`) gathered to rank 0 (``{}`` on the others): the ranks meet here,
     within ``run.collective_timeout_s`` of the slowest."""
     import torch.distributed as dist
 
     out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(done, out, dst=0)
+    _collective(dist.gather_object, done, out, dst=0)
     return {i: m for d in out for i, m in d.items()} if out is not None else {}
 
 
@@ -360,7 +375,7 @@ def serve_ranks(cfg: RunConfig, quiet: bool = False) -> None:
     rank = dist.get_rank()
     while True:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
+        _collective(dist.broadcast_object_list, box, src=0)
         if box[0] is None:
             return
         _meet(_run_share(box[0], None if quiet else lambda line: print(f"rank {rank}: {line}", file=sys.stderr,
@@ -368,11 +383,12 @@ def serve_ranks(cfg: RunConfig, quiet: bool = False) -> None:
 
 
 def end_ranks() -> None:
-    """Rank 0 of a sweep over ranks: tell the other ranks (:func:`serve_ranks`) that no runs follow."""
+    """Rank 0 of a sweep over ranks, its sweep done: tell the other ranks (:func:`serve_ranks`) that no runs
+    follow. (Rank 0 stopped by an error sends nothing: the others' next collective fails and they end.)"""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.broadcast_object_list([None], src=0)
+        _collective(dist.broadcast_object_list, [None], src=0)
 
 
 @dataclass(frozen=True)
@@ -597,7 +613,7 @@ class Sweep:
                          digest not in self._logged_partitions))
             self._logged_partitions.add(digest)
         self._say(f"{len(pending)} of {len(runs)} runs go to {dist.get_world_size()} ranks")
-        dist.broadcast_object_list([work], src=0)
+        _collective(dist.broadcast_object_list, [work], src=0)
         messages = _meet(_run_share(work, self.log))
         for j, i in enumerate(pending):
             outcome = Outcome(diverged=messages[j]) if messages[j] is not None else self._read(runs[i])
