@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from fedlowrank.cli import _rank_cli, main
-from fedlowrank.experiments.sweep import deal
+from fedlowrank.config import ConfigError
+from fedlowrank.experiments.sweep import Sweep, deal
 from fedlowrank.runtime.distributed import spawn
 
 COMPARE = ["compare", "tiny", "--methods", "fedit,florg", "--seeds", "0,1", "--quiet"]
@@ -99,3 +100,9 @@ def test_rank_0_stopped_by_an_error_ends_the_other_rank_with_one_line(tmp_path, 
     assert any(line.startswith("error: method.name: unknown method 'nosuch'") for line in err)
     assert any("rank 1 of 2: another rank of the sweep stopped" in line for line in err)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("out, jobs", [(None, 1), (Path("out"), 2)])
+def test_a_sweep_over_ranks_without_an_output_directory_or_with_jobs_is_refused(out, jobs):
+    with pytest.raises(ConfigError, match="a sweep over ranks needs an output directory"):
+        Sweep(out, jobs, ranks=True)

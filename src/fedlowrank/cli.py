@@ -418,6 +418,7 @@ def _sweep_ranks(args) -> int | None:
 def cmd_compare(args) -> int:
     from .experiments.compare import results_markdown, run_comparison
     from .experiments.sweep import end_ranks
+    from .runtime.distributed import under_torchrun
 
     status = _sweep_ranks(args)
     if status is not None:
@@ -426,7 +427,7 @@ def cmd_compare(args) -> int:
         try:
             results = run_comparison(args.config, args.methods, args.seeds, args.set, out,
                                      None if args.quiet else _log, reference=args.reference, tuned=args.tuned,
-                                     resume=args.resume, jobs=args.jobs)
+                                     resume=args.resume, jobs=args.jobs, ranks=under_torchrun())
         except KeyboardInterrupt as stop:
             return _sweep_stopped(args, out, stop)
     end_ranks()
@@ -438,6 +439,7 @@ def cmd_compare(args) -> int:
 def cmd_tune(args) -> int:
     from .experiments.sweep import end_ranks
     from .experiments.tune import run_tuning, tune_markdown
+    from .runtime.distributed import under_torchrun
 
     status = _sweep_ranks(args)
     if status is not None:
@@ -446,7 +448,7 @@ def cmd_tune(args) -> int:
         try:
             result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out,
                                 None if args.quiet else _log, resume=args.resume, jobs=args.jobs, param=args.param,
-                                tuned=args.tuned, extend=args.extend)
+                                tuned=args.tuned, extend=args.extend, ranks=under_torchrun())
         except KeyboardInterrupt as stop:
             return _sweep_stopped(args, out, stop)
     end_ranks()

@@ -122,27 +122,27 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
 
 
 def runner(cfg: RunConfig, task, parts: list[np.ndarray], run_dir: Path | None, log: Log, log_partition: bool,
-           overwrite: bool):
-    """The one-process runner of ``cfg`` (:func:`fedlowrank.runtime.runner_for`) on ``task`` with the clients' index arrays
-    ``parts``: the simulator, or with ``run.vectorized`` the vectorised runner, which partitions ``task`` itself
+           overwrite: bool, one_process: bool = False):
+    """The runner of ``cfg`` (:func:`fedlowrank.runtime.runner_for`; ``one_process``: not the distributed one) on
+    ``task`` with the clients' index arrays ``parts``: the simulator, or with ``run.vectorized`` the vectorised runner, which partitions ``task`` itself
     (the same partition as :meth:`Sweep.partition`; a run with a validation split is refused by :meth:`Sweep.run`).
     A vectorised run that diverges stops and says so in its summary (``diverged_at``) instead of raising."""
     from ..runtime import runner_for
 
     if cfg.run.vectorized:
-        return runner_for(cfg, one_process=True)(cfg, task=task, run_dir=run_dir, log=log, overwrite=overwrite)
-    return runner_for(cfg, one_process=True)(cfg, task=task, run_dir=run_dir, log=log, parts=parts, overwrite=overwrite,
-                           log_partition=log_partition)
+        return runner_for(cfg, one_process)(cfg, task=task, run_dir=run_dir, log=log, overwrite=overwrite)
+    return runner_for(cfg, one_process)(cfg, task=task, run_dir=run_dir, log=log, parts=parts, overwrite=overwrite,
+                                        log_partition=log_partition)
 
 
 _WORKER_TASKS: dict[str, Any] = {}  # a worker process's built tasks (task_key → task), reused by its later runs
 
 
 def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: np.ndarray | None,
-             overwrite: bool, log_partition: bool, log: Log) -> str | None:
+             overwrite: bool, log_partition: bool, log: Log, one_process: bool = False) -> str | None:
     """One run in a worker process (:func:`run_in_processes`): on the validation view of ``held_out`` when
     given (``fedlowrank tune``), on ``parts``; progress lines to ``log`` (the partition's label counts with
-    ``log_partition``). Returns ``None``, or the message of a divergence."""
+    ``log_partition``); ``one_process``: a rank's run of a sweep over ranks (:func:`_run_share`). Returns ``None``, or the message of a divergence."""
     from ..runtime.simulator import DivergenceError
     from ..tasks import build_task
 
@@ -152,7 +152,7 @@ def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: n
     task = _WORKER_TASKS[key]
     try:
         runner(cfg, task if held_out is None else task.validation(held_out), parts, run_dir, log, log_partition,
-               overwrite).run()
+               overwrite, one_process).run()
     except DivergenceError as exc:
         return str(exc)
     return None
@@ -333,7 +333,7 @@ def _run_share(work: list[Work], log: Log) -> dict[int, str | None]:
         cfg, *arguments = work[i]
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device=str(init_process_group(cfg)),
                                                                devices=[], threads=cfg.run.threads or threads))
-        done[i] = _run_one(cfg, *arguments, log=log)
+        done[i] = _run_one(cfg, *arguments, log=log, one_process=True)
     return done
 
 
@@ -429,11 +429,16 @@ class Sweep:
         jobs: worker processes (1: this process).
         resume: read each run that ended in its run directory with the same config instead of running it.
         log: where progress lines go (``None``: silent).
+        ranks: this process is rank 0 of a ``torch.distributed`` job whose other ranks serve the sweep
+            (:func:`serve_ranks`); needs ``out`` and ``jobs`` = 1.
     """
 
-    def __init__(self, out: Path | None, jobs: int = 1, resume: bool = False, log: Log = None):
+    def __init__(self, out: Path | None, jobs: int = 1, resume: bool = False, log: Log = None, ranks: bool = False):
         check_jobs(jobs, out)
-        self.out, self.jobs, self.resume, self.log = out, jobs, resume, log
+        if ranks and (out is None or jobs > 1):
+            raise ConfigError("a sweep over ranks needs an output directory (each rank writes its runs there) and "
+                              "one worker per rank (--jobs 1)")
+        self.out, self.jobs, self.resume, self.log, self.ranks = out, jobs, resume, log, ranks
         self._tasks: dict[str, Any] = {}
         self._partitions: dict[str, list[np.ndarray]] = {}
         self._splits: dict[str, tuple[list[np.ndarray], np.ndarray]] = {}
@@ -502,8 +507,6 @@ class Sweep:
             if run.validation and run.cfg.run.vectorized:
                 raise ConfigError(f"{run.label}: run.vectorized = true cannot hold out a validation split (the "
                                   "vectorised runner trains on its configured partition); use the simulator")
-        from ..runtime.distributed import under_torchrun
-
         outcomes: dict[int, Outcome] = {}
         heard = 0  # the runs on_done has heard: runs[:heard]
 
@@ -524,7 +527,7 @@ class Sweep:
             self._say(f"run {i + 1} of {len(runs)}: {run.label}: reusing the finished run in {run.run_dir}")
             settle(i, Outcome(done["history"], done["metrics"], done["summary"], reused=True))
         clock = _Clock(len(pending), self.jobs)
-        if under_torchrun() and pending:
+        if self.ranks and pending:
             self._run_on_ranks(runs, pending, settle)
             for i in pending:
                 if outcomes[i].diverged is not None and stop_on_divergence:
