@@ -93,8 +93,8 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     ``metrics.jsonl`` does not reach the round ``summary.json`` ends at).
 
     A run that ended with another config than ``cfg`` (its ``config.json`` has another fingerprint,
-    :func:`fedlowrank.runtime.checkpoint.config_fingerprint`; ``run.device`` aside) raises :class:`ConfigError`: reusing it would mix
-    two experiments."""
+    :func:`fedlowrank.runtime.checkpoint.config_fingerprint`; ``run.device`` aside) raises :class:`ConfigError`:
+    reusing it would mix two experiments."""
     from ..config import from_dict
     from ..runtime.checkpoint import config_fingerprint
 
@@ -124,8 +124,8 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
 def runner(cfg: RunConfig, task, parts: list[np.ndarray], run_dir: Path | None, log: Log, log_partition: bool,
            overwrite: bool, one_process: bool = False):
     """The runner of ``cfg`` (:func:`fedlowrank.runtime.runner_for`; ``one_process``: not the distributed one) on
-    ``task`` with the clients' index arrays ``parts``: the simulator, or with ``run.vectorized`` the vectorised runner, which partitions ``task`` itself
-    (the same partition as :meth:`Sweep.partition`; a run with a validation split is refused by :meth:`Sweep.run`).
+    ``task`` with the clients' index arrays ``parts``: the simulator, or with ``run.vectorized`` the vectorised
+    runner, which partitions ``task`` itself (the same partition as :meth:`Sweep.partition`; a run with a validation split is refused by :meth:`Sweep.run`).
     A vectorised run that diverges stops and says so in its summary (``diverged_at``) instead of raising."""
     from ..runtime import runner_for
 
@@ -142,7 +142,8 @@ def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: n
              overwrite: bool, log_partition: bool, log: Log, one_process: bool = False) -> str | None:
     """One run in a worker process (:func:`run_in_processes`): on the validation view of ``held_out`` when
     given (``fedlowrank tune``), on ``parts``; progress lines to ``log`` (the partition's label counts with
-    ``log_partition``); ``one_process``: a rank's run of a sweep over ranks (:func:`_run_share`). Returns ``None``, or the message of a divergence."""
+    ``log_partition``); ``one_process``: a rank's run of a sweep over ranks (:func:`_run_share`). Returns
+    ``None``, or the message of a divergence."""
     from ..runtime.simulator import DivergenceError
     from ..tasks import build_task
 

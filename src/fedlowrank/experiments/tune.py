@@ -94,11 +94,11 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
     """Tune ``param`` (default ``train.lr``) per method on the validation split; returns what ``tune.json`` holds
     (written to ``out`` with one run directory per (method, value, seed) when ``out`` is given; ``resume`` reuses
     the runs that ended there; ``jobs > 1`` runs them in that many processes, ``ranks`` over the ranks of this
-    ``torch.distributed`` job, :class:`fedlowrank.experiments.sweep.Sweep`). ``tuned``: a ``tune.json`` whose choices each method runs at
-    while ``param`` is tuned (a learning rate tuned first, then ``privacy.clip`` at it); each method's chosen
-    ``sets`` hold both, for ``compare --tuned``. ``extend``: while a method's best value is at an edge of what was
-    tried, try one more value beyond it (:func:`beyond_edge`), at most ``extend`` times; each time, the next value
-    of every method that needs one is run in the same sweep."""
+    ``torch.distributed`` job, :class:`fedlowrank.experiments.sweep.Sweep`). ``tuned``: a ``tune.json`` whose
+    choices each method runs at while ``param`` is tuned (a learning rate tuned first, then ``privacy.clip`` at
+    it); each method's chosen ``sets`` hold both, for ``compare --tuned``. ``extend``: while a method's best value
+    is at an edge of what was tried, try one more value beyond it (:func:`beyond_edge`), at most ``extend`` times;
+    each time, the next value of every method that needs one is run in the same sweep."""
     from ..methods import lr_grid
 
     overrides = list(overrides)
