@@ -125,8 +125,9 @@ def runner(cfg: RunConfig, task, parts: list[np.ndarray], run_dir: Path | None, 
            overwrite: bool, one_process: bool = False):
     """The runner of ``cfg`` (:func:`fedlowrank.runtime.runner_for`; ``one_process``: not the distributed one) on
     ``task`` with the clients' index arrays ``parts``: the simulator, or with ``run.vectorized`` the vectorised
-    runner, which partitions ``task`` itself (the same partition as :meth:`Sweep.partition`; a run with a validation split is refused by :meth:`Sweep.run`).
-    A vectorised run that diverges stops and says so in its summary (``diverged_at``) instead of raising."""
+    runner, which partitions ``task`` itself (the same partition as :meth:`Sweep.partition`; a run with a
+    validation split is refused by :meth:`Sweep.run`). A vectorised run that diverges stops and says so in its
+    summary (``diverged_at``) instead of raising."""
     from ..runtime import runner_for
 
     if cfg.run.vectorized:
