@@ -406,12 +406,12 @@ def _sweep_ranks(args) -> int | None:
         _check_devices(cfg.run.devices, "run.devices")
         argv = args.argv if args.out or args.resume else [*args.argv, "--out", str(_run_dir(cfg, args.command))]
         return _spawn_ranks(argv, cfg.run.devices, cfg.run.collective_timeout_s)
-    if _other_rank():
-        from .experiments.sweep import serve_ranks
+    from .experiments.sweep import SWEEP_BACKEND, serve_ranks
 
+    if _other_rank():
         serve_ranks(cfg, args.quiet)
         return 0
-    init_process_group(cfg)
+    init_process_group(cfg, SWEEP_BACKEND)
     return None
 
 

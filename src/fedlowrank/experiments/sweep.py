@@ -314,6 +314,9 @@ def _stop_workers(workers: list, events, report: Callable[[str, int, Any], None]
 Work = tuple[RunConfig, Path, list[np.ndarray], np.ndarray | None, bool, bool]  # _run_one's arguments but log
 
 
+SWEEP_BACKEND = "gloo"  # the sweep's collectives carry small objects; gloo lets ranks share a GPU
+
+
 def deal(n: int, world: int, rank: int) -> list[int]:
     """The runs (of ``n``, in run order) that rank ``rank`` of ``world`` runs: round-robin, ``rank, rank + world,
     ...``."""
@@ -373,7 +376,7 @@ def serve_ranks(cfg: RunConfig, quiet: bool = False) -> None:
 
     from ..runtime.distributed import init_process_group
 
-    init_process_group(cfg)
+    init_process_group(cfg, SWEEP_BACKEND)
     rank = dist.get_rank()
     while True:
         box: list[Any] = [None]
@@ -609,7 +612,7 @@ class Sweep:
 
         from ..runtime.distributed import init_process_group
 
-        init_process_group(runs[pending[0]].cfg)
+        init_process_group(runs[pending[0]].cfg, SWEEP_BACKEND)
         work: list[Work] = []
         for i in pending:
             _, parts, held_out = self.data_of(runs[i])
