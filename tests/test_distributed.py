@@ -196,12 +196,8 @@ def test_a_missing_device_is_one_error_line(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_run_devices_outside_a_job_is_refused_by_the_python_api_and_by_compare(tmp_path, capsys):
+def test_run_devices_outside_a_job_is_refused_by_the_python_api():
     from fedlowrank.runtime import runner_for
 
     with pytest.raises(ValueError, match="run.devices"):
         runner_for(tiny_config('run.devices=["cpu","cpu"]'))
-    status = main(["compare", "tiny", "--out", str(tmp_path / "cmp"), "--set", 'run.devices=["cpu","cpu"]'])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and len(err) == 1 and err[0].startswith("error: run.devices: fedlowrank compare runs")
-    assert not (tmp_path / "cmp").exists()

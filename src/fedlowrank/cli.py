@@ -387,47 +387,73 @@ def _sweep_stopped(args, out: Path, stop: KeyboardInterrupt) -> int:
     return getattr(stop, "exit_status", 130)
 
 
-def _one_process(args) -> None:
-    """``compare`` and ``tune`` run each of their runs in one process (``--jobs N``: N at once); refuse
-    ``run.devices`` and a ``torchrun`` launch, before any work."""
+def _sweep_ranks(args) -> int | None:
+    """``compare`` and ``tune`` over several ranks (:mod:`~.experiments.sweep`): with ``run.devices`` outside a
+    job, spawn one rank per device running this command (rank 0 writing into the one ``--out`` named here) and
+    return the exit status; in a rank other than 0, run the runs rank 0 deals and return 0; rank 0 joins the job
+    and gets ``None`` (go on), as does a plain command. ``--jobs`` > 1 with ranks is refused (one worker per rank)."""
     from .config import ConfigError, load_config
-    from .runtime.distributed import under_torchrun
+    from .runtime.distributed import init_process_group, under_torchrun
 
-    if under_torchrun():
-        raise ConfigError(f"fedlowrank {args.command} runs each run in one process (--jobs N runs N at once); under "
-                          f"torchrun, launch `fedlowrank run` or `fedlowrank resume`")
-    if args.config is not None and load_config(args.config, args.set).run.devices:
-        raise ConfigError(f"run.devices: fedlowrank {args.command} runs each run in one process (--jobs N runs N at "
-                          f"once); set run.devices = [] (run.devices serves `fedlowrank run` and `resume`)")
+    if args.config is None:
+        return None
+    cfg = load_config(args.config, args.set, method_checks=False)
+    if not cfg.run.devices and not under_torchrun():
+        return None
+    if args.jobs != 1:
+        where = "under torchrun" if under_torchrun() else f"with run.devices = {json.dumps(cfg.run.devices)}"
+        raise ConfigError(f"--jobs {args.jobs} {where}: each rank is one worker running its runs one after another; "
+                          f"leave --jobs out (or run.devices = [] with --jobs N for N worker processes)")
+    if not under_torchrun():
+        _check_devices(cfg.run.devices, "run.devices")
+        argv = args.argv if args.out or args.resume else [*args.argv, "--out", str(_run_dir(cfg, args.command))]
+        return _spawn_ranks(argv, cfg.run.devices, cfg.run.collective_timeout_s)
+    from .experiments.sweep import SWEEP_BACKEND, serve_ranks
+
+    if _other_rank():
+        serve_ranks(cfg, args.quiet)
+        return 0
+    init_process_group(cfg, SWEEP_BACKEND)
+    return None
 
 
 def cmd_compare(args) -> int:
     from .experiments.compare import results_markdown, run_comparison
+    from .experiments.sweep import end_ranks
+    from .runtime.distributed import under_torchrun
 
-    _one_process(args)
+    status = _sweep_ranks(args)
+    if status is not None:
+        return status
     with _claimed_output(args, "compare") as out:
         try:
             results = run_comparison(args.config, args.methods, args.seeds, args.set, out,
                                      None if args.quiet else _log, reference=args.reference, tuned=args.tuned,
-                                     resume=args.resume, jobs=args.jobs)
+                                     resume=args.resume, jobs=args.jobs, ranks=under_torchrun())
         except KeyboardInterrupt as stop:
             return _sweep_stopped(args, out, stop)
+    end_ranks()
     print(results_markdown(results))
     _log(f"results: {out / 'results.md'}" + "".join(f"\nplot: {p}" for p in results.get("plots", [])))
     return 0
 
 
 def cmd_tune(args) -> int:
+    from .experiments.sweep import end_ranks
     from .experiments.tune import run_tuning, tune_markdown
+    from .runtime.distributed import under_torchrun
 
-    _one_process(args)
+    status = _sweep_ranks(args)
+    if status is not None:
+        return status
     with _claimed_output(args, "tune") as out:
         try:
             result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out,
                                 None if args.quiet else _log, resume=args.resume, jobs=args.jobs, param=args.param,
-                                tuned=args.tuned, extend=args.extend)
+                                tuned=args.tuned, extend=args.extend, ranks=under_torchrun())
         except KeyboardInterrupt as stop:
             return _sweep_stopped(args, out, stop)
+    end_ranks()
     print(tune_markdown(result))
     _log(f"tuning: {out / 'tune.json'}; use it with: fedlowrank compare ... --tuned {out / 'tune.json'}")
     return 0

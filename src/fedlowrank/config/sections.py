@@ -135,10 +135,11 @@ class RunSection(Schema):
                           check=check_device_spec, form="one of auto, cpu, cuda, cuda:N")
     devices: list[str] = setting(
         [], "one process per listed device, the round's clients spread over them (runtime/distributed.py; "
-        "docs/distributed.md): cpu, cuda or cuda:N each, all CPUs or all GPUs; [] = one process (torchrun "
-        "launches its own ranks)", check=check_devices, form="a list of cpu, cuda or cuda:N, all CPUs or all GPUs")
+        "docs/distributed.md; compare and tune: their runs dealt over them): cpu, cuda or cuda:N each, all CPUs or "
+        "all GPUs; [] = one process (torchrun launches its own ranks)", check=check_devices, form="a list of cpu, cuda or cuda:N, all CPUs or all GPUs")
     collective_timeout_s: float = setting(600.0, "run.devices / torchrun: the longest a rank waits in a collective "
-                                          "for the others (a rank that died stops the job after it)", gt=0)
+                                          "for the others (a rank that died stops the job after it; compare and tune: longer than "
+                                          "one run)", gt=0)
     state_memory_mb: float = setting(0.0, "MiB of client states kept in memory; beyond it the least recently used "
                                      "spill to disk (RUN_DIR/client_states/) and are read back on demand (0 = keep "
                                      "all in memory)", ge=0)

@@ -218,10 +218,13 @@ def _metric_values(history: list[dict[str, Any]], metric: str) -> list[float]:
 def run_comparison(config: str | Path | None, methods: str | list[str] | None = None,
                    seeds: str | list[int] | None = None, overrides: list[str] | tuple[str, ...] = (),
                    out: str | Path | None = None, log: Log = None, *, reference: str | None = None,
-                   tuned: str | Path | None = None, resume: bool = False, jobs: int = 1) -> dict[str, Any]:
+                   tuned: str | Path | None = None, resume: bool = False, jobs: int = 1,
+                   ranks: bool = False) -> dict[str, Any]:
     """Run every method on every seed and return the results (see the module docstring); with ``out`` also
     write the run directories, ``results.json``, ``results.md`` and the plots there; with ``resume`` reuse the
-    runs that ended in ``out``; with ``jobs > 1`` run them in that many processes (needs ``out``).
+    runs that ended in ``out``; with ``jobs > 1`` run them in that many processes (needs ``out``); with ``ranks``,
+    over the ranks of this ``torch.distributed`` job (this process is rank 0, the others serve the sweep:
+    :func:`~fedlowrank.experiments.sweep.serve_ranks`).
 
     Args:
         config: a TOML file or bundled config name; ``overrides``: ``"section.key=value"`` strings for all.
@@ -248,7 +251,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
     settings = {n: method_settings(base, n, overrides, chosen.get(n)) for n in names}
     metric = headline_metric(base)
     out = Path(out) if out is not None else None
-    sweep = Sweep(out, jobs, resume, log)
+    sweep = Sweep(out, jobs, resume, log, ranks)
     runs = [Run(n, f"[{n}] seed {s}", load_config(config, [*settings[n], f"run.seed={s}"]),
                 out / f"{n}-seed{s}" if out else None, metric) for n in names for s in seed_list]
     sweep.check_pairing(sorted(runs, key=lambda r: r.method != reference))  # data and partitions before training

@@ -9,6 +9,10 @@ run of one seed trains on the same partition, and evaluates on the same validati
 * one after another in this process (with the runs' progress lines), or in ``jobs`` worker processes
   (:func:`run_in_processes`), each run writing its run directory, read back with :func:`finished_run`; the results
   are the same either way;
+* over the ranks of a ``torch.distributed`` job (``torchrun``, or ``run.devices`` through the command line):
+  rank 0 deals the runs to the ranks in run order, round-robin (:func:`deal`, :func:`serve_ranks`); each rank runs
+  its share one after another, each run a plain one-process run on the rank's device; the ranks meet at a gather
+  (the divergence messages) and rank 0 reads the runs back with :func:`finished_run`; the results are the same;
 * with ``resume``, a run directory whose run ended with the same config is read instead of run again, so an
   interrupted sweep continues where it stopped and runs made by separate processes into one ``out`` combine;
 * each run by the runner its config asks for (:func:`runner`: the simulator, or the vectorised runner with
@@ -46,7 +50,8 @@ from ..seeding import numpy_rng
 
 Log = Callable[[str], None] | None
 
-SUMMARY_KEYS = ("method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy", "epsilon")
+SUMMARY_KEYS = ("method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy", "epsilon",
+                "initial")  # summary.json keys that are not the final evaluation
 
 
 def task_key(cfg: RunConfig) -> str:
@@ -88,8 +93,8 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     ``metrics.jsonl`` does not reach the round ``summary.json`` ends at).
 
     A run that ended with another config than ``cfg`` (its ``config.json`` has another fingerprint,
-    :func:`fedlowrank.runtime.checkpoint.config_fingerprint`) raises :class:`ConfigError`: reusing it would mix
-    two experiments."""
+    :func:`fedlowrank.runtime.checkpoint.config_fingerprint`; ``run.device`` aside) raises :class:`ConfigError`:
+    reusing it would mix two experiments."""
     from ..config import from_dict
     from ..runtime.checkpoint import config_fingerprint
 
@@ -108,7 +113,8 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
                           "again") from None
     if not history or history[-1].get("round") != summary.get("rounds"):  # its metrics were cut: run it again
         return None
-    if config_fingerprint(old) != config_fingerprint(cfg):
+    same_device = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device=old.run.device))
+    if config_fingerprint(old) != config_fingerprint(same_device):  # a rank of a sweep pins its device
         raise ConfigError(f"--resume: {run_dir} holds a run of another config than this one (different settings "
                           "or learning rate); use another --out, or delete that directory")
     metrics = {k: v for k, v in summary.items() if k not in SUMMARY_KEYS}
@@ -116,27 +122,29 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
 
 
 def runner(cfg: RunConfig, task, parts: list[np.ndarray], run_dir: Path | None, log: Log, log_partition: bool,
-           overwrite: bool):
-    """The runner of ``cfg`` (:func:`fedlowrank.runtime.runner_for`) on ``task`` with the clients' index arrays
-    ``parts``: the simulator, or with ``run.vectorized`` the vectorised runner, which partitions ``task`` itself
-    (the same partition as :meth:`Sweep.partition`; a run with a validation split is refused by :meth:`Sweep.run`).
-    A vectorised run that diverges stops and says so in its summary (``diverged_at``) instead of raising."""
+           overwrite: bool, one_process: bool = False):
+    """The runner of ``cfg`` (:func:`fedlowrank.runtime.runner_for`; ``one_process``: not the distributed one) on
+    ``task`` with the clients' index arrays ``parts``: the simulator, or with ``run.vectorized`` the vectorised
+    runner, which partitions ``task`` itself (the same partition as :meth:`Sweep.partition`; a run with a
+    validation split is refused by :meth:`Sweep.run`). A vectorised run that diverges stops and says so in its
+    summary (``diverged_at``) instead of raising."""
     from ..runtime import runner_for
 
     if cfg.run.vectorized:
-        return runner_for(cfg)(cfg, task=task, run_dir=run_dir, log=log, overwrite=overwrite)
-    return runner_for(cfg)(cfg, task=task, run_dir=run_dir, log=log, parts=parts, overwrite=overwrite,
-                           log_partition=log_partition)
+        return runner_for(cfg, one_process)(cfg, task=task, run_dir=run_dir, log=log, overwrite=overwrite)
+    return runner_for(cfg, one_process)(cfg, task=task, run_dir=run_dir, log=log, parts=parts, overwrite=overwrite,
+                                        log_partition=log_partition)
 
 
 _WORKER_TASKS: dict[str, Any] = {}  # a worker process's built tasks (task_key → task), reused by its later runs
 
 
 def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: np.ndarray | None,
-             overwrite: bool, log_partition: bool, log: Log) -> str | None:
+             overwrite: bool, log_partition: bool, log: Log, one_process: bool = False) -> str | None:
     """One run in a worker process (:func:`run_in_processes`): on the validation view of ``held_out`` when
     given (``fedlowrank tune``), on ``parts``; progress lines to ``log`` (the partition's label counts with
-    ``log_partition``). Returns ``None``, or the message of a divergence."""
+    ``log_partition``); ``one_process``: a rank's run of a sweep over ranks (:func:`_run_share`). Returns
+    ``None``, or the message of a divergence."""
     from ..runtime.simulator import DivergenceError
     from ..tasks import build_task
 
@@ -146,7 +154,7 @@ def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: n
     task = _WORKER_TASKS[key]
     try:
         runner(cfg, task if held_out is None else task.validation(held_out), parts, run_dir, log, log_partition,
-               overwrite).run()
+               overwrite, one_process).run()
     except DivergenceError as exc:
         return str(exc)
     return None
@@ -303,6 +311,91 @@ def _stop_workers(workers: list, events, report: Callable[[str, int, Any], None]
                 w.join()
 
 
+Work = tuple[RunConfig, Path, list[np.ndarray], np.ndarray | None, bool, bool]  # _run_one's arguments but log
+
+
+SWEEP_BACKEND = "gloo"  # the sweep's collectives carry small objects; gloo lets ranks share a GPU
+
+
+def deal(n: int, world: int, rank: int) -> list[int]:
+    """The runs (of ``n``, in run order) that rank ``rank`` of ``world`` runs: round-robin, ``rank, rank + world,
+    ...``."""
+    return list(range(rank, n, world))
+
+
+def _run_share(work: list[Work], log: Log) -> dict[int, str | None]:
+    """This rank's share of ``work`` (:func:`deal`), one after another, each run pinned to the rank's device
+    (:func:`~fedlowrank.runtime.distributed.init_process_group`) with ``run.devices`` cleared and ``run.threads``
+    torch threads (0: the cores / the ranks on this machine, at least 1); ``{index in work: divergence message or
+    None}``."""
+    import torch.distributed as dist
+
+    from ..runtime.distributed import init_process_group
+
+    threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+    done = {}
+    for i in deal(len(work), dist.get_world_size(), dist.get_rank()):
+        cfg, *arguments = work[i]
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device=str(init_process_group(cfg)),
+                                                               devices=[], threads=cfg.run.threads or threads))
+        done[i] = _run_one(cfg, *arguments, log=log, one_process=True)
+    return done
+
+
+def _collective(fn, *args, **kwargs) -> None:
+    """``fn(*args, **kwargs)``, a collective of the sweep's ranks; its failure (a rank stopped, or did not answer
+    within ``run.collective_timeout_s``) is one :class:`~fedlowrank.runtime.distributed.RankFailure` line."""
+    import torch.distributed as dist
+
+    from ..runtime.distributed import RankFailure
+
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        raise RankFailure(f"rank {dist.get_rank()} of {dist.get_world_size()}: another rank of the sweep stopped or "
+                          f"did not answer within run.collective_timeout_s ({type(exc).__name__}); the finished runs "
+                          "are kept: run the same command with --out and --resume to continue") from None
+
+
+def _meet(done: dict[int, str | None]) -> dict[int, str | None]:
+    """Every rank's ``done`` (:func:`_run_share`) gathered to rank 0 (``{}`` on the others): the ranks meet here,
+    within ``run.collective_timeout_s`` of the slowest."""
+    import torch.distributed as dist
+
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    _collective(dist.gather_object, done, out, dst=0)
+    return {i: m for d in out for i, m in d.items()} if out is not None else {}
+
+
+def serve_ranks(cfg: RunConfig, quiet: bool = False) -> None:
+    """A rank other than 0 of a sweep over ranks: joins the job (``cfg``: its ``run.devices`` and
+    ``run.collective_timeout_s``), then runs its share of each list of runs rank 0 sends (:meth:`Sweep.run`), until
+    rank 0 sends ``None`` (:func:`end_ranks`). Its runs' progress lines go to stderr, prefixed with the rank
+    (none with ``quiet``)."""
+    import torch.distributed as dist
+
+    from ..runtime.distributed import init_process_group
+
+    init_process_group(cfg, SWEEP_BACKEND)
+    rank = dist.get_rank()
+    while True:
+        box: list[Any] = [None]
+        _collective(dist.broadcast_object_list, box, src=0)
+        if box[0] is None:
+            return
+        _meet(_run_share(box[0], None if quiet else lambda line: print(f"rank {rank}: {line}", file=sys.stderr,
+                                                                        flush=True)))
+
+
+def end_ranks() -> None:
+    """Rank 0 of a sweep over ranks, its sweep done: tell the other ranks (:func:`serve_ranks`) that no runs
+    follow. (Rank 0 stopped by an error sends nothing: the others' next collective fails and they end.)"""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        _collective(dist.broadcast_object_list, [None], src=0)
+
+
 @dataclass(frozen=True)
 class Run:
     """One run of a sweep: ``method`` at ``cfg`` (its seed is ``cfg.run.seed``), writing ``run_dir`` (``None``:
@@ -341,11 +434,16 @@ class Sweep:
         jobs: worker processes (1: this process).
         resume: read each run that ended in its run directory with the same config instead of running it.
         log: where progress lines go (``None``: silent).
+        ranks: this process is rank 0 of a ``torch.distributed`` job whose other ranks serve the sweep
+            (:func:`serve_ranks`); needs ``out`` and ``jobs`` = 1.
     """
 
-    def __init__(self, out: Path | None, jobs: int = 1, resume: bool = False, log: Log = None):
+    def __init__(self, out: Path | None, jobs: int = 1, resume: bool = False, log: Log = None, ranks: bool = False):
         check_jobs(jobs, out)
-        self.out, self.jobs, self.resume, self.log = out, jobs, resume, log
+        if ranks and (out is None or jobs > 1):
+            raise ConfigError("a sweep over ranks needs an output directory (each rank writes its runs there) and "
+                              "one worker per rank (--jobs 1)")
+        self.out, self.jobs, self.resume, self.log, self.ranks = out, jobs, resume, log, ranks
         self._tasks: dict[str, Any] = {}
         self._partitions: dict[str, list[np.ndarray]] = {}
         self._splits: dict[str, tuple[list[np.ndarray], np.ndarray]] = {}
@@ -434,7 +532,12 @@ class Sweep:
             self._say(f"run {i + 1} of {len(runs)}: {run.label}: reusing the finished run in {run.run_dir}")
             settle(i, Outcome(done["history"], done["metrics"], done["summary"], reused=True))
         clock = _Clock(len(pending), self.jobs)
-        if self.jobs > 1 and pending:
+        if self.ranks and pending:
+            self._run_on_ranks(runs, pending, settle)
+            for i in pending:
+                if outcomes[i].diverged is not None and stop_on_divergence:
+                    raise DivergenceError(f"{runs[i].label}: {outcomes[i].diverged}")
+        elif self.jobs > 1 and pending:
             self._say(f"{len(pending)} of {len(runs)} runs go to {self.jobs} worker processes")
             self._run_in_processes(runs, pending, clock, settle)
             for i in pending:
@@ -501,6 +604,29 @@ class Sweep:
                     settle(k, outcomes[k])
 
         run_in_processes(work, self.jobs, self.resume, report, lines=self.log is not None)
+
+    def _run_on_ranks(self, runs: list[Run], pending: list[int], settle: Callable[[int, Outcome], None]) -> None:
+        """Rank 0 of a sweep over ranks: send the pending runs to every rank (:func:`serve_ranks`), run its own
+        share (:func:`deal`), meet the others, then read every run back; ``settle(i, outcome)`` for each."""
+        import torch.distributed as dist
+
+        from ..runtime.distributed import init_process_group
+
+        init_process_group(runs[pending[0]].cfg, SWEEP_BACKEND)
+        work: list[Work] = []
+        for i in pending:
+            _, parts, held_out = self.data_of(runs[i])
+            digest = partition_digest(parts)
+            work.append((runs[i].cfg, runs[i].run_dir, parts, held_out, self.resume,
+                         digest not in self._logged_partitions))
+            self._logged_partitions.add(digest)
+        self._say(f"{len(pending)} of {len(runs)} runs go to {dist.get_world_size()} ranks")
+        _collective(dist.broadcast_object_list, [work], src=0)
+        messages = _meet(_run_share(work, self.log))
+        for j, i in enumerate(pending):
+            outcome = Outcome(diverged=messages[j]) if messages[j] is not None else self._read(runs[i])
+            self._say(f"run {i + 1} of {len(runs)} done: {runs[i].label}: {_result(runs[i], outcome)}")
+            settle(i, outcome)
 
     @staticmethod
     def _read(run: Run) -> Outcome:

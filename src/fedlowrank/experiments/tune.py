@@ -90,15 +90,15 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
                grid: str | list[float] | None = None, seeds: str | list[int] | None = None,
                overrides: list[str] | tuple[str, ...] = (), out: str | Path | None = None,
                log: Log = None, resume: bool = False, jobs: int = 1, param: str = LR,
-               tuned: str | Path | None = None, extend: int = 0) -> dict[str, Any]:
+               tuned: str | Path | None = None, extend: int = 0, ranks: bool = False) -> dict[str, Any]:
     """Tune ``param`` (default ``train.lr``) per method on the validation split; returns what ``tune.json`` holds
     (written to ``out`` with one run directory per (method, value, seed) when ``out`` is given; ``resume`` reuses
-    the runs that ended there; ``jobs > 1`` runs them in that many processes,
-    :class:`fedlowrank.experiments.sweep.Sweep`). ``tuned``: a ``tune.json`` whose choices each method runs at
-    while ``param`` is tuned (a learning rate tuned first, then ``privacy.clip`` at it); each method's chosen
-    ``sets`` hold both, for ``compare --tuned``. ``extend``: while a method's best value is at an edge of what was
-    tried, try one more value beyond it (:func:`beyond_edge`), at most ``extend`` times; each time, the next value
-    of every method that needs one is run in the same sweep."""
+    the runs that ended there; ``jobs > 1`` runs them in that many processes, ``ranks`` over the ranks of this
+    ``torch.distributed`` job, :class:`fedlowrank.experiments.sweep.Sweep`). ``tuned``: a ``tune.json`` whose
+    choices each method runs at while ``param`` is tuned (a learning rate tuned first, then ``privacy.clip`` at
+    it); each method's chosen ``sets`` hold both, for ``compare --tuned``. ``extend``: while a method's best value
+    is at an edge of what was tried, try one more value beyond it (:func:`beyond_edge`), at most ``extend`` times;
+    each time, the next value of every method that needs one is run in the same sweep."""
     from ..methods import lr_grid
 
     overrides = list(overrides)
@@ -130,7 +130,7 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
     configs = {(n, v): [config_of(n, v, s) for s in seed_list] for n in names for v in grids[n]}  # all checked first
     base_fingerprint = config_fingerprint(base)
     kept = earlier_choices(out / "tune.json", names, base_fingerprint, seed_list, param) if out is not None else {}
-    sweep = Sweep(out, jobs, resume, log)
+    sweep = Sweep(out, jobs, resume, log, ranks)
     first_cfg = configs[names[0], grids[names[0]][0]][0]
     metric = sweep.task(first_cfg).validation_metric
     higher = higher_is_better(metric)

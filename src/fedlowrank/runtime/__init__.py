@@ -5,14 +5,14 @@ this package (the run directories, the checkpoints) stays light."""
 from __future__ import annotations
 
 
-def runner_for(cfg) -> type:
+def runner_for(cfg, one_process: bool = False) -> type:
     """The runner class of ``cfg``: :class:`~.distributed.Distributed` in a rank of a ``torch.distributed`` job
-    (``torchrun``'s environment; ``run.devices`` outside one is refused), :class:`~.vectorized.Vectorized` with
-    ``run.vectorized``, else :class:`~.simulator.Simulation`; each is called as
-    ``runner(cfg, run_dir=..., log=..., overwrite=...)``."""
+    (``torchrun``'s environment; ``run.devices`` outside one is refused) unless ``one_process`` (a sweep's run, each
+    in one rank), :class:`~.vectorized.Vectorized` with ``run.vectorized``, else :class:`~.simulator.Simulation`;
+    each is called as ``runner(cfg, run_dir=..., log=..., overwrite=...)``."""
     from .distributed import under_torchrun
 
-    if under_torchrun():
+    if under_torchrun() and not one_process:
         from .distributed import Distributed
 
         return Distributed

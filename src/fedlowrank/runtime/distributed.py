@@ -165,9 +165,9 @@ def _unpack(blobs: Iterable[bytes]) -> dict[str, Any]:
     return out
 
 
-def init_process_group(cfg) -> torch.device:
-    """Join the job of this process's environment (when not yet joined) with the backend of this rank's device
-    (NCCL on CUDA, gloo otherwise) and ``run.collective_timeout_s``; returns the rank's device."""
+def init_process_group(cfg, backend: str | None = None) -> torch.device:
+    """Join the job of this process's environment (when not yet joined) with ``backend`` (default: the one of this
+    rank's device, NCCL on CUDA, gloo otherwise) and ``run.collective_timeout_s``; returns the rank's device."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     spec = rank_device(cfg, rank, int(os.environ["LOCAL_RANK"]), world)
     from ..device import resolve_device
@@ -176,8 +176,8 @@ def init_process_group(cfg) -> torch.device:
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.run.collective_timeout_s))
+        dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"), rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=cfg.run.collective_timeout_s))
     return device
 
 
