@@ -102,6 +102,26 @@ def prediction_summary(confusion: Tensor | np.ndarray, label_names: list[str] | 
             "majority_share": float(true.max() / n)}
 
 
+PRIOR_FLOOR = 1e-3  # the share given to a class a client holds no example of (its log stays finite)
+
+
+def log_prior(labels: np.ndarray, num_classes: int) -> Tensor:
+    """``[C]`` ``log π_c`` of a client's training labels ``[n_k]``: ``π_c = max(n_c / n_k, PRIOR_FLOOR)``, the
+    client's own label distribution (the prior of the logit-adjusted loss, Menon et al., arXiv:2007.07314)."""
+    counts = np.bincount(np.asarray(labels), minlength=num_classes)
+    return torch.log(torch.as_tensor(np.maximum(counts / counts.sum(), PRIOR_FLOOR), dtype=torch.float32))
+
+
+def adjusted_cross_entropy(logits: Tensor, batch: dict[str, Tensor], reduction: str = "mean") -> Tensor:
+    """Cross-entropy of ``[B, C]`` logits against ``batch["labels"]`` ``[B]``; when the batch carries
+    ``"logit_offset"`` ``[B, C]`` (``τ · log π`` of each row's client), of ``logits + offset`` (the logit-adjusted
+    loss, arXiv:2007.07314)."""
+    logits = logits.float()
+    if "logit_offset" in batch:
+        logits = logits + batch["logit_offset"]
+    return F.cross_entropy(logits, batch["labels"], reduction=reduction)
+
+
 @dataclass
 class NoOptions(Schema):
     """The options of a task that has none."""
@@ -195,6 +215,12 @@ class Task:
     def batch(self, indices: np.ndarray) -> Any:
         """The training examples at ``indices`` as one batch."""
         raise NotImplementedError
+
+    def client_batch(self, indices: np.ndarray, client_indices: np.ndarray) -> Any:
+        """The training batch at ``indices`` of the client that holds ``client_indices`` ``[n_k]`` (what the local
+        trainer asks for; a task whose loss reads the client's data, e.g. its label prior, adds it here). Default:
+        :meth:`batch`."""
+        return self.batch(indices)
 
     def probe_batch(self, rows: int) -> Any:
         """A training batch of ``rows`` rows as large as training batches get (the longest examples at the longest
@@ -339,6 +365,9 @@ class ValidationView(Task):
 
     def batch(self, indices: np.ndarray) -> Any:
         return self.task.batch(indices)
+
+    def client_batch(self, indices: np.ndarray, client_indices: np.ndarray) -> Any:
+        return self.task.client_batch(indices, client_indices)
 
     def probe_batch(self, rows: int) -> Any:
         return self.task.probe_batch(rows)

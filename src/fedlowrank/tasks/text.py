@@ -7,6 +7,7 @@ longest sequence. The head (``classifier.*``) is new, trained and shared.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,14 +19,28 @@ from ..adapters.model import AdaptedModel, Routing
 from ..device import module_device, to_device
 from ..models.loading import load_model
 from . import register_task
-from .base import (Task, adapted_copy, check_max_length, confusion_counts, join_padded, mean_by_member, padded_length,
-                   prediction_summary)
+from ..schema import Schema, setting
+from .base import (Task, adapted_copy, adjusted_cross_entropy, check_max_length, confusion_counts, join_padded,
+                   log_prior, mean_by_member, padded_length, prediction_summary)
 from .data import TextData, load_node_file
 from .table import column_spec
 
 # [data] keys read whatever the source: a Flower node that brings its own file reads it with the run's columns,
 # header and class names (:func:`node_data`).
 _EVERY_SOURCE = ("max_train_examples", "max_test_examples", "labels", "text_column", "label_column", "header")
+
+
+@dataclass
+class TextOptions(Schema):
+    """``task.options`` of ``task.kind = "text-classification"``."""
+
+    prefix = "task.options"
+
+    logit_adjustment: float = setting(0.0, "τ of the logit-adjusted training loss: each client trains on the "
+                                      "cross-entropy of logits + τ · log π, π its own label distribution (a class "
+                                      "it lacks counts 1e-3), which keeps a client from fitting its majority class "
+                                      "(Menon et al., arXiv:2007.07314); evaluation reads the plain logits; "
+                                      "0 = plain cross-entropy", ge=0.0)
 
 
 @register_task
@@ -50,6 +65,7 @@ class TextClassification(Task):
     validation_metric = "accuracy"
     supports_cohorts = True
     supports_quantize = True
+    Options = TextOptions
     data_description = "labelled text data"
     data_sources = {"bbc-news": (*_EVERY_SOURCE, "test_fraction"), "agnews": (*_EVERY_SOURCE, "path"),
                     "files": (*_EVERY_SOURCE, "train", "test", "test_fraction"), "hf": (*_EVERY_SOURCE, "hf_name")}
@@ -79,12 +95,14 @@ class TextClassification(Task):
     def with_data(cls, cfg, data: TextData) -> "TextClassification":
         """The task of ``cfg`` on ``data`` (a Flower node's own file, or what :meth:`from_config` read)."""
         return cls(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None, cfg.task.eval_batch_size,
-                   cfg.task.quantize, cfg.task.length_buckets)
+                   cfg.task.quantize, cfg.task.length_buckets, cls.checked_options(cfg).logit_adjustment)
 
     def __init__(self, data: TextData, model: str = "minilm", max_length: int = 64,
                  targets: list[str] | str | None = None, eval_batch_size: int = 64, quantize: str = "",
-                 length_buckets: list[int] | None = None):
+                 length_buckets: list[int] | None = None, logit_adjustment: float = TextOptions.logit_adjustment):
+        TextOptions(logit_adjustment=logit_adjustment)  # checked
         self.data = data
+        self.logit_adjustment = logit_adjustment
         self.model_name = model
         self.max_length = max_length
         self.length_buckets = list(length_buckets or [])
@@ -129,6 +147,15 @@ class TextClassification(Task):
         ids, mask = self._trim(self.train_ids[idx], self.train_mask[idx], self.length_buckets)
         return {"input_ids": ids, "attention_mask": mask, "labels": torch.as_tensor(self.train_labels[idx.numpy()])}
 
+    def client_batch(self, indices: np.ndarray, client_indices: np.ndarray) -> dict[str, torch.Tensor]:
+        """:meth:`batch`, with ``"logit_offset"`` ``[B, C]``, ``τ · log π`` of the client's labels
+        (:func:`~.base.log_prior`), when ``task.options.logit_adjustment`` τ > 0."""
+        batch = self.batch(indices)
+        if self.logit_adjustment > 0:
+            offset = self.logit_adjustment * log_prior(self.train_labels[np.asarray(client_indices)], self.num_labels)
+            batch["logit_offset"] = offset.expand(len(batch["labels"]), -1).contiguous()
+        return batch
+
     def probe_batch(self, rows: int) -> dict[str, torch.Tensor]:
         """The ``rows`` longest training texts (repeated if needed), padded as the longest training batch would be."""
         longest = torch.argsort(self.train_mask.sum(1), descending=True, stable=True)
@@ -145,11 +172,12 @@ class TextClassification(Task):
         return net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
     def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        return F.cross_entropy(out.float(), batch["labels"])
+        return adjusted_cross_entropy(out, batch)
 
     def output_losses(self, out: torch.Tensor, routing: Routing, batches: list) -> torch.Tensor:
-        labels = torch.cat([b["labels"] for b in batches])
-        return mean_by_member(F.cross_entropy(out.float(), labels, reduction="none"), routing)
+        joined = {key: torch.cat([b[key] for b in batches]) for key in ("labels", "logit_offset")
+                  if key in batches[0]}
+        return mean_by_member(adjusted_cross_entropy(out, joined, reduction="none"), routing)
 
     def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], Routing]:
         """Token ids padded with the pad token and masks with 0 (right padding: no real token's output changes)."""
