@@ -38,7 +38,7 @@ class TextOptions(Schema):
 
     logit_adjustment: float = setting(0.0, "τ of the logit-adjusted training loss: each client trains on the "
                                       "cross-entropy of logits + τ · log π, π its own label distribution (a class "
-                                      "it lacks counts 1e-3), which keeps a client from fitting its majority class "
+                                      "it lacks counts 1e-3), so that its logits need not carry its own label skew "
                                       "(Menon et al., arXiv:2007.07314); evaluation reads the plain logits; "
                                       "0 = plain cross-entropy", ge=0.0)
 
