@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..adapters.model import AdaptedModel, Routing
 from ..device import stage
 from ..adapters.targets import default_targets, resolve_targets
-from ..schema import Schema
+from ..schema import Schema, setting
 
 
 def adapted_copy(loaded, targets: list[str] | str | None, train_outputs: bool) -> AdaptedModel:
@@ -323,6 +323,47 @@ class Task:
     def describe_partition(self, parts: list[np.ndarray]) -> dict[str, Any]:
         """Task-specific facts about the clients' data for ``partition.json`` (e.g. each client's image domain)."""
         return {}
+
+
+@dataclass
+class ClassificationOptions(Schema):
+    """``task.options`` every classification task declares (text and image classification)."""
+
+    prefix = "task.options"
+
+    logit_adjustment: float = setting(0.0, "τ of the logit-adjusted training loss: each client trains on the "
+                                      "cross-entropy of logits + τ · log π, π its own label distribution (a class "
+                                      "it lacks counts 1e-3), so that its logits need not carry its own label skew "
+                                      "(Menon et al., arXiv:2007.07314); evaluation reads the plain logits; "
+                                      "0 = plain cross-entropy", ge=0.0)
+
+
+class Classification(Task):
+    """The training loss of a classification task whose :meth:`output` is logits ``[B, C]`` and whose batches hold
+    ``"labels"`` ``[B]``: cross-entropy, logit-adjusted by each client's label prior when
+    :attr:`logit_adjustment` τ > 0 (:class:`ClassificationOptions`)."""
+
+    logit_adjustment: float = 0.0
+    num_labels: int
+
+    def client_batch(self, indices: np.ndarray, client_indices: np.ndarray) -> dict[str, Tensor]:
+        """:meth:`batch`, with ``"logit_offset"`` ``[B, C]``, ``τ · log π`` of the client's labels
+        (:func:`log_prior`), when τ > 0."""
+        batch = self.batch(indices)
+        if self.logit_adjustment > 0:
+            offset = self.logit_adjustment * log_prior(self.train_labels[np.asarray(client_indices)], self.num_labels)
+            batch["logit_offset"] = offset.expand(len(batch["labels"]), -1).contiguous()
+        return batch
+
+    def loss(self, net: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        return self.output_loss(self.output(net, batch), batch)
+
+    def output_loss(self, out: Tensor, batch: dict[str, Tensor]) -> Tensor:
+        return adjusted_cross_entropy(out, batch)
+
+    def output_losses(self, out: Tensor, routing: Routing, batches: list) -> Tensor:
+        joined = {key: torch.cat([b[key] for b in batches]) for key in ("labels", "logit_offset") if key in batches[0]}
+        return mean_by_member(adjusted_cross_entropy(out, joined, reduction="none"), routing)
 
 
 class ValidationView(Task):

@@ -7,7 +7,6 @@ longest sequence. The head (``classifier.*``) is new, trained and shared.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,9 +18,8 @@ from ..adapters.model import AdaptedModel, Routing
 from ..device import module_device, to_device
 from ..models.loading import load_model
 from . import register_task
-from ..schema import Schema, setting
-from .base import (Task, adapted_copy, adjusted_cross_entropy, check_max_length, confusion_counts, join_padded,
-                   log_prior, mean_by_member, padded_length, prediction_summary)
+from .base import (Classification, ClassificationOptions, adapted_copy, check_max_length, confusion_counts,
+                   join_padded, padded_length, prediction_summary)
 from .data import TextData, load_node_file
 from .table import column_spec
 
@@ -30,21 +28,8 @@ from .table import column_spec
 _EVERY_SOURCE = ("max_train_examples", "max_test_examples", "labels", "text_column", "label_column", "header")
 
 
-@dataclass
-class TextOptions(Schema):
-    """``task.options`` of ``task.kind = "text-classification"``."""
-
-    prefix = "task.options"
-
-    logit_adjustment: float = setting(0.0, "τ of the logit-adjusted training loss: each client trains on the "
-                                      "cross-entropy of logits + τ · log π, π its own label distribution (a class "
-                                      "it lacks counts 1e-3), so that its logits need not carry its own label skew "
-                                      "(Menon et al., arXiv:2007.07314); evaluation reads the plain logits; "
-                                      "0 = plain cross-entropy", ge=0.0)
-
-
 @register_task
-class TextClassification(Task):
+class TextClassification(Classification):
     """Sequence classification with cross-entropy; metrics ``accuracy`` and ``loss`` on the test set.
 
     Args:
@@ -56,6 +41,7 @@ class TextClassification(Task):
             ``None`` = the architecture's default.
         eval_batch_size: examples per evaluation forward pass.
         length_buckets: ``task.length_buckets``: training batches are padded to the smallest that holds them.
+        logit_adjustment: ``task.options.logit_adjustment`` τ (:class:`~.base.Classification`).
     """
 
     name = "text-classification"
@@ -65,7 +51,7 @@ class TextClassification(Task):
     validation_metric = "accuracy"
     supports_cohorts = True
     supports_quantize = True
-    Options = TextOptions
+    Options = ClassificationOptions
     data_description = "labelled text data"
     data_sources = {"bbc-news": (*_EVERY_SOURCE, "test_fraction"), "agnews": (*_EVERY_SOURCE, "path"),
                     "files": (*_EVERY_SOURCE, "train", "test", "test_fraction"), "hf": (*_EVERY_SOURCE, "hf_name")}
@@ -99,8 +85,9 @@ class TextClassification(Task):
 
     def __init__(self, data: TextData, model: str = "minilm", max_length: int = 64,
                  targets: list[str] | str | None = None, eval_batch_size: int = 64, quantize: str = "",
-                 length_buckets: list[int] | None = None, logit_adjustment: float = TextOptions.logit_adjustment):
-        TextOptions(logit_adjustment=logit_adjustment)  # checked
+                 length_buckets: list[int] | None = None,
+                 logit_adjustment: float = ClassificationOptions.logit_adjustment):
+        ClassificationOptions(logit_adjustment=logit_adjustment)  # checked
         self.data = data
         self.logit_adjustment = logit_adjustment
         self.model_name = model
@@ -147,15 +134,6 @@ class TextClassification(Task):
         ids, mask = self._trim(self.train_ids[idx], self.train_mask[idx], self.length_buckets)
         return {"input_ids": ids, "attention_mask": mask, "labels": torch.as_tensor(self.train_labels[idx.numpy()])}
 
-    def client_batch(self, indices: np.ndarray, client_indices: np.ndarray) -> dict[str, torch.Tensor]:
-        """:meth:`batch`, with ``"logit_offset"`` ``[B, C]``, ``τ · log π`` of the client's labels
-        (:func:`~.base.log_prior`), when ``task.options.logit_adjustment`` τ > 0."""
-        batch = self.batch(indices)
-        if self.logit_adjustment > 0:
-            offset = self.logit_adjustment * log_prior(self.train_labels[np.asarray(client_indices)], self.num_labels)
-            batch["logit_offset"] = offset.expand(len(batch["labels"]), -1).contiguous()
-        return batch
-
     def probe_batch(self, rows: int) -> dict[str, torch.Tensor]:
         """The ``rows`` longest training texts (repeated if needed), padded as the longest training batch would be."""
         longest = torch.argsort(self.train_mask.sum(1), descending=True, stable=True)
@@ -164,20 +142,9 @@ class TextClassification(Task):
         return {"input_ids": self.train_ids[idx, :width], "attention_mask": self.train_mask[idx, :width],
                 "labels": torch.as_tensor(self.train_labels[idx.numpy()])}
 
-    def loss(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        return self.output_loss(self.output(net, batch), batch)
-
     def output(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """Logits ``[B, C]``."""
         return net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-
-    def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        return adjusted_cross_entropy(out, batch)
-
-    def output_losses(self, out: torch.Tensor, routing: Routing, batches: list) -> torch.Tensor:
-        joined = {key: torch.cat([b[key] for b in batches]) for key in ("labels", "logit_offset")
-                  if key in batches[0]}
-        return mean_by_member(adjusted_cross_entropy(out, joined, reduction="none"), routing)
 
     def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], Routing]:
         """Token ids padded with the pad token and masks with 0 (right padding: no real token's output changes)."""
