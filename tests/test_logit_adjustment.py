@@ -95,3 +95,22 @@ def test_bad_values_are_one_error_line(value, message):
         load_config("tiny", [f"task.options.logit_adjustment={value}"])
     assert str(err.value).count("\n") == 0
     assert message.removeprefix("error: ") in str(err.value)
+
+
+def test_images_take_the_same_option_and_cohorts_equal_one_at_a_time():
+    """Image classification shares the loss: a ViT on label-skewed clients (Dirichlet), cohorts of 4 and 1."""
+    import test_image
+    from fedlowrank.tasks.image import ImageClassification
+
+    base = test_image.image_task()
+    task = without_dropout(ImageClassification(base.data, "tiny-vit", eval_batch_size=64, logit_adjustment=1.0))
+    runs = []
+    for cohort in (1, 4):
+        cfg = test_image.image_config("fedit", per_round=4, partition_kind="dirichlet")
+        cfg.task.options = {"logit_adjustment": 1.0}
+        cfg.run.cohort = cohort
+        runs.append(Simulation(cfg, task=task))
+        runs[-1].run()
+    assert "logit_offset" in task.client_batch(np.arange(4), np.arange(20))
+    assert runs[1].cohort_size() == 4
+    assert_same_run(*runs)
