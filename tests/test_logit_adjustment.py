@@ -114,3 +114,12 @@ def test_images_take_the_same_option_and_cohorts_equal_one_at_a_time():
     assert "logit_offset" in task.client_batch(np.arange(4), np.arange(20))
     assert runs[1].cohort_size() == 4
     assert_same_run(*runs)
+
+
+def test_dpsgd_refuses_logit_adjustment_in_one_line():
+    """Each example's loss reads the client's other labels through the prior: per-example clipping bounds it not."""
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["task.options.logit_adjustment=1", "privacy.dpsgd=true"])
+    assert str(err.value).count("\n") == 0
+    assert "task.options.logit_adjustment" in str(err.value) and "privacy.dpsgd" in str(err.value)
+    load_config("tiny", ["task.options.logit_adjustment=0", "privacy.dpsgd=true"])

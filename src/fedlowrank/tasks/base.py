@@ -346,6 +346,13 @@ class Classification(Task):
     logit_adjustment: float = 0.0
     num_labels: int
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.task.options.get("logit_adjustment", 0) and cfg.privacy.dpsgd:
+            raise ValueError("task.options.logit_adjustment > 0 cannot run with privacy.dpsgd = true: the prior makes "
+                             "each example's loss depend on the client's other labels, which per-example clipping "
+                             "does not bound; set one of them off")
+
     def client_batch(self, indices: np.ndarray, client_indices: np.ndarray) -> dict[str, Tensor]:
         """:meth:`batch`, with ``"logit_offset"`` ``[B, C]``, ``τ · log π`` of the client's labels
         (:func:`log_prior`), when τ > 0."""

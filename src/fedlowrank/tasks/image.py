@@ -105,6 +105,7 @@ class ImageClassification(Classification):
 
     @classmethod
     def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
         if cfg.task.options.get("classes") and cfg.data.source != "fashion-mnist":
             raise ValueError("task.options.classes applies to data.source = 'fashion-mnist' only")
 
