@@ -335,7 +335,7 @@ class ClassificationOptions(Schema):
                                       "cross-entropy of logits + τ · log π, π its own label distribution (a class "
                                       "it lacks counts 1e-3), so that its logits need not carry its own label skew "
                                       "(Menon et al., arXiv:2007.07314); evaluation reads the plain logits; "
-                                      "0 = plain cross-entropy", ge=0.0)
+                                      "0 = plain cross-entropy; refused with privacy.dpsgd", ge=0.0)
 
 
 class Classification(Task):
