@@ -45,6 +45,7 @@ ARMS = {
     "steps-2": (["fedit"], ["train.local_steps=2"]),
     "alpha-100": (["fedit"], ["partition.alpha=100"]),
     "florg": (["florg"], ["train.lr=1e-3"]),
+    "logit-adjust-1": (["fedit"], ["task.options.logit_adjustment=1"]),
 }
 CLASSES = ("Business", "Sci/Tech")
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..adapters.model import AdaptedModel, Routing
 from ..device import stage
 from ..adapters.targets import default_targets, resolve_targets
-from ..schema import Schema
+from ..schema import Schema, setting
 
 
 def adapted_copy(loaded, targets: list[str] | str | None, train_outputs: bool) -> AdaptedModel:
@@ -100,6 +100,26 @@ def prediction_summary(confusion: Tensor | np.ndarray, label_names: list[str] | 
             "top_share": float(predicted[top] / n),
             "recall": [float(counts[c, c] / true[c]) if true[c] else None for c in range(len(true))],
             "majority_share": float(true.max() / n)}
+
+
+PRIOR_FLOOR = 1e-3  # the share given to a class a client holds no example of (its log stays finite)
+
+
+def log_prior(labels: np.ndarray, num_classes: int) -> Tensor:
+    """``[C]`` ``log π_c`` of a client's training labels ``[n_k]``: ``π_c = max(n_c / n_k, PRIOR_FLOOR)``, the
+    client's own label distribution (the prior of the logit-adjusted loss, Menon et al., arXiv:2007.07314)."""
+    counts = np.bincount(np.asarray(labels), minlength=num_classes)
+    return torch.log(torch.as_tensor(np.maximum(counts / counts.sum(), PRIOR_FLOOR), dtype=torch.float32))
+
+
+def adjusted_cross_entropy(logits: Tensor, batch: dict[str, Tensor], reduction: str = "mean") -> Tensor:
+    """Cross-entropy of ``[B, C]`` logits against ``batch["labels"]`` ``[B]``; when the batch carries
+    ``"logit_offset"`` ``[B, C]`` (``τ · log π`` of each row's client), of ``logits + offset`` (the logit-adjusted
+    loss, arXiv:2007.07314)."""
+    logits = logits.float()
+    if "logit_offset" in batch:
+        logits = logits + batch["logit_offset"]
+    return F.cross_entropy(logits, batch["labels"], reduction=reduction)
 
 
 @dataclass
@@ -195,6 +215,12 @@ class Task:
     def batch(self, indices: np.ndarray) -> Any:
         """The training examples at ``indices`` as one batch."""
         raise NotImplementedError
+
+    def client_batch(self, indices: np.ndarray, client_indices: np.ndarray) -> Any:
+        """The training batch at ``indices`` of the client that holds ``client_indices`` ``[n_k]`` (what the local
+        trainer asks for; a task whose loss reads the client's data, e.g. its label prior, adds it here). Default:
+        :meth:`batch`."""
+        return self.batch(indices)
 
     def probe_batch(self, rows: int) -> Any:
         """A training batch of ``rows`` rows as large as training batches get (the longest examples at the longest
@@ -299,6 +325,54 @@ class Task:
         return {}
 
 
+@dataclass
+class ClassificationOptions(Schema):
+    """``task.options`` every classification task declares (text and image classification)."""
+
+    prefix = "task.options"
+
+    logit_adjustment: float = setting(0.0, "τ of the logit-adjusted training loss: each client trains on the "
+                                      "cross-entropy of logits + τ · log π, π its own label distribution (a class "
+                                      "it lacks counts 1e-3), so that its logits need not carry its own label skew "
+                                      "(Menon et al., arXiv:2007.07314); evaluation reads the plain logits; "
+                                      "0 = plain cross-entropy; refused with privacy.dpsgd", ge=0.0)
+
+
+class Classification(Task):
+    """The training loss of a classification task whose :meth:`output` is logits ``[B, C]`` and whose batches hold
+    ``"labels"`` ``[B]``: cross-entropy, logit-adjusted by each client's label prior when
+    :attr:`logit_adjustment` τ > 0 (:class:`ClassificationOptions`)."""
+
+    logit_adjustment: float = 0.0
+    num_labels: int
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.task.options.get("logit_adjustment", 0) and cfg.privacy.dpsgd:
+            raise ValueError("task.options.logit_adjustment > 0 cannot run with privacy.dpsgd = true: the prior makes "
+                             "each example's loss depend on the client's other labels, which per-example clipping "
+                             "does not bound; set one of them off")
+
+    def client_batch(self, indices: np.ndarray, client_indices: np.ndarray) -> dict[str, Tensor]:
+        """:meth:`batch`, with ``"logit_offset"`` ``[B, C]``, ``τ · log π`` of the client's labels
+        (:func:`log_prior`), when τ > 0."""
+        batch = self.batch(indices)
+        if self.logit_adjustment > 0:
+            offset = self.logit_adjustment * log_prior(self.train_labels[np.asarray(client_indices)], self.num_labels)
+            batch["logit_offset"] = offset.expand(len(batch["labels"]), -1).contiguous()
+        return batch
+
+    def loss(self, net: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        return self.output_loss(self.output(net, batch), batch)
+
+    def output_loss(self, out: Tensor, batch: dict[str, Tensor]) -> Tensor:
+        return adjusted_cross_entropy(out, batch)
+
+    def output_losses(self, out: Tensor, routing: Routing, batches: list) -> Tensor:
+        joined = {key: torch.cat([b[key] for b in batches]) for key in ("labels", "logit_offset") if key in batches[0]}
+        return mean_by_member(adjusted_cross_entropy(out, joined, reduction="none"), routing)
+
+
 class ValidationView(Task):
     """``task`` whose :meth:`evaluate` reports on held-out training examples ``indices`` (the validation split);
     data, model, batches and loss are the task's own. The caller keeps ``indices`` out of every client's data."""
@@ -339,6 +413,9 @@ class ValidationView(Task):
 
     def batch(self, indices: np.ndarray) -> Any:
         return self.task.batch(indices)
+
+    def client_batch(self, indices: np.ndarray, client_indices: np.ndarray) -> Any:
+        return self.task.client_batch(indices, client_indices)
 
     def probe_batch(self, rows: int) -> Any:
         return self.task.probe_batch(rows)

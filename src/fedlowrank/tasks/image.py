@@ -22,9 +22,10 @@ from torch import nn
 from ..adapters.model import AdaptedModel, Routing
 from ..device import module_device
 from ..models.loading import NOT_IMAGENET, load_model
-from ..schema import Schema, distinct, setting
+from ..schema import distinct, setting
 from . import register_task
-from .base import Task, adapted_copy, confusion_counts, join_padded, mean_by_member, prediction_summary
+from .base import (Classification, ClassificationOptions, adapted_copy, confusion_counts, join_padded,
+                   prediction_summary)
 from .fmnist_vit import fmnist_vit_folder
 from .image_data import (DOMAINS, ImageData, apply_domain, assign_domains, check_domains, load_fashion_mnist,
                          load_hf_images, load_image_folder, subsample_images)
@@ -60,7 +61,7 @@ def shift_domain(images: np.ndarray, domain: str, seed: int) -> np.ndarray:
 
 
 @dataclass
-class ImageOptions(Schema):
+class ImageOptions(ClassificationOptions):
     """``task.options`` of ``task.kind = "image-classification"``."""
 
     prefix = "task.options"
@@ -73,7 +74,7 @@ class ImageOptions(Schema):
 
 
 @register_task
-class ImageClassification(Task):
+class ImageClassification(Classification):
     """Image classification with cross-entropy.
 
     Args:
@@ -87,6 +88,7 @@ class ImageClassification(Task):
             client one domain) and the test set is evaluated under each.
         seed: for the domain assignment and the noise domain.
         source: where the data came from (for :meth:`describe`).
+        logit_adjustment: ``task.options.logit_adjustment`` τ (:class:`~.base.Classification`).
     """
 
     name = "image-classification"
@@ -103,6 +105,7 @@ class ImageClassification(Task):
 
     @classmethod
     def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
         if cfg.task.options.get("classes") and cfg.data.source != "fashion-mnist":
             raise ValueError("task.options.classes applies to data.source = 'fashion-mnist' only")
 
@@ -124,11 +127,14 @@ class ImageClassification(Task):
             data, source = load_hf_images(d.hf_name), d.hf_name
         data = subsample_images(data, d.max_train_examples, d.max_test_examples, cfg.run.seed)
         return cls(data, cfg.task.model, cfg.lora.targets or None, cfg.task.eval_batch_size, options.domains or None,
-                   cfg.run.seed, source)
+                   cfg.run.seed, source, options.logit_adjustment)
 
     def __init__(self, data: ImageData, model: str = "tiny-vit", targets: list[str] | None = None,
-                 eval_batch_size: int = 256, domains: list[str] | None = None, seed: int = 0, source: str = ""):
+                 eval_batch_size: int = 256, domains: list[str] | None = None, seed: int = 0, source: str = "",
+                 logit_adjustment: float = ImageOptions.logit_adjustment):
+        ClassificationOptions(logit_adjustment=logit_adjustment)  # checked
         self.data = data
+        self.logit_adjustment = logit_adjustment
         self.model_name = model
         self.targets = targets
         self.eval_batch_size = eval_batch_size
@@ -169,19 +175,9 @@ class ImageClassification(Task):
         return {"pixel_values": self.inputs(self.train_images[idx]),
                 "labels": torch.as_tensor(self.train_labels[idx.numpy()])}
 
-    def loss(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        return self.output_loss(self.output(net, batch), batch)
-
     def output(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """Logits ``[B, C]``."""
         return net(pixel_values=batch["pixel_values"]).logits
-
-    def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        return F.cross_entropy(out.float(), batch["labels"])
-
-    def output_losses(self, out: torch.Tensor, routing: Routing, batches: list) -> torch.Tensor:
-        labels = torch.cat([b["labels"] for b in batches])
-        return mean_by_member(F.cross_entropy(out.float(), labels, reduction="none"), routing)
 
     def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], Routing]:
         return join_padded(batches, {})  # images of one size: nothing to pad

@@ -18,8 +18,8 @@ from ..adapters.model import AdaptedModel, Routing
 from ..device import module_device, to_device
 from ..models.loading import load_model
 from . import register_task
-from .base import (Task, adapted_copy, check_max_length, confusion_counts, join_padded, mean_by_member, padded_length,
-                   prediction_summary)
+from .base import (Classification, ClassificationOptions, adapted_copy, check_max_length, confusion_counts,
+                   join_padded, padded_length, prediction_summary)
 from .data import TextData, load_node_file
 from .table import column_spec
 
@@ -29,7 +29,7 @@ _EVERY_SOURCE = ("max_train_examples", "max_test_examples", "labels", "text_colu
 
 
 @register_task
-class TextClassification(Task):
+class TextClassification(Classification):
     """Sequence classification with cross-entropy; metrics ``accuracy`` and ``loss`` on the test set.
 
     Args:
@@ -41,6 +41,7 @@ class TextClassification(Task):
             ``None`` = the architecture's default.
         eval_batch_size: examples per evaluation forward pass.
         length_buckets: ``task.length_buckets``: training batches are padded to the smallest that holds them.
+        logit_adjustment: ``task.options.logit_adjustment`` τ (:class:`~.base.Classification`).
     """
 
     name = "text-classification"
@@ -50,6 +51,7 @@ class TextClassification(Task):
     validation_metric = "accuracy"
     supports_cohorts = True
     supports_quantize = True
+    Options = ClassificationOptions
     data_description = "labelled text data"
     data_sources = {"bbc-news": (*_EVERY_SOURCE, "test_fraction"), "agnews": (*_EVERY_SOURCE, "path"),
                     "files": (*_EVERY_SOURCE, "train", "test", "test_fraction"), "hf": (*_EVERY_SOURCE, "hf_name")}
@@ -79,12 +81,15 @@ class TextClassification(Task):
     def with_data(cls, cfg, data: TextData) -> "TextClassification":
         """The task of ``cfg`` on ``data`` (a Flower node's own file, or what :meth:`from_config` read)."""
         return cls(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None, cfg.task.eval_batch_size,
-                   cfg.task.quantize, cfg.task.length_buckets)
+                   cfg.task.quantize, cfg.task.length_buckets, cls.checked_options(cfg).logit_adjustment)
 
     def __init__(self, data: TextData, model: str = "minilm", max_length: int = 64,
                  targets: list[str] | str | None = None, eval_batch_size: int = 64, quantize: str = "",
-                 length_buckets: list[int] | None = None):
+                 length_buckets: list[int] | None = None,
+                 logit_adjustment: float = ClassificationOptions.logit_adjustment):
+        ClassificationOptions(logit_adjustment=logit_adjustment)  # checked
         self.data = data
+        self.logit_adjustment = logit_adjustment
         self.model_name = model
         self.max_length = max_length
         self.length_buckets = list(length_buckets or [])
@@ -137,19 +142,9 @@ class TextClassification(Task):
         return {"input_ids": self.train_ids[idx, :width], "attention_mask": self.train_mask[idx, :width],
                 "labels": torch.as_tensor(self.train_labels[idx.numpy()])}
 
-    def loss(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        return self.output_loss(self.output(net, batch), batch)
-
     def output(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """Logits ``[B, C]``."""
         return net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-
-    def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        return F.cross_entropy(out.float(), batch["labels"])
-
-    def output_losses(self, out: torch.Tensor, routing: Routing, batches: list) -> torch.Tensor:
-        labels = torch.cat([b["labels"] for b in batches])
-        return mean_by_member(F.cross_entropy(out.float(), labels, reduction="none"), routing)
 
     def join_batches(self, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], Routing]:
         """Token ids padded with the pad token and masks with 0 (right padding: no real token's output changes)."""

@@ -156,7 +156,7 @@ class LocalTrainer:
         while True:
             if pos + bs > len(order):
                 order, pos = rng.permutation(self.indices), 0
-            yield self.task.batch(order[pos : pos + bs])
+            yield self.task.client_batch(order[pos : pos + bs], self.indices)
             pos += bs
 
     def fit(self, model, params: dict[str, nn.Parameter], corrections: Sequence = (),
