@@ -27,6 +27,8 @@ from fedlowrank.tasks.causal_lm import IGNORE, LMHead, check_lm_head, check_pack
 from fedlowrank.training import local
 from fedlowrank.training.local import OPTIMIZERS, FitRun, LocalTrainer, TrainConfig, make_optimizer
 
+from helpers import require_dataset
+
 
 # -- every tensor an adapter makes follows the module's device ------------------------------------------------
 def _tensors_on(module: nn.Module, where: str) -> list[str]:
@@ -632,7 +634,7 @@ def test_the_automatic_cohort_turns_checkpointing_on_when_that_fits_more_clients
 
 
 def llama_1b_with_two_built_layers(monkeypatch, *sets: str):
-    """The GSM8K causal-LM task of the issue's 1B target (``arch:llama-3.2-1b`` with SmolLM2's tokenizer, 32 clients
+    """The GSM8K causal-LM task of the 1B GPU target (``arch:llama-3.2-1b`` with SmolLM2's tokenizer, 32 clients
     × batches of 4, LoRA on q and v) and its model with LoRA attached, where only the embeddings, the final norm and
     the first 2 of the 16 decoder layers are built (random weights); layers 3..16 are on the ``meta`` device: never
     allocated, never run (the planner probes the decoder cut to 1 and 2 layers)."""
@@ -643,6 +645,7 @@ def llama_1b_with_two_built_layers(monkeypatch, *sets: str):
     from fedlowrank.adapters.lora import LoRALinear
     from fedlowrank.models import architectures
 
+    require_dataset("gsm8k")
     arch = architectures.ARCHITECTURES["llama-3.2-1b"]
     monkeypatch.setitem(architectures.ARCHITECTURES, "llama-3.2-1b",
                         dataclasses.replace(arch, params={**arch.params, "num_hidden_layers": 2}))
@@ -662,7 +665,7 @@ def llama_1b_with_two_built_layers(monkeypatch, *sets: str):
 
 @pytest.mark.slow
 def test_the_planner_fits_32_clients_of_the_1b_architecture_in_80_gib_by_checkpointing(monkeypatch, caplog):
-    """Issue 39's target on a faked 80 GiB of free CUDA memory: the automatic cohort (``run.cohort = 0``,
+    """The 1B GPU target on a faked 80 GiB of free CUDA memory: the automatic cohort (``run.cohort = 0``,
     ``train.gradient_checkpointing = "auto"``) of the Llama-3.2-1B architecture's 32 clients on GSM8K holds all 32 by
     turning gradient checkpointing on; without checkpointing they do not fit. Probes on the CPU, per layer
     (:func:`~fedlowrank.runtime.cohort.cut_decoder`), in fp32 (bf16 matmuls take many minutes on a CPU; bf16 halves
