@@ -70,8 +70,7 @@ class Evaluator:
                 with interruptible():
                     self.client_tests[k] = self.task.evaluate(self.model.net)
                 self.progress.eval_step()
-            rows = [scalar_metrics(r) for r in self.client_tests.values()]
-            return {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
+            return mean_metrics(list(self.client_tests.values()))
         self.method.load_global(self.model, server)
         with interruptible(), self.progress.evaluating(self.model.net):
             return self.task.evaluate(self.model.net)
