@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fedlowrank
+import fedlowrank.cli
 from fedlowrank.methods import available_methods, get_method, preset_overrides
 from fedlowrank.methods.base import Corrected, Method
 from fedlowrank.schema import declared
@@ -48,6 +49,22 @@ def test_the_correction_options_are_declared_once():
         for key in ("mu", "cv_grad"):
             assert options[key].setting is base[key].setting, (name, key)
         assert set(options["correction"].setting.allowed()) <= set(base["correction"].setting.allowed()), name
+
+
+@pytest.mark.parametrize("name, listed, unlisted", [
+    ("fedit", {"correction", "mu", "cv_grad"}, set()),
+    ("ravan", {"correction", "mu"}, {"cv_grad"}),  # FedProx only: SCAFFOLD's refresh rule cannot apply
+    ("scaffold", {"correction", "mu", "cv_grad"}, set()),
+    ("local-only", {"correction"}, {"mu", "cv_grad"}),
+])
+def test_methods_lists_only_the_correction_options_that_can_apply(name, listed, unlisted, capsys):
+    cls = available_methods()[name]
+    assert listed <= set(cls.listed_options()) and not unlisted & set(cls.listed_options())
+    assert fedlowrank.cli.main(["methods", name]) == 0
+    out = capsys.readouterr().out
+    assert all(f"method.{k} =" in out for k in listed) and not any(f"method.{k} =" in out for k in unlisted)
+    corrections = cls.listed_options()["correction"].meaning.split(" (")[0]  # the why after it may name others
+    assert ("SCAFFOLD" in corrections) == ("cv_grad" in listed) and ("FedProx" in corrections) == ("mu" in listed)
 
 
 def test_a_corrected_method_makes_its_corrections_from_its_options():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedlowrank.cli import main
+from fedlowrank.cli import error_line, main
 from fedlowrank.config import ConfigError
 from fedlowrank.message import State
 from fedlowrank.methods import available_methods
@@ -175,6 +175,11 @@ def test_a_rank_that_dies_stops_the_other_with_one_line_and_resume_continues(tmp
     reference = _reference("scaffold", "run.rounds=3")
     assert _comparable(resumed.history) == _comparable(reference.history)
     assert resumed.server.to_bytes() == reference.server.to_bytes()
+
+
+def test_a_stopped_rank_is_reported_as_such_not_as_a_bug():
+    line = error_line(RankFailure("rank 0 of 2: rank 1 stopped or did not answer within run.collective_timeout_s"))
+    assert line == "error: rank 0 of 2: rank 1 stopped or did not answer within run.collective_timeout_s"
 
 
 @pytest.mark.parametrize("sets, message", [

@@ -79,7 +79,6 @@ def _markdown_cell(text: str) -> str:
 
 def cmd_methods(args) -> int:
     from .methods import available_methods, lr_grid, method_class, preset_overrides
-    from .schema import declared
 
     methods = {args.name: method_class(args.name)} if args.name else available_methods()
     for name, cls in methods.items():
@@ -97,7 +96,7 @@ def cmd_methods(args) -> int:
         if cls.batched:
             flags.append("vectorised round")
         flags.append(f"privacy: {', '.join(cls.supported_privacy_modes()) or 'none'}")
-        options = declared(cls)
+        options = cls.listed_options()
         print(f"{name}\n  {cls.description}\n  paper: {cls.paper}\n  up:   {cls.uplink}\n  down: {cls.downlink}"
               + f"\n  ({'; '.join(flags)})"
               + (f"\n  equal client ranks only: {cls.heterogeneous_ranks_refusal}"
@@ -649,9 +648,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# User errors, by the module that defines them; a module not imported yet cannot have raised its error.
+# Errors that are not bugs (bad input, a diverged run, another rank of a job that stopped), by the module that
+# defines them; a module not imported yet cannot have raised its error.
 _USER_ERRORS = (("fedlowrank.schema", "ConfigError"), ("fedlowrank.assets", "MissingAssetError"),
-                ("fedlowrank.runtime.checkpoint", "CheckpointError"), ("fedlowrank.runtime.run", "DivergenceError"))
+                ("fedlowrank.runtime.checkpoint", "CheckpointError"), ("fedlowrank.runtime.run", "DivergenceError"),
+                ("fedlowrank.runtime.distributed", "RankFailure"))
 _PACKAGE = Path(__file__).resolve().parent
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from ..adapters.lora import attach_lora, init_lora_factors, lora_modules
 from ..adapters.model import AdaptedModel
 from ..message import Message, Reply, State
-from ..schema import Schema, declared, setting
+from ..schema import Declared, Schema, declared, setting
 from ..seeding import torch_generator
 from ..training.corrections import CORRECTIONS, CV_REFRESH, ClientCorrection, fit_with_corrections, make_corrections
 
@@ -66,8 +66,11 @@ class SetupInfo:
 def correction_option(default: str = "none", choices: tuple[str, ...] = CORRECTIONS, why: str = ""):
     """The ``correction`` option: client-side drift corrections composed on a method (``why``: why a method allows
     only some of them)."""
-    return setting(default, "client-side drift corrections composed on the method: FedProx's proximal term, "
-                   "SCAFFOLD's control variates, or both" + (f" ({why})" if why else ""), choices=choices)
+    parts = [part for part, name in (("FedProx's proximal term", "fedprox"), ("SCAFFOLD's control variates", "scaffold"))
+             if any(name in choice.split("+") for choice in choices)]
+    which = {0: "none", 1: "".join(parts), 2: f"{', '.join(parts)}, or both"}[len(parts)]
+    return setting(default, f"client-side drift corrections composed on the method: {which}"
+                   + (f" ({why})" if why else ""), choices=choices)
 
 
 def mu_option():
@@ -297,6 +300,11 @@ class Method(Schema):
         return msg
 
     @classmethod
+    def listed_options(cls) -> dict[str, Declared]:
+        """The options ``fedlowrank methods NAME`` lists: those that can change what the method does."""
+        return declared(cls)
+
+    @classmethod
     def options(cls) -> dict[str, Any]:
         """The method's options with their defaults."""
         if not dataclasses.is_dataclass(cls):
@@ -360,6 +368,15 @@ class Corrected(Method):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._corrections: list[ClientCorrection] = make_corrections(self.correction, self.mu, self.cv_grad)
+
+    @classmethod
+    def listed_options(cls) -> dict[str, Declared]:
+        """Without ``mu`` where no allowed correction has FedProx's term, nor ``cv_grad`` where none has SCAFFOLD's
+        variates (the method's narrowed ``correction``)."""
+        allowed = declared(cls)["correction"].setting.allowed() or ()
+        unused = {option for option, part in (("mu", "fedprox"), ("cv_grad", "scaffold"))
+                  if not any(part in choice.split("+") for choice in allowed)}
+        return {k: d for k, d in declared(cls).items() if k not in unused}
 
     def composed_corrections(self) -> list[ClientCorrection]:
         return self._corrections
