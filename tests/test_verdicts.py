@@ -113,6 +113,7 @@ def test_centralized_trains_on_the_pooled_data_of_the_round_for_the_clients_tota
     for key in sim.server.tensors():
         torch.testing.assert_close(sim.server[key], reply[key], rtol=1e-5, atol=1e-6, msg=key)
     assert sim.history[0]["replied"] == [clients[0]] and sim.history[0]["bytes_up"] == 0
+    assert sim.history[0]["pooled"] == sorted(clients)  # the row names every client whose data was pooled
 
 
 def test_local_only_never_communicates_and_each_client_keeps_its_own_model():

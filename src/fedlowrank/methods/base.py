@@ -66,8 +66,8 @@ class SetupInfo:
 def correction_option(default: str = "none", choices: tuple[str, ...] = CORRECTIONS, why: str = ""):
     """The ``correction`` option: client-side drift corrections composed on a method (``why``: why a method allows
     only some of them)."""
-    parts = [part for part, name in (("FedProx's proximal term", "fedprox"), ("SCAFFOLD's control variates", "scaffold"))
-             if any(name in choice.split("+") for choice in choices)]
+    named = (("FedProx's proximal term", "fedprox"), ("SCAFFOLD's control variates", "scaffold"))
+    parts = [part for part, name in named if any(name in choice.split("+") for choice in choices)]
     which = {0: "none", 1: "".join(parts), 2: f"{', '.join(parts)}, or both"}[len(parts)]
     return setting(default, f"client-side drift corrections composed on the method: {which}"
                    + (f" ({why})" if why else ""), choices=choices)

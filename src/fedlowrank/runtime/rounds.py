@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..message import Message, Reply, State
-from .engine import check_reply
+from .engine import check_reply, sample_clients
 from .robust import matching_replies, needs_matching, outlier_ratio, outlying_replies, server_replies
 from .run import Run
 
@@ -149,6 +149,8 @@ def close_round(run: Run, got: RoundReplies, started: float, warn: Warn | None =
         "cum_bytes_up": run.ledger.total_up + up, "cum_bytes_down": run.ledger.total_down + down, **got.extra,
         "time": {"client_compute": got.compute, "aggregation": aggregation},
     }
+    if run.method.pooled:  # the one pooled client held the data of the round's sampled clients (engine.pool)
+        row["pooled"] = sorted(sample_clients(cfg.run.seed, rnd, cfg.partition.num_clients, cfg.run.clients_per_round))
     if got.dropped:
         row["dropped"] = sorted(got.dropped)
     if rejected:
