@@ -10,10 +10,12 @@ the partition alone).
 
     python benchmarks/collapse_study.py run --data binary --seeds 0,1,2 --out runs/collapse
     python benchmarks/collapse_study.py run --data agnews --arms base,uniform --seeds 0,1,2 --out runs/collapse
+    python benchmarks/collapse_study.py run --data bbc --arms base,centralized,alpha-100,uniform --out runs/collapse
     python benchmarks/collapse_study.py report --out runs/collapse
 
 ``--data binary`` is AG News' Business and Sci/Tech classes (written once under ``--out`` from the local copy,
-``$FEDLOWRANK_DATA/agnews``): a binary task built from the data the project uses. Every run is kept under
+``$FEDLOWRANK_DATA/agnews``): a binary task built from the data the project uses; ``--data bbc`` is the packaged BBC
+News (5 classes). Every run is kept under
 ``--out/<data>/<arm>/`` and read back when the command is repeated (``compare --resume``).
 """
 
@@ -48,6 +50,7 @@ ARMS = {
     "logit-adjust-1": (["fedit"], ["task.options.logit_adjustment=1"]),
 }
 CLASSES = ("Business", "Sci/Tech")
+SOURCES = {"agnews": "agnews", "bbc": "bbc-news"}  # --data -> data.source (binary: files written from AG News)
 
 
 def binary_files(out: Path) -> list[str]:
@@ -65,7 +68,7 @@ def binary_files(out: Path) -> list[str]:
 
 
 def run(args) -> None:
-    data = binary_files(args.out) if args.data == "binary" else ["data.source=agnews"]
+    data = binary_files(args.out) if args.data == "binary" else [f"data.source={SOURCES[args.data]}"]
     for arm in args.arms:
         methods, sets = ARMS[arm]
         print(f"\n## {args.data} / {arm}: {','.join(methods)} --set {' '.join(sets) or '(base)'}", flush=True)
@@ -87,19 +90,21 @@ def rounds_of(run_dir: Path) -> list[str]:
     """Per evaluated round of a run: its accuracy, the most-predicted class with its share of the test predictions,
     and that class's share of the label mix the server's average saw (the sampled clients' label histograms
     weighted as ``server.weighting`` weights them), e.g. ``r1 0.501 Sci/Tech 100 % (mix 71 %, its largest
-    class)``. A pooled reference (``centralized``) records only the first client of the pooled ones: no mix for it."""
+    class)``; for a pooled reference (``centralized``) the mix of the data it pooled (the row's ``pooled``)."""
     part = json.loads((run_dir / "partition.json").read_text())
     cfg = json.loads((run_dir / "config.json").read_text())
     names, hist = part["task"]["labels"], [[float(x) for x in h] for h in part["label_histograms"]]
     out = []
     for row in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line):
-        pred, clients = row.get("predictions"), row.get("clients")
+        pooled = row.get("pooled")
+        pred, clients = row.get("predictions"), pooled or row.get("clients")
         if not pred or not clients:
             continue
-        weights = [1.0 / sum(hist[k]) if cfg["server"]["weighting"] == "uniform" else 1.0 for k in clients]
+        uniform = cfg["server"]["weighting"] == "uniform" and not pooled
+        weights = [1.0 / sum(hist[k]) if uniform else 1.0 for k in clients]
         mix = [sum(w * hist[k][c] for w, k in zip(weights, clients)) for c in range(len(names))]
         largest = ", its largest class" if mix[pred["top_class"]] == max(mix) else ""
-        share = "" if cfg["method"]["name"] == "centralized" else \
+        share = "" if cfg["method"]["name"] == "centralized" and not pooled else \
             f" (mix {100 * mix[pred['top_class']] / sum(mix):.0f} %{largest})"
         out.append(f"r{row['round']} {row['accuracy']:.3f} {pred['top_label']} {100 * pred['top_share']:.0f} %{share}")
     return out
@@ -144,7 +149,7 @@ def report(args) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=("run", "report"))
-    ap.add_argument("--data", choices=("agnews", "binary"), default="binary")
+    ap.add_argument("--data", choices=("binary", *SOURCES), default="binary")
     ap.add_argument("--arms", type=lambda s: s.split(","), default=list(ARMS))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--out", type=Path, default=Path("runs/collapse"))

@@ -15,7 +15,7 @@ def study():
     return benchmark_module("collapse_study")
 
 
-def write_run(folder: Path, method: str, weighting: str) -> Path:
+def write_run(folder: Path, method: str, weighting: str, pooled: list[int] | None = None) -> Path:
     """A run directory: clients 0 (90 A, 10 B), 1 (0 A, 10 B), 2 (5 A, 5 B); round 1 trains clients 0 and 1 and
     predicts B for 97 % of the test set."""
     folder.mkdir()
@@ -25,6 +25,8 @@ def write_run(folder: Path, method: str, weighting: str) -> Path:
     rows = [{"round": 0, "accuracy": 0.5, "predictions": {"top_class": 0, "top_label": "A", "top_share": 0.6}},
             {"round": 1, "clients": [0, 1], "accuracy": 0.52,
              "predictions": {"top_class": 1, "top_label": "B", "top_share": 0.97}}]
+    if pooled is not None:
+        rows[1].update({"clients": pooled[:1], "pooled": pooled})
     (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return folder
 
@@ -36,8 +38,12 @@ def test_mix_weighted_by_examples_and_uniformly(study, tmp_path):
         "r1 0.520 B 97 % (mix 55 %, its largest class)"]
 
 
-def test_pooled_reference_has_no_mix(study, tmp_path):
-    assert study.rounds_of(write_run(tmp_path / "c", "centralized", "num_examples")) == ["r1 0.520 B 97 %"]
+def test_a_pooled_reference_shows_the_mix_of_the_data_it_pooled(study, tmp_path):
+    # clients 0 and 2 pooled: B is 15 of 110 examples, whatever server.weighting says (nothing is averaged)
+    assert study.rounds_of(write_run(tmp_path / "c", "centralized", "uniform", pooled=[0, 2])) == [
+        "r1 0.520 B 97 % (mix 14 %)"]
+    # a record without the pooled clients: no mix
+    assert study.rounds_of(write_run(tmp_path / "d", "centralized", "num_examples")) == ["r1 0.520 B 97 %"]
 
 
 @pytest.mark.parametrize("arm", ["base", "uniform", "head-lr-1e-3", "lr-1e-3", "steps-2", "alpha-100"])
