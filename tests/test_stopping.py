@@ -343,6 +343,43 @@ def test_compare_stopped_during_a_runs_last_checkpoint_does_not_start_the_next_a
     assert (out / "results.md").is_file() and [r["round"] for r in rows(out / "ffa-lora-seed0")] == [1, 2]
 
 
+def test_compare_resume_continues_an_interrupted_run_from_its_checkpoint_as_if_never_stopped(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """A run stopped in round 2 of 3 continues after round 1 under ``compare --resume``: round 1 is not trained
+    again, and the results are those of an uninterrupted compare. A tune's run (on a validation split of the
+    clients' data: other ``parts``) continues the same way."""
+    argv = ["compare", "tiny", "--methods", "fedit", "--seeds", "0", "--set", "run.rounds=3"]
+    assert main([*argv, "--out", str(tmp_path / "whole"), "--quiet"]) == 0
+    out = tmp_path / "cmp"
+    _signal_in(monkeypatch, "training", rnd=2, signum=signal.SIGTERM)
+    assert main([*argv, "--out", str(out), "--quiet"]) == 143
+    monkeypatch.undo()
+    assert load_checkpoint(latest_checkpoint(out / "fedit-seed0")).round == 1
+    trained: list[int] = []
+    real = simulator.client_update
+    monkeypatch.setattr(simulator, "client_update", lambda *a, **k: trained.append(a[8]) or real(*a, **k))
+    capsys.readouterr()
+    assert main([*argv, "--out", str(out), "--resume"]) == 0
+    assert f"continuing the interrupted run in {out / 'fedit-seed0'} after round 1" in capsys.readouterr().err
+    assert 1 not in trained and set(trained) == {2, 3}
+    a, b = (json.loads((d / "results.json").read_text()) for d in (tmp_path / "whole", out))
+    assert [[{k: v for k, v in x.items() if k not in ("time", "run_dir")} for x in r["runs"]] for r in a["rows"]] == \
+        [[{k: v for k, v in x.items() if k not in ("time", "run_dir")} for x in r["runs"]] for r in b["rows"]]
+    # tune: the validation view's run continues to the same score as an uninterrupted tune
+    tune = ["tune", "tiny", "--methods", "fedit", "--grid", "1e-3", "--seeds", "0", "--quiet", "--set", "run.rounds=3"]
+    assert main([*tune, "--out", str(tmp_path / "tune-whole")]) == 0
+    _signal_in(monkeypatch, "training", rnd=3, signum=signal.SIGTERM)
+    assert main([*tune, "--out", str(tmp_path / "tune")]) == 143
+    monkeypatch.undo()
+    trained.clear()
+    monkeypatch.setattr(simulator, "client_update", lambda *a, **k: trained.append(a[8]) or real(*a, **k))
+    assert main([*tune, "--out", str(tmp_path / "tune"), "--resume"]) == 0
+    assert set(trained) == {3}
+    scores = [[r["score"] for r in json.loads((tmp_path / d / "tune.json").read_text())["runs"]]
+              for d in ("tune-whole", "tune")]
+    assert scores[0] == scores[1]
+
+
 @pytest.mark.parametrize("signum, to", [(signal.SIGTERM, "command"), (signal.SIGINT, "group"),
                                         (signal.SIGTERM, "workers")])
 def test_compare_with_jobs_stops_its_workers_which_save_their_runs(tmp_path, signum, to):

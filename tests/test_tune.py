@@ -117,7 +117,8 @@ def test_bad_grids_are_refused():
 
 
 def test_resume_reuses_finished_runs_and_combines_separate_processes(tmp_path, monkeypatch, capsys):
-    """``--resume``: a finished run is read, not run again; an interrupted one runs from the start; runs made by
+    """``--resume``: a finished run is read, not run again; an unfinished one runs again (or continues:
+    tests/test_stopping.py); runs made by
     separate ``compare`` processes into one --out combine into the same results as one process."""
     from fedlowrank.runtime.simulator import Simulation
 

@@ -27,7 +27,7 @@ CONFIG is a TOML file or the name of a bundled config (``--help`` lists them wit
 ``compare`` and ``tune`` ask for one rather than start a default run.
 ``run``, ``compare`` and ``tune`` refuse an ``--out`` directory that is not empty unless ``--overwrite``
 (docs/runs.md); ``compare --resume`` and ``tune --resume`` continue in it, reusing each run that ended there
-with the same config.
+with the same config and continuing each one stopped there from its checkpoint.
 
 Errors (:func:`main`): a user error — a bad config value or flag, a missing or unreadable file, an asset not
 installed, a corrupt checkpoint, a diverged run — prints one line ``error: ...`` and exits 2. Anything else is
@@ -337,8 +337,9 @@ def cmd_export(args) -> int:
     return 0
 
 
-RESUME_HELP = ("continue in --out: reuse each run there that ended with the same config, run the others from the "
-               "start (also combines runs made by separate processes)")
+RESUME_HELP = ("continue in --out: reuse each run there that ended with the same config, continue each one stopped "
+               "with a checkpoint from it, run the others from the start (also combines runs made by separate "
+               "processes)")
 
 
 JOBS_HELP = ("run the runs in N worker processes, each with run.threads torch threads (0: the cores / N); same "

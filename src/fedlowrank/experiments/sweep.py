@@ -121,19 +121,50 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     return {"summary": summary, "history": history, "metrics": metrics}
 
 
+def interrupted_run(run_dir: Path, cfg: RunConfig) -> bool:
+    """Whether ``run_dir`` holds a run of exactly ``cfg`` (its ``config.json``'s fingerprint) that stopped before its
+    end with a checkpoint saved (``checkpoints/round-N``): one ``--resume`` continues rather than starts again."""
+    from ..config import from_dict
+    from ..runtime.checkpoint import checkpoint_folders, config_fingerprint
+
+    if (run_dir / "summary.json").is_file() or not checkpoint_folders(run_dir):
+        return False
+    try:
+        old = from_dict(json.loads((run_dir / "config.json").read_text()))
+    except (OSError, ValueError, ConfigError):
+        return False
+    return config_fingerprint(old) == config_fingerprint(cfg)
+
+
 def runner(cfg: RunConfig, task, parts: list[np.ndarray], run_dir: Path | None, log: Log, log_partition: bool,
            overwrite: bool, one_process: bool = False):
     """The runner of ``cfg`` (:func:`fedlowrank.runtime.runner_for`; ``one_process``: not the distributed one) on
     ``task`` with the clients' index arrays ``parts``: the simulator, or with ``run.vectorized`` the vectorised
     runner, which partitions ``task`` itself (the same partition as :meth:`Sweep.partition`; a run with a
     validation split is refused by :meth:`Sweep.run`). A vectorised run that diverges stops and says so in its
-    summary (``diverged_at``) instead of raising."""
-    from ..runtime import runner_for
+    summary (``diverged_at``) instead of raising.
 
+    With ``overwrite`` (``--resume``), a run of ``cfg`` interrupted in ``run_dir`` (:func:`interrupted_run`)
+    continues from its newest intact checkpoint (a damaged one is skipped; none intact: it starts again); any
+    other run there is started again."""
+    from ..runtime import runner_for
+    from ..runtime.checkpoint import CheckpointError
+
+    cls = runner_for(cfg, one_process)
+    build = {} if cfg.run.vectorized else {"parts": parts}
+    if overwrite and run_dir is not None and interrupted_run(run_dir, cfg):
+        try:
+            run = cls.resume(run_dir, task=task, log=log, **build)
+        except CheckpointError as exc:
+            if log is not None:
+                log(f"{run_dir}: no intact checkpoint to continue from ({exc}); running it again from the start")
+        else:
+            if log is not None:
+                log(f"continuing the interrupted run in {run_dir} after round {run.round}")
+            return run
     if cfg.run.vectorized:
-        return runner_for(cfg, one_process)(cfg, task=task, run_dir=run_dir, log=log, overwrite=overwrite)
-    return runner_for(cfg, one_process)(cfg, task=task, run_dir=run_dir, log=log, parts=parts, overwrite=overwrite,
-                                        log_partition=log_partition)
+        return cls(cfg, task=task, run_dir=run_dir, log=log, overwrite=overwrite)
+    return cls(cfg, task=task, run_dir=run_dir, log=log, parts=parts, overwrite=overwrite, log_partition=log_partition)
 
 
 _WORKER_TASKS: dict[str, Any] = {}  # a worker process's built tasks (task_key → task), reused by its later runs

@@ -277,15 +277,16 @@ class ServerRun:
 
     @classmethod
     def from_checkpoint(cls, run_dir: str | Path, task=None, log: Callable[[str], None] | None = None,
-                        round: int | None = None, warn: Callable[[str], None] | None = None):
+                        round: int | None = None, warn: Callable[[str], None] | None = None, **build):
         """The run in ``run_dir`` at its newest intact checkpoint (or that of ``round``), after checking that the
         checkpoint is of the directory's ``config.json``. Reads only: nothing in ``run_dir`` is written.
         ``warn`` (default ``log``) gets a line when a damaged checkpoint is skipped. For the runners built as
-        ``cls(cfg, task=..., log=...)`` (:class:`~.simulator.Simulation`, :class:`~.vectorized.Vectorized`)."""
+        ``cls(cfg, task=..., log=..., **build)`` (:class:`~.simulator.Simulation`, whose ``build`` may give the
+        ``parts`` the run trained on, :class:`~.vectorized.Vectorized`)."""
         built = []
 
         def fits(cfg):
-            built.append(cls(cfg, task=task, log=log))
+            built.append(cls(cfg, task=task, log=log, **build))
             return built[0].check_checkpoint
 
         _, ck = read_run_checkpoint(run_dir, round, warn or log, fits)
@@ -294,11 +295,12 @@ class ServerRun:
 
     @classmethod
     def resume(cls, run_dir: str | Path, task=None, log: Callable[[str], None] | None = None,
-               round: int | None = None, warn: Callable[[str], None] | None = None):
+               round: int | None = None, warn: Callable[[str], None] | None = None, **build):
         """Rebuild the run in ``run_dir`` from its resolved config and newest intact checkpoint (or that of
         ``round``), ready to continue, holding the directory's lock; ``metrics.jsonl`` and ``ledger.jsonl`` are
         cut back to the checkpoint's round (saying so when that drops rounds) and later checkpoints deleted
-        (:func:`~.checkpoint.restart_from`)."""
+        (:func:`~.checkpoint.restart_from`). ``build``: the runner's further constructor arguments
+        (:meth:`from_checkpoint`)."""
         claim = read_claim(run_dir) if Path(run_dir).is_dir() else None
         if Path(run_dir).is_dir() and (claim is None or claim.kind != "run"):
             what = "no valid claim file" if claim is None else f"the output of `fedlowrank {claim.kind}`"
@@ -306,7 +308,7 @@ class ServerRun:
                               f"written into it")
         lock = lock_run_dir(run_dir) if Path(run_dir).is_dir() else None
         try:
-            run = cls.from_checkpoint(run_dir, task, log, round, warn)
+            run = cls.from_checkpoint(run_dir, task, log, round, warn, **build)
         except BaseException:
             if lock is not None:
                 lock.release()
