@@ -63,11 +63,16 @@ class SetupInfo:
         return len(set(self.client_ranks)) > 1
 
 
+def composes(choices: Iterable[str], correction: str) -> bool:
+    """Whether any of the ``correction`` values ``choices`` (``"fedprox+scaffold"``, ...) includes ``correction``."""
+    return any(correction in choice.split("+") for choice in choices)
+
+
 def correction_option(default: str = "none", choices: tuple[str, ...] = CORRECTIONS, why: str = ""):
     """The ``correction`` option: client-side drift corrections composed on a method (``why``: why a method allows
     only some of them)."""
     named = (("FedProx's proximal term", "fedprox"), ("SCAFFOLD's control variates", "scaffold"))
-    parts = [part for part, name in named if any(name in choice.split("+") for choice in choices)]
+    parts = [part for part, name in named if composes(choices, name)]
     which = {0: "none", 1: "".join(parts), 2: f"{', '.join(parts)}, or both"}[len(parts)]
     return setting(default, f"client-side drift corrections composed on the method: {which}"
                    + (f" ({why})" if why else ""), choices=choices)
@@ -374,8 +379,7 @@ class Corrected(Method):
         """Without ``mu`` where no allowed correction has FedProx's term, nor ``cv_grad`` where none has SCAFFOLD's
         variates (the method's narrowed ``correction``)."""
         allowed = declared(cls)["correction"].setting.allowed() or ()
-        unused = {option for option, part in (("mu", "fedprox"), ("cv_grad", "scaffold"))
-                  if not any(part in choice.split("+") for choice in allowed)}
+        unused = {option for option, part in (("mu", "fedprox"), ("cv_grad", "scaffold")) if not composes(allowed, part)}
         return {k: d for k, d in declared(cls).items() if k not in unused}
 
     def composed_corrections(self) -> list[ClientCorrection]:
