@@ -362,9 +362,11 @@ def test_compare_resume_continues_an_interrupted_run_from_its_checkpoint_as_if_n
     assert main([*argv, "--out", str(out), "--resume"]) == 0
     assert f"continuing the interrupted run in {out / 'fedit-seed0'} after round 1" in capsys.readouterr().err
     assert 1 not in trained and set(trained) == {2, 3}
-    a, b = (json.loads((d / "results.json").read_text()) for d in (tmp_path / "whole", out))
-    assert [[{k: v for k, v in x.items() if k not in ("time", "run_dir")} for x in r["runs"]] for r in a["rows"]] == \
-        [[{k: v for k, v in x.items() if k not in ("time", "run_dir")} for x in r["runs"]] for r in b["rows"]]
+    def runs(d):
+        return [[{k: v for k, v in x.items() if k not in ("time", "run_dir")} for x in r["runs"]]
+                for r in json.loads((d / "results.json").read_text())["rows"]]
+
+    assert runs(tmp_path / "whole") == runs(out)
     # tune: the validation view's run continues to the same score as an uninterrupted tune
     tune = ["tune", "tiny", "--methods", "fedit", "--grid", "1e-3", "--seeds", "0", "--quiet", "--set", "run.rounds=3"]
     assert main([*tune, "--out", str(tmp_path / "tune-whole")]) == 0
