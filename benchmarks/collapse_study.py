@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance  # noqa: E402
+from common import provenance, run_resumable  # noqa: E402
 
 from fedlowrank.experiments.compare import run_comparison  # noqa: E402
 from fedlowrank.experiments.stats import median, wilcoxon_signed_rank  # noqa: E402
@@ -163,4 +163,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_resumable(main))

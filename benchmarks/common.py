@@ -20,6 +20,19 @@ def provenance(argv: list[str] | None = None) -> str:
             f"threads {torch.get_num_threads()}, cpus {os.cpu_count()}")
 
 
+def run_resumable(main) -> int:
+    """``main()``'s exit status for a script whose runs resume (``--resume``, or reused from ``--out``): stopped by
+    Ctrl-C or SIGTERM (:class:`fedlowrank.runtime.stopping.StopRequested`), it prints one line, not a traceback, and
+    returns 128 + the signal's number; the finished runs and the interrupted run's checkpoint stay on disk."""
+    try:
+        return main()
+    except KeyboardInterrupt as exc:
+        name = getattr(exc, "name", "SIGINT")
+        print(f"stopped by {name}: the finished runs and the last checkpoint are kept; the same command continues "
+              "from them", file=sys.stderr)
+        return getattr(exc, "exit_status", 130)
+
+
 def median_seconds(fn, repeats: int) -> tuple[float, object]:
     """The median wall time of ``repeats`` calls of ``fn()`` (seconds) and the last call's result."""
     import statistics

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance  # noqa: E402
+from common import provenance, run_resumable  # noqa: E402
 
 from fedlowrank.experiments.stats import paired_interval, wilcoxon_signed_rank  # noqa: E402
 
@@ -332,4 +332,4 @@ def dispatch(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_resumable(main))

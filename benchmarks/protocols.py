@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance  # noqa: E402
+from common import provenance, run_resumable  # noqa: E402
 
 from fedlowrank.experiments.compare import results_markdown, run_comparison  # noqa: E402
 from fedlowrank.experiments.tune import run_tuning  # noqa: E402
@@ -267,4 +267,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_resumable(main))

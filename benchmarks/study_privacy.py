@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance  # noqa: E402
+from common import provenance, run_resumable  # noqa: E402
 
 from fedlowrank.experiments.compare import describe_partition, run_comparison  # noqa: E402
 from fedlowrank.config import load_config  # noqa: E402
@@ -166,4 +166,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_resumable(main))

@@ -56,3 +56,22 @@ def test_grid_options_that_cannot_work_are_one_error_line(common, tmp_path):
     other.add("run", load_config("tiny", ["run.seed=0", "run.rounds=1", "train.lr=0.5"]))
     with pytest.raises(SystemExit, match=r"^error: --resume: .* holds a run of another config than this one"):
         other.run(lambda i, outcome: None)
+
+
+def test_a_resumable_script_stopped_by_a_signal_prints_one_line_and_the_shell_status(common, capsys):
+    import signal
+
+    from fedlowrank.runtime.stopping import StopRequested
+
+    def stopped():
+        raise StopRequested(signal.SIGTERM)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert common.run_resumable(stopped) == 143
+    assert capsys.readouterr().err.splitlines() == [
+        "stopped by SIGTERM: the finished runs and the last checkpoint are kept; the same command continues from them"]
+    assert common.run_resumable(interrupted) == 130
+    assert capsys.readouterr().err.startswith("stopped by SIGINT:")
+    assert common.run_resumable(lambda: 0) == 0

@@ -67,6 +67,20 @@ def test_methods_lists_only_the_correction_options_that_can_apply(name, listed, 
     assert ("SCAFFOLD" in corrections) == ("cv_grad" in listed) and ("FedProx" in corrections) == ("mu" in listed)
 
 
+@pytest.mark.parametrize("name, key, value", [("ravan", "cv_grad", "last"), ("local-only", "mu", 0.1),
+                                                 ("centralized", "cv_grad", "option2")])
+def test_setting_an_option_the_method_does_not_use_is_refused_at_config_time(name, key, value):
+    from fedlowrank.config import load_config
+    from fedlowrank.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"method\.{key} = .* changes nothing in method '{name}' "
+                                          rf"\(`fedlowrank methods {name}` lists"):
+        load_config("tiny", [f"method.name={name}", f"method.{key}={value!r}".replace("'", '"')])
+    default = declared(available_methods()[name])[key].default  # the default, as a config.json may hold it, passes
+    assert load_config("tiny", [f"method.name={name}", f"method.{key}={default!r}".replace("'", '"')])
+    assert load_config("tiny", ["method.name=fedit", f"method.{key}={value!r}".replace("'", '"')])  # fedit uses both
+
+
 def test_a_corrected_method_makes_its_corrections_from_its_options():
     for name in ("fedit", "fedavg-full", "florg", "ravan"):
         method = get_method(name, correction="fedprox", mu=0.5)

@@ -115,6 +115,11 @@ def _check_method(cfg: RunConfig) -> None:
     method = get_method(cfg.method_name, **cfg.method_options)
     cfg.method = {"name": cfg.method_name, **{k: getattr(method, k) for k in cfg.method_options}}
     cls = type(method)
+    listed, options = cls.listed_options(), declared(cls)
+    for key, value in cfg.method_options.items():
+        _need(key in listed or value == options[key].default,
+              f"method.{key} = {value!r} changes nothing in method {cfg.method_name!r} (`fedlowrank methods "
+              f"{cfg.method_name}` lists the options that do); leave it unset")
     check_requirements(cfg, method)
     check_privacy(cfg, cls)
     check_server(cfg, cls)
