@@ -82,3 +82,11 @@ def test_ravan_trains_as_many_parameters_per_target_as_fedit(protocols):  # noqa
     d = 384                                                   # MiniLM-L6's hidden size: query, value are 384×384
     assert ravan.method_options["heads"] * ravan.lora.rank ** 2 == fedit.lora.rank * (d + d) == 3072
     assert resolved(protocols["fedrot-50"], "fedit").partition.num_clients == 50
+
+
+@pytest.mark.parametrize("name", ["fedsvd", "fedsvd-dp"])
+def test_fedsvd_protocols_train_every_method_with_plain_sgd_at_one_step_size(protocols, name):  # noqa: F811
+    """FedSVD's code trains FedSVD, FFA-LoRA and FedIT alike; FedIT's AdamW preset must not decide the verdict."""
+    for method in protocols[name].methods:
+        cfg = resolved(protocols[name], method)
+        assert (cfg.train.optimizer, cfg.train.head_lr) == ("sgd", 0.0), method
