@@ -11,6 +11,8 @@ the partition alone).
     python benchmarks/collapse_study.py run --data binary --seeds 0,1,2 --out runs/collapse
     python benchmarks/collapse_study.py run --data agnews --arms base,uniform --seeds 0,1,2 --out runs/collapse
     python benchmarks/collapse_study.py run --data bbc --arms base,centralized,alpha-100,uniform --out runs/collapse
+    python benchmarks/collapse_study.py run --data agnews --arms logit-adjust-0.5,logit-adjust-1,logit-adjust-2 \
+        --seeds 0,1,2,3,4,5 --out runs/collapse                                             # the τ sweep
     python benchmarks/collapse_study.py report --out runs/collapse
 
 ``--data binary`` is AG News' Business and Sci/Tech classes (written once under ``--out`` from the local copy,
@@ -47,7 +49,9 @@ ARMS = {
     "steps-2": (["fedit"], ["train.local_steps=2"]),
     "alpha-100": (["fedit"], ["partition.alpha=100"]),
     "florg": (["florg"], ["train.lr=1e-3"]),
+    "logit-adjust-0.5": (["fedit"], ["task.options.logit_adjustment=0.5"]),
     "logit-adjust-1": (["fedit"], ["task.options.logit_adjustment=1"]),
+    "logit-adjust-2": (["fedit"], ["task.options.logit_adjustment=2"]),
 }
 CLASSES = ("Business", "Sci/Tech")
 SOURCES = {"agnews": "agnews", "bbc": "bbc-news"}  # --data -> data.source (binary: files written from AG News)
