@@ -47,6 +47,7 @@ FedRPCA's share on the GPU: ``--method fedrpca --set method.rpca_device=cuda --m
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import json
 import os
@@ -199,15 +200,44 @@ def event_counts(events) -> dict[str, int]:
     return counts
 
 
-def profile_counts(fn, device: torch.device) -> dict[str, int]:
-    """Run ``fn`` under the torch profiler (CUDA activity too on CUDA) and count its events (:func:`event_counts`)."""
+WAITS = (*SYNCS, "cudaMemcpyAsync", *READ_OPS)  # calls that may make the host wait, attributed to their caller
+
+
+def caller(event) -> str:
+    """The innermost Python frame outside torch around a profiler ``event`` (recorded with ``with_stack``), e.g.
+    ``fedlowrank/adapters/lora.py(120): forward``; ``?`` when none is recorded."""
+    while event is not None:
+        if ".py(" in event.name and not event.name.startswith("torch/"):
+            return event.name
+        event = event.cpu_parent
+    return "?"
+
+
+def waits_by_caller(events, top: int) -> list[tuple[int, str, str]]:
+    """The ``top`` (count, call, caller) of the profiled calls in :data:`WAITS`, most frequent first."""
+    counts = collections.Counter((e.name, caller(e.cpu_parent)) for e in events if e.name in WAITS)
+    return [(n, name, where) for (name, where), n in counts.most_common(top)]
+
+
+def profile_counts(fn, device: torch.device, top: int = 0) -> tuple[dict[str, int], str]:
+    """Run ``fn`` under the torch profiler (CUDA activity too on CUDA) and count its events (:func:`event_counts`);
+    with ``top`` > 0 also a text breakdown: the ``top`` operations by self device (CUDA) or CPU time, and the
+    ``top`` callers of the calls that may make the host wait (:func:`waits_by_caller`)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, with_stack=top > 0) as prof:
         fn()
     sync(device)
-    return event_counts(prof.events())
+    events = prof.events()
+    if top <= 0:
+        return event_counts(events), ""
+    averages = prof.key_averages()
+    parts = [averages.table(sort_by=key, row_limit=top, max_name_column_width=60)
+             for key in (["self_device_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]]
+    parts.append("calls that may make the host wait, by caller:\n" + "\n".join(
+        f"{n:8d}  {name:28s} {where}" for n, name, where in waits_by_caller(events, top)))
+    return event_counts(events), "\n".join(parts)
 
 
 # -- figures -------------------------------------------------------------------------------------------------------
@@ -233,8 +263,9 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def simulate(cfg, task, counter: TokenCounter, device, rounds: int, profile: bool) -> dict[str, Any]:
-    """Rounds of the simulator: round 1 warms up, rounds 2..rounds+1 are timed, one more is profiled."""
+def simulate(cfg, task, counter: TokenCounter, device, rounds: int, profile: int | None) -> dict[str, Any]:
+    """Rounds of the simulator: round 1 warms up, rounds 2..rounds+1 are timed, one more is profiled unless ``profile``
+    is None (its value: the rows of the breakdown, :func:`profile_counts`)."""
     sim = Simulation(cfg, task=task)
     k = sim.cohort_size()
     memory = cohort_memory(cfg, task, sim.model)  # the runtime's planner (run.cohort = 0 sizes cohorts with it)
@@ -258,14 +289,14 @@ def simulate(cfg, task, counter: TokenCounter, device, rounds: int, profile: boo
            "estimate": {"resident": memory.resident(k), "step": memory.step(k), "total": memory.peak(k)},
            "peak_cuda": torch.cuda.max_memory_allocated(device) if device.type == "cuda"
            else None, "rss_rise": max(rises)}
-    if profile:
+    if profile is not None:
         counter.reset()
-        out["profile"] = profile_counts(sim.run_round, device)
+        out["profile"], out["breakdown"] = profile_counts(sim.run_round, device, profile)
         out["profile_steps"] = counter.steps
     return out
 
 
-def plain_peft(args, cfg, task, counter: TokenCounter, device, dtype: str, rounds: int, profile: bool) -> dict:
+def plain_peft(args, cfg, task, counter: TokenCounter, device, dtype: str, rounds: int, profile: int | None) -> dict:
     """The same clients and batches through peft's LoRA and a fresh torch AdamW per client."""
     from peft import LoraConfig, get_peft_model
 
@@ -315,9 +346,9 @@ def plain_peft(args, cfg, task, counter: TokenCounter, device, dtype: str, round
     out = {"seconds": sum(times) / len(times), "real": sum(real) / len(real), "padded": sum(padded) / len(padded),
            "largest": counter.largest, "cohort": 1, "peak_cuda": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
            "rss_rise": max(rises)}
-    if profile:
+    if profile is not None:
         counter.reset()
-        out["profile"] = profile_counts(lambda: one_round(rounds + 1), device)
+        out["profile"], out["breakdown"] = profile_counts(lambda: one_round(rounds + 1), device, profile)
         out["profile_steps"] = counter.steps
     return out
 
@@ -341,11 +372,12 @@ def figure(args, name: str, spec: str, dtype: str, mode: str, tasks: dict, peaks
     counter = task.batch.__self__
     if dtype not in peaks:
         peaks[dtype] = measured_peak_tflops(device, dtype)
+    profile = None if args.no_profile else args.breakdown
     t0 = time.perf_counter()
     if mode == "peft":
-        res = plain_peft(args, cfg, task, counter, device, dtype, args.rounds + 1, not args.no_profile)
+        res = plain_peft(args, cfg, task, counter, device, dtype, args.rounds + 1, profile)
     else:
-        res = simulate(cfg, task, counter, device, args.rounds + 1, not args.no_profile)
+        res = simulate(cfg, task, counter, device, args.rounds + 1, profile)
     wall = time.perf_counter() - t0
     n = matmul_parameters(task.loaded.net)
     rows, width = res["largest"]
@@ -366,6 +398,8 @@ def figure(args, name: str, spec: str, dtype: str, mode: str, tasks: dict, peaks
            "memory_estimate_gib": None if est is None else {k: v / GIB for k, v in est.items()},
            "wall_seconds": wall,
            "sets": sets, "device": device_name(device), "load": list(os.getloadavg()), "seed": args.seed}
+    if res.get("breakdown"):
+        print(f"{label}: the profiled round\n{res['breakdown']}", flush=True)
     if "profile" in res:
         steps = max(res["profile_steps"], 1)
         row["per_client_step"] = {k: v / steps for k, v in res["profile"].items()}
@@ -506,6 +540,8 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled extra round")
+    ap.add_argument("--breakdown", type=int, default=0, help="with the profiled round, print its N slowest "
+                                                             "operations and the N callers that most make the host wait")
     ap.add_argument("--out", default="", help="folder for bench_gpu.jsonl and bench_gpu.md")
     ap.add_argument("--save-tokenizer", default="", help="write SmolLM2's tokenizer files to this folder and stop")
     ap.add_argument("--report", default="", help="write gpu_check.sh's table of this folder (report()) and stop")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for the GPU machine, from the repository root, in at most 8 minutes (each step has its own timeout):
+# One command for the GPU machine, from the repository root, in at most 9 minutes (each step has its own timeout):
 # the CUDA tests, then every target of the GPU path (H100, bf16, 32 clients × 5 steps × 4 GSM8K examples). A
 # failing or timed-out step is reported and the rest goes on. Writes to $OUT (default bench_out/check):
 #   gpu_check.md     one Markdown table: target, measured, holds? (each step's status too)
@@ -8,6 +8,7 @@
 # Needs what benchmarks/gpu_bundle.sh put in bench_out/ (carry it): wheels, SmolLM2's tokenizer, a GSM8K sample.
 #   bash benchmarks/gpu_check.sh          on the GPU machine
 #   bash benchmarks/gpu_check.sh --dry    on the CPU: every step on tiny models in seconds (CI runs it)
+#   ONLY="cuda-tests 1b-cohort" bash benchmarks/gpu_check.sh    only the steps named (a rerun in less time)
 set -u
 DRY=0
 [ "${1:-}" = "--dry" ] && DRY=1
@@ -23,6 +24,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 step() {  # step NAME SECONDS COMMAND...: run it with its own timeout, log it, record its exit status
   local name=$1 limit=$2 t0 rc
   shift 2
+  [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]] && return
   echo "=== $name (timeout ${limit} s): $*" >> "$OUT/check.log"
   t0=$(date +%s)
   timeout "$limit" "$@" >> "$OUT/check.log" 2>&1
@@ -42,7 +44,7 @@ else
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
     "$BUNDLE"/whl/*.whl >> "$OUT/check.log" 2>&1 || echo "wheels: install failed (see check.log)"
   mkdir -p /tmp/gpu_check && tar -xzf "$BUNDLE/smollm2-tokenizer.tar.gz" -C /tmp/gpu_check
-  export PYTHONPATH=$site:src${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$site:$BUNDLE/minilm-tokenizer:src${PYTHONPATH:+:$PYTHONPATH}
   TESTS=(-k "cuda" tests/test_gpu_path.py tests/test_device.py tests/test_cohort.py)
   B=("$PY" benchmarks/bench_gpu.py --tokenizer /tmp/gpu_check/smollm2-tokenizer --data "$BUNDLE/gsm8k"
      --rounds 1 --out "$OUT/raw")
@@ -50,8 +52,9 @@ else
 fi
 lim() { [ "$LIMIT" = 0 ] && echo "$1" || echo "$LIMIT"; }  # dry: one generous limit for every step
 
-step cuda-tests "$(lim 75)" "$PY" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
-step smollm2-bf16 "$(lim 120)" "${B[@]}" --models "$SMOL" --dtypes bf16 --modes cohort,one,peft
+step cuda-tests "$(lim 100)" "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
+step smollm2-bf16-cohort "$(lim 80)" "${B[@]}" --models "$SMOL" --dtypes bf16 --modes cohort --breakdown 15
+step smollm2-bf16-one "$(lim 100)" "${B[@]}" --models "$SMOL" --dtypes bf16 --modes one,peft --no-profile
 step smollm2-fp32 "$(lim 45)" "${B[@]}" --models "$SMOL" --dtypes fp32 --modes cohort --no-profile
 step smollm2-compiled "$(lim 130)" "${B[@]}" --models "$SMOL" --dtypes bf16 --modes "$COMPILED" --buckets 384 \
   --no-profile
