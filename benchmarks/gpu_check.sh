@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One command for the GPU machine, from the repository root, in at most 9 minutes (each step has its own timeout):
-# the CUDA tests, then every target of the GPU path (H100, bf16, 32 clients × 5 steps × 4 GSM8K examples). A
-# failing or timed-out step is reported and the rest goes on. Writes to $OUT (default bench_out/check):
+# One command for the GPU machine, from the repository root, in at most 10 minutes (each step has its own timeout):
+# the CUDA tests, then every target of the GPU path (H100, bf16, 32 clients × 5 steps × 4 GSM8K examples; one at a
+# time and plain peft over 8 of them), and a profile breakdown of a cohort of 8 (the slowest operations, and what
+# makes the host wait, by caller). A failing or timed-out step is reported and the rest goes on. Writes to $OUT (default bench_out/check):
 #   gpu_check.md     one Markdown table: target, measured, holds? (each step's status too)
 #   gpu_check.jsonl  a JSON line per figure and per target
 #   check.log        every step's output;  steps.tsv: name, exit status, seconds;  raw/: bench_gpu's own files
@@ -37,8 +38,8 @@ if [ "$DRY" = 1 ]; then
   export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
   TESTS=(-k "bf16_on_cuda" tests/test_device.py)  # collected, skipped without CUDA
   B=("$PY" benchmarks/bench_gpu.py --device cpu --source arithmetic --max-length 256 --clients 2 --steps 1
-     --batch 1 --rounds 1 --no-profile --out "$OUT/raw")
-  SMOL=tiny-llama BIG=tiny-llama COMPILED=one LIMIT=120
+     --batch 1 --rounds 1 --no-profile)
+  SMOL=tiny-llama BIG=tiny-llama COMPILED=one FEW=2 LIMIT=120
 else
   site=/tmp/gpu_check_site
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
@@ -47,17 +48,21 @@ else
   export PYTHONPATH=$site:$BUNDLE/minilm-tokenizer:src${PYTHONPATH:+:$PYTHONPATH}
   TESTS=(-k "cuda" tests/test_gpu_path.py tests/test_device.py tests/test_cohort.py)
   B=("$PY" benchmarks/bench_gpu.py --tokenizer /tmp/gpu_check/smollm2-tokenizer --data "$BUNDLE/gsm8k"
-     --rounds 1 --out "$OUT/raw")
-  SMOL=smollm2-135m BIG=llama-3.2-1b COMPILED=one-compiled LIMIT=0
+     --rounds 1)
+  SMOL=smollm2-135m BIG=llama-3.2-1b COMPILED=one-compiled FEW=8 LIMIT=0
 fi
 lim() { [ "$LIMIT" = 0 ] && echo "$1" || echo "$LIMIT"; }  # dry: one generous limit for every step
+RAW=(--out "$OUT/raw")  # the figures the table reads; the breakdown's cohort of $FEW only prints to check.log
 
 step cuda-tests "$(lim 100)" "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
-step smollm2-bf16-cohort "$(lim 80)" "${B[@]}" --models "$SMOL" --dtypes bf16 --modes cohort --breakdown 15
-step smollm2-bf16-one "$(lim 100)" "${B[@]}" --models "$SMOL" --dtypes bf16 --modes one,peft --no-profile
-step smollm2-fp32 "$(lim 45)" "${B[@]}" --models "$SMOL" --dtypes fp32 --modes cohort --no-profile
-step smollm2-compiled "$(lim 130)" "${B[@]}" --models "$SMOL" --dtypes bf16 --modes "$COMPILED" --buckets 384 \
-  --no-profile
-step 1b-cohort "$(lim 90)" "${B[@]}" --models "$BIG" --dtypes bf16 --modes cohort --no-profile \
+step smollm2-bf16-cohort "$(lim 80)" "${B[@]}" "${RAW[@]}" --models "$SMOL" --dtypes bf16 --modes cohort
+step smollm2-bf16-breakdown "$(lim 60)" "${B[@]}" --models "$SMOL" --dtypes bf16 --modes cohort --clients "$FEW" \
+  --breakdown 15
+step smollm2-bf16-one "$(lim 80)" "${B[@]}" "${RAW[@]}" --models "$SMOL" --dtypes bf16 --modes one,peft \
+  --clients "$FEW" --no-profile
+step smollm2-fp32 "$(lim 45)" "${B[@]}" "${RAW[@]}" --models "$SMOL" --dtypes fp32 --modes cohort --no-profile
+step smollm2-compiled "$(lim 130)" "${B[@]}" "${RAW[@]}" --models "$SMOL" --dtypes bf16 --modes "$COMPILED" \
+  --buckets 384 --no-profile
+step 1b-cohort "$(lim 90)" "${B[@]}" "${RAW[@]}" --models "$BIG" --dtypes bf16 --modes cohort --no-profile \
   --set train.gradient_checkpointing=true
 "$PY" benchmarks/bench_gpu.py --report "$OUT" --device cpu

@@ -16,11 +16,11 @@ def test_the_dry_gpu_check_runs_every_step_and_writes_the_table(tmp_path):
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     steps = [line.split("\t") for line in (tmp_path / "steps.tsv").read_text().splitlines()]
-    assert [s[0] for s in steps] == ["cuda-tests", "smollm2-bf16-cohort", "smollm2-bf16-one", "smollm2-fp32",
-                                     "smollm2-compiled", "1b-cohort"]
+    assert [s[0] for s in steps] == ["cuda-tests", "smollm2-bf16-cohort", "smollm2-bf16-breakdown", "smollm2-bf16-one",
+                                     "smollm2-fp32", "smollm2-compiled", "1b-cohort"]
     assert all(rc == "0" for _, rc, _ in steps), (tmp_path / "check.log").read_text()[-3000:]
     md = (tmp_path / "gpu_check.md").read_text()
-    assert "| target | measured | holds? |" in md and md.count("| step ") == 6
+    assert "| target | measured | holds? |" in md and md.count("| step ") == 7
     assert "| 1B cohort ≥ 25 % MFU | – | not measured |" in md
     lines = [json.loads(x) for x in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
     figures = [x for x in lines if "figure" in x]

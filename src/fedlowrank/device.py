@@ -311,6 +311,12 @@ def stage(obj: Any, device: torch.device) -> Any:
     return map_tensors(obj, lambda t: stage_tensor(t, device))
 
 
+def allocated_bytes(device: torch.device) -> int:
+    """Bytes of the tensors now allocated on ``device`` by torch's CUDA allocator (0 on the CPU, where none is kept
+    apart)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
 def measured_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
     """Peak bytes of tensors allocated on ``device`` while ``fn()`` runs, above what was allocated before
     (:func:`measured_bytes`)."""
@@ -444,7 +450,7 @@ def step_transfers(fn: Callable[[], Any]) -> "collections.Counter[str]":
     return mode.counts
 
 
-__all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "LOCAL_STEP", "OPTIMIZER_KERNELS", "can_checkpoint",
+__all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "LOCAL_STEP", "OPTIMIZER_KERNELS", "allocated_bytes", "can_checkpoint",
            "check_device_spec", "check_dtype", "compile_decision", "compile_module", "dispatched_ops", "grad_scaler",
            "local_step", "map_tensors", "measured_bytes", "measured_peak_bytes", "module_device", "optimizer_kernel",
            "planned_steps", "prepare_training", "release_compiled", "resolve_device", "run_compiled",

@@ -54,7 +54,7 @@ from torch import nn
 
 from ..adapters.lora import LoRAStack
 from ..adapters.model import AdaptedModel
-from ..device import (can_checkpoint, local_step, measured_bytes, module_device, optimizer_kernel, prepare_training,
+from ..device import (allocated_bytes, can_checkpoint, local_step, measured_bytes, module_device, optimizer_kernel, prepare_training,
                       run_compiled, set_checkpointing, stage_tensor)
 from ..message import Message, State
 from ..methods.base import Method
@@ -90,8 +90,8 @@ def cohort_size(cfg, method: Method, task, model: AdaptedModel, device: torch.de
 
 @dataclass
 class CohortMemory:
-    """Estimated peak bytes of a cohort of ``k`` members: :meth:`resident` (the shared model as stored, each
-    member's own parameters and optimizer state) plus :meth:`step` (what a joint step allocates at its peak: the
+    """Estimated peak bytes of a cohort of ``k`` members: :meth:`resident` (the shared model as stored, what else
+    the device already holds, each member's own parameters and optimizer state) plus :meth:`step` (what a joint step allocates at its peak: the
     larger of its forward's peak and its backward's, each a fixed part plus a part per row, the backward's with
     each member's gradients), with or without gradient checkpointing (``checkpointing``)."""
 
@@ -102,9 +102,10 @@ class CohortMemory:
     backward: tuple[float, float]  # (fixed, per row): the activations the forward left plus the backward's peak
     rows: float       # rows per member per step (train.batch_size; packed rows: Task.rows_per_step)
     checkpointing: bool = False    # the probes ran with gradient checkpointing
+    held: int = 0     # device memory held besides the model and one member's parameters (libraries' workspaces)
 
     def resident(self, k: int) -> float:
-        return self.base + k * self.own * (1 + self.slots)
+        return self.base + self.held + k * self.own * (1 + self.slots)
 
     def step(self, k: int) -> float:
         rows = k * self.rows
@@ -129,7 +130,10 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
     r from :meth:`~fedlowrank.tasks.base.Task.probe_rows`: enough rows for a full chunk of logits when a round's
     joint batch fills one, so that the chunk is part of the fixed bytes and the estimate holds from r rows on,
     above it for fewer), whose differences are what 2 rows add. The probes run with gradient checkpointing on or
-    off as ``checkpointing`` says (``None``: as the model is); the model is left as it was.
+    off as ``checkpointing`` says (``None``: as the model is); the model is left as it was. An unmeasured probe of one
+    row runs first, so that what a device allocates once at its first step (cuBLAS's workspaces) is held before the
+    measured probes and counted in ``held`` (what is allocated beyond the model and one member's parameters), not in
+    the step's bytes.
 
     With ``per_layer`` (the default) and a decoder of L ≥ 3 layers of one kind (:func:`stacked_layers`), each probe
     runs on the decoder cut to its first 1 and then 2 layers and is extrapolated to L,
@@ -159,9 +163,10 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
             for p in own:
                 p.grad = None
 
+    stack = stacked_layers(net) if per_layer else None
+
     def probes(rows: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """The probes of ``rows`` and ``rows + 2`` rows, extrapolated over the layers when ``per_layer``."""
-        stack = stacked_layers(net) if per_layer else None
         if stack is None:
             return probe(rows), probe(rows + 2)
         layers = len(stack[1])
@@ -175,6 +180,8 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws: not the run's
             rows = task.probe_rows(cfg.run.clients_per_round * task.rows_per_step(cfg.train.batch_size))
+            cut_decoder(net, 1, lambda: probe(1)) if stack is not None else probe(1)  # warm-up, not measured
+            held = max(allocated_bytes(device) - weight_bytes(net) - own_bytes, 0)
             small, large = probes(rows)
     finally:
         set_checkpointing(net, was_checkpointing)
@@ -189,7 +196,7 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
     slots = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}[cfg.train.optimizer]
     return CohortMemory(base=weight_bytes(net), own=own_bytes, slots=slots, forward=line(0, 0),
                         backward=line(1, own_bytes), rows=task.rows_per_step(cfg.train.batch_size),
-                        checkpointing=checkpointing)
+                        checkpointing=checkpointing, held=held)
 
 
 def stacked_layers(net: nn.Module) -> tuple[nn.Module, nn.ModuleList] | None:
