@@ -540,8 +540,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled extra round")
-    ap.add_argument("--breakdown", type=int, default=0, help="with the profiled round, print its N slowest "
-                                                             "operations and the N callers that most make the host wait")
+    ap.add_argument("--breakdown", type=int, default=0,
+                    help="with the profiled round, print its N slowest operations and the N callers that most make "
+                         "the host wait")
     ap.add_argument("--out", default="", help="folder for bench_gpu.jsonl and bench_gpu.md")
     ap.add_argument("--save-tokenizer", default="", help="write SmolLM2's tokenizer files to this folder and stop")
     ap.add_argument("--report", default="", help="write gpu_check.sh's table of this folder (report()) and stop")

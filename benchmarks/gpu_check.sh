@@ -2,7 +2,8 @@
 # One command for the GPU machine, from the repository root, in at most 10 minutes (each step has its own timeout):
 # the CUDA tests, then every target of the GPU path (H100, bf16, 32 clients × 5 steps × 4 GSM8K examples; one at a
 # time and plain peft over 8 of them), and a profile breakdown of a cohort of 8 (the slowest operations, and what
-# makes the host wait, by caller). A failing or timed-out step is reported and the rest goes on. Writes to $OUT (default bench_out/check):
+# makes the host wait, by caller). A failing or timed-out step is reported and the rest goes on. Writes to $OUT
+# (default bench_out/check):
 #   gpu_check.md     one Markdown table: target, measured, holds? (each step's status too)
 #   gpu_check.jsonl  a JSON line per figure and per target
 #   check.log        every step's output;  steps.tsv: name, exit status, seconds;  raw/: bench_gpu's own files

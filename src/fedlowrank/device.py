@@ -450,8 +450,9 @@ def step_transfers(fn: Callable[[], Any]) -> "collections.Counter[str]":
     return mode.counts
 
 
-__all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "LOCAL_STEP", "OPTIMIZER_KERNELS", "allocated_bytes", "can_checkpoint",
-           "check_device_spec", "check_dtype", "compile_decision", "compile_module", "dispatched_ops", "grad_scaler",
-           "local_step", "map_tensors", "measured_bytes", "measured_peak_bytes", "module_device", "optimizer_kernel",
-           "planned_steps", "prepare_training", "release_compiled", "resolve_device", "run_compiled",
-           "set_checkpointing", "stage", "stage_tensor", "step_transfers", "store_frozen", "to_device", "to_host"]
+__all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "LOCAL_STEP", "OPTIMIZER_KERNELS", "allocated_bytes",
+           "can_checkpoint", "check_device_spec", "check_dtype", "compile_decision", "compile_module",
+           "dispatched_ops", "grad_scaler", "local_step", "map_tensors", "measured_bytes", "measured_peak_bytes",
+           "module_device", "optimizer_kernel", "planned_steps", "prepare_training", "release_compiled",
+           "resolve_device", "run_compiled", "set_checkpointing", "stage", "stage_tensor", "step_transfers",
+           "store_frozen", "to_device", "to_host"]

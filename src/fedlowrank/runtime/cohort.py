@@ -54,8 +54,8 @@ from torch import nn
 
 from ..adapters.lora import LoRAStack
 from ..adapters.model import AdaptedModel
-from ..device import (allocated_bytes, can_checkpoint, local_step, measured_bytes, module_device, optimizer_kernel, prepare_training,
-                      run_compiled, set_checkpointing, stage_tensor)
+from ..device import (allocated_bytes, can_checkpoint, local_step, measured_bytes, module_device, optimizer_kernel,
+                      prepare_training, run_compiled, set_checkpointing, stage_tensor)
 from ..message import Message, State
 from ..methods.base import Method
 from ..models.quantize import weight_bytes
@@ -91,9 +91,10 @@ def cohort_size(cfg, method: Method, task, model: AdaptedModel, device: torch.de
 @dataclass
 class CohortMemory:
     """Estimated peak bytes of a cohort of ``k`` members: :meth:`resident` (the shared model as stored, what else
-    the device already holds, each member's own parameters and optimizer state) plus :meth:`step` (what a joint step allocates at its peak: the
-    larger of its forward's peak and its backward's, each a fixed part plus a part per row, the backward's with
-    each member's gradients), with or without gradient checkpointing (``checkpointing``)."""
+    the device already holds, each member's own parameters and optimizer state) plus :meth:`step` (what a joint
+    step allocates at its peak: the larger of its forward's peak and its backward's, each a fixed part plus a part
+    per row, the backward's with each member's gradients), with or without gradient checkpointing
+    (``checkpointing``)."""
 
     base: int         # the shared model's parameters and buffers, as stored (train.dtype; 4/8-bit weights packed)
     own: int          # one member's own parameters (adapters, head), fp32
@@ -130,10 +131,10 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
     r from :meth:`~fedlowrank.tasks.base.Task.probe_rows`: enough rows for a full chunk of logits when a round's
     joint batch fills one, so that the chunk is part of the fixed bytes and the estimate holds from r rows on,
     above it for fewer), whose differences are what 2 rows add. The probes run with gradient checkpointing on or
-    off as ``checkpointing`` says (``None``: as the model is); the model is left as it was. An unmeasured probe of one
-    row runs first, so that what a device allocates once at its first step (cuBLAS's workspaces) is held before the
-    measured probes and counted in ``held`` (what is allocated beyond the model and one member's parameters), not in
-    the step's bytes.
+    off as ``checkpointing`` says (``None``: as the model is); the model is left as it was. An unmeasured probe of
+    one row runs first, so that what a device allocates once at its first step (cuBLAS's workspaces) is held
+    before the measured probes and counted in ``held`` (what is allocated beyond the model and one member's
+    parameters), not in the step's bytes.
 
     With ``per_layer`` (the default) and a decoder of L ≥ 3 layers of one kind (:func:`stacked_layers`), each probe
     runs on the decoder cut to its first 1 and then 2 layers and is extrapolated to L,
@@ -180,7 +181,10 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws: not the run's
             rows = task.probe_rows(cfg.run.clients_per_round * task.rows_per_step(cfg.train.batch_size))
-            cut_decoder(net, 1, lambda: probe(1)) if stack is not None else probe(1)  # warm-up, not measured
+            if stack is None:  # the warm-up, not measured
+                probe(1)
+            else:
+                cut_decoder(net, 1, lambda: probe(1))
             held = max(allocated_bytes(device) - weight_bytes(net) - own_bytes, 0)
             small, large = probes(rows)
     finally:
