@@ -147,3 +147,15 @@ def test_a_private_comparison_reports_epsilon(tmp_path):
     assert "ε (client-level DP)" in md and f"{eps[0]:.3g}" in md
     plain = run_comparison("tiny", "fedit", "0", ["run.rounds=1"], tmp_path / "d")
     assert plain["rows"][0]["epsilon"] is None and "ε" not in (tmp_path / "d" / "results.md").read_text()
+
+
+def test_a_dpsgd_comparison_reports_the_record_level_epsilon(tmp_path):
+    """DP-SGD's ε reaches each run's summary and compare's table, in a column of its own."""
+    res = run_comparison("tiny", "fedsvd,ffa-lora", "0", ["run.rounds=1", "privacy.dpsgd=true",
+                                                           "privacy.dpsgd_noise=0.7"], tmp_path / "c")
+    eps = [r["dpsgd_epsilon"] for r in res["rows"]]
+    assert all(e is not None and e > 0 for e in eps) and all(r["epsilon"] is None for r in res["rows"])
+    summary = json.loads((tmp_path / "c" / "fedsvd-seed0" / "summary.json").read_text())
+    assert summary["dpsgd_epsilon"] == pytest.approx(res["rows"][0]["runs"][0]["dpsgd_epsilon"])
+    md = (tmp_path / "c" / "results.md").read_text()
+    assert "ε (record-level DP-SGD)" in md and "client-level" not in md and f"{eps[0]:.3g}" in md

@@ -6,12 +6,13 @@ import json
 
 import pytest
 import torch
-from helpers import tiny_config, tiny_task
+from helpers import benchmark_module, tiny_config, tiny_task
 from test_florg_protocol import protocols  # noqa: F401  (the fixture)
 
 from fedlowrank.cli import main
 from fedlowrank.config import load_config
-from fedlowrank.experiments.compare import method_settings
+from fedlowrank.experiments.compare import method_settings, setup_of
+from fedlowrank.experiments.stats import mean_interval
 from fedlowrank.methods import available_methods
 from fedlowrank.runtime.simulator import Simulation
 
@@ -90,3 +91,36 @@ def test_fedsvd_protocols_train_every_method_with_plain_sgd_at_one_step_size(pro
     for method in protocols[name].methods:
         cfg = resolved(protocols[name], method)
         assert (cfg.train.optimizer, cfg.train.head_lr) == ("sgd", 0.0), method
+
+
+def test_fedlease_s_verdict_reads_the_runs_fedalt_s_protocol_compared(tmp_path):
+    """``fedlease-tasks`` makes no runs: it is ``fedalt-tasks``'s comparison read against FedLEASE."""
+    module = benchmark_module("protocols")
+    fedalt, fedlease = module.PROTOCOLS["fedalt-tasks"], module.PROTOCOLS["fedlease-tasks"]
+    assert fedlease.runs_of == "fedalt-tasks" and fedlease.reference == "fedlease" and fedalt.reference == "fedalt"
+    assert (set(fedlease.methods), fedlease.sets, fedlease.config) == (set(fedalt.methods), fedalt.sets, fedalt.config)
+    with pytest.raises(SystemExit, match="run protocol fedalt-tasks first"):
+        module.run_protocol("fedlease-tasks", tmp_path, 1, smoke=False)
+    rows = [{"method": m, "lr": 1e-3, "head_lr": 0.0, "optimizer": "adamw", "weighting": "num_examples",
+             "settings": [], "in_force": [], "reference_row": None,
+             "runs": [{"seed": s, "final": 0.1 * s + i / 100, "best": 0.1 * s + i / 100} for s in range(6)],
+             "final": mean_interval([0.1 * s + i / 100 for s in range(6)]).to_dict(),
+             "best": mean_interval([0.1 * s + i / 100 for s in range(6)]).to_dict(),
+             "bytes_up": 0.0, "bytes_down": 0.0, "time": 1.0, "epsilon": None}
+            for i, m in enumerate(fedalt.methods)]
+    done = tmp_path / "fedalt-tasks" / "compare" / "results.json"
+    done.parent.mkdir(parents=True)
+    done.write_text(json.dumps({"metric": "exact_match", "metric_description": "exact_match", "higher_is_better": True,
+                                "confidence": 0.95, "alpha": 0.05, "seeds": list(range(6)),
+                                "setup": setup_of(load_config(fedalt.config, fedalt.sets), {"num_train": 1200},
+                                                  list(range(6))),
+                                "reference": "fedalt", "tuned": None, "rows": rows, "paired": []}))
+    results = module.run_protocol("fedlease-tasks", tmp_path, 1, smoke=False)
+    assert results["reference"] == "fedlease" and {p["method"] for p in results["paired"]} == {"fedalt", "fedit",
+                                                                                                "local-only"}
+    wins = {p["method"]: (p["final"]["wins"], p["final"]["losses"]) for p in results["paired"]}
+    assert wins == {"fedalt": (0, 6), "fedit": (6, 0), "local-only": (6, 0)}  # 0.01 below, 0.01 and 0.02 above
+    assert json.loads((tmp_path / "fedlease-tasks" / "results.json").read_text())["reference"] == "fedlease"
+    assert "fedlease" in (tmp_path / "fedlease-tasks" / "results.md").read_text()
+    with pytest.raises(SystemExit, match="--seeds 8: protocol fedalt-tasks compared seeds"):
+        module.run_protocol("fedlease-tasks", tmp_path, 1, smoke=False, seeds=8)

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from fedlowrank.experiments.compare import paired_statistics
+from fedlowrank.config import ConfigError
+from fedlowrank.experiments.compare import against_reference, paired_against, paired_statistics
 from fedlowrank.experiments.stats import (bootstrap_interval, median, midranks, rank_verdict, signed_rank_null,
                                           wilcoxon_signed_rank, wins_losses)
 
@@ -115,3 +116,19 @@ def test_paired_statistics_hold_every_summary():
     assert stats["signed_rank"]["p"] == pytest.approx(4 / 64)  # W⁻ ≤ 1: 2 of the 64 sign patterns, two-sided
     assert stats["verdict"] == "undecided" and stats["t_verdict"] == "better"
     assert stats["bootstrap"]["seed"] == 0 and stats["bootstrap"]["low"] < stats["mean"] < stats["bootstrap"]["high"]
+
+
+def test_the_same_runs_read_against_another_reference():
+    """``against_reference`` recomputes only the paired differences; back to the first reference it is the identity."""
+    values = {"a": [0.80, 0.70, 0.90, 0.60], "b": [0.70, 0.72, 0.80, 0.50], "c": [0.75, 0.71, 0.85, 0.55]}
+    rows = [{"method": m, "runs": [{"seed": s, "final": v, "best": v + 0.01} for s, v in enumerate(vs)]}
+            for m, vs in values.items()]
+    results = {"higher_is_better": True, "reference": "a", "rows": rows,
+               "paired": paired_against(rows, "a", True), "seeds": [0, 1, 2, 3]}
+    against_b = against_reference(results, "b")
+    assert against_b["reference"] == "b" and against_b["rows"] is rows and results["reference"] == "a"
+    assert [p["method"] for p in against_b["paired"]] == ["a", "c"]
+    assert against_b["paired"][0]["final"] == paired_statistics(values["a"], values["b"], True)
+    assert against_reference(against_b, "a")["paired"] == results["paired"]
+    with pytest.raises(ConfigError, match="--reference: 'd' is not one of the compared methods \\(a, b, c\\)"):
+        against_reference(results, "d")

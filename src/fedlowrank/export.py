@@ -53,6 +53,7 @@ from torch import nn
 from .adapters.lora import LoRALinear, lora_scale
 from .adapters.model import AdaptedLinear, AdaptedModel, weight_matrix
 from .adapters.routed import RoutedLoRALinear
+from .privacy.runtime import PRIVACY_KEYS
 from .schema import check_choice
 
 FORMATS = ("peft", "merged", "routed")
@@ -582,7 +583,7 @@ def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
         adapter = (f"LoRA rank {report['peft']['r']}, alpha {report['peft']['lora_alpha']:g}"
                    + (" (rsLoRA)" if report["peft"]["use_rslora"] else "") + ", the run's own factors")
     privacy = cfg.privacy.mode or ("dpsgd" if cfg.privacy.dpsgd else "")
-    eps = next((r[k] for r in reversed(sim.history) for k in ("epsilon", "dpsgd_epsilon") if k in r), None)
+    eps = next((r[k] for r in reversed(sim.history) for k in PRIVACY_KEYS if k in r), None)
     lines = [line for line in front if line] + [
         f"# {sim.method.name} on {base if not Path(base).is_absolute() else Path(cfg.task.model).name}", "",
         f"A model fine-tuned by federated learning with fedlowrank "

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..config import ConfigError, RunConfig, load_config
 from ..models.architectures import check_measures_quality
+from ..privacy.runtime import PRIVACY_KEYS
 from ..reporting.plots import with_round_zero
 from ..reporting.progress import format_bytes
 from ..runtime.evaluation import COLLAPSE_SHARE, metric_description, run_collapse
@@ -269,7 +270,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         per_method.setdefault(run.method, []).append({
             "seed": run.cfg.run.seed, "final": values[-1], "best": max(values) if higher_is_better(metric) else min(values),
             "bytes_up": summary["bytes_up"], "bytes_down": summary["bytes_down"], "time": summary["time"]["total"],
-            "epsilon": summary.get("epsilon"), "partition": partition_digest(sweep.partition(run.cfg)),
+            **{key: summary.get(key) for key in PRIVACY_KEYS}, "partition": partition_digest(sweep.partition(run.cfg)),
             "collapse": run_collapse(outcome.history),
             "sampling": hashlib.sha256(json.dumps([r["clients"] for r in outcome.history]).encode()).hexdigest()[:16],
             **({"run_dir": str(run.run_dir)} if out else {})})
@@ -287,22 +288,13 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
             "bytes_up": float(np.mean([r["bytes_up"] for r in method_runs])),
             "bytes_down": float(np.mean([r["bytes_down"] for r in method_runs])),
             "time": float(np.mean([r["time"] for r in method_runs])),
-            "epsilon": max((r["epsilon"] for r in method_runs if r["epsilon"] is not None), default=None),
+            **{key: max((r[key] for r in method_runs if r.get(key) is not None), default=None) for key in PRIVACY_KEYS},
         })
     for row in rows:
         line = collapse_summary(row)
         if line and log is not None:
             log(line)
-    ref = next(r for r in rows if r["method"] == reference)
-    paired = []
-    for row in rows:
-        if row["method"] == reference:
-            continue
-        entry: dict[str, Any] = {"method": row["method"], "reference": reference}
-        for key in ("final", "best"):
-            entry[key] = paired_statistics([r[key] for r in row["runs"]], [r[key] for r in ref["runs"]],
-                                           higher_is_better(metric))
-        paired.append(entry)
+    paired = paired_against(rows, reference, higher_is_better(metric))
     described = metric_description(metric, [r for o in outcomes for r in o.history])
     results = {"metric": metric, "metric_description": described, "higher_is_better": higher_is_better(metric),
                "confidence": CONFIDENCE,
@@ -319,6 +311,31 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "results.md").write_text(results_markdown(results))
     return results
+
+
+def paired_against(rows: list[dict[str, Any]], reference: str, higher: bool) -> list[dict[str, Any]]:
+    """Per method other than ``reference``: :func:`paired_statistics` of its final and best values per seed against
+    the reference's (``rows`` as in ``results["rows"]``, every row's runs in the same seed order)."""
+    ref = next(r for r in rows if r["method"] == reference)
+    paired = []
+    for row in rows:
+        if row["method"] == reference:
+            continue
+        entry: dict[str, Any] = {"method": row["method"], "reference": reference}
+        for key in ("final", "best"):
+            entry[key] = paired_statistics([r[key] for r in row["runs"]], [r[key] for r in ref["runs"]], higher)
+        paired.append(entry)
+    return paired
+
+
+def against_reference(results: dict[str, Any], reference: str) -> dict[str, Any]:
+    """The same runs' ``results`` (as :func:`run_comparison` returns and writes them) with the paired differences
+    taken against ``reference`` instead: no run is made."""
+    names = [r["method"] for r in results["rows"]]
+    if reference not in names:
+        raise ConfigError(f"--reference: {reference!r} is not one of the compared methods ({', '.join(names)})")
+    return {**results, "reference": reference,
+            "paired": paired_against(results["rows"], reference, results["higher_is_better"])}
 
 
 def paired_statistics(values: list[float], reference: list[float], higher_is_better: bool) -> dict[str, Any]:
@@ -402,13 +419,13 @@ def results_markdown(results: dict[str, Any]) -> str:
         where = f"on the {setup['num_test']:,} test examples"
     else:
         where = "as the task evaluates it"
-    private = any(r.get("epsilon") is not None for r in results["rows"])
+    private = [k for k in PRIVACY_KEYS if any(r.get(k) is not None for r in results["rows"])]
     lines += ["", "## Results", "", f"Metric: {named} {where} ({direction}); final = after the last round, "
               f"best = the best evaluated round. Values are {pm}.", "",
               f"| method | final {named} | best {named} | bytes up | bytes down | time (s) |"
-              + (" ε (client-level DP) |" if private else ""), "|---|---|---|---|---|---|" + ("---|" if private else "")]
+              + "".join(f" {PRIVACY_KEYS[k]} |" for k in private), "|---|---|---|---|---|---|" + "---|" * len(private)]
     for r in results["rows"]:
-        eps = (f" {r['epsilon']:.3g} |" if r.get("epsilon") is not None else " – |") if private else ""
+        eps = "".join(f" {r[k]:.3g} |" if r.get(k) is not None else " – |" for k in private)
         lines.append(f"| {method_cell(r)} | {interval_cell(_interval(r['final']), metric)} | "
                      f"{interval_cell(_interval(r['best']), metric)} | "
                      f"{format_bytes(r['bytes_up'])} | {format_bytes(r['bytes_down'])} | {r['time']:.1f} |{eps}")

@@ -45,13 +45,14 @@ from typing import Any, Callable
 import numpy as np
 
 from ..config import ConfigError, RunConfig
+from ..privacy.runtime import PRIVACY_KEYS
 from ..reporting.progress import format_eta
 from ..seeding import numpy_rng
 
 Log = Callable[[str], None] | None
 
-SUMMARY_KEYS = ("method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy", "epsilon",
-                "initial")  # summary.json keys that are not the final evaluation
+SUMMARY_KEYS = ("method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy",
+                *PRIVACY_KEYS, "initial")  # summary.json keys that are not the final evaluation
 
 
 def task_key(cfg: RunConfig) -> str:

@@ -29,6 +29,10 @@ from ..seeding import torch_generator
 from .accountant import epsilon, noise_for_epsilon
 from .mechanisms import add_noise, clip_update, gaussian_noise
 
+# the ε each kind of DP writes into a round's row (:func:`accounting`), the run's summary and compare's rows,
+# with the name compare's table gives it
+PRIVACY_KEYS = {"epsilon": "ε (client-level DP)", "dpsgd_epsilon": "ε (record-level DP-SGD)"}
+
 
 def delta(cfg) -> float:
     """δ of the client-level guarantee: ``privacy.delta``, or 1/``partition.num_clients``."""

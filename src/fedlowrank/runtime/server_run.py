@@ -31,7 +31,7 @@ import torch
 
 from ..device import release_compiled
 from ..message import State
-from ..privacy.runtime import accounting
+from ..privacy.runtime import PRIVACY_KEYS, accounting
 from ..reporting.progress import Progress
 from ..reporting.tracking import RunTracker, require_package
 from .checkpoint import (ROW_TIMES, Checkpointer, check_history, check_state, read_run_checkpoint, restart_from,
@@ -245,7 +245,7 @@ class ServerRun:
     def summary(self) -> dict[str, Any]:
         """The run's summary (also ``summary.json``): method, rounds, bytes, time by part, peak memory, the last
         evaluation's metrics, ``initial`` (round 0: the model before training, when this process ran it), ``epsilon``
-        under DP, ``best_accuracy``, ``collapse`` when the global model collapsed
+        under client-level DP, ``dpsgd_epsilon`` under DP-SGD (:data:`~..privacy.runtime.PRIVACY_KEYS`), ``best_accuracy``, ``collapse`` when the global model collapsed
         (:func:`~.evaluation.run_collapse`)."""
         times = {k: sum(r["time"][k] for r in self.history) for k in ROW_TIMES}
         out = {"method": self.method.name, "rounds": self.round, "bytes_up": self.ledger.total_up,
@@ -253,8 +253,9 @@ class ServerRun:
         out.update(self.last_eval)
         if self.initial_eval:
             out["initial"] = self.initial_eval
-        if self.history and "epsilon" in self.history[-1]:
-            out["epsilon"] = self.history[-1]["epsilon"]
+        for key in PRIVACY_KEYS:
+            if self.history and key in self.history[-1]:
+                out[key] = self.history[-1][key]
         collapse = run_collapse(self.history)
         if collapse:
             out["collapse"] = collapse
