@@ -154,8 +154,8 @@ PROTOCOLS = {
     # each at its own rate tuned on FedSVD's SGD grid. The DP half is FedSVD's own setting, record-level DP-SGD on
     # every client (its code's C = 2): σ = 0.7 keeps every client's ε at most 5.4 (at δ = 1/its examples) after
     # 10 rounds of 10 steps of 8 examples on seeds 0–5, whose smallest clients hold 155 examples. Client-level DP at
-    # 10 clients is no test of the claim: at ε = 6 (central, C = 0.5) every tuned rate of FedSVD and FFA-LoRA ended
-    # at 0.24–0.32 validation accuracy, chance 0.25
+    # 10 clients is no test of the claim: at ε = 6 (central, C = 0.5) every rate tried left FedSVD and FFA-LoRA at
+    # 0.24–0.32 validation accuracy, chance 0.25 (docs/methods/fedsvd.md)
     "fedsvd": Protocol("FedSVD beats FFA-LoRA and FedIT without DP (Dirichlet α = 0.5; SGD for all)",
                        ["fedsvd", "ffa-lora", "fedit"], TEXT + TEN + SGD + ["partition.alpha=0.5"],
                        grid="1e-2,3e-2,1e-1,5e-1", seeds="0,1,2,3,4,5", reference="fedsvd"),
