@@ -245,7 +245,8 @@ class ServerRun:
     def summary(self) -> dict[str, Any]:
         """The run's summary (also ``summary.json``): method, rounds, bytes, time by part, peak memory, the last
         evaluation's metrics, ``initial`` (round 0: the model before training, when this process ran it), ``epsilon``
-        under client-level DP, ``dpsgd_epsilon`` under DP-SGD (:data:`~..privacy.runtime.PRIVACY_KEYS`), ``best_accuracy``, ``collapse`` when the global model collapsed
+        under client-level DP, ``dpsgd_epsilon`` under DP-SGD (:data:`~..privacy.runtime.PRIVACY_KEYS`),
+        ``best_accuracy``, ``collapse`` when the global model collapsed
         (:func:`~.evaluation.run_collapse`)."""
         times = {k: sum(r["time"][k] for r in self.history) for k in ROW_TIMES}
         out = {"method": self.method.name, "rounds": self.round, "bytes_up": self.ledger.total_up,
