@@ -16,7 +16,7 @@ continues, and runs made by separate processes combine.
     python benchmarks/protocols.py florg --device cuda --seeds 24 --jobs 4 --out runs/protocols
 
 Sizes: about an hour per protocol with 2 processes of 1 thread on a 2-core CPU; ``fedalt-tasks`` (SmolLM2, 12 to
-16 tuning and 24 compared runs of 15–20 minutes) about 5 hours.
+16 tuning and 24 compared runs of an estimated 15–20 minutes) about 5 hours.
 ``--device cuda`` runs the same protocol on a GPU at a larger budget (:func:`gpu_sets`: 3× the rounds, every test
 example; the clients of a round train together, ``run.cohort = 0``), tunes on seeds 0, 1, 2 and writes under
 ``--out/<protocol>-cuda/``; ``--seeds N`` compares on seeds 0..N−1. The IID half of FedGaLore's claim
@@ -56,10 +56,10 @@ VISION = ["run.rounds=20", "run.clients_per_round=10", "train.local_steps=5", "r
 # ILoRA's Table 2; FedIT with mixed ranks is its zero-padded form, HetLoRA (Table 14's "Zero-padding")
 VISION_METHODS = ["ilora", "ilora-s", "hetlora", "flora", "lora-fair", "ffa-lora"]
 # the task mix (data.source = task-mix), one task per client: 6 clients, 400 + 100 examples of each task, 4 rounds of
-# 4 steps of 4 examples (a SmolLM2 step of ≤ 4 × 256 tokens takes about 6 s on one thread: a run is 15–20 minutes
-# with its two evaluations); every client scored on its own task's test examples (loss on the ~20 of each task among
-# 60 fixed examples, exact match on the ~10 of each task among 30 fixed questions), the headline the mean over
-# clients of their own-task exact match
+# 4 steps of 4 examples (a SmolLM2 step of ≤ 4 × 256 tokens takes about 6 s on one thread: a run should take
+# 15–20 minutes with its two evaluations); every client scored on its own task's test examples (loss on the ~20 of
+# each task among 60 fixed examples, exact match on the ~10 of each task among 30 fixed questions), the headline the
+# mean over clients of their own-task exact match
 TASKMIX = ["data.source=task-mix", "data.max_train_examples=0", "data.max_test_examples=0", "partition.kind=shards",
            "partition.partition_by=task", "partition.classes_per_client=1", "partition.num_clients=6",
            "run.clients_per_round=6", "task.max_length=256", "run.rounds=4", "train.local_steps=4",
@@ -198,6 +198,11 @@ def gpu_sets(p: Protocol) -> list[str]:
     return ["run.device=cuda", "run.cohort=0", f"run.rounds={3 * rounds}", "data.max_test_examples=0"]
 
 
+def device_suffix(device: str) -> str:
+    """What ``--device`` adds to a protocol's folder name: ``-cuda`` on a GPU, nothing on the CPU."""
+    return "-cuda" if device == "cuda" else ""
+
+
 def run_protocol(name: str, out: Path, jobs: int, smoke: bool, device: str = "cpu", seeds: int | None = None,
                  tune_seeds: str | None = None) -> dict:
     """Tune (unless reused), write the rates each method runs at, compare; returns compare's results."""
@@ -211,9 +216,9 @@ def run_protocol(name: str, out: Path, jobs: int, smoke: bool, device: str = "cp
         sets += ["task.model=tiny-vit"] if p.config == "fmnist" else []
     if smoke and p.config == "agnews":
         sets = [s for s in sets if not s.startswith(("partition.num_clients", "run.clients_per_round"))]
-    suffix = ""
+    suffix = device_suffix(device)
     if device == "cuda":
-        sets, suffix = sets + (gpu_sets(p) if not smoke else ["run.device=cuda", "run.cohort=0"]), "-cuda"
+        sets = sets + (gpu_sets(p) if not smoke else ["run.device=cuda", "run.cohort=0"])
     tune_seeds = tune_seeds or ("0,1,2" if device == "cuda" else p.tune_seeds)
     compare_seeds = ",".join(map(str, range(seeds))) if seeds else compare_seeds
     home = out / (name + suffix)
@@ -245,7 +250,7 @@ def read_against_reference(name: str, out: Path, device: str, seeds: int | None)
     """Protocol ``name``'s verdict from the compared runs of protocol ``runs_of`` (the same methods, settings and
     seeds) read against ``name``'s reference; writes ``results.json`` and ``results.md`` under ``--out/<name>/``."""
     p = PROTOCOLS[name]
-    suffix = "-cuda" if device == "cuda" else ""
+    suffix = device_suffix(device)
     done = out / (p.runs_of + suffix) / "compare" / "results.json"
     if not done.is_file():
         raise SystemExit(f"protocol {name} reads the runs of protocol {p.runs_of} against {p.reference}, and {done} "

@@ -240,9 +240,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
     check_measures_quality(base.task.model, "compare")
     names = parse_methods(methods, base)
     seed_list = parse_seeds(seeds, base)
-    reference = reference or names[0]
-    if reference not in names:
-        raise ConfigError(f"--reference: {reference!r} is not one of the compared methods ({', '.join(names)})")
+    reference = check_reference(reference or names[0], names)
     tuned = tuned or base.compare.tuned or None
     chosen = read_tuned(tuned) if tuned else {}
     missing = [n for n in names if tuned and n not in chosen]
@@ -313,6 +311,13 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
     return results
 
 
+def check_reference(reference: str, names: list[str]) -> str:
+    """``reference`` when it is one of the compared methods ``names``, else a :class:`ConfigError` naming them."""
+    if reference not in names:
+        raise ConfigError(f"--reference: {reference!r} is not one of the compared methods ({', '.join(names)})")
+    return reference
+
+
 def paired_against(rows: list[dict[str, Any]], reference: str, higher: bool) -> list[dict[str, Any]]:
     """Per method other than ``reference``: :func:`paired_statistics` of its final and best values per seed against
     the reference's (``rows`` as in ``results["rows"]``, every row's runs in the same seed order)."""
@@ -331,9 +336,7 @@ def paired_against(rows: list[dict[str, Any]], reference: str, higher: bool) -> 
 def against_reference(results: dict[str, Any], reference: str) -> dict[str, Any]:
     """The same runs' ``results`` (as :func:`run_comparison` returns and writes them) with the paired differences
     taken against ``reference`` instead: no run is made."""
-    names = [r["method"] for r in results["rows"]]
-    if reference not in names:
-        raise ConfigError(f"--reference: {reference!r} is not one of the compared methods ({', '.join(names)})")
+    check_reference(reference, [r["method"] for r in results["rows"]])
     return {**results, "reference": reference,
             "paired": paired_against(results["rows"], reference, results["higher_is_better"])}
 
