@@ -96,13 +96,14 @@ PROTOCOLS = {
     # 1e-3 (0.318) to 3e-3 (0.253), so its grid moved one step down; its 1e-2 run was stopped after 2 rounds
     # "florg" runs each method's preset: FLoRG weights clients uniformly (eq. 4), FedIT by examples; at ρ = 0.1 the
     # weighting decides the seeds FLoRG "collapses" on (docs/methods/florg.md, "Why FLoRG collapsed on some seeds"),
-    # so these two compare the methods under one weighting, at the rates tuned for "florg"
+    # so these two compare the methods under one weighting, each method at its rate tuned under that weighting on
+    # three validation splits, not one (a decision at 24 seeds should not rest on one split's noise)
     "florg-uniform": Protocol("FLoRG vs FedIT, every client weighted 1/N (FLoRG's eq. 4) for both", ["florg", "fedit"],
                               TEXT + TEN + NONIID + ["server.weighting=uniform"], seeds="0,1,2,3,4,5",
-                              tuned_in="florg", reference="florg"),
+                              grid="1e-3,3e-3,1e-2", extend=2, tune_seeds="0,1,2", reference="florg"),
     "florg-examples": Protocol("FLoRG vs FedIT, clients weighted by their examples for both", ["florg", "fedit"],
                                TEXT + TEN + NONIID + ["server.weighting=num_examples"], seeds="0,1,2,3,4,5",
-                               tuned_in="florg", reference="florg"),
+                               grid="1e-3,3e-3,1e-2", extend=2, tune_seeds="0,1,2", reference="florg"),
     "galore-noniid": Protocol("FedGaLore's IID → non-IID drop is smaller than FedAvg-Full's and FedGaLore-'s "
                               "(α = 0.1 half)", ["fedgalore", "fedgalore-minus", "fedavg-full"], TEXT + TEN + NONIID,
                               grids={"fedgalore": "1e-5,3e-5,1e-4,3e-4,1e-3,3e-3",
