@@ -12,6 +12,7 @@ import torch
 
 from fedlowrank.cli import summary_table
 from fedlowrank.config import load_config
+from fedlowrank.experiments.sweep import split_validation
 from fedlowrank.runtime.evaluation import OWN_TASK, metric_description, own_groups
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks.causal_lm import CausalLM
@@ -156,3 +157,38 @@ def test_a_subset_whose_responses_were_all_cut_reports_no_loss():
     assert all(e.lost_response for e, i in zip(sim.task.eval_encoded, sim.task.eval_order) if topic[i])
     metrics = sim.task.evaluate_subset(sim.model.net, topic)
     assert "loss" not in metrics and "exact_match" in metrics
+
+
+def test_tuning_scores_each_client_on_its_own_tasks_validation_examples():
+    """The validation split (``fedlowrank tune``) keeps the run's own-task evaluation: each client's own model on
+    the held-out training examples of its own task only, and the round's metric their mean."""
+    cfg = mix_config("fedalt", 3)
+    task = Simulation(cfg).task
+    train = task.data.train_columns["task"]
+    parts, held_out = split_validation(Simulation(cfg).parts, 0.2, cfg.run.seed)
+    view = task.validation(held_out)
+    assert view.test_column("task") == [train[i] for i in held_out]
+    own_task_sim = Simulation(cfg, task=view, parts=parts)
+    row = own_task_sim.run_round()
+    tests = client_tests(row)
+    assert sorted(tests) == [0, 1, 2]
+    for k, got in tests.items():
+        (name,) = {train[i] for i in parts[k]}
+        mine = held_out[[train[i] == name for i in held_out]]
+        assert 0 < len(mine) < len(held_out)
+        own_task_sim.method.load_personal(own_task_sim.model, own_task_sim.server, own_task_sim.store[k])
+        want = task.evaluate_examples(own_task_sim.model.net, mine)
+        full = task.evaluate_examples(own_task_sim.model.net, held_out)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5) and got["loss"] != pytest.approx(full["loss"])
+    assert row["loss"] == pytest.approx(np.mean([t["loss"] for t in tests.values()]))
+    assert sorted(row["by_task"]) == sorted({train[i] for p in parts for i in p})
+
+
+def test_validation_of_data_without_a_test_side_column_is_on_every_held_out_example():
+    cfg = load_config("tiny-lm", ["partition.kind=shards", "partition.partition_by=skill",
+                                  "partition.classes_per_client=1", "run.rounds=1", "train.local_steps=1"])
+    sim = Simulation(cfg)
+    parts, held_out = split_validation(sim.parts, 0.2, cfg.run.seed)
+    view = sim.task.validation(held_out)
+    assert view.test_column("skill") is None
+    assert Simulation(cfg, task=view, parts=parts).evaluator.own is None

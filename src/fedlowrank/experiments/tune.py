@@ -5,7 +5,9 @@ The validation split: after the usual partition (the same one ``compare`` uses f
 holds out a seeded ``data.validation_fraction`` of its examples (``floor(fraction · n_k)``, keeping at least one
 to train on). Clients train only on the rest; the global model is evaluated on the union of the held-out
 examples (:meth:`fedlowrank.tasks.Task.validation`) and never on the test set. So the choice is made on data
-drawn like the training data, and it cannot depend on the test set.
+drawn like the training data, and it cannot depend on the test set. Where the run's test evaluation is own-task
+(:mod:`fedlowrank.runtime.evaluation`: task-heterogeneous clients), so is the validation: each client is scored on
+the held-out examples of its own task, a personalised method's clients with their own models.
 
 For each method, each value of the grid (``--grid``; for ``train.lr`` by default the method's paper grid,
 :func:`fedlowrank.methods.lr_grid`) and each seed (``--seeds``; two or three keep the choice from hinging on one

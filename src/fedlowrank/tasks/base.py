@@ -447,6 +447,18 @@ class ValidationView(Task):
     def evaluate(self, net: nn.Module) -> dict[str, float]:
         return self.task.evaluate_examples(net, self.indices)
 
+    def test_column(self, name: str) -> list[str] | None:
+        """Column ``name`` of the validation examples where the task declares it on its test examples, so that
+        tuning scores each client on its own values (e.g. its own task) as the run's test evaluation does."""
+        if self.task.test_column(name) is None:
+            return None
+        values = self.task.column_values(name)
+        return [values[int(i)] for i in self.indices]
+
+    def evaluate_subset(self, net: nn.Module, keep: np.ndarray) -> dict[str, float]:
+        """:meth:`evaluate` on the validation examples where ``keep`` ``[num_validation]`` (bool) holds."""
+        return self.task.evaluate_examples(net, self.indices[np.asarray(keep, dtype=bool)])
+
     def describe(self) -> dict[str, Any]:
         return {**self.task.describe(), "num_validation": len(self.indices)}
 
