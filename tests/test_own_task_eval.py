@@ -13,6 +13,7 @@ import torch
 from fedlowrank.cli import summary_table
 from fedlowrank.config import load_config
 from fedlowrank.experiments.sweep import split_validation
+from fedlowrank.experiments.tune import run_tuning
 from fedlowrank.runtime.evaluation import OWN_TASK, metric_description, own_groups
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks.causal_lm import CausalLM
@@ -24,12 +25,15 @@ OPTIONS = ("task.options={eval_examples=0, eval_generate=100, max_new_tokens=4, 
            "write_generations=1}")
 
 
+def mix_config_sets(method: str, clients: int = 3, *sets: str) -> list[str]:
+    return ["data.source=task-mix", "partition.kind=shards", "partition.partition_by=task",
+            "partition.classes_per_client=1", f"partition.num_clients={clients}", f"run.clients_per_round={clients}",
+            f"method.name={method}", "run.rounds=1", "train.local_steps=1", "data.max_train_examples=0",
+            "data.max_test_examples=12", OPTIONS, *sets]
+
+
 def mix_config(method: str, clients: int = 3, *sets: str):
-    return load_config("tiny-lm", [
-        "data.source=task-mix", "partition.kind=shards", "partition.partition_by=task",
-        "partition.classes_per_client=1", f"partition.num_clients={clients}", f"run.clients_per_round={clients}",
-        f"method.name={method}", "run.rounds=1", "train.local_steps=1", "data.max_train_examples=0",
-        "data.max_test_examples=12", OPTIONS, *sets])
+    return load_config("tiny-lm", mix_config_sets(method, clients, *sets))
 
 
 def own_task_reference(task: CausalLM, name: str) -> CausalLM:
@@ -192,3 +196,13 @@ def test_validation_of_data_without_a_test_side_column_is_on_every_held_out_exam
     view = sim.task.validation(held_out)
     assert view.test_column("skill") is None
     assert Simulation(cfg, task=view, parts=parts).evaluator.own is None
+
+
+def test_tune_md_says_its_score_is_the_mean_own_task_loss(tmp_path):
+    sets = [s for s in mix_config_sets("fedalt", 3) if not s.startswith("method.name")]
+    result = run_tuning("tiny-lm", ["fedalt"], "1e-3", "0", sets, tmp_path / "tune")
+    (run,) = result["runs"]
+    assert set(run["validation"]["by_task"]) == {"arithmetic", "gsm8k", "topic"}
+    assert result["setup"]["metric_description"] == OWN_TASK.format(metric="loss")
+    assert "Score: the validation mean own-task loss over clients after the last round" in (
+        tmp_path / "tune" / "tune.md").read_text()

@@ -38,6 +38,7 @@ import numpy as np
 from ..config import ConfigError, load_config
 from ..models.architectures import check_measures_quality
 from ..runtime.checkpoint import config_fingerprint
+from ..runtime.evaluation import metric_description
 from ..tasks import higher_is_better
 from .compare import method_settings, parse_methods, parse_seeds, read_tuned, setup_lines, setup_of
 from .sweep import Log, Outcome, Run, Sweep, split_validation  # noqa: F401  (split_validation: tune's split)
@@ -207,7 +208,8 @@ def run_tuning(config: str | Path | None, methods: str | list[str] | None = None
     held_out = sweep.split(first_cfg)[1]
     setup = {**setup_of(first_cfg, sweep.task(first_cfg).validation(held_out).describe(), seed_list),
              "num_validation": int(len(held_out)), "validation_fraction": first_cfg.data.validation_fraction,
-             "metric": metric, "num_test": None}  # sizes of the first seed's split (each run records its own)
+             "metric": metric, "num_test": None,  # sizes of the first seed's split (each run records its own)
+             "metric_description": metric_description(metric, [r["validation"] for r in runs])}
     result = {"setup": setup, "seeds": seed_list, "base": base_fingerprint, "param": param,
               "tuned": str(tuned) if tuned else None,
               "grid": {**kept.get("grid", {}), **{n: grids[n] for n in names}},
@@ -290,7 +292,8 @@ def tune_markdown(result: dict[str, Any]) -> str:
              f"- validation: {setup['validation_fraction']:g} of each client's examples held out (not trained on); "
              "the test set is not used", *([f"- each method at the values chosen in {result['tuned']}"]
                                            if result.get("tuned") else []), "",
-             f"Score: the final model's validation {setup['metric']}, mean over the {len(seeds)} seed"
+             f"Score: the validation {setup.get('metric_description', setup['metric'])} after the last round, "
+             f"mean over the {len(seeds)} seed"
              f"{'s' if len(seeds) > 1 else ''} ({direction} is better). Choice: per method, the value with the best "
              "mean score; a value where a run diverged has no mean (nan) and is never chosen; among equal means the "
              "value tried first, and the tie is named below the table. Per seed, a collapsed run is marked: "
