@@ -53,6 +53,7 @@ DOMAINS = ["partition.kind=domains", 'task.options={classes = [5, 6, 7, 8, 9], d
 # the stand-in backbone fmnist-vit on Fashion-MNIST classes 5–9; AdamW for every method (ILoRA's AdamW columns)
 VISION = ["run.rounds=20", "run.clients_per_round=10", "train.local_steps=5", "run.eval_every=10", "run.threads=1",
           "train.optimizer=adamw"]
+LORA_GRID = "1e-3,3e-3,1e-2"  # the AdamW learning rates tried for LoRA-family methods unless a protocol says otherwise
 # ILoRA's Table 2; FedIT with mixed ranks is its zero-padded form, HetLoRA (Table 14's "Zero-padding")
 VISION_METHODS = ["ilora", "ilora-s", "hetlora", "flora", "lora-fair", "ffa-lora"]
 # the task mix (data.source = task-mix), one task per client: 6 clients, 400 + 100 examples of each task, 4 rounds of
@@ -89,7 +90,7 @@ class Protocol:
 
 PROTOCOLS = {
     "florg": Protocol("FLoRG with Procrustes beats FLoRG without it (paper Table 3) and FedIT",
-                      ["florg", "florg-no-procrustes", "fedit"], TEXT + TEN + NONIID, grid="1e-3,3e-3,1e-2",
+                      ["florg", "florg-no-procrustes", "fedit"], TEXT + TEN + NONIID, grid=LORA_GRID,
                       grids={"florg-no-procrustes": "3e-4,1e-3,3e-3"}, reference="florg", extend=2,
                       seeds="0,1,2,3,4,5"),  # 3 seeds left FLoRG − FedIT undecided; about 6 were estimated to decide
     # the FLoRG grid; no-Procrustes (8–27 min a run: its factor grows to r' = 384 rows) fell with the rate from
@@ -100,10 +101,10 @@ PROTOCOLS = {
     # three validation splits, not one (a decision at 24 seeds should not rest on one split's noise)
     "florg-uniform": Protocol("FLoRG vs FedIT, every client weighted 1/N (FLoRG's eq. 4) for both", ["florg", "fedit"],
                               TEXT + TEN + NONIID + ["server.weighting=uniform"], seeds="0,1,2,3,4,5",
-                              grid="1e-3,3e-3,1e-2", extend=2, tune_seeds="0,1,2", reference="florg"),
+                              grid=LORA_GRID, extend=2, tune_seeds="0,1,2", reference="florg"),
     "florg-examples": Protocol("FLoRG vs FedIT, clients weighted by their examples for both", ["florg", "fedit"],
                                TEXT + TEN + NONIID + ["server.weighting=num_examples"], seeds="0,1,2,3,4,5",
-                               grid="1e-3,3e-3,1e-2", extend=2, tune_seeds="0,1,2", reference="florg"),
+                               grid=LORA_GRID, extend=2, tune_seeds="0,1,2", reference="florg"),
     "galore-noniid": Protocol("FedGaLore's IID → non-IID drop is smaller than FedAvg-Full's and FedGaLore-'s "
                               "(α = 0.1 half)", ["fedgalore", "fedgalore-minus", "fedavg-full"], TEXT + TEN + NONIID,
                               grids={"fedgalore": "1e-5,3e-5,1e-4,3e-4,1e-3,3e-3",
@@ -138,9 +139,9 @@ PROTOCOLS = {
                            config="resnet", grid="1e-2,3e-2,1e-1"),  # ratio 0.25: the resnet config's overrides
     "vision-label": Protocol("ILoRA's Table 2 at CPU scale, label skew (Dirichlet α = 0.3), client ranks {2, 4, 8}",
                              VISION_METHODS, VISION + RANKS + ["partition.alpha=0.3"], config="fmnist",
-                             grid="1e-3,3e-3,1e-2"),
+                             grid=LORA_GRID),
     "vision-domains": Protocol("the same under feature shift: 6 domains, one per client, 12 clients", VISION_METHODS,
-                               VISION + RANKS + DOMAINS, config="fmnist", grid="1e-3,3e-3,1e-2"),
+                               VISION + RANKS + DOMAINS, config="fmnist", grid=LORA_GRID),
     # FedRot-LoRA's Table 1 (r = 4, Dirichlet α = 0.5): its gain over FedIT grows with the clients, +2.2 / +4.6 / +10.5
     # points at 3 / 10 / 50; the claim holds if the 50-client gain exceeds the 10-client one. The 50-client setting
     # runs at the rates tuned at 10 clients, so that only the number of clients changes between the two

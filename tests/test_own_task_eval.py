@@ -25,15 +25,15 @@ OPTIONS = ("task.options={eval_examples=0, eval_generate=100, max_new_tokens=4, 
            "write_generations=1}")
 
 
-def mix_config_sets(method: str, clients: int = 3, *sets: str) -> list[str]:
+def mix_sets(clients: int = 3) -> list[str]:
+    """The task mix, one task per client, one round of one step: the settings of every test here."""
     return ["data.source=task-mix", "partition.kind=shards", "partition.partition_by=task",
             "partition.classes_per_client=1", f"partition.num_clients={clients}", f"run.clients_per_round={clients}",
-            f"method.name={method}", "run.rounds=1", "train.local_steps=1", "data.max_train_examples=0",
-            "data.max_test_examples=12", OPTIONS, *sets]
+            "run.rounds=1", "train.local_steps=1", "data.max_train_examples=0", "data.max_test_examples=12", OPTIONS]
 
 
 def mix_config(method: str, clients: int = 3, *sets: str):
-    return load_config("tiny-lm", mix_config_sets(method, clients, *sets))
+    return load_config("tiny-lm", [*mix_sets(clients), f"method.name={method}", *sets])
 
 
 def own_task_reference(task: CausalLM, name: str) -> CausalLM:
@@ -167,9 +167,10 @@ def test_tuning_scores_each_client_on_its_own_tasks_validation_examples():
     """The validation split (``fedlowrank tune``) keeps the run's own-task evaluation: each client's own model on
     the held-out training examples of its own task only, and the round's metric their mean."""
     cfg = mix_config("fedalt", 3)
-    task = Simulation(cfg).task
+    sim = Simulation(cfg)
+    task = sim.task
     train = task.data.train_columns["task"]
-    parts, held_out = split_validation(Simulation(cfg).parts, 0.2, cfg.run.seed)
+    parts, held_out = split_validation(sim.parts, 0.2, cfg.run.seed)
     view = task.validation(held_out)
     assert view.test_column("task") == [train[i] for i in held_out]
     own_task_sim = Simulation(cfg, task=view, parts=parts)
@@ -199,8 +200,7 @@ def test_validation_of_data_without_a_test_side_column_is_on_every_held_out_exam
 
 
 def test_tune_md_says_its_score_is_the_mean_own_task_loss(tmp_path):
-    sets = [s for s in mix_config_sets("fedalt", 3) if not s.startswith("method.name")]
-    result = run_tuning("tiny-lm", ["fedalt"], "1e-3", "0", sets, tmp_path / "tune")
+    result = run_tuning("tiny-lm", ["fedalt"], "1e-3", "0", mix_sets(), tmp_path / "tune")
     (run,) = result["runs"]
     assert set(run["validation"]["by_task"]) == {"arithmetic", "gsm8k", "topic"}
     assert result["setup"]["metric_description"] == OWN_TASK.format(metric="loss")
