@@ -820,7 +820,8 @@ def test_on_cuda_the_planned_cohort_peak_is_within_25_percent_of_the_measured_on
 @needs_cuda
 def test_on_cuda_a_compiled_run_with_cuda_graphs_equals_eager():
     """inductor with CUDA graphs (mode reduce-overhead, two length buckets): the eager run's global model, and at
-    most one graph per bucket."""
+    most one graph per bucket. bf16 kernels that fuse differently round differently, so each tensor is compared
+    within 5 % of its own largest entry (bf16 against fp32 differs by up to 19 % of it, on the CPU)."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -834,6 +835,7 @@ def test_on_cuda_a_compiled_run_with_cuda_graphs_equals_eager():
     eager = Simulation(load_config("tiny-lm", sets), task=task)
     eager.run()
     for key, value in eager.server.tensors().items():
-        torch.testing.assert_close(compiled.server[key], value, rtol=2e-2, atol=1e-4,
+        scale = value.abs().max().item()
+        torch.testing.assert_close(compiled.server[key], value, rtol=2e-2, atol=5e-2 * scale,
                                    msg=lambda detail, key=key: f"{key}: {detail}")
     torch._dynamo.reset()
