@@ -62,7 +62,7 @@ from common import provenance  # noqa: E402
 import torch  # noqa: E402
 
 from fedlowrank.config import load_config  # noqa: E402
-from fedlowrank.device import DTYPES, resolve_device  # noqa: E402
+from fedlowrank.device import DTYPES, PHASE_PREFIX, resolve_device  # noqa: E402
 from fedlowrank.runtime.cohort import cohort_memory  # noqa: E402
 from fedlowrank.runtime.simulator import Simulation  # noqa: E402
 from fedlowrank.tasks import build_task  # noqa: E402
@@ -205,12 +205,22 @@ WAITS = (*SYNCS, "cudaMemcpyAsync", *READ_OPS)  # calls that may make the host w
 
 def caller(event) -> str:
     """The innermost Python frame outside torch around a profiler ``event`` (recorded with ``with_stack``), e.g.
-    ``fedlowrank/adapters/lora.py(120): forward``; ``?`` when none is recorded."""
+    ``fedlowrank/adapters/lora.py(120): forward``; where no frame was recorded, the innermost part of the round
+    (:func:`fedlowrank.device.phase`) and the operation around it, e.g. ``fedlowrank.reply_to_host: aten::to``;
+    ``?`` when neither is."""
+    part = op = None
     while event is not None:
-        if ".py(" in event.name and not event.name.startswith("torch/"):
-            return event.name
+        name = event.name
+        if ".py(" in name and not name.startswith("torch/"):
+            return name
+        if part is None and name.startswith(PHASE_PREFIX):
+            part = name
+        if part is None and name.startswith("aten::"):
+            op = name  # the outermost operation below the part: the one our code called
         event = event.cpu_parent
-    return "?"
+    if part is None:
+        return "?"
+    return f"{part}: {op}" if op else part
 
 
 def waits_by_caller(events, top: int) -> list[tuple[int, str, str]]:

@@ -63,3 +63,47 @@ def test_event_counts_count_copies_syncs_and_graph_replays():
               E(name="Memcpy DtoH (Device -> Pageable)", cpu_parent=None)]
     assert bench_gpu.event_counts(events) == {"aten_ops": 2, "host_reads": 1, "syncs": 1, "copies_h2d": 2,
                                               "pageable_h2d": 1, "kernel_launches": 1, "graph_replays": 2}
+
+
+def test_a_wait_is_attributed_to_its_python_frame_else_to_its_part_of_the_round():
+    from types import SimpleNamespace as E
+
+    def chain(*names):  # innermost first
+        parent = None
+        for name in reversed(names):
+            parent = E(name=name, cpu_parent=parent)
+        return parent
+
+    framed = chain("aten::copy_", "aten::to", "fedlowrank/runtime/engine.py(88): client_update",
+                   "fedlowrank.reply_to_host")
+    unframed = chain("aten::copy_", "aten::_to_copy", "aten::to", "fedlowrank.reply_to_host",
+                     "fedlowrank.client_update")
+    assert bench_gpu.caller(framed) == "fedlowrank/runtime/engine.py(88): client_update"
+    assert bench_gpu.caller(unframed) == "fedlowrank.reply_to_host: aten::to"
+    assert bench_gpu.caller(chain("fedlowrank.receive")) == "fedlowrank.receive"
+    assert bench_gpu.caller(chain("aten::item", "torch/_tensor.py(10): item")) == "?"
+    sync = E(name="cudaStreamSynchronize", cpu_parent=unframed)
+    read = E(name="aten::_local_scalar_dense", cpu_parent=chain("aten::item", "fedlowrank.receive"))
+    assert bench_gpu.waits_by_caller([sync, read, sync], 5) == [
+        (2, "cudaStreamSynchronize", "fedlowrank.reply_to_host: aten::to"),
+        (1, "aten::_local_scalar_dense", "fedlowrank.receive: aten::item")]
+
+
+def test_a_profiled_round_holds_every_part_of_the_round():
+    """The parts of a round (fedlowrank.device.phase) are profiler ranges on any device: a profile of a CPU round
+    has each of them, the local steps inside the client updates."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fedlowrank.config import load_config
+    from fedlowrank.runtime.simulator import Simulation
+
+    sim = Simulation(load_config("tiny", ["run.rounds=1", "run.clients_per_round=2", "train.local_steps=1",
+                                          "run.checkpoint_every=0"]))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        sim.run_round()
+    counts = {}
+    for e in prof.events():
+        counts[e.name] = counts.get(e.name, 0) + 1
+    for part in ("client_update", "reply_to_host", "wire", "receive", "close_round", "local_step"):
+        assert counts.get(f"fedlowrank.{part}", 0) >= 1, part
+    assert counts["fedlowrank.client_update"] == counts["fedlowrank.receive"] == 2

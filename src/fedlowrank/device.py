@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import math
 import sys
@@ -374,7 +375,27 @@ def to_host(obj: Any) -> Any:
     return map_tensors(obj, lambda t: t.detach().to("cpu"))
 
 
-LOCAL_STEP = "fedlowrank.local_step"  # the profiler range of a local step (forward, backward, optimizer)
+PHASE_PREFIX = "fedlowrank."  # the profiler ranges of a round's parts (phase, local_step) start with it
+LOCAL_STEP = PHASE_PREFIX + "local_step"  # the profiler range of a local step (forward, backward, optimizer)
+
+
+def phase(name: str) -> contextlib.AbstractContextManager:
+    """The profiler range ``fedlowrank.<name>`` around a part of a round (a client's update, its reply's move to the
+    host, the server's checks of a reply, the round's close), so that a profile names the part where an operation
+    or a wait happened on any device, also where it records no Python frames."""
+    return torch.profiler.record_function(PHASE_PREFIX + name)
+
+
+def phased(name: str) -> Callable[[Callable], Callable]:
+    """A function decorator: each call runs in its own :func:`phase` ``name`` (safe in threads, unlike one shared
+    range object)."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with phase(name):
+                return fn(*args, **kwargs)
+        return inner
+    return wrap
 _STEP = threading.local()  # .depth: local steps this thread is in; .count: local steps it began
 
 
@@ -385,7 +406,7 @@ def local_step() -> Iterator[None]:
     _STEP.depth = getattr(_STEP, "depth", 0) + 1
     _STEP.count = getattr(_STEP, "count", 0) + 1
     try:
-        with torch.profiler.record_function(LOCAL_STEP):
+        with phase("local_step"):
             yield
     finally:
         _STEP.depth -= 1
@@ -450,9 +471,10 @@ def step_transfers(fn: Callable[[], Any]) -> "collections.Counter[str]":
     return mode.counts
 
 
-__all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "LOCAL_STEP", "OPTIMIZER_KERNELS", "allocated_bytes",
-           "can_checkpoint", "check_device_spec", "check_dtype", "compile_decision", "compile_module",
-           "dispatched_ops", "grad_scaler", "local_step", "map_tensors", "measured_bytes", "measured_peak_bytes",
-           "module_device", "optimizer_kernel", "planned_steps", "prepare_training", "release_compiled",
+__all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "LOCAL_STEP", "OPTIMIZER_KERNELS", "PHASE_PREFIX",
+           "allocated_bytes", "can_checkpoint", "check_device_spec", "check_dtype", "compile_decision",
+           "compile_module", "dispatched_ops", "grad_scaler", "local_step", "map_tensors", "measured_bytes",
+           "measured_peak_bytes", "module_device", "optimizer_kernel", "phase", "phased", "planned_steps", "prepare_training",
+           "release_compiled",
            "resolve_device", "run_compiled", "set_checkpointing", "stage", "stage_tensor", "step_transfers",
            "store_frozen", "to_device", "to_host"]

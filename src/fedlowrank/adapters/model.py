@@ -340,8 +340,8 @@ class AdaptedModel(nn.Module):
 
     # -- head ------------------------------------------------------------------------------------------
     def head_parameters(self) -> dict[str, nn.Parameter]:
-        params = dict(self.net.named_parameters())
-        return {n: params[n] for n in self.head_names}
+        """The head's parameters by name, each looked up by its path (not a walk of the whole network)."""
+        return {n: self.net.get_parameter(n) for n in self.head_names}
 
     def head_modules(self) -> list[str]:
         """Names of the outermost modules holding the head's parameters (e.g. ``classifier``)."""

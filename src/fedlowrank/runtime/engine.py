@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..adapters.model import AdaptedModel
-from ..device import prepare_training, to_host
+from ..device import phase, phased, prepare_training, to_host
 from ..message import Message, State
 from ..methods.base import Method, SetupInfo
 from ..privacy.dpsgd import DPSGD
@@ -60,11 +60,13 @@ def pool(cfg, data: dict[int, np.ndarray]):
     return first, {first: np.concatenate([data[k] for k in sorted(data)])}, dataclasses.replace(cfg, train=train)
 
 
+@phased("wire")
 def wire(msg: Message) -> Message:
     """The message as the receiver gets it: serialised and parsed (no shared tensors, exact bytes)."""
     return Message.from_bytes(msg.to_bytes())
 
 
+@phased("client_update")
 def client_update(method: Method, model: AdaptedModel, msg: Message, state: State, task, indices: np.ndarray,
                   cfg, client: int, rnd: int, on_step=None,
                   trainer_class: Callable[..., LocalTrainer] = LocalTrainer) -> tuple[Message, State, LocalTrainer]:
@@ -85,7 +87,8 @@ def client_update(method: Method, model: AdaptedModel, msg: Message, state: Stat
     trainer = trainer_class(task, indices, cfg.train, client, rnd, cfg.run.rounds, cfg.run.seed, on_step=on_step,
                             dpsgd=dpsgd)
     reply, new_state = method.train(model, msg, state, trainer)
-    return local_reply(cfg, to_host(reply), msg, client, rnd), to_host(new_state), trainer
+    with phase("reply_to_host"):
+        return local_reply(cfg, to_host(reply), msg, client, rnd), to_host(new_state), trainer
 
 
 def check_reply(method: Method, down: Message, reply: Message, rnd: int, client_size: int | None = None) -> str | None:

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..device import phased
 from ..message import Message, Reply, State
 from .engine import check_reply, sample_clients
 from .robust import matching_replies, needs_matching, outlier_ratio, outlying_replies, server_replies
@@ -70,6 +71,7 @@ class RoundReplies:
         self.ledger.append({"round": self.round, "client": client, "down": down_bytes, "up": up_bytes})
         self.rejected.append({"client": client, "reason": reason})
 
+    @phased("receive")
     def receive(self, method, client: int, down: Message, reply: Message, bound: int | None,
                 up_bytes: int | None = None, cap: int | None = None) -> bool:
         """Take ``client``'s ``reply`` (as received) to ``down``: usable if :func:`~.engine.check_reply` finds
@@ -105,6 +107,7 @@ class RoundOutcome:
         return self.server is None
 
 
+@phased("close_round")
 def close_round(run: Run, got: RoundReplies, started: float, warn: Warn | None = None) -> RoundOutcome:
     """Close round ``got.round`` of ``run`` on the server (see the module docstring); ``warn`` gets a line per
     dropped client, rejected reply and short round. ``run`` itself is not changed."""
