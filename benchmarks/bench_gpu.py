@@ -229,16 +229,26 @@ def waits_by_caller(events, top: int) -> list[tuple[int, str, str]]:
     return [(n, name, where) for (name, where), n in counts.most_common(top)]
 
 
+def profiled(fn, device: torch.device, stack: bool = False):
+    """The torch profiler (CUDA activity too on CUDA; Python frames with ``stack``) over ``fn()``, on every thread:
+    a cohort's members run their client updates in threads of their own (:func:`fedlowrank.runtime.cohort.
+    run_together`), which a profiler of the calling thread alone would not see."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts, with_stack=stack,
+                 experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+        fn()
+        sync(device)
+    return prof
+
+
 def profile_counts(fn, device: torch.device, top: int = 0) -> tuple[dict[str, int], str]:
     """Run ``fn`` under the torch profiler (CUDA activity too on CUDA) and count its events (:func:`event_counts`);
     with ``top`` > 0 also a text breakdown: the ``top`` operations by self device (CUDA) or CPU time, and the
     ``top`` callers of the calls that may make the host wait (:func:`waits_by_caller`)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts, with_stack=top > 0) as prof:
-        fn()
-    sync(device)
+    prof = profiled(fn, device, stack=top > 0)
     events = prof.events()
     if top <= 0:
         return event_counts(events), ""

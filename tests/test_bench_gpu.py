@@ -89,21 +89,24 @@ def test_a_wait_is_attributed_to_its_python_frame_else_to_its_part_of_the_round(
         (1, "aten::_local_scalar_dense", "fedlowrank.receive: aten::item")]
 
 
-def test_a_profiled_round_holds_every_part_of_the_round():
-    """The parts of a round (fedlowrank.device.phase) are profiler ranges on any device: a profile of a CPU round
-    has each of them, the local steps inside the client updates."""
-    from torch.profiler import ProfilerActivity, profile
+@pytest.mark.parametrize("cohort", [1, 2])
+def test_a_profiled_round_holds_every_part_of_the_round_on_every_thread(cohort):
+    """The parts of a round (fedlowrank.device.phase) are profiler ranges on any device, and the benchmark's
+    profile sees every thread: one at a time, and as a cohort, whose members update in threads of their own."""
+    import torch
 
     from fedlowrank.config import load_config
     from fedlowrank.runtime.simulator import Simulation
 
     sim = Simulation(load_config("tiny", ["run.rounds=1", "run.clients_per_round=2", "train.local_steps=1",
-                                          "run.checkpoint_every=0"]))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        sim.run_round()
+                                          "run.checkpoint_every=0", f"run.cohort={cohort}"]))
+    events = bench_gpu.profiled(sim.run_round, torch.device("cpu")).events()
     counts = {}
-    for e in prof.events():
+    for e in events:
         counts[e.name] = counts.get(e.name, 0) + 1
     for part in ("client_update", "reply_to_host", "wire", "receive", "close_round", "local_step"):
         assert counts.get(f"fedlowrank.{part}", 0) >= 1, part
-    assert counts["fedlowrank.client_update"] == counts["fedlowrank.receive"] == 2
+    assert counts["fedlowrank.client_update"] == counts["fedlowrank.reply_to_host"] == 2
+    assert counts["fedlowrank.receive"] == 2 and counts["fedlowrank.local_step"] == 2 // cohort
+    threads = {e.thread for e in events if e.name == "fedlowrank.client_update"}
+    assert len(threads) == cohort  # a cohort's members in threads of their own, each seen
