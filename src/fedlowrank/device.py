@@ -396,6 +396,8 @@ def phased(name: str) -> Callable[[Callable], Callable]:
                 return fn(*args, **kwargs)
         return inner
     return wrap
+
+
 _STEP = threading.local()  # .depth: local steps this thread is in; .count: local steps it began
 
 
@@ -474,7 +476,6 @@ def step_transfers(fn: Callable[[], Any]) -> "collections.Counter[str]":
 __all__ = ["COMPILE_BACKEND", "DEVICES", "DTYPES", "LOCAL_STEP", "OPTIMIZER_KERNELS", "PHASE_PREFIX",
            "allocated_bytes", "can_checkpoint", "check_device_spec", "check_dtype", "compile_decision",
            "compile_module", "dispatched_ops", "grad_scaler", "local_step", "map_tensors", "measured_bytes",
-           "measured_peak_bytes", "module_device", "optimizer_kernel", "phase", "phased", "planned_steps", "prepare_training",
-           "release_compiled",
-           "resolve_device", "run_compiled", "set_checkpointing", "stage", "stage_tensor", "step_transfers",
-           "store_frozen", "to_device", "to_host"]
+           "measured_peak_bytes", "module_device", "optimizer_kernel", "phase", "phased", "planned_steps",
+           "prepare_training", "release_compiled", "resolve_device", "run_compiled", "set_checkpointing", "stage",
+           "stage_tensor", "step_transfers", "store_frozen", "to_device", "to_host"]
