@@ -7,13 +7,17 @@ their tuned rates: per paired difference against the reference its mean with the
 wins and losses, a bootstrap interval and the Wilcoxon signed-rank test, whose p < 0.05 alone gives a verdict
 (docs/comparison.md). Every step writes under ``--out/<protocol>/`` (``tune/``, ``compare/``) and is resumable:
 running the same command again reuses every run that ended there with the same config, so an interrupted protocol
-continues, and runs made by separate processes combine.
+continues, and runs made by separate processes combine. ``--records DIR`` carries the finished runs between machines
+(three small files a run, e.g. kept with the docs in ``benchmarks/records``): copied from ``DIR`` into ``--out``
+before, and from ``--out`` to ``DIR`` after, so a protocol longer than one machine's stay goes on elsewhere.
 
     python benchmarks/protocols.py --list
     python benchmarks/protocols.py rpca --out runs/protocols --jobs 2
     python benchmarks/protocols.py vision-label vision-domains --out runs/protocols --jobs 2
     python benchmarks/protocols.py ilora --smoke --out /tmp/protocols      # tiny models, 1 round: checks the script
     python benchmarks/protocols.py florg --device cuda --seeds 24 --jobs 4 --out runs/protocols
+    python benchmarks/protocols.py fedalt-tasks --records benchmarks/records --out runs/protocols --jobs 2
+    python benchmarks/protocols.py fedalt-tasks --records benchmarks/records --out runs/protocols --sync
 
 Sizes: about an hour per protocol with 2 processes of 1 thread on a 2-core CPU; ``fedalt-tasks`` (SmolLM2, 12 to
 16 tuning and 24 compared runs of an estimated 15–20 minutes) about 5 hours.
@@ -38,6 +42,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import provenance, run_resumable  # noqa: E402
 
 from fedlowrank.experiments.compare import against_reference, results_markdown, run_comparison  # noqa: E402
+from fedlowrank.experiments.sweep import copy_finished_runs  # noqa: E402
 from fedlowrank.experiments.tune import run_tuning  # noqa: E402
 
 # AG News, MiniLM-L6: 10 clients, all every round, 8 × 32 tokens per step, r = 4, 2,000 test examples
@@ -180,7 +185,7 @@ PROTOCOLS = {
     # examples; the verdict is on the mean over clients of their own-task exact match
     "fedalt-tasks": Protocol("FedALT beats FedIT and local-only training on task-heterogeneous clients",
                              ["fedalt", "fedlease", "fedit", "local-only"], TASKMIX, config="gsm8k",
-                             seeds="0,1,2,3,4,5", grid="3e-4,1e-3,3e-3", extend=1, reference="fedalt"),
+                             seeds="0,1,2,3,4,5", grid="3e-4,1e-3,3e-3", extend=2, reference="fedalt"),
     "fedlease-tasks": Protocol("FedLEASE beats FedIT and local-only training on task-heterogeneous clients",
                                ["fedlease", "fedalt", "fedit", "local-only"], TASKMIX, config="gsm8k",
                                seeds="0,1,2,3,4,5", runs_of="fedalt-tasks", reference="fedlease"),
@@ -268,6 +273,18 @@ def read_against_reference(name: str, out: Path, device: str, seeds: int | None)
     return results
 
 
+def keep_records(records: Path, out: Path, homes: list[str], into_out: bool) -> None:
+    """Copy the finished runs of each protocol folder in ``homes`` from ``records`` into ``out`` (``into_out``) or
+    back (:func:`fedlowrank.experiments.sweep.copy_finished_runs`: three small files a run, all that a verdict and a
+    resumed protocol read), logging what was copied."""
+    src, dest = (records, out) if into_out else (out, records)
+    for home in homes:
+        if (src / home).is_dir():
+            written, _ = copy_finished_runs(src / home, dest / home)
+            runs = f"{len(written)} finished run{'' if len(written) == 1 else 's'}"
+            log(f"--records: {runs} of {home} copied from {src / home} to {dest / home}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("protocols", nargs="*", help="protocol names (--list shows them)")
@@ -282,9 +299,15 @@ def main(argv=None) -> int:
                     help="compare on seeds 0..N-1 (default: the protocol's)")
     ap.add_argument("--tune-seeds", default=None, metavar="S",
                     help="comma-separated seeds the rates are tuned on (default: 0; 0,1,2 with --device cuda)")
+    ap.add_argument("--records", default=None, metavar="DIR",
+                    help="finished runs kept between machines: copied from DIR/NAME into --out before the protocols "
+                    "run, and every finished run of --out copied to DIR/NAME after (also when stopped)")
+    ap.add_argument("--sync", action="store_true", help="with --records: only copy the finished runs both ways")
     args = ap.parse_args(argv)
     if args.seeds is not None and args.seeds < 1:
         ap.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.sync and not args.records:
+        ap.error("--sync copies finished runs to and from --records DIR: give --records")
     if args.device == "cuda":
         import torch
 
@@ -298,12 +321,23 @@ def main(argv=None) -> int:
             print(f"{n:16s} {p.claim}\n{'':16s} {p.config}: {' '.join(p.methods)}; seeds {p.seeds}; "
                   f"--set {' '.join(p.sets)}")
         return 2 if unknown else 0
+    homes = list(dict.fromkeys(n + device_suffix(args.device) for name in args.protocols  # with those they read
+                               for n in (PROTOCOLS[name].tuned_in or PROTOCOLS[name].runs_of, name) if n))
+    if args.records:
+        keep_records(Path(args.records), Path(args.out), homes, into_out=True)
+    if args.sync:
+        keep_records(Path(args.records), Path(args.out), homes, into_out=False)
+        return 0
     print(provenance(argv))
-    for name in args.protocols:
-        results = run_protocol(name, Path(args.out), args.jobs, args.smoke, args.device, args.seeds,
-                               args.tune_seeds)
-        print(f"\n# Protocol {name}: {PROTOCOLS[name].claim}\n")
-        print(results_markdown(results))
+    try:
+        for name in args.protocols:
+            results = run_protocol(name, Path(args.out), args.jobs, args.smoke, args.device, args.seeds,
+                                   args.tune_seeds)
+            print(f"\n# Protocol {name}: {PROTOCOLS[name].claim}\n")
+            print(results_markdown(results))
+    finally:
+        if args.records:
+            keep_records(Path(args.records), Path(args.out), homes, into_out=False)
     return 0
 
 

@@ -201,3 +201,32 @@ def test_a_vectorized_run_with_a_validation_split_is_refused():
     run = Run("ssf", "[ssf] lr 0.02", _vectorized_config("ssf"), None, "rel_error", validation=True)
     with pytest.raises(ConfigError, match=r"\[ssf\] lr 0.02: run.vectorized = true cannot hold out a validation"):
         Sweep(None).run([run])
+
+
+def test_finished_runs_copied_to_another_folder_are_reused_there(tmp_path):
+    from fedlowrank.experiments.sweep import RECORD_FILES, copy_finished_runs
+    from fedlowrank.runtime.rundir import CLAIM, new_claim, write_claim
+
+    first = run_comparison("tiny", "fedit", "0,1", ["run.rounds=1"], tmp_path / "a", None)
+    cut = tmp_path / "a" / "cut"  # a run whose metrics stop before the round its summary ends at
+    cut.mkdir()
+    write_claim(cut, new_claim("run", list(RECORD_FILES)))
+    for name in RECORD_FILES:
+        (cut / name).write_bytes((tmp_path / "a" / "fedit-seed0" / name).read_bytes())
+    (cut / "summary.json").write_text(json.dumps({**json.loads((cut / "summary.json").read_text()), "rounds": 2}))
+    loose = tmp_path / "a" / "loose"  # the files without a run's claim
+    loose.mkdir()
+    for name in RECORD_FILES:
+        (loose / name).write_bytes((tmp_path / "a" / "fedit-seed0" / name).read_bytes())
+
+    written, skipped = copy_finished_runs(tmp_path / "a", tmp_path / "b")
+    assert written == [tmp_path / "b" / "fedit-seed0", tmp_path / "b" / "fedit-seed1"] and skipped == []
+    assert sorted(p.name for p in written[0].iterdir()) == sorted([CLAIM, *RECORD_FILES])
+    lines: list[str] = []
+    again = run_comparison("tiny", "fedit", "0,1", ["run.rounds=1"], tmp_path / "b", lines.append, resume=True)
+    assert sum("reusing the finished run" in line for line in lines) == 2 and not any(" done: " in x for x in lines)
+    finals = [[(r["seed"], r["final"], r["bytes_up"]) for r in row["runs"]] for row in first["rows"]]
+    assert [[(r["seed"], r["final"], r["bytes_up"]) for r in row["runs"]] for row in again["rows"]] == finals
+    before = {p: p.read_bytes() for p in (tmp_path / "b").rglob("*") if p.is_file()}
+    assert copy_finished_runs(tmp_path / "a", tmp_path / "b") == ([], written)  # what is there stays as it is
+    assert {p: p.read_bytes() for p in (tmp_path / "b").rglob("*") if p.is_file()} == before

@@ -122,6 +122,43 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     return {"summary": summary, "history": history, "metrics": metrics}
 
 
+RECORD_FILES = ("config.json", "metrics.jsonl", "summary.json")  # all that finished_run reads, summary last
+
+
+def copy_finished_runs(src: Path, dest: Path) -> tuple[list[Path], list[Path]]:
+    """Copy every finished run under ``src`` (a run directory whose ``metrics.jsonl`` reaches the round its
+    ``summary.json`` ends at) to the same relative place under ``dest``: its :data:`RECORD_FILES` and a claim owning
+    them, all that a sweep continued there with ``resume`` reads instead of running the run again. A run whose place
+    under ``dest`` exists already is left as it is there. Returns (the run directories written under ``dest``, the
+    places skipped because they existed)."""
+    from ..runtime.rundir import new_claim, read_claim, write_claim
+
+    written: list[Path] = []
+    skipped: list[Path] = []
+    for summary in sorted(Path(src).rglob("summary.json")):
+        run_dir = summary.parent
+        claim = read_claim(run_dir)
+        if claim is None or claim.kind != "run" or not all((run_dir / name).is_file() for name in RECORD_FILES):
+            continue
+        try:
+            rounds = json.loads(summary.read_text()).get("rounds")
+            last = (run_dir / "metrics.jsonl").read_text().splitlines()[-1]
+            if json.loads(last).get("round") != rounds:
+                continue
+        except (OSError, ValueError, IndexError, AttributeError):
+            continue
+        target = Path(dest) / run_dir.relative_to(src)
+        if target.exists():
+            skipped.append(target)
+            continue
+        target.mkdir(parents=True)
+        write_claim(target, new_claim("run", list(RECORD_FILES)))
+        for name in RECORD_FILES:  # summary.json last: a copy cut short reads as a run that did not end
+            (target / name).write_bytes((run_dir / name).read_bytes())
+        written.append(target)
+    return written, skipped
+
+
 def interrupted_run(run_dir: Path, cfg: RunConfig) -> bool:
     """Whether ``run_dir`` holds a run of exactly ``cfg`` (its ``config.json``'s fingerprint) that stopped before its
     end with a checkpoint saved (``checkpoints/round-N``): one ``--resume`` continues rather than starts again."""
