@@ -23,9 +23,13 @@ def provenance(argv: list[str] | None = None) -> str:
 def run_resumable(main) -> int:
     """``main()``'s exit status for a script whose runs resume (``--resume``, or reused from ``--out``): stopped by
     Ctrl-C or SIGTERM (:class:`fedlowrank.runtime.stopping.StopRequested`), it prints one line, not a traceback, and
-    returns 128 + the signal's number; the finished runs and the interrupted run's checkpoint stay on disk."""
+    returns 128 + the signal's number; the finished runs and the interrupted run's checkpoint stay on disk (SIGTERM
+    stops it as Ctrl-C does: its worker processes are stopped and waited for, not left running)."""
+    from fedlowrank.runtime.stopping import terminate_as_interrupt
+
     try:
-        return main()
+        with terminate_as_interrupt():
+            return main()
     except KeyboardInterrupt as exc:
         name = getattr(exc, "name", "SIGINT")
         print(f"stopped by {name}: the finished runs and the last checkpoint are kept; the same command continues "

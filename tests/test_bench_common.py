@@ -75,3 +75,19 @@ def test_a_resumable_script_stopped_by_a_signal_prints_one_line_and_the_shell_st
     assert common.run_resumable(interrupted) == 130
     assert capsys.readouterr().err.startswith("stopped by SIGINT:")
     assert common.run_resumable(lambda: 0) == 0
+
+
+def test_a_resumable_script_turns_sigterm_into_a_stop_it_can_handle():
+    """SIGTERM does not end the script at once (its worker processes left running): it stops as on Ctrl-C."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import os, signal, sys, time; sys.path.insert(0, 'benchmarks'); from common import run_resumable\n"
+            "def main():\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(30)\n    return 0\n"
+            "sys.exit(run_resumable(main))")
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 143 and done.stderr.startswith("stopped by SIGTERM:"), done.stderr

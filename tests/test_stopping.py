@@ -421,3 +421,64 @@ def test_compare_with_jobs_stops_its_workers_which_save_their_runs(tmp_path, sig
     for method in ("fedit", "ffa-lora"):
         stopped = load_checkpoint(latest_checkpoint(out / f"{method}-seed0")).round
         assert 1 <= stopped < 2000 and len(rows(out / f"{method}-seed0")) == stopped
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie nobody has reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads process states from /proc (Linux)")
+def test_workers_of_a_killed_command_save_their_runs_and_end(tmp_path):
+    """SIGKILL leaves the command no chance to stop its workers: each sees its parent gone, saves its run's state
+    and ends instead of training on unwatched (holding its run directory)."""
+    out, err_file = tmp_path / "cmp", tmp_path / "stderr.txt"
+    argv = [sys.executable, "-m", "fedlowrank", "compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0",
+            "--jobs", "2", "--out", str(out), "--set", "run.rounds=2000", "--set", "run.threads=1"]
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not all(f"[{m}] seed 0: [{m}] round 1/2000" in err_file.read_text() for m in ("fedit", "ffa-lora")):
+        assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+        time.sleep(0.1)
+    workers = [int(p) for p in re.findall(r"\(worker process (\d+)\)", err_file.read_text())]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 90
+    try:
+        while not all(_ended(pid) for pid in workers):
+            assert time.monotonic() < deadline, "a worker trains on after its command was killed"
+            time.sleep(0.2)
+    finally:
+        for pid in workers:
+            if not _ended(pid):
+                os.kill(pid, signal.SIGKILL)
+    for method in ("fedit", "ffa-lora"):
+        stopped = load_checkpoint(latest_checkpoint(out / f"{method}-seed0")).round
+        assert 1 <= stopped < 2000 and len(rows(out / f"{method}-seed0")) == stopped
+
+
+def test_a_sweep_whose_workers_fail_with_runs_left_raises_and_its_process_ends(tmp_path):
+    """A worker's error ends the sweep even when the runs it never took fill the pipe to the workers (here 3 MB):
+    the process raises the error and ends, rather than wait at exit to write them."""
+    code = f"""
+import sys
+from pathlib import Path
+import numpy as np
+sys.path.insert(0, {str(ROOT / "tests")!r})
+from helpers import tiny_config
+from fedlowrank.experiments.sweep import run_in_processes
+blocker = Path({str(tmp_path)!r}) / "a-file"
+blocker.write_text("")
+cfg = tiny_config("run.rounds=1", "run.threads=1")
+parts = [np.arange(100_000)]
+try:
+    run_in_processes([(f"run {{i}}", cfg, blocker / str(i), parts, None) for i in range(4)], 1, False)
+except Exception as exc:
+    print("raised:", type(exc).__name__)
+"""
+    done = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().startswith("raised:"), done.stdout + done.stderr

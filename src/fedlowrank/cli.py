@@ -47,15 +47,14 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import sys
 import textwrap
-import threading
 import time
 import traceback
 from pathlib import Path
 
 from .reporting.progress import StderrLog
+from .runtime.stopping import terminate_as_interrupt
 
 _log = StderrLog()  # lines on stderr; tqdm bars as well on a terminal
 
@@ -681,32 +680,11 @@ def error_line(exc: BaseException) -> str:
     return f"error: internal error: {type(exc).__name__}: {text} (run with --debug for the traceback)"
 
 
-@contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM (``kill``, a cluster pre-empting the job) stops the command as Ctrl-C does: one line, exit 143; a run
-    in progress saves its state first (:mod:`fedlowrank.runtime.stopping`). Only in the main thread, and not when
-    SIGTERM is ignored."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
-        yield
-        return
-
-    def terminate(signum, frame):
-        from .runtime.stopping import StopRequested
-
-        raise StopRequested(signum)
-
-    before = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
-
-
 def main(argv: list[str] | None = None) -> int:
     """The ``fedlowrank`` command; returns the exit status (see the module docstring)."""
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
-        with _terminate_as_interrupt():
+        with terminate_as_interrupt():
             args = build_parser().parse_args(argv)
             args.argv = list(sys.argv[1:] if argv is None else argv)
             status = args.func(args)

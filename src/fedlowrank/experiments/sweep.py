@@ -37,6 +37,7 @@ import pickle
 import queue
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,18 +236,28 @@ def _stop_worker(signum: int, frame) -> None:
     raise StopRequested(signum)
 
 
+def _stop_when_orphaned(parent: int) -> None:
+    """A worker's watch: once its parent process has ended without stopping it (killed with SIGKILL, say), stop as
+    on the parent's SIGTERM, saving the run's state, rather than train on with nobody to read its events."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _worker(tasks, events, lines: bool) -> None:
     """A worker process of :func:`run_in_processes`: runs ``(i, arguments of _run_one)`` from ``tasks`` until
     ``None`` and reports on ``events``: ``("start", i, pid)``, ``("line", i, progress line)`` (with ``lines``),
     ``("done", i, divergence message or None)``, ``("failed", i, exception)``, ``("stopped", i or None, pid)``.
 
     It ignores SIGINT (Ctrl-C on a terminal reaches the whole process group: the parent decides) and stops on
-    the SIGTERM its parent forwards: a run in progress saves the state after its last finished round
-    (:mod:`fedlowrank.runtime.stopping`), then the worker ends. Its runs' files closed and its events sent, it
+    the SIGTERM its parent forwards, or stops likewise when its parent has ended (:func:`_stop_when_orphaned`): a
+    run in progress saves the state after its last finished round (:mod:`fedlowrank.runtime.stopping`), then the
+    worker ends. Its runs' files closed and its events sent, it
     ends without the interpreter's teardown, which takes seconds with torch loaded (and much longer on a busy
     machine) while the parent waits for it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _stop_worker)
+    threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
     i = None
     try:
         for i, arguments in iter(tasks.get, None):
@@ -302,6 +313,7 @@ def run_in_processes(runs: list[tuple[str, RunConfig, Path, list[np.ndarray], np
     threads = max(1, (os.cpu_count() or 1) // jobs)
     ctx = multiprocessing.get_context("spawn")
     tasks, events = ctx.Queue(), ctx.Queue()
+    tasks.cancel_join_thread()  # at exit, do not wait to write the runs left into a pipe no live worker reads
     partitions: set[str] = set()  # the label counts of a partition are logged once, with its first run
     for i, (_, cfg, run_dir, parts, held_out) in enumerate(runs):
         cfg = cfg if cfg.run.threads else dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, threads=threads))

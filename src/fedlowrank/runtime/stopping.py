@@ -96,3 +96,23 @@ def interruptible() -> Iterator[None]:
         yield
     finally:
         caught.depth -= 1
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """While the block runs, SIGTERM (``kill``, a cluster pre-empting the job) raises :class:`StopRequested` as
+    Ctrl-C raises ``KeyboardInterrupt``: a command stops as on Ctrl-C, a run in progress saving its state first
+    (:func:`stop_signals`) and a sweep's worker processes stopped and waited for. Only in the main thread, and not
+    when SIGTERM is ignored."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
+        return
+
+    def terminate(signum: int, frame) -> None:
+        raise StopRequested(signum)
+
+    before = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
