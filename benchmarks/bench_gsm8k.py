@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import Grid, provenance, sweep_options  # noqa: E402
+from common import Grid, provenance, run_resumable, sweep_options  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -186,4 +186,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_resumable(main))

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Grid, provenance, setup_line, sweep_options  # noqa: E402
+from common import Grid, provenance, run_resumable, setup_line, sweep_options  # noqa: E402
 
 from fedlowrank.config import from_dict, load_config  # noqa: E402
 from fedlowrank.methods import available_methods  # noqa: E402
@@ -222,4 +222,4 @@ def print_table(results: list[dict], methods: list[str], alphas: list[float]) ->
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_resumable(main))

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Grid, median_seconds, provenance, setup_line, sweep_options  # noqa: E402
+from common import Grid, median_seconds, provenance, run_resumable, setup_line, sweep_options  # noqa: E402
 
 from fedlowrank.config import load_config  # noqa: E402
 from fedlowrank.methods import available_methods  # noqa: E402
@@ -239,4 +239,4 @@ def print_tables(results: list[dict], methods: list[str], targets: list[float], 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_resumable(main))

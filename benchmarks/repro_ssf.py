@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Grid, provenance, sweep_options  # noqa: E402
+from common import Grid, provenance, run_resumable, sweep_options  # noqa: E402
 
 from fedlowrank.config import from_dict, load_config  # noqa: E402
 from fedlowrank.experiments.stats import (bootstrap_interval, mean_interval, median, rank_verdict,  # noqa: E402
@@ -397,4 +397,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_resumable(main))

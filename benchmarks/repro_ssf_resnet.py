@@ -26,7 +26,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Grid, provenance, setup_line, sweep_options  # noqa: E402
+from common import Grid, provenance, run_resumable, setup_line, sweep_options  # noqa: E402
 
 from fedlowrank.config import from_dict  # noqa: E402
 
@@ -103,4 +103,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_resumable(main))

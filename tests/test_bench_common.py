@@ -91,3 +91,15 @@ def test_a_resumable_script_turns_sigterm_into_a_stop_it_can_handle():
     env = {**os.environ, "PYTHONPATH": str(root / "src")}
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 143 and done.stderr.startswith("stopped by SIGTERM:"), done.stderr
+
+
+def test_every_script_with_resumable_runs_stops_through_run_resumable():
+    """A script that runs a sweep (``Grid``, ``run_comparison``, ``run_tuning``) stops on Ctrl-C or SIGTERM with
+    one line and its workers stopped: its entry point goes through ``run_resumable``."""
+    import re
+    from pathlib import Path
+
+    scripts = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
+    sweeping = [p for p in scripts if re.search(r"\bGrid\(|\brun_comparison\(|\brun_tuning\(", p.read_text())]
+    assert len(sweeping) >= 10
+    assert [p.name for p in sweeping if "sys.exit(run_resumable(main))" not in p.read_text()] == []
