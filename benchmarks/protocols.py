@@ -280,9 +280,10 @@ def keep_records(records: Path, out: Path, homes: list[str], into_out: bool) -> 
     src, dest = (records, out) if into_out else (out, records)
     for home in homes:
         if (src / home).is_dir():
-            written, _ = copy_finished_runs(src / home, dest / home)
+            written, skipped = copy_finished_runs(src / home, dest / home)
             runs = f"{len(written)} finished run{'' if len(written) == 1 else 's'}"
-            log(f"--records: {runs} of {home} copied from {src / home} to {dest / home}")
+            log(f"--records: {runs} of {home} copied from {src / home} to {dest / home} ({len(skipped)} there "
+                "already, kept as they are)")
 
 
 def main(argv=None) -> int:
@@ -308,6 +309,8 @@ def main(argv=None) -> int:
         ap.error(f"--seeds must be >= 1, got {args.seeds}")
     if args.sync and not args.records:
         ap.error("--sync copies finished runs to and from --records DIR: give --records")
+    if args.records and Path(args.records).exists() and not Path(args.records).is_dir():
+        ap.error(f"--records {args.records}: not a directory (a folder of finished runs, created when absent)")
     if args.device == "cuda":
         import torch
 

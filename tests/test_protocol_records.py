@@ -25,3 +25,10 @@ def test_sync_without_records_is_refused(capsys):
     with pytest.raises(SystemExit):
         benchmark_module("protocols").main(["florg", "--sync"])
     assert "--sync copies finished runs to and from --records DIR" in capsys.readouterr().err
+
+
+def test_records_that_are_a_file_are_refused(tmp_path, capsys):
+    (tmp_path / "records").write_text("runs\n")
+    with pytest.raises(SystemExit):
+        benchmark_module("protocols").main(["florg", "--records", str(tmp_path / "records"), "--sync"])
+    assert "--records " + str(tmp_path / "records") + ": not a directory" in capsys.readouterr().err

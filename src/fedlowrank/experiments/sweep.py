@@ -89,6 +89,11 @@ def check_jobs(jobs: int, out: Path | None) -> None:
         raise ConfigError("--jobs > 1 needs an output directory (the worker processes write their runs there)")
 
 
+def ran_to_its_end(summary: dict[str, Any], last_row: dict[str, Any] | None) -> bool:
+    """Whether a run's ``metrics.jsonl`` (its last row) reaches the round its ``summary.json`` ends at."""
+    return last_row is not None and last_row.get("round") == summary.get("rounds")
+
+
 def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     """``{"summary": summary.json, "history": metrics.jsonl rows, "metrics": the final evaluation}`` of the run
     that ended in ``run_dir``, or ``None`` when none did there (no ``summary.json``: never started or interrupted; or
@@ -113,7 +118,7 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError, ConfigError) as exc:
         raise ConfigError(f"--resume: the finished run in {run_dir} is unreadable ({exc}); delete it to run it "
                           "again") from None
-    if not history or history[-1].get("round") != summary.get("rounds"):  # its metrics were cut: run it again
+    if not ran_to_its_end(summary, history[-1] if history else None):  # its metrics were cut: run it again
         return None
     same_device = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device=old.run.device))
     if config_fingerprint(old) != config_fingerprint(same_device):  # a rank of a sweep pins its device
@@ -142,11 +147,10 @@ def copy_finished_runs(src: Path, dest: Path) -> tuple[list[Path], list[Path]]:
         if claim is None or claim.kind != "run" or not all((run_dir / name).is_file() for name in RECORD_FILES):
             continue
         try:
-            rounds = json.loads(summary.read_text()).get("rounds")
-            last = (run_dir / "metrics.jsonl").read_text().splitlines()[-1]
-            if json.loads(last).get("round") != rounds:
+            rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+            if not ran_to_its_end(json.loads(summary.read_text()), json.loads(rows[-1]) if rows else None):
                 continue
-        except (OSError, ValueError, IndexError, AttributeError):
+        except (OSError, ValueError, AttributeError):
             continue
         target = Path(dest) / run_dir.relative_to(src)
         if target.exists():
@@ -252,9 +256,8 @@ def _worker(tasks, events, lines: bool) -> None:
     It ignores SIGINT (Ctrl-C on a terminal reaches the whole process group: the parent decides) and stops on
     the SIGTERM its parent forwards, or stops likewise when its parent has ended (:func:`_stop_when_orphaned`): a
     run in progress saves the state after its last finished round (:mod:`fedlowrank.runtime.stopping`), then the
-    worker ends. Its runs' files closed and its events sent, it
-    ends without the interpreter's teardown, which takes seconds with torch loaded (and much longer on a busy
-    machine) while the parent waits for it."""
+    worker ends. Its runs' files closed and its events sent, it ends without the interpreter's teardown, which takes
+    seconds with torch loaded (and much longer on a busy machine) while the parent waits for it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _stop_worker)
     threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
