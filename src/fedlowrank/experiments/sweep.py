@@ -466,6 +466,7 @@ def serve_ranks(cfg: RunConfig, quiet: bool = False) -> None:
         box: list[Any] = [None]
         _collective(dist.broadcast_object_list, box, src=0)
         if box[0] is None:
+            _collective(dist.barrier)  # end_ranks' last collective: no rank tears the group down before all are here
             return
         _meet(_run_share(box[0], None if quiet else lambda line: print(f"rank {rank}: {line}", file=sys.stderr,
                                                                         flush=True)))
@@ -473,11 +474,14 @@ def serve_ranks(cfg: RunConfig, quiet: bool = False) -> None:
 
 def end_ranks() -> None:
     """Rank 0 of a sweep over ranks, its sweep done: tell the other ranks (:func:`serve_ranks`) that no runs
-    follow. (Rank 0 stopped by an error sends nothing: the others' next collective fails and they end.)"""
+    follow, then wait at a barrier for all of them, so that no rank destroys the process group while a message of
+    the broadcast is still in flight. (Rank 0 stopped by an error sends nothing: the others' next collective fails
+    and they end.)"""
     import torch.distributed as dist
 
     if dist.is_initialized():
         _collective(dist.broadcast_object_list, [None], src=0)
+        _collective(dist.barrier)
 
 
 @dataclass(frozen=True)
