@@ -57,6 +57,7 @@ class FedALT(Method):
     needs_individual_replies = True          # the server keeps each client's latest upload for the leave-one-out
     personalized = True
     per_client_downlink = True               # the leave-one-out Rest-of-World of each client
+    server_entries = ("upload.{client}/{module}.lora_A", "upload.{client}/{module}.lora_B")  # latest uploads
     client_state = ("own A¹_k [r,in], B¹_k [out,r] and router W_k [2,in] per target module, the head, and the "
                     "client's index k")
     supports_cohorts = True                  # train: one fit of own factors, router and head, routed per member
