@@ -8,7 +8,7 @@ wins and losses, a bootstrap interval and the Wilcoxon signed-rank test, whose p
 (docs/comparison.md). Every step writes under ``--out/<protocol>/`` (``tune/``, ``compare/``) and is resumable:
 running the same command again reuses every run that ended there with the same config, so an interrupted protocol
 continues, and runs made by separate processes combine. ``--records DIR`` carries the finished runs between machines
-(three small files a run, e.g. kept with the docs in ``benchmarks/records``): copied from ``DIR`` into ``--out``
+(four small files a run, sealed, e.g. kept with the docs in ``benchmarks/records``): copied from ``DIR`` into ``--out``
 before, and from ``--out`` to ``DIR`` after, so a protocol longer than one machine's stay goes on elsewhere.
 
     python benchmarks/protocols.py --list
@@ -275,15 +275,17 @@ def read_against_reference(name: str, out: Path, device: str, seeds: int | None)
 
 def keep_records(records: Path, out: Path, homes: list[str], into_out: bool) -> None:
     """Copy the finished runs of each protocol folder in ``homes`` from ``records`` into ``out`` (``into_out``) or
-    back (:func:`fedlowrank.experiments.sweep.copy_finished_runs`: three small files a run, all that a verdict and a
-    resumed protocol read), logging what was copied."""
+    back (:func:`fedlowrank.experiments.sweep.copy_finished_runs`: four small files a run, all that a verdict and a
+    resumed protocol read, only while they match their seal), logging what was copied and what was refused."""
     src, dest = (records, out) if into_out else (out, records)
     for home in homes:
         if (src / home).is_dir():
-            written, skipped = copy_finished_runs(src / home, dest / home)
+            written, skipped, refused = copy_finished_runs(src / home, dest / home)
+            for line in refused:
+                log(f"--records: not copied: {line}")
             runs = f"{len(written)} finished run{'' if len(written) == 1 else 's'}"
             log(f"--records: {runs} of {home} copied from {src / home} to {dest / home} ({len(skipped)} there "
-                "already, kept as they are)")
+                f"already, kept as they are{f'; {len(refused)} refused' if refused else ''})")
 
 
 def main(argv=None) -> int:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -512,5 +513,47 @@ class RunFiles:
             (self.path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def write_summary(self, summary: dict[str, Any]) -> None:
+        """``summary.json``, then the run's :data:`SEAL` over it and the other files it reads back."""
         if self.path is not None:
             own(self.path, "summary.json").write_text(json.dumps(summary, indent=1))
+            seal_run(self.path)
+
+
+SEAL = "seal.json"
+SEALED = ("config.json", "metrics.jsonl", "summary.json")  # what a finished run is read back from (its record)
+
+
+def _sealed_hashes(path: Path) -> dict[str, str]:
+    return {name: hashlib.sha256((path / name).read_bytes()).hexdigest() for name in SEALED}
+
+
+def seal_run(path: Path) -> None:
+    """Write ``path/seal.json``: the sha256 of each of :data:`SEALED` as the run ended. A finished run is reused or
+    carried to another machine only while its files match it (:func:`seal_problem`)."""
+    own(path, SEAL).write_text(json.dumps({"format": 1, "sha256": _sealed_hashes(path)}, indent=1))
+
+
+def seal_problem(path: Path) -> str | None:
+    """Why the finished run in ``path`` cannot be trusted as it is (one line), or ``None``: the folder or one of its
+    :data:`SEALED` files or seal is a symbolic link or missing, the seal unreadable, or a file differs from what the
+    seal says it was when the run ended (it was edited since). A seal proves the files are those the run wrote, not
+    who wrote them: whoever can rewrite them can rewrite the seal."""
+    if path.is_symlink():
+        return f"{path} is a symbolic link"
+    for name in (*SEALED, SEAL):
+        if (path / name).is_symlink():
+            return f"{path / name} is a symbolic link"
+        if not (path / name).is_file():
+            return f"{path / name} is missing" + (" (a run that ended before runs were sealed)" if name == SEAL else "")
+    try:
+        seal = json.loads((path / SEAL).read_text())
+        recorded = seal["sha256"]
+        ok = seal.get("format") == 1 and isinstance(recorded, dict) and set(recorded) == set(SEALED)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        return f"{path / SEAL} is unreadable"
+    edited = [name for name, digest in _sealed_hashes(path).items() if recorded[name] != digest]
+    if edited:
+        return f"{', '.join(edited)} in {path} differ from what the run wrote ({SEAL}): edited since it ended"
+    return None
