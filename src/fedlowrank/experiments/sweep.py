@@ -344,12 +344,13 @@ def run_in_processes(runs: list[tuple[str, RunConfig, Path, list[np.ndarray], np
         tasks.put(None)
     diverged: dict[str, str] = {}
     running: dict[int, Any] = {}  # run index → the worker process running it
+    ended: dict[int, float] = {}  # run index (-1: every worker) → when its worker was first seen ended
     try:
         for w in workers:
             w.start()
         left = len(runs)
         while left:
-            kind, i, value = _next_event(events, workers, running, runs)
+            kind, i, value = _next_event(events, workers, running, runs, ended)
             if kind == "start":
                 running[i] = next(w for w in workers if w.pid == value)
             elif kind == "failed":
@@ -370,19 +371,42 @@ def run_in_processes(runs: list[tuple[str, RunConfig, Path, list[np.ndarray], np
     return diverged
 
 
-def _next_event(events, workers: list, running: dict[int, Any], runs: list) -> Event:
-    """The next event of a worker; an error when every worker has ended with runs unfinished."""
+class WorkerLost(RuntimeError):
+    """A worker process ended (killed from outside: SIGKILL, the out-of-memory killer) before the run it held
+    finished; the sweep stops its other workers, which save their runs, and ``--resume`` continues."""
+
+
+def _ended_how(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+GRACE = 1.0  # seconds the last events of a worker that ended may take to arrive
+
+
+def _next_event(events, workers: list, running: dict[int, Any], runs: list, ended: dict[int, float]) -> Event:
+    """The next event of a worker; :class:`WorkerLost` once a worker that holds a run has ended (or every worker
+    has, with runs left) and :data:`GRACE` has passed without its last events. ``ended``: when each was first seen
+    ended (by run; -1: every worker), kept by the caller between calls."""
     while True:
+        now = time.monotonic()
+        for i, w in running.items():
+            if not w.is_alive():
+                ended.setdefault(i, now)
+        if not any(w.is_alive() for w in workers):
+            ended.setdefault(-1, now)
+        if any((i == -1 or i in running) and now - t > GRACE for i, t in ended.items()):
+            lost = [f"{runs[i][0]} ({_ended_how(w.exitcode)})" for i, w in running.items() if not w.is_alive()]
+            raise WorkerLost(f"the worker process of {', '.join(lost) or 'the runs left'} ended before its run "
+                             "finished")
         try:
-            return events.get(timeout=0.5)
+            return events.get(timeout=0.25)
         except queue.Empty:
-            if any(w.is_alive() for w in workers):
-                continue
-        try:
-            return events.get(timeout=1.0)  # what the last workers sent before they ended
-        except queue.Empty:
-            lost = ", ".join(f"{runs[i][0]} (exit code {w.exitcode})" for i, w in running.items()) or "none"
-            raise RuntimeError(f"the worker processes ended before every run finished; runs cut off: {lost}") from None
+            continue
 
 
 def _stop_workers(workers: list, events, report: Callable[[str, int, Any], None]) -> None:
