@@ -45,6 +45,16 @@ def truncated_svd(B_c: torch.Tensor, A_c: torch.Tensor, rank: int) -> tuple[torc
     return U[:, :r], S[:r], Vh[:r]
 
 
+def energy_rank(S: torch.Tensor, tau: float) -> int:
+    """The smallest ``j`` with ``Σ_{l≤j} σ_l² ≥ τ Σ_l σ_l²`` for singular values ``S: [R]`` (descending), ``τ ∈ (0, 1]``;
+    0 when every ``σ`` is 0. With ``τ = 1`` it is the number of non-zero ``σ`` (the trailing energy below round-off
+    excluded)."""
+    cumulative = torch.cumsum(S.to(torch.float64).pow(2), 0)
+    if cumulative.numel() == 0 or float(cumulative[-1]) == 0:
+        return 0
+    return int(torch.nonzero(cumulative >= tau * cumulative[-1]).flatten()[0]) + 1
+
+
 def normalize_qr_signs(Q: torch.Tensor, R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Q D, D R)`` with ``D = sign(diag R)`` (0 → +1): the product is unchanged and ``diag R ≥ 0``.
 
