@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from ..adapters.lora import lora_scale
-from ..linalg.lowrank import energy_rank, factored_svd, stack_factors
+from ..linalg.lowrank import energy_rank
 from ..message import Message, Reply, State
 from ..schema import setting
 from . import register
-from .ranks import HeteroRankLoRA, module_names, zero_pad
+from .ranks import HeteroRankLoRA, module_names, product_svd, set_balanced
 
 RESIDUAL_SCALES = ("lora", "none")
 
@@ -67,28 +67,20 @@ class FedMomentum(HeteroRankLoRA):
     def aggregate(self, server: State, replies: list[Reply], rnd: int) -> State:
         server = State(server)
         p = self.client_weights(replies)
-        beta, r = self.info.server_lr, self.info.rank
+        r = self.info.rank
         s = lora_scale(self.info.alpha, r, self.info.scaling)
         residual_ranks, dropped = [], []
         for name in module_names(server):
-            ka, kb, kd = f"{name}.lora_A", f"{name}.lora_B", f"{name}.base_delta"
-            Bs, As = [rep.message[kb] for rep in replies], [rep.message[ka] for rep in replies]
-            w = [beta * float(pk) * lora_scale(self.info.alpha, self.info.client_ranks[rep.client], self.info.scaling)
-                 for pk, rep in zip(p, replies)]
-            if beta != 1.0:
-                Bs, As, w = Bs + [server[kb]], As + [server[ka]], w + [(1.0 - beta) * s]
-            U, S, Vh = factored_svd(*stack_factors(Bs, As, w))
+            kb, kd = f"{name}.lora_B", f"{name}.base_delta"
+            U, S, Vh = product_svd(server, replies, name, p, self.info)
             kept = energy_rank(S, self.tau)
             k = min(r, kept)
-            root = (S[:k] / s).sqrt()
-            dtype = server[kb].dtype
-            server[kb] = zero_pad((U[:, :k] * root).to(dtype), server[kb].shape)
-            server[ka] = zero_pad((root[:, None] * Vh[:k]).to(dtype), server[ka].shape)
+            set_balanced(server, name, U, S, Vh, k, s)
             if self.merge_residual and kept > k:
                 c = 1.0 if self.residual_scale == "lora" else 1.0 / s
                 residual = (U[:, k:kept] * (c * S[k:kept])) @ Vh[k:kept]
-                old = server.get(kd, torch.zeros(residual.shape, dtype=dtype))
-                server[kd] = (old.to(torch.float64) + residual).to(dtype)
+                old = server.get(kd, torch.zeros(residual.shape, dtype=server[kb].dtype))
+                server[kd] = (old.to(torch.float64) + residual).to(old.dtype)
             total = float(S.pow(2).sum())
             residual_ranks.append(float(kept - k))
             dropped.append(float(S[kept:].pow(2).sum()) / total if total > 0 else 0.0)
