@@ -78,9 +78,16 @@ def padded_average(replies: Sequence[Reply], key: str, shape: Sequence[int], wei
 
 def product_svd(server: State, replies: Sequence[Reply], name: str, weights: torch.Tensor,
                 info: SetupInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Thin SVD ``(U, S, Vh)`` of target ``name``'s aggregate product ``ΔW = (1 − β) s B A + β Σₖ pₖ sₖ Bₖ Aₖ``
-    (the old global adapter ``(B, A)`` of ``server`` at the server scale ``s``, client k's factors at its own scale
-    ``sₖ``; β = ``info.server_lr``), factored (:func:`~fedlowrank.linalg.lowrank.factored_svd`, float64)."""
+    """Thin SVD ``(U, S, Vh)`` of target ``name``'s aggregate product (:func:`product_factors`), factored
+    (:func:`~fedlowrank.linalg.lowrank.factored_svd`, float64)."""
+    return factored_svd(*product_factors(server, replies, name, weights, info))
+
+
+def product_factors(server: State, replies: Sequence[Reply], name: str, weights: torch.Tensor,
+                    info: SetupInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B_c: [out, R], A_c: [R, in])`` with ``B_c A_c = ΔW = (1 − β) s B A + β Σₖ pₖ sₖ Bₖ Aₖ``, target ``name``'s
+    aggregate product: the old global adapter ``(B, A)`` of ``server`` at the server scale ``s``, client k's factors
+    at its own scale ``sₖ``, β = ``info.server_lr`` (:func:`~fedlowrank.linalg.lowrank.stack_factors`, float64)."""
     ka, kb = f"{name}.lora_A", f"{name}.lora_B"
     beta = info.server_lr
     Bs, As = [rep.message[kb] for rep in replies], [rep.message[ka] for rep in replies]
@@ -89,7 +96,7 @@ def product_svd(server: State, replies: Sequence[Reply], name: str, weights: tor
     if beta != 1.0:
         Bs, As = Bs + [server[kb]], As + [server[ka]]
         w = w + [(1.0 - beta) * lora_scale(info.alpha, info.rank, info.scaling)]
-    return factored_svd(*stack_factors(Bs, As, w))
+    return stack_factors(Bs, As, w)
 
 
 def set_balanced(server: State, name: str, U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor, k: int,
