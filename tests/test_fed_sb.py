@@ -20,7 +20,7 @@ from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.seeding import derive_seed
 from fedlowrank.training.local import LocalTrainer
 
-from helpers import DPSGD, run_tiny, run_with_dpsgd, tiny_config, tiny_task
+from helpers import DPSGD, assert_client_level_dp, run_tiny, run_with_dpsgd, tiny_config, tiny_task
 
 RANDOM = 'method.init="random"'
 
@@ -204,11 +204,8 @@ def test_dpsgd_clips_and_noises_the_probes_then_the_cores_and_head(monkeypatch):
 
 
 def test_client_level_dp_clips_and_noises_the_gradients_and_the_cores():
-    sim = run_tiny("fed-sb", "privacy.mode=central", "privacy.clip=0.5", "privacy.noise_multiplier=0.5",
-                   "server.weighting=uniform")
-    assert all(r["privacy"]["noise_std"] > 0 and not r.get("rejected") for r in sim.history)
-    local = run_tiny("fed-sb", "privacy.mode=local", "privacy.clip=0.5", "privacy.noise_multiplier=0.5")
-    assert all(r["epsilon"] > 0 and not r.get("rejected") for r in local.history)
+    assert_client_level_dp("fed-sb", "central")
+    assert_client_level_dp("fed-sb", "local")
 
 
 def test_a_reply_of_the_wrong_round_kind_is_rejected():

@@ -16,7 +16,7 @@ from fedlowrank.config import ConfigError
 from fedlowrank.methods import get_method
 from fedlowrank.methods.sdflora import SDFLoRA, SDFLoRASVD, gate_keys, local_keys
 
-from helpers import DPSGD, run_tiny, run_with_dpsgd, tiny_config
+from helpers import DPSGD, assert_client_level_dp, run_tiny, run_with_dpsgd, tiny_config
 
 PRIVATE = (".local_A", ".local_B", ".gate_g", ".gate_l")
 
@@ -154,11 +154,8 @@ def test_dpsgd_clips_and_noises_every_trained_tensor(monkeypatch):
 
 
 def test_client_level_dp_modes_and_refusals():
-    central = run_tiny("sdflora", "privacy.mode=central", "privacy.clip=0.5", "privacy.noise_multiplier=0.5",
-                       "server.weighting=uniform")
-    assert all(r["privacy"]["noise_std"] > 0 and not r.get("rejected") for r in central.history)
-    local = run_tiny("sdflora-svd", "privacy.mode=local", "privacy.clip=0.5", "privacy.noise_multiplier=0.5")
-    assert all(r["epsilon"] > 0 and not r.get("rejected") for r in local.history)
+    assert_client_level_dp("sdflora", "central")
+    assert_client_level_dp("sdflora-svd", "local")
     with pytest.raises(ConfigError, match="'central' is not supported by method 'sdflora-svd'"):
         tiny_config("method.name=sdflora-svd", "privacy.mode=central", "privacy.clip=0.5",
                     "privacy.noise_multiplier=1.0", "server.weighting=uniform")

@@ -75,7 +75,8 @@ def dual_modules(model: AdaptedModel) -> dict[str, DualLoRALinear]:
     mods = model.adapters()
     bad = [n for n, m in mods.items() if not isinstance(m, DualLoRALinear)]
     if bad or not mods:
-        raise TypeError("the model has no dual LoRA adapters attached" if not mods else f"not dual LoRA adapters: {bad}")
+        raise TypeError("the model has no dual LoRA adapters attached" if not mods
+                        else f"not dual LoRA adapters: {bad}")
     return mods  # type: ignore[return-value]
 
 

@@ -59,8 +59,8 @@ def sketched_svd(B_c: torch.Tensor, A_c: torch.Tensor, omega: torch.Tensor) -> t
 
 
 def energy_rank(S: torch.Tensor, tau: float) -> int:
-    """The smallest ``j`` with ``Σ_{l≤j} σ_l² ≥ τ Σ_l σ_l²`` for singular values ``S: [R]`` (descending), ``τ ∈ (0, 1]``;
-    0 when every ``σ`` is 0. With ``τ = 1`` it is the number of non-zero ``σ`` (the trailing energy below round-off
+    """The smallest ``j`` with ``Σ_{l≤j} σ_l² ≥ τ Σ_l σ_l²`` for singular values ``S: [R]`` (descending),
+    ``τ ∈ (0, 1]``; 0 when every ``σ`` is 0. With ``τ = 1`` it is the number of non-zero ``σ`` (the trailing energy below round-off
     excluded)."""
     cumulative = torch.cumsum(S.to(torch.float64).pow(2), 0)
     if cumulative.numel() == 0 or float(cumulative[-1]) == 0:

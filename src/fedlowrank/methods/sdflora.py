@@ -125,7 +125,8 @@ class DualModule(LoRAMethod):
         """Everything a client trains: the global and local modules, the gates and the head."""
         params = self.trainable(model, ("A", "B"))
         for name, mod in dual_modules(model).items():
-            for key, p in zip((*local_keys(name), *gate_keys(name)), (mod.local_A, mod.local_B, mod.gate_g, mod.gate_l)):
+            parts = (mod.local_A, mod.local_B, mod.gate_g, mod.gate_l)
+            for key, p in zip((*local_keys(name), *gate_keys(name)), parts):
                 if p is not None:
                     params[key] = p
         return params
