@@ -44,6 +44,7 @@ class SetupInfo:
         server_lr: β of the averaging step, ``new = old + β·(avg − old)`` (1 = plain averaging).
         seed: the run's seed (methods derive their streams with :func:`fedlowrank.seeding.derive_seed`).
         rounds: total number of rounds T.
+        clients_per_round: K, the clients sampled each round (``run.clients_per_round``).
     """
 
     num_clients: int
@@ -57,6 +58,7 @@ class SetupInfo:
     server_lr: float = 1.0
     seed: int = 0
     rounds: int = 10
+    clients_per_round: int = 1
 
     @property
     def heterogeneous_ranks(self) -> bool:
@@ -285,6 +287,13 @@ class Method(Schema):
         ``oracle``'s closed-form minibatch gradients (:mod:`fedlowrank.runtime.vectorized`) and the server steps;
         returns the new server state."""
         raise NotImplementedError(f"method {self.name!r} has no vectorised round (batched = False)")
+
+    def protocol_messages(self, down: Message, reply: Message) -> tuple[list[Message], list[Message]] | None:
+        """The messages (down, up) the method's own protocol exchanges with a client in a round, where that differs
+        from the one exchange the runtime runs (FedASK's two uploads, whose second stage the server computes from
+        the reply): the ledger counts their sizes (:class:`~fedlowrank.runtime.rounds.RoundReplies`), which the
+        byte format makes independent of the values. ``None`` (default): ``down`` and ``reply`` themselves."""
+        return None
 
     def max_reply_bytes(self, down: Message) -> int:
         """Upper bound on an honest reply's serialised size; larger replies are rejected."""

@@ -79,13 +79,17 @@ class RoundReplies:
         """Take ``client``'s ``reply`` (as received) to ``down``: usable if :func:`~.engine.check_reply` finds
         nothing wrong (``bound``: the most examples it may claim), else rejected. ``up_bytes``: what the ledger
         counts (default ``reply.nbytes()``); ``cap``: the most examples it weighs in aggregation (``None``: its
-        ``num_examples``). Returns whether it is usable."""
+        ``num_examples``). A usable reply's ledger row counts the method's own protocol when it declares one
+        (:meth:`~fedlowrank.methods.base.Method.protocol_messages`). Returns whether it is usable."""
         up = reply.nbytes() if up_bytes is None else up_bytes
         reason = check_reply(method, down, reply, self.round, bound)
         if reason is not None:
             self.reject(client, reason, down.nbytes(), up)
             return False
-        self.ledger.append({"round": self.round, "client": client, "down": down.nbytes(), "up": up})
+        down_bytes, protocol = down.nbytes(), method.protocol_messages(down, reply)
+        if protocol is not None:
+            down_bytes, up = (sum(m.nbytes() for m in messages) for messages in protocol)
+        self.ledger.append({"round": self.round, "client": client, "down": down_bytes, "up": up})
         self.downs[client] = down
         n = int(reply["num_examples"])
         self.usable.append(Reply(client, n if cap is None else min(n, cap), reply))
