@@ -52,6 +52,7 @@ import textwrap
 import time
 import traceback
 from pathlib import Path
+from typing import Any, Callable
 
 from .reporting.progress import StderrLog
 from .runtime.stopping import terminate_as_interrupt
@@ -136,7 +137,7 @@ def cmd_run(args) -> int:
     if _other_rank():  # a rank of a distributed job other than 0: it trains its share and writes nothing
         from .runtime.distributed import Distributed
 
-        return _as_other_rank(Distributed(cfg))
+        return _as_other_rank(Distributed(cfg).run)
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
     if cfg.run.devices and not _other_rank(0):  # spawn the ranks, rank 0 writing into one directory named here
         _check_devices(cfg.run.devices, "run.devices")
@@ -246,11 +247,11 @@ def _other_rank(rank: int | None = None) -> bool:
     return int(os.environ["RANK"]) == rank if rank is not None else int(os.environ["RANK"]) != 0
 
 
-def _as_other_rank(run) -> int:
-    """Run ``run`` (a rank other than 0 of a distributed run) to its end; stopped with the other ranks, exit as
-    rank 0 does but silently: rank 0 says where the run stopped and how to continue."""
+def _as_other_rank(work: Callable[[], Any]) -> int:
+    """``work()`` in a rank other than 0 of a distributed job (its share of a run, or of a sweep's runs); stopped
+    with the other ranks, exit as rank 0 does but silently: rank 0 says where it stopped and how to continue."""
     try:
-        run.run()
+        work()
     except KeyboardInterrupt as stop:
         return getattr(stop, "exit_status", 130)
     return 0
@@ -296,7 +297,7 @@ def cmd_resume(args) -> int:
         return _spawn_ranks([*args.argv, *(["--devices", ",".join(devices)] if args.devices is None else [])],
                             devices, float(timeout) if isinstance(timeout, (int, float)) else 600.0)
     if _other_rank():
-        return _as_other_rank(Distributed.resume(run_dir))
+        return _as_other_rank(Distributed.resume(run_dir).run)
     runner = Distributed if under_torchrun() else Vectorized if _vectorized_run(run_dir) else Simulation
     with writing(run_dir, "run directory"):
         run = runner.resume(run_dir, log=None if args.quiet else _log, round=args.round, warn=_log)
@@ -429,8 +430,7 @@ def _sweep_ranks(args) -> int | None:
     from .experiments.sweep import SWEEP_BACKEND, serve_ranks
 
     if _other_rank():
-        serve_ranks(cfg, args.quiet)
-        return 0
+        return _as_other_rank(lambda: serve_ranks(cfg, args.quiet))
     init_process_group(cfg, SWEEP_BACKEND)
     return None
 
