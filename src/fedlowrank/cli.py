@@ -1,4 +1,4 @@
-"""Command line: ``fedlowrank run | compare | tune | resume | export | methods``.
+"""Command line: ``fedlowrank run | compare | tune | resume | export | evaluate | methods | config | assets``.
 
 * ``fedlowrank run [CONFIG] [--set section.key=value ...] [--vectorized] [--json]`` — one method, one run
   directory (``--vectorized``: the batched runner of closed-form tasks, :mod:`fedlowrank.runtime.vectorized`).
@@ -17,6 +17,10 @@
 * ``fedlowrank export RUN_DIR [--format peft|merged|routed] [--rank R] [--client N|all]`` — the global model (or a
   personalised method's client's own model) as a PEFT adapter
   (or its rank-R SVD re-factorisation), a merged Hugging Face model, or a routed mixture of LoRA experts.
+* ``fedlowrank evaluate RUN_DIR [--round N] [--client N|all] [--data PATH] [--json] [--out DIR]`` — score a run's
+  checkpoint (the global model, or a personalised method's clients' own models) or an export on the test split or
+  on a file of the same task kind, with the run's own evaluation (:mod:`fedlowrank.evaluate`); prints a table or
+  JSON, writes into ``--out`` only.
 * ``fedlowrank methods [NAME]`` — every registered method with its paper and payloads; with NAME, also its
   options (type, allowed values, default, meaning), preset and learning-rate grid.
 * ``fedlowrank config [CONFIG]`` — every config key with its value (CONFIG's, or the default), meaning and allowed
@@ -336,6 +340,32 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_evaluate(args) -> int:
+    from .config import ConfigError
+    from .evaluate import check_evaluation_dir, evaluate_run, evaluation_table, write_evaluation
+    from .export import ALL_CLIENTS
+    from .runtime.rundir import claim_run_dir, writing
+
+    client = args.client
+    if client is not None and client != ALL_CLIENTS:
+        if not client.isdigit():
+            raise ConfigError(f"--client must be a client index (0, 1, ...) or {ALL_CLIENTS!r}, got {client!r}")
+        client = int(client)
+    if args.out:
+        check_evaluation_dir(args.out)
+    report = evaluate_run(args.run_dir, args.round, client, args.data, warn=_log)
+    if args.out:
+        lock = claim_run_dir(Path(args.out), args.overwrite, kind="evaluate")
+        try:
+            with writing(args.out, "--out"):
+                write_evaluation(Path(args.out), report, {})
+        finally:
+            lock.release()
+        _log(f"evaluation: {Path(args.out) / 'evaluation.md'}")
+    print(json.dumps(report, indent=1) if args.json else evaluation_table(report), end="" if not args.json else "\n")
+    return 0
+
+
 RESUME_HELP = ("continue in --out: reuse each run there that ended with the same config, continue each one stopped "
                "with a checkpoint from it, run the others from the start (also combines runs made by separate "
                "processes)")
@@ -633,6 +663,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--overwrite", action="store_true",
                     help="replace the export already in a non-empty --out (its old files are deleted)")
     sp.set_defaults(func=cmd_export)
+    sp = sub.add_parser("evaluate", help="score a run's checkpoint (the global model or a personalised client's) "
+                        "or an export on the test split or a file, as the run's own rows do", parents=[debug])
+    sp.add_argument("run_dir", help="the run directory (needs a checkpoint), or an export folder")
+    sp.add_argument("--round", type=int, default=None, metavar="N",
+                    help="the checkpoint of round N (default: the newest intact one)")
+    sp.add_argument("--client", default=None, metavar="N|all",
+                    help="personalised methods: client N's own model, or every client's (all); default: the run's "
+                    "own evaluation (the global model, or the mean of the clients' own models)")
+    sp.add_argument("--data", default=None, metavar="PATH",
+                    help="score on this file (the run's task kind, read with the run's columns) instead of the test "
+                    "split")
+    sp.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    sp.add_argument("--out", default=None, help="write evaluation.json and evaluation.md into this folder (never a "
+                    "run directory or inside one); default: print only")
+    sp.add_argument("--overwrite", action="store_true",
+                    help="replace the evaluation already in a non-empty --out (its old files are deleted)")
+    sp.set_defaults(func=cmd_evaluate)
     sp = sub.add_parser("config", help="list every config key with its value (CONFIG's, or the default), meaning and "
                         "allowed values", parents=[debug], **bundled)
     sp.add_argument("config", nargs="?", default=None,

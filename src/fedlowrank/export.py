@@ -58,6 +58,7 @@ from .schema import check_choice
 
 FORMATS = ("peft", "merged", "routed")
 REPORT_FILE = "export.json"
+RUN_CONFIG = "run_config.json"  # the run's resolved config: what `fedlowrank evaluate EXPORT` builds the task from
 ROUTED_WEIGHTS, ROUTED_CONFIG = "routed_adapter.safetensors", "routed_config.json"
 ALL_CLIENTS = "all"
 PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}  # peft 0.21: none for images
@@ -288,6 +289,27 @@ def load_routed(base: nn.Module, folder: str | Path) -> nn.Module:
     return net.eval()
 
 
+def export_base(task, pristine: nn.Module | None = None) -> nn.Module:
+    """The backbone an export of a run of ``task`` is loaded over (``pristine``: ``task.build_model().net``, the
+    run's frozen weights, when already built): the unquantised backbone when ``task.quantize`` stored them in 4 or
+    8 bits."""
+    loaded = getattr(task, "loaded", None)
+    if loaded is not None and loaded.quantize:
+        return loaded.net.eval()
+    return (pristine if pristine is not None else task.build_model().net).eval()
+
+
+def load_export(folder: str | Path, format: str, base: nn.Module) -> nn.Module:
+    """The model of the export in ``folder`` written in ``format``, loaded as its users load it: the PEFT adapter
+    or the routed mixture over a copy of ``base`` (:func:`export_base`), the merged model by ``from_pretrained``;
+    in eval mode."""
+    if format == "routed":
+        return load_routed(base, folder)
+    if format == "merged":
+        return type(base).from_pretrained(str(folder)).eval()
+    return load_peft(base, folder)
+
+
 # -- the output folder ----------------------------------------------------------------------------------------------
 def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> None:
     """Refuse ``--out`` (before any work) when it is, or is inside, a run directory (only a folder ``RUN/export-*``
@@ -440,8 +462,7 @@ def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str,
     else:
         sim.method.load_personal(sim.model, sim.server, sim.store[client])
     model, pristine = sim.model, sim.task.build_model().net.eval()  # the run's frozen weights (W0)
-    # the base the written files are loaded over: the unquantised backbone when task.quantize stored W0 in 4/8 bits
-    base = loaded.net.eval() if loaded is not None and loaded.quantize else pristine
+    base = export_base(sim.task, pristine)
     report: dict[str, Any] = {"method": sim.method.name, "round": sim.round, "format": format}
     if client is not None:
         report["client"] = client
@@ -455,13 +476,11 @@ def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str,
             raise ValueError(f"--format routed holds routed mixtures of LoRA experts (fedalt, fedlease); method "
                              f"{sim.method.name!r} has none: use --format peft or merged")
         report["routed"] = _save_routed(model, out_dir, loaded)
-        exported = load_routed(base, out_dir)
     elif format == "merged":
         net = hf_backbone(merged_net(model, base))
         if not hasattr(net, "save_pretrained"):
             raise ValueError(f"--format merged needs a transformers model; this task's model is a {type(net).__name__}")
         net.save_pretrained(str(out_dir))
-        exported = type(net).from_pretrained(str(out_dir)).eval()
     else:
         reason = not_lora_reason(model) if rank is None else None
         if reason is not None:
@@ -480,7 +499,8 @@ def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str,
             factors, errors, overall = _lora_by_svd(model, pristine, rank, alpha, rule)
             report.update(svd=True, rel_error=errors, rel_error_overall=overall)
         report["peft"] = _save_peft(model, base, factors, alpha, rule, out_dir, loaded)
-        exported = load_peft(base, out_dir)
+    exported = load_export(out_dir, format, base)
+    (out_dir / RUN_CONFIG).write_text(sim.cfg.to_json())
     if loaded is not None:
         if loaded.tokenizer is not None:
             loaded.tokenizer.save_pretrained(str(out_dir))
@@ -631,8 +651,10 @@ __all__ = [
     "check_export_dir",
     "chosen_clients",
     "effective_weight",
+    "export_base",
     "export_run",
     "head_modules",
+    "load_export",
     "load_global_simulation",
     "load_peft",
     "load_routed",
