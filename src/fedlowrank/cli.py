@@ -14,9 +14,9 @@
   ``tune.json`` for ``compare --tuned``.
 * ``fedlowrank resume RUN_DIR [--round N] [--json]`` — continue an interrupted run from its newest intact
   checkpoint (or that of round N), bit for bit.
-* ``fedlowrank export RUN_DIR [--format peft|merged|routed] [--rank R] [--client N|all]`` — the global model (or a
-  personalised method's client's own model) as a PEFT adapter
-  (or its rank-R SVD re-factorisation), a merged Hugging Face model, or a routed mixture of LoRA experts.
+* ``fedlowrank export RUN_DIR [--format peft|merged|routed] [--rank R] [--client N|all] [--dtype fp32|bf16|fp16]`` —
+  the global model (or a personalised method's client's own model) as a PEFT adapter (or its rank-R SVD
+  re-factorisation), a merged Hugging Face model, or a routed mixture of LoRA experts.
 * ``fedlowrank evaluate RUN_DIR [--round N] [--client N|all] [--data PATH] [--json] [--out DIR]`` — score a run's
   checkpoint (the global model, or a personalised method's clients' own models) or an export on the test split or
   on a file of the same task kind, with the run's own evaluation (:mod:`fedlowrank.evaluate`); prints a table or
@@ -330,11 +330,12 @@ def cmd_export(args) -> int:
             raise ConfigError(f"--client must be a client index (0, 1, ...) or {ALL_CLIENTS!r}, got {client!r}")
         client = int(client)
     suffix = (args.format + (f"-r{args.rank}" if args.rank is not None else "")
+              + (f"-{args.dtype}" if args.dtype != "fp32" else "")
               + ("" if client is None else "-clients" if client == ALL_CLIENTS else f"-client-{client}"))
     out = Path(args.out) if args.out else Path(args.run_dir) / f"export-{suffix}"
     with writing(out, "--out"):
         report = export_run(args.run_dir, out, args.format, args.rank, warn=_log, overwrite=args.overwrite,
-                            client=client)
+                            client=client, dtype=args.dtype)
     _log(f"exported to {out}")
     print(json.dumps(report, indent=1))
     return 0
@@ -657,8 +658,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "each); default: the global model")
     sp.add_argument("--rank", type=int, default=None,
                     help="peft only: re-factorise each target's total update to this rank by truncated SVD")
+    sp.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                    help="merged only: the weights' dtype (default: fp32)")
     sp.add_argument("--out", default=None, help="output directory (default: "
-                    "RUN_DIR/export-FORMAT[-rRANK][-client-N|-clients]); never a run directory or inside one other "
+                    "RUN_DIR/export-FORMAT[-rRANK][-DTYPE][-client-N|-clients]); never a run directory or inside one other "
                     "than RUN_DIR/export-NAME")
     sp.add_argument("--overwrite", action="store_true",
                     help="replace the export already in a non-empty --out (its old files are deleted)")
