@@ -343,27 +343,44 @@ def cmd_export(args) -> int:
 
 def cmd_evaluate(args) -> int:
     from .config import ConfigError
-    from .evaluate import check_evaluation_dir, evaluate_run, evaluation_table, write_evaluation
+    from .evaluate import HarnessRequest, check_evaluation_dir, evaluate_run, evaluation_table, write_evaluation
     from .export import ALL_CLIENTS
-    from .runtime.rundir import claim_run_dir, writing
+    from .runtime.rundir import check_run_dir, claim_run_dir, writing
 
     client = args.client
     if client is not None and client != ALL_CLIENTS:
         if not client.isdigit():
             raise ConfigError(f"--client must be a client index (0, 1, ...) or {ALL_CLIENTS!r}, got {client!r}")
         client = int(client)
+    harness = None
+    if args.lm_eval is not None:
+        if not args.out:
+            raise ConfigError("--lm-eval writes the harness's results beside the table: give --out DIR")
+        if args.limit is not None and args.limit < 1 or args.num_fewshot is not None and args.num_fewshot < 0:
+            raise ConfigError(f"--limit must be >= 1 and --num-fewshot >= 0, got {args.limit} and {args.num_fewshot}")
+        harness = HarnessRequest([t for t in args.lm_eval.split(",") if t], args.limit, args.num_fewshot, args.dtype)
+    else:
+        given = [flag for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot),
+                                          ("--dtype", None if args.dtype == "fp32" else args.dtype))
+                 if value is not None]
+        if given:
+            raise ConfigError(f"{given[0]} applies to --lm-eval only")
     if args.out:
         check_evaluation_dir(args.out)
-    report = evaluate_run(args.run_dir, args.round, client, args.data, warn=_log)
+        check_run_dir(args.out, args.overwrite, kind="evaluate")  # refused before any work
+    report = evaluate_run(args.run_dir, args.round, client, args.data, warn=_log, harness=harness)
     if args.out:
         lock = claim_run_dir(Path(args.out), args.overwrite, kind="evaluate")
         try:
             with writing(args.out, "--out"):
-                write_evaluation(Path(args.out), report, {})
+                write_evaluation(Path(args.out), report)
         finally:
             lock.release()
         _log(f"evaluation: {Path(args.out) / 'evaluation.md'}")
-    print(json.dumps(report, indent=1) if args.json else evaluation_table(report), end="" if not args.json else "\n")
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(evaluation_table(report), end="")
     return 0
 
 
@@ -682,6 +699,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "run directory or inside one); default: print only")
     sp.add_argument("--overwrite", action="store_true",
                     help="replace the evaluation already in a non-empty --out (its old files are deleted)")
+    sp.add_argument("--lm-eval", default=None, metavar="TASKS",
+                    help="also score the model with lm-evaluation-harness (pip install 'fedlowrank[eval]'): "
+                    "comma-separated harness task names or YAML files of local tasks; needs --out")
+    sp.add_argument("--limit", type=int, default=None, metavar="N", help="--lm-eval: at most N examples per task")
+    sp.add_argument("--num-fewshot", type=int, default=None, metavar="K",
+                    help="--lm-eval: K few-shot examples (default: each task's own)")
+    sp.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="--lm-eval: the model's dtype (default: fp32)")
     sp.set_defaults(func=cmd_evaluate)
     sp = sub.add_parser("config", help="list every config key with its value (CONFIG's, or the default), meaning and "
                         "allowed values", parents=[debug], **bundled)

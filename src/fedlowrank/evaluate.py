@@ -20,20 +20,46 @@ The report: ``path``, ``kind`` (``run`` or ``export``), ``method``, ``round`` an
 accuracy or exact match, loss, per-class recall in ``predictions``, per-domain metrics, ``by_task`` of an own-task
 evaluation), ``recorded``, ``collapse`` (:func:`~fedlowrank.runtime.evaluation.collapse_of`), and with ``client``
 ``clients``: per client its ``metrics`` and ``recorded``. Nothing is written into the run; the command line
-writes the report, its table (:func:`evaluation_table`) and the harness's results (:mod:`fedlowrank.harness`)
-into ``--out`` only, a folder it claims (:func:`write_evaluation`).
+writes the report, its table (:func:`evaluation_table`) and the harness's results into ``--out`` only, a folder it
+claims (:func:`write_evaluation`).
+
+**lm-evaluation-harness** (``--lm-eval TASKS``, the optional extra ``fedlowrank[eval]``, :data:`LM_EVAL_PIN`):
+:func:`run_harness` gives the run's causal LM as it is, its adapters attached (nothing merged), on the run's device,
+to the harness's Python API (``simple_evaluate`` over its ``HFLM``), for the harness's own task names (hub-backed:
+they need its data sets, online or cached) and for local tasks, a YAML file with a local JSON/JSONL data file
+(offline). The report's ``lm_eval`` holds the harness's metrics and, for each generation task, fedlowrank's own
+exact match of the same generations (:func:`own_exact_match`); docs/evaluate.md compares that rule with the
+harness's ``gsm8k`` strict-match.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .runtime.evaluation import Evaluator, collapse_of, mean_metrics, scalar_metrics
+from .schema import check_choice
 
 REPORT_JSON, REPORT_TABLE = "evaluation.json", "evaluation.md"
 DATA_FILE_KINDS = ("text-classification", "causal-lm")  # tasks that read data.source = "files"
+LM_EVAL_PIN = "lm-eval==0.4.13"  # the optional extra fedlowrank[eval]
+HARNESS_RESULTS, HARNESS_SAMPLES = "lm_eval_results.json", "lm_eval_samples_{task}.jsonl"
+HARNESS_DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class HarnessRequest:
+    """What ``--lm-eval`` asks of lm-evaluation-harness: ``tasks`` (the harness's task names, or YAML files of local
+    tasks), ``limit`` (examples per task, ``None``: all), ``num_fewshot`` (``None``: each task's own), ``dtype``
+    (the model's, :data:`HARNESS_DTYPES`)."""
+
+    tasks: list[str]
+    limit: int | None = None
+    num_fewshot: int | None = None
+    dtype: str = "fp32"
 
 
 def runner_class(run_dir: Path):
@@ -76,12 +102,25 @@ def _recorded(row: dict[str, Any], metrics: tuple[str, ...]) -> dict[str, float]
     return found or None
 
 
-def _evaluate_checkpoint(run_dir: Path, round: int | None, client, data, warn) -> dict[str, Any]:
+def check_harness(cfg, harness: HarnessRequest | None, client=None) -> None:
+    """Refuse ``--lm-eval`` for a run that is no causal LM, or with ``--client all`` (the harness scores one
+    model)."""
+    if harness is None:
+        return
+    if cfg.task.kind != "causal-lm":
+        raise ValueError(f"--lm-eval scores causal language models; this run's task.kind is {cfg.task.kind!r}")
+    if client == "all":
+        raise ValueError("--lm-eval scores one model: give --client N (or no --client: the global model)")
+
+
+def _evaluate_checkpoint(run_dir: Path, round: int | None, client, data, warn,
+                         harness: HarnessRequest | None) -> dict[str, Any]:
     from .export import chosen_clients, recorded_client_test
     from .reporting.progress import Progress
 
     sim = runner_class(run_dir).from_checkpoint(run_dir, round=round, warn=warn)
     clients = chosen_clients(sim, client)
+    check_harness(sim.cfg, harness, client)
     evaluator = sim.evaluator
     if data is not None:
         task = data_task(sim.cfg, sim.task, data)
@@ -108,10 +147,16 @@ def _evaluate_checkpoint(run_dir: Path, round: int | None, client, data, warn) -
                            f"{', '.join(map(str, sim.personal_eval_clients()))}" if personal else "the global model")
         recorded = _recorded(row, sim.task.metrics) if data is None and row.get("round") == sim.round else None
     report.update(metrics=metrics, recorded=recorded, collapse=collapse_of({"round": sim.round, **metrics}))
+    if harness is not None:  # the model the report names first: the global model or the client's own
+        if clients:
+            sim.method.load_personal(sim.model, sim.server, sim.store[clients[0]])
+        else:
+            sim.method.load_global(sim.model, sim.server)
+        report["lm_eval"] = run_harness(sim.model.net, sim.task.tokenizer, harness, sim.task.generation_batch_size)
     return report
 
 
-def _evaluate_export(folder: Path, round: int | None, client, data) -> dict[str, Any]:
+def _evaluate_export(folder: Path, round: int | None, client, data, harness: HarnessRequest | None) -> dict[str, Any]:
     from .config import ConfigError, from_dict
     from .export import REPORT_FILE, RUN_CONFIG, export_base, load_export
     from .tasks import build_task
@@ -130,34 +175,121 @@ def _evaluate_export(folder: Path, round: int | None, client, data) -> dict[str,
     except (OSError, ValueError, ConfigError) as exc:
         raise ValueError(f"{folder}: {RUN_CONFIG} unreadable ({exc}); export the run again to evaluate the "
                          f"export") from None
+    check_harness(cfg, harness)
     task = build_task(cfg)
     net = load_export(folder, exported["format"], export_base(task))
     scored = task if data is None else data_task(cfg, task, data)
     metrics = scored.evaluate(net)
     what = f"client {exported['client']}'s own model" if "client" in exported else "the global model"
-    return {"path": str(folder), "kind": "export", "method": exported["method"], "round": exported["round"],
-            "rounds": cfg.run.rounds, "task": cfg.task.kind, "data": None if data is None else str(data),
-            "model": f"{what}, exported with --format {exported['format']}", "metrics": metrics,
-            "recorded": exported["check"]["exported"] if data is None else None,
-            "collapse": collapse_of({"round": exported["round"], **metrics})}
+    report = {"path": str(folder), "kind": "export", "method": exported["method"], "round": exported["round"],
+              "rounds": cfg.run.rounds, "task": cfg.task.kind, "data": None if data is None else str(data),
+              "model": f"{what}, exported with --format {exported['format']}", "metrics": metrics,
+              "recorded": exported["check"]["exported"] if data is None else None,
+              "collapse": collapse_of({"round": exported["round"], **metrics})}
+    if harness is not None:
+        report["lm_eval"] = run_harness(net, task.tokenizer, harness, task.generation_batch_size)
+    return report
 
 
 def evaluate_run(path: str | Path, round: int | None = None, client: int | str | None = None,
-                 data: str | Path | None = None, warn=None) -> dict[str, Any]:
+                 data: str | Path | None = None, warn=None, harness: HarnessRequest | None = None) -> dict[str, Any]:
     """The report of the evaluation of the run (or export) in ``path`` (see the module docstring); ``warn`` gets a
-    line when a damaged checkpoint is skipped. Reads only."""
+    line when a damaged checkpoint is skipped; ``harness``: also score the model with lm-evaluation-harness
+    (:func:`run_harness`, the report's ``lm_eval``). Reads only."""
     from .runtime.rundir import read_claim
 
+    if harness is not None:
+        require_lm_eval()
+        check_choice("--dtype", harness.dtype, HARNESS_DTYPES)
+        harness_tasks(harness.tasks)  # the YAML files are there and name their tasks
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such directory (RUN_DIR: a run directory or an export)")
     claim = read_claim(path)
     if claim is not None and claim.kind == "export":
-        return _evaluate_export(path, round, client, data)
+        return _evaluate_export(path, round, client, data, harness)
     if claim is not None and claim.kind != "run":
         raise ValueError(f"{path} is the output of `fedlowrank {claim.kind}`, not one run: evaluate one of the run "
                          f"directories in it")
-    return _evaluate_checkpoint(path, round, client, data, warn)
+    return _evaluate_checkpoint(path, round, client, data, warn, harness)
+
+
+# -- lm-evaluation-harness ------------------------------------------------------------------------------------
+def require_lm_eval() -> None:
+    """One line naming the extra to install when lm-evaluation-harness is not installed."""
+    try:
+        import lm_eval  # noqa: F401
+    except ModuleNotFoundError:
+        raise ValueError(f"--lm-eval needs lm-evaluation-harness, the optional extra fedlowrank[eval]: pip install "
+                         f"'fedlowrank[eval]' ({LM_EVAL_PIN})") from None
+
+
+def harness_tasks(specs: list[str]) -> tuple[list[str], list[str]]:
+    """``(task names, folders to include)`` of ``--lm-eval``'s items: a harness task name as it is, a YAML file
+    (a local task) as the name its ``task:`` line gives, with its folder included (where the harness finds it)."""
+    names, folders = [], []
+    for spec in specs:
+        path = Path(spec)
+        if path.suffix not in (".yaml", ".yml"):
+            names.append(spec)
+            continue
+        if not path.is_file():
+            raise FileNotFoundError(f"--lm-eval {spec}: no such file")
+        found = re.search(r"^task:\s*['\"]?([^'\"\s#]+)", path.read_text(), re.M)
+        if found is None:
+            raise ValueError(f"--lm-eval {spec}: no 'task: NAME' line (a harness task file names its task)")
+        names.append(found.group(1))
+        folders.append(str(path.resolve().parent))
+    return names, list(dict.fromkeys(folders))
+
+
+def own_exact_match(samples: list[dict[str, Any]]) -> float | None:
+    """fedlowrank's exact match (:func:`~fedlowrank.tasks.causal_lm.extract_answer` of the generation equals that of
+    the target) over the harness's logged ``samples`` of a generation task; ``None`` when a target has no number."""
+    from .tasks.causal_lm import extract_answer
+
+    scored = []
+    for sample in samples:
+        resps = sample.get("resps") or [[None]]
+        generation, target = resps[0][0], str(sample.get("target"))
+        if not isinstance(generation, str) or extract_answer(target) is None:
+            return None
+        predicted = extract_answer(generation)
+        scored.append(predicted is not None and predicted == extract_answer(target))
+    return sum(scored) / len(scored) if scored else None
+
+
+def run_harness(net, tokenizer, request: HarnessRequest, batch_size: int) -> dict[str, Any]:
+    """lm-evaluation-harness's ``simple_evaluate`` of the model ``net`` (the run's model as it is, adapters
+    attached: nothing merged) with ``tokenizer``, through the harness's own Hugging Face model (``HFLM``): prompts
+    in the tokenizer's chat template when it has one (as the run trains and generates), else plain with the
+    tokenizer's BOS. Returns ``{"tasks", "results", "fedlowrank_exact_match", "harness", "samples"}``: the
+    harness's per-task metrics, fedlowrank's exact match of each generation task's generations
+    (:func:`own_exact_match`), the harness's full results and its logged samples per task."""
+    import torch
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import handle_non_serializable
+
+    from .tasks.causal_lm import uses_chat_template
+
+    names, folders = harness_tasks(request.tasks)
+    manager = TaskManager(include_path=folders or None)
+    unknown = [n for n in names if n not in manager.all_tasks]
+    if unknown:
+        raise ValueError(f"--lm-eval {unknown[0]}: neither a task of lm-evaluation-harness nor a YAML file of one "
+                         f"(`lm-eval ls tasks` lists them)")
+    chat = uses_chat_template(tokenizer)
+    net = net.to({"fp32": torch.float32, "bf16": torch.bfloat16}[request.dtype]).eval()
+    lm = HFLM(pretrained=net, tokenizer=tokenizer, batch_size=batch_size, add_bos_token=not chat)
+    out = simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=request.limit,
+                          num_fewshot=request.num_fewshot, apply_chat_template=chat, log_samples=True)
+    out = json.loads(json.dumps(out, default=handle_non_serializable))  # numpy scalars, sets, functions: as saved
+    samples = out.pop("samples", {})
+    return {"tasks": names, "results": out["results"],
+            "fedlowrank_exact_match": {t: own_exact_match(s) for t, s in samples.items()},
+            "harness": out, "samples": samples}
 
 
 # -- output ---------------------------------------------------------------------------------------------------
@@ -189,6 +321,14 @@ def evaluation_table(report: dict[str, Any]) -> str:
                      f"(chance level {100 * p['majority_share']:.1f} %)")
     if report["collapse"]:
         lines.append("collapsed: one class takes at least 95 % of the predictions")
+    if "lm_eval" in report:
+        lm = report["lm_eval"]
+        lines += ["", "lm-evaluation-harness:", "", "| task | metric | value | fedlowrank exact match |",
+                  "|---|---|---|---|"]
+        for task, metrics in lm["results"].items():
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and not key.startswith("sample") and "_stderr" not in key:
+                    lines.append(f"| {task} | {key} | {_cell(value)} | {_cell(lm['fedlowrank_exact_match'].get(task))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -205,15 +345,29 @@ def check_evaluation_dir(out: str | Path) -> None:
                              f"writes into a run or an export; choose a folder outside it")
 
 
-def write_evaluation(out: Path, report: dict[str, Any], files: dict[str, str]) -> None:
-    """Write the report (:data:`REPORT_JSON`), its table (:data:`REPORT_TABLE`) and ``files`` (name → text) into
-    ``out``, each recorded in ``out``'s claim first (the caller claimed it)."""
+def report_files(report: dict[str, Any]) -> dict[str, str]:
+    """What ``--out`` holds, name → text: the report (:data:`REPORT_JSON`, the harness's metrics in its
+    ``lm_eval``), its table (:data:`REPORT_TABLE`) and, after ``--lm-eval``, the harness's results JSON as the
+    harness writes it (:data:`HARNESS_RESULTS`) and its logged samples, one JSON line each, per task."""
+    shown = dict(report)
+    files = {}
+    if "lm_eval" in report:
+        lm = dict(report["lm_eval"])
+        files[HARNESS_RESULTS] = json.dumps(lm.pop("harness"), indent=1)
+        for task, samples in lm.pop("samples").items():
+            files[HARNESS_SAMPLES.format(task=task)] = "".join(json.dumps(s) + "\n" for s in samples)
+        shown["lm_eval"] = lm
+    return {REPORT_JSON: json.dumps(shown, indent=1), REPORT_TABLE: evaluation_table(report), **files}
+
+
+def write_evaluation(out: Path, report: dict[str, Any]) -> None:
+    """Write :func:`report_files` into ``out``, each recorded in ``out``'s claim first (the caller claimed it)."""
     from .runtime.rundir import own
 
-    for name, text in {REPORT_JSON: json.dumps(report, indent=1), REPORT_TABLE: evaluation_table(report),
-                       **files}.items():
+    for name, text in report_files(report).items():
         own(out, name).write_text(text)
 
 
-__all__ = ["DATA_FILE_KINDS", "REPORT_JSON", "REPORT_TABLE", "check_evaluation_dir", "data_task", "evaluate_run",
-           "evaluation_table", "write_evaluation"]
+__all__ = ["DATA_FILE_KINDS", "HARNESS_DTYPES", "HarnessRequest", "LM_EVAL_PIN", "REPORT_JSON", "REPORT_TABLE",
+           "check_evaluation_dir", "data_task", "evaluate_run", "evaluation_table", "harness_tasks", "own_exact_match",
+           "report_files", "require_lm_eval", "run_harness", "write_evaluation"]
