@@ -6,7 +6,8 @@
   methods on the same partitions, seeds and budget (:mod:`fedlowrank.experiments.compare`); prints the setup and the
   table (means with 95% t-intervals over seeds; paired differences against the reference with their median,
   wins and losses, bootstrap interval and Wilcoxon signed-rank test, which gives the verdict), writes
-  ``results.json``, ``results.md`` and accuracy-vs-round / accuracy-vs-bytes plots.
+  ``results.json``, ``results.md``, accuracy-vs-round / accuracy-vs-bytes plots and ``report.html`` (all of it on one
+  self-contained page).
 * ``fedlowrank tune [CONFIG] [--methods a,b] [--grid 1e-3,3e-3] [--seeds 0] [--param KEY] [--tuned TUNE_JSON]
   [--extend N]``
   — each method's learning rate (or another numeric setting) chosen on a validation split held out of the
@@ -465,6 +466,8 @@ def _sweep_ranks(args) -> int | None:
 
 
 def cmd_compare(args) -> int:
+    import shlex
+
     from .experiments.compare import results_markdown, run_comparison
     from .experiments.sweep import end_ranks
     from .runtime.distributed import under_torchrun
@@ -476,12 +479,14 @@ def cmd_compare(args) -> int:
         try:
             results = run_comparison(args.config, args.methods, args.seeds, args.set, out,
                                      None if args.quiet else _log, reference=args.reference, tuned=args.tuned,
-                                     resume=args.resume, jobs=args.jobs, ranks=under_torchrun())
+                                     resume=args.resume, jobs=args.jobs, ranks=under_torchrun(),
+                                     command=shlex.join(["fedlowrank", *args.argv]))
         except KeyboardInterrupt as stop:
             return _sweep_stopped(args, out, stop)
     end_ranks()
     print(results_markdown(results))
-    _log(f"results: {out / 'results.md'}" + "".join(f"\nplot: {p}" for p in results.get("plots", [])))
+    _log(f"results: {out / 'results.md'}, {out / 'report.html'}" + "".join(f"\nplot: {p}"
+                                                                          for p in results.get("plots", [])))
     return 0
 
 
