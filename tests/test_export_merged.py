@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +137,26 @@ def test_dtype_is_refused_for_adapters_and_unknown_values(tmp_path, capsys):
         main(["export", str(run_dir), "--format", "merged", "--dtype", "fp8"])
     assert "--dtype: invalid choice: 'fp8'" in capsys.readouterr().err
     assert not (run_dir / "export-peft-bf16").exists()
+
+
+def test_export_prints_only_its_own_line(tmp_path):
+    """No bitsandbytes notice about an optional kernel, no transformers FutureWarning peft causes: a fresh process
+    (where bitsandbytes is imported for the first time) says where the export went, nothing else."""
+    run_dir = tmp_path / "run"
+    Simulation(tiny_config("run.rounds=1"), task=tiny_task(), run_dir=run_dir).run()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    proc = subprocess.run([sys.executable, "-m", "fedlowrank", "export", str(run_dir), "--out", str(tmp_path / "e")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stderr.splitlines() == [f"exported to {tmp_path / 'e'}"], proc.stderr
+
+
+def test_the_optional_kernel_notice_alone_is_dropped():
+    import logging
+
+    from fedlowrank.models import BITSANDBYTES_CPU_LOGGER
+
+    def record(message):
+        return logging.LogRecord(BITSANDBYTES_CPU_LOGGER.name, logging.WARNING, __file__, 1, message, (), None)
+
+    assert not BITSANDBYTES_CPU_LOGGER.filter(record("Failed to load CPU gemm_4bit_forward from kernels-community: x"))
+    assert BITSANDBYTES_CPU_LOGGER.filter(record("any other warning of bitsandbytes"))

@@ -18,3 +18,12 @@ def test_the_quick_config_learns_from_near_chance_to_most_of_the_test_set():
 
 def test_the_tiny_smoke_config_says_it_learns_nothing():
     assert "learns nothing" in summary("tiny") and "fedlowrank run quick" in summary("tiny")
+
+
+def test_run_json_names_the_run_directory(tmp_path, capsys):
+    import json
+
+    from fedlowrank.cli import main
+
+    assert main(["run", "tiny", "--set", "run.rounds=1", "--json", "--quiet", "--out", str(tmp_path / "run")]) == 0
+    assert json.loads(capsys.readouterr().out)["run_dir"] == str(tmp_path / "run")

