@@ -124,7 +124,7 @@ RULES = {
     "3 boxes of 24 make 72.\n#### 72": (True, True),
     "#### 72.": (True, True),                       # the harness drops a final dot
     "#### 71": (False, False),
-    "72": (True, False),                            # no "#### N": strict-match finds nothing, ours takes the last number
+    "72": (True, False),                            # no "#### N": strict-match finds nothing, ours the last number
     "#### 72.0": (True, False),                     # ours compares numbers, the harness strings
     "#### $72": (True, False),                      # strict-match's pattern needs a digit right after "#### "
     "#### 70\nchecking again:\n#### 72": (True, False),  # the harness takes the first "####", ours the last

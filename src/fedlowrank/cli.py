@@ -683,8 +683,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                     help="merged only: the weights' dtype (default: fp32)")
     sp.add_argument("--out", default=None, help="output directory (default: "
-                    "RUN_DIR/export-FORMAT[-rRANK][-DTYPE][-client-N|-clients]); never a run directory or inside one other "
-                    "than RUN_DIR/export-NAME")
+                    "RUN_DIR/export-FORMAT[-rRANK][-DTYPE][-client-N|-clients]); never a run directory or inside one "
+                    "other than RUN_DIR/export-NAME")
     sp.add_argument("--overwrite", action="store_true",
                     help="replace the export already in a non-empty --out (its old files are deleted)")
     sp.set_defaults(func=cmd_export)

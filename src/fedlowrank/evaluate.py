@@ -328,7 +328,8 @@ def evaluation_table(report: dict[str, Any]) -> str:
         for task, metrics in lm["results"].items():
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and not key.startswith("sample") and "_stderr" not in key:
-                    lines.append(f"| {task} | {key} | {_cell(value)} | {_cell(lm['fedlowrank_exact_match'].get(task))} |")
+                    ours = _cell(lm["fedlowrank_exact_match"].get(task))
+                    lines.append(f"| {task} | {key} | {_cell(value)} | {ours} |")
     return "\n".join(lines) + "\n"
 
 
