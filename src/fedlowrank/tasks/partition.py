@@ -269,12 +269,13 @@ def label_histograms(labels: np.ndarray, parts: list[np.ndarray], num_classes: i
 
 def format_histograms(hist: np.ndarray, label_names: list[str] | None = None,
                       client_names: list[str] | None = None) -> str:
-    """A plain-text table of per-client label counts (and each client's ``client_names`` entry, e.g. its domain)."""
+    """A plain-text table of per-client label counts (and each client's ``client_names`` entry, e.g. its domain);
+    each column as wide as its whole name (at least 6)."""
     names = label_names or [str(i) for i in range(hist.shape[1])]
-    short = [n[:8] for n in names]
-    width = max(6, *(len(s) for s in short))
-    lines = ["client " + " ".join(s.rjust(width) for s in short) + "   total" + ("  domain" if client_names else "")]
+    widths = [max(6, len(n)) for n in names]
+    lines = ["client " + " ".join(n.rjust(w) for n, w in zip(names, widths)) + "   total"
+             + ("  domain" if client_names else "")]
     for k, row in enumerate(hist):
-        lines.append(f"{k:6d} " + " ".join(str(int(v)).rjust(width) for v in row) + f"  {int(row.sum()):6d}"
-                     + (f"  {client_names[k]}" if client_names else ""))
+        lines.append(f"{k:6d} " + " ".join(str(int(v)).rjust(w) for v, w in zip(row, widths))
+                     + f"  {int(row.sum()):6d}" + (f"  {client_names[k]}" if client_names else ""))
     return "\n".join(lines)
