@@ -115,10 +115,6 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"--resume: {run_dir / 'summary.json'} is unreadable ({exc}); delete {run_dir} to run "
                           "it again") from None
-    problem = seal_problem(run_dir)
-    if problem is not None:
-        raise ConfigError(f"--resume: the finished run in {run_dir} is not reused: {problem}; delete {run_dir} to "
-                          "run it again")
     try:
         old = from_dict(json.loads((run_dir / "config.json").read_text()))
         history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
@@ -127,6 +123,10 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
                           "again") from None
     if not ran_to_its_end(summary, history[-1] if history else None):  # its metrics were cut: run it again
         return None
+    problem = seal_problem(run_dir)  # a run that looks finished: only as it was written
+    if problem is not None:
+        raise ConfigError(f"--resume: the finished run in {run_dir} is not reused: {problem}; delete {run_dir} to "
+                          "run it again")
     same_device = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device=old.run.device))
     if config_fingerprint(old) != config_fingerprint(same_device):  # a rank of a sweep pins its device
         raise ConfigError(f"--resume: {run_dir} holds a run of another config than this one (different settings "
