@@ -294,6 +294,10 @@ class AdaptedModel(nn.Module):
         target_names: full module names of the target ``nn.Linear`` (or ``nn.Conv2d``) layers, e.g.
             ``bert.encoder.layer.0.attention.self.query``.
         head_names: full parameter names of the head (trained and shared unless a method says otherwise).
+
+    Attributes:
+        stored_dtype: the dtype (``train.dtype``'s name) its frozen backbone is stored in, ``"fp32"`` as loaded
+            (:func:`fedlowrank.device.store_frozen` sets it).
     """
 
     def __init__(self, net: nn.Module, target_names: list[str], head_names: list[str]):
@@ -301,6 +305,7 @@ class AdaptedModel(nn.Module):
         self.net = net
         self.target_names = list(target_names)
         self.head_names = list(head_names)
+        self.stored_dtype = "fp32"
         for name in self.target_names:
             mod = net.get_submodule(name)
             if not isinstance(mod, (*TARGET_TYPES, AdaptedLinear)):

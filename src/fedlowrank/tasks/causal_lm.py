@@ -329,19 +329,6 @@ def check_pack_option(value, key: str) -> None:
         raise ValueError(f"{key} must be auto or an integer >= 0, got {value!r}")
 
 
-def auto_pack(cfg) -> bool:
-    """Whether ``task.options.pack = "auto"`` packs: when the run trains cohorts (``run.cohort`` > 1, or 0 on CUDA,
-    with a method that supports them) and packing is correct: not with DP-SGD (it clips each example's gradient,
-    and a packed row holds several examples) nor with a method that reads each example's features (a packed row
-    has no per-example representation)."""
-    from ..device import resolve_device
-    from ..methods import method_class
-
-    method = method_class(cfg.method_name)
-    cohorts = cfg.run.cohort > 1 or (cfg.run.cohort == 0 and resolve_device(cfg.run.device).type == "cuda")
-    return cohorts and method.supports_cohorts and not method.reads_features and not cfg.privacy.dpsgd
-
-
 def check_pack(pack: int, max_length: int) -> None:
     """``task.options.pack`` is 0 or holds a whole example (at least ``task.max_length`` tokens)."""
     if pack and pack < max_length:
@@ -476,14 +463,16 @@ class CausalLM(Task):
                              "packed row holds several examples; set task.options.pack = 0")
 
     @classmethod
-    def from_config(cls, cfg) -> "CausalLM":
-        """Read the instruction data of ``[data]`` (with ``partition.partition_by``'s column) and tokenise it."""
+    def from_config(cls, cfg, cohorts: bool = False) -> "CausalLM":
+        """Read the instruction data of ``[data]`` (with ``partition.partition_by``'s column) and tokenise it;
+        ``task.options.pack = auto`` packs when the run trains ``cohorts`` whose examples may be packed together
+        (:func:`fedlowrank.runtime.plan.packs_cohorts`)."""
         from .instructions import load_instructions
 
         data = load_instructions(cfg.data, cfg.partition.partition_by, cfg.run.seed)
         options = dict(cfg.task.options)
         if options.get("pack", "auto") == "auto":
-            options["pack"] = "auto" if auto_pack(cfg) else 0
+            options["pack"] = "auto" if cohorts else 0
         return cls(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None, cfg.task.eval_batch_size,
                    quantize=cfg.task.quantize, length_buckets=cfg.task.length_buckets, **options)
 
@@ -649,7 +638,7 @@ class CausalLM(Task):
         total = out.reshape(-1, 2).sum(0)
         return total[0] / total[1].clamp_min(1)
 
-    def output_losses(self, out: torch.Tensor, routing: Routing, batches: list) -> torch.Tensor:
+    def output_losses(self, out: torch.Tensor, routing: Routing, joined: dict[str, Any]) -> torch.Tensor:
         """:meth:`output_loss` of every member at once: ``[K]`` (a position counts for the member of its token)."""
         if routing.rows is not None:
             out, member = out.sum(1), routing.member_of_rows(out.device)
