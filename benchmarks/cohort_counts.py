@@ -11,8 +11,9 @@ profiled (the torch profiler over every thread). Printed for each K:
 * ``member_ops``: top-level aten operations of the round outside the steps (broadcast, wire, load, reply, checks,
   aggregation), per member;
 * ``member_reads``: scalar reads of tensors (``aten::_local_scalar_dense``) outside the steps, per member;
-* ``member_moves``: calls of fedlowrank's code outside the steps that would move a tensor between host and device
-  on CUDA (``.to(device)``, ``.cpu()``, ``pin_memory``), per member (counted by a torch function mode);
+* ``member_moves``: calls of fedlowrank's code in the clients' updates outside their steps that would move a
+  tensor between host and device on CUDA (``.to(device)``, ``.cpu()``, ``pin_memory``, ``copy_`` into the model),
+  per member (:func:`fedlowrank.execution.measure.client_transfers`);
 * ``peft_ops``: with ``--peft``, the same count for a plain peft step (``get_peft_model`` r = 2 on q/v, its own
   loss, clipping, AdamW) on one client's batch, the K = 1 reference.
 
@@ -38,6 +39,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from fedlowrank.config import load_config  # noqa: E402
+from fedlowrank.execution.measure import client_transfers  # noqa: E402
 from fedlowrank.runtime.simulator import Simulation  # noqa: E402
 from fedlowrank.tasks import build_task  # noqa: E402
 
@@ -65,23 +67,6 @@ def config(args, k: int, data: list[str]):
                                    *args.set])
 
 
-class Moves(torch.overrides.TorchFunctionMode):
-    """Counts the calls of fedlowrank's code outside local steps that move a tensor to a device."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        from fedlowrank import device
-
-        kwargs = kwargs or {}
-        if (not getattr(device._STEP, "depth", 0) and device._is_move(func, args, kwargs)
-                and device._called_by_us()):
-            self.count += 1
-        return func(*args, **kwargs)
-
-
 def inside(event, name: str) -> bool:
     while event is not None:
         if event.name == name:
@@ -103,11 +88,11 @@ def round_counts(sim: Simulation, k: int) -> dict:
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
-    moves = Moves()
+    moves = {}
     with profile(activities=[ProfilerActivity.CPU],
-                 experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof, moves:
+                 experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
         t0 = time.perf_counter()
-        sim.run_round()
+        moves = client_transfers(sim.run_round)
         seconds = time.perf_counter() - t0
     steps = outside = reads = step_ops = 0
     for e in prof.events():
@@ -126,7 +111,7 @@ def round_counts(sim: Simulation, k: int) -> dict:
         else:
             outside += 1
     return {"K": k, "steps": steps, "step_ops": round(step_ops / max(steps, 1)), "member_ops": round(outside / k),
-            "member_reads": round(reads / k, 1), "member_moves": round(moves.count / k, 1),
+            "member_reads": round(reads / k, 1), "member_moves": round(moves["moves"] / k, 1),
             "round_s": round(seconds, 2)}
 
 

@@ -20,7 +20,7 @@ from fedlowrank.device import store_frozen
 from fedlowrank.execution import compiling
 from fedlowrank.execution.measure import dispatched_ops, measured_peak_bytes
 from fedlowrank.runtime import plan as planner
-from fedlowrank.runtime.cohort import Joint
+from fedlowrank.runtime.cohort import Cohort, Joint
 from fedlowrank.runtime.plan import cohort_memory, cohort_size
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks import build_task
@@ -204,9 +204,10 @@ def train_step(member: MemberFit):
     return lambda: steps.step(0)
 
 
-def joint_steps(sim: Simulation, members: list[MemberFit]) -> LocalSteps:
-    """The joint steps of ``members`` (each on its own view of ``sim``'s model) on ``sim``'s model."""
-    return LocalSteps(members, Joint(sim.model, members, seed=0))
+def joint_steps(sim: Simulation, members: list[MemberFit], cohort: Cohort | None = None) -> LocalSteps:
+    """The joint steps of ``members`` (each on its own view of ``sim``'s model) on ``sim``'s model, in ``cohort``
+    (default: a new one)."""
+    return LocalSteps(members, Joint(cohort or Cohort(sim.model, len(members)), members, seed=0))
 
 
 def plain_peft_step(task, batch, kernel: str = "loop"):
@@ -480,9 +481,10 @@ def test_gradient_checkpointing_needs_a_model_that_supports_it():
 
 
 # -- the cohort memory planner ----------------------------------------------------------------------------------------
-def joint_fit_of(sim: Simulation, size: int, batch) -> LocalSteps:
+def joint_fit_of(sim: Simulation, size: int, batch, cohort: Cohort | None = None) -> LocalSteps:
     """The joint steps of ``size`` FedIT members on ``sim``'s model whose every step trains on ``batch``."""
-    fit = joint_steps(sim, [fit_run(sim, k, sim.model.shared_copy()) for k in range(size)])
+    models = cohort.views(size) if cohort is not None else [sim.model.shared_copy() for _ in range(size)]
+    fit = joint_steps(sim, [fit_run(sim, k, models[k]) for k in range(size)], cohort)
     for member in fit.members:
         member.batches = iter([batch] * 3)
     return fit
@@ -592,30 +594,35 @@ def test_the_per_layer_estimate_equals_a_probe_of_the_whole_depth(sets, monkeypa
         assert 0.85 * whole.step(size) <= layered.step(size) <= 1.15 * whole.step(size), (size, layered, whole)
 
 
-def test_a_cohorts_lora_factors_are_slices_of_one_tensor_with_one_gradient_buffer():
-    """A joint step's LoRA factors: every member's ``lora_A`` (``lora_B``) of a target is a slice of one tensor and
-    its gradient a slice of one buffer, equal to the member's own step alone (different factors per member)."""
+def test_a_cohorts_lora_factors_are_views_of_stacked_tensors_that_persist_across_fits():
+    """A joint step's LoRA factors: every member's ``lora_A`` (``lora_B``) of every target is a view of one stacked
+    tensor per factor group (every target's A of one input size, every B of one output size), whose one gradient
+    holds each member's, equal to the member's own step alone (different factors per member); the next fit of the
+    cohort (the next round) writes into the same tensors and restarts the same optimizer."""
     sim = lm_simulation("run.clients_per_round=4")
     batch = sim.task.batch(np.arange(4))
-    fit = joint_fit_of(sim, 3, batch)
+    cohort = Cohort(sim.model, 3)
+    fit = joint_fit_of(sim, 3, batch, cohort)
+    stacks = cohort.stacks
+    shapes = [sim.model.base_matrix(n).shape for n in sim.model.target_names]
+    assert set(stacks.groups) == {("A", i) for _, i in shapes} | {("B", o) for o, _ in shapes}
+    assert len(stacks.groups) < len(stacks.names) == len(sim.model.target_names)
     g = torch.Generator().manual_seed(0)
     factors = []
     for run in fit.members:
         mine = {}
         for name, layer in run.model.adapters().items():
             A, B = torch.randn(layer.lora_A.shape, generator=g), torch.randn(layer.lora_B.shape, generator=g) / 10
-            with torch.no_grad():
-                layer.lora_A.copy_(A)
-                layer.lora_B.copy_(B)
+            layer.set_factors(A, B)
             mine[name] = (A, B)
         factors.append(mine)
     fit.step(0)
-    name = sim.model.target_names[0]
-    layers = [run.model.net.get_submodule(name) for run in fit.members]
-    for factor in ("lora_A", "lora_B"):
-        params = [getattr(m, factor) for m in layers]
-        assert len({p.untyped_storage().data_ptr() for p in params}) == 1
-        assert len({p.grad.untyped_storage().data_ptr() for p in params}) == 1
+    storages = {key: group.untyped_storage().data_ptr() for key, group in stacks.groups.items()}
+    for run in fit.members:
+        for layer in run.model.adapters().values():
+            assert {layer.lora_A.untyped_storage().data_ptr(), layer.lora_B.untyped_storage().data_ptr()} <= \
+                set(storages.values())
+            assert layer.lora_A.grad is None and layer.lora_B.grad is None  # FedIT: no gradient handed out
     for k, run in enumerate(fit.members):
         alone = fit_run(sim, k, sim.model.shared_copy())
         for layer_name, layer in alone.model.adapters().items():
@@ -623,10 +630,15 @@ def test_a_cohorts_lora_factors_are_slices_of_one_tensor_with_one_gradient_buffe
         alone.batches = iter([batch] * 2)
         train_step(alone)()
         for key, p in run.params.items():
-            torch.testing.assert_close(p.grad, alone.params[key].grad, rtol=1e-6, atol=1e-7, msg=key)
+            name, factor = key.rsplit(".lora_", 1)
+            grad = stacks.member_grad(name, k, factor, p.shape[0 if factor == "A" else 1])
+            torch.testing.assert_close(grad, alone.params[key].grad, rtol=1e-6, atol=1e-7, msg=key)
             torch.testing.assert_close(p.detach(), alone.params[key].detach(), rtol=1e-6, atol=1e-7, msg=key)
     fit.finish()
-    assert all(m.stack is None for m in layers)
+    opt = fit.group.opt
+    again = joint_fit_of(sim, 3, batch, cohort)
+    assert again.group.opt is opt and {k: g.untyped_storage().data_ptr() for k, g in stacks.groups.items()} == storages
+    assert all(v.abs().max() == 0 for s in opt.state.values() for v in s.values())  # restarted: a new optimizer's
 
 
 def test_the_automatic_cohort_on_cuda_is_the_largest_that_fits(monkeypatch, caplog):

@@ -19,11 +19,20 @@ PHASE_PREFIX = "fedlowrank."  # the profiler ranges of a round's parts (phase, l
 LOCAL_STEP = PHASE_PREFIX + "local_step"  # the profiler range of a local step (forward, backward, optimizer)
 
 
-def phase(name: str) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
     """The profiler range ``fedlowrank.<name>`` around a part of a round (a client's update, its reply's move to the
     host, the server's checks of a reply, the round's close), so that a profile names the part where an operation
     or a wait happened on any device, also where it records no Python frames."""
-    return torch.profiler.record_function(PHASE_PREFIX + name)
+    _PHASES.names = [*getattr(_PHASES, "names", []), name]
+    try:
+        with torch.profiler.record_function(PHASE_PREFIX + name):
+            yield
+    finally:
+        _PHASES.names = _PHASES.names[:-1]
+
+
+_PHASES = threading.local()  # .names: the phases this thread is in
 
 
 def phased(name: str) -> Callable[[Callable], Callable]:
@@ -54,7 +63,7 @@ def local_step() -> Iterator[None]:
         _STEP.depth -= 1
 
 
-_MOVES = (torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.pin_memory)
+_MOVES = (torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.pin_memory, torch.Tensor.copy_)
 _HOST_DATA = (torch.tensor, torch.as_tensor, torch.from_numpy)
 _READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__, torch.Tensor.__int__,
           torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero,
@@ -70,16 +79,19 @@ def _is_move(func, args: tuple, kwargs: dict) -> bool:
     return "device" in kwargs or any(isinstance(a, (torch.device, str, torch.Tensor)) for a in args[1:])
 
 
-class _StepTransfers(torch.overrides.TorchFunctionMode):
-    """Counts (:func:`step_transfers`) the calls of our code inside a :func:`local_step` that move or read."""
+class _Transfers(torch.overrides.TorchFunctionMode):
+    """Counts (:func:`step_transfers`, :func:`client_transfers`) the calls of our code that move or read, inside a
+    :func:`local_step` (``steps``) or in a client's update outside its steps (not ``steps``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, steps: bool) -> None:
         super().__init__()
+        self.steps = steps
         self.counts: collections.Counter[str] = collections.Counter()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(_STEP, "depth", 0):
+        in_step = bool(getattr(_STEP, "depth", 0))
+        if in_step if self.steps else (not in_step and "client_update" in getattr(_PHASES, "names", [])):
             kind = ("moves" if _is_move(func, args, kwargs) else "host_data" if func in _HOST_DATA
                     else "reads" if func in _READS and not (func in (torch.Tensor.repeat_interleave,
                                                                       torch.repeat_interleave)
@@ -106,10 +118,20 @@ def step_transfers(fn: Callable[[], Any]) -> "collections.Counter[str]":
     (``.item()``, ``.tolist()``, a truth value, or an operation whose output size depends on values: the host waits
     for the device). Calls from torch's code (the optimizer's step: on CUDA a fused kernel that reads nothing) and
     a model's own (transformers') are left out."""
-    mode, before = _StepTransfers(), getattr(_STEP, "count", 0)
+    mode, before = _Transfers(steps=True), getattr(_STEP, "count", 0)
     with mode:
         fn()
     mode.counts["steps"] = _STEP.count - before
+    return mode.counts
+
+
+def client_transfers(fn: Callable[[], Any]) -> "collections.Counter[str]":
+    """:func:`step_transfers`' counts for what the clients' updates (:func:`phase` ``client_update``) of one call of
+    ``fn`` do outside their local steps: loading a message into the model (``moves`` also counts ``copy_``, from a
+    host tensor into a device one on CUDA), bringing the reply and state to the host, reading values."""
+    mode = _Transfers(steps=False)
+    with mode:
+        fn()
     return mode.counts
 
 
@@ -151,27 +173,37 @@ def measured_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[int, in
     return peak, held
 
 
-def dispatched_ops(fn: Callable[[], Any]) -> "collections.Counter[str]":
+def dispatched_ops(fn: Callable[[], Any], within: str | None = None,
+                   top_level: bool = False) -> "collections.Counter[str]":
     """The aten operations (and optimizer steps) one call of ``fn`` dispatches, counted by the torch profiler on
     the CPU after a warm-up call, a multi-tensor operation (``_foreach_*``, ``_fused_*``) once (on CUDA it is one
-    kernel, on the CPU a loop over its tensors). ``aten::item``/``aten::_local_scalar_dense`` are host reads."""
+    kernel, on the CPU a loop over its tensors); ``within``: only those inside the profiler range of that name
+    (e.g. :data:`LOCAL_STEP`: a step's, not its inputs' staging); ``top_level``: only those no other operation
+    dispatched (what our code and the model's call). ``aten::item``/``aten::_local_scalar_dense`` are host
+    reads."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
 
-    def inside_multi_tensor(event) -> bool:
+    def ancestors(event) -> Iterator[str]:
         parent = event.cpu_parent
         while parent is not None:
-            if parent.name.startswith(("aten::_foreach_", "aten::_fused_")):
-                return True
+            yield parent.name
             parent = parent.cpu_parent
-        return False
+
+    def counted(event) -> bool:
+        names = list(ancestors(event))
+        if any(n.startswith(("aten::_foreach_", "aten::_fused_")) for n in names):
+            return False
+        if top_level and any(n.startswith(("aten::", "Optimizer.step")) for n in names):
+            return False
+        return within is None or within in names
 
     return collections.Counter(e.name for e in prof.events() if e.name.startswith(("aten::", "Optimizer.step"))
-                               and not inside_multi_tensor(e))
+                               and counted(e))
 
 
-__all__ = ["LOCAL_STEP", "PHASE_PREFIX", "allocated_bytes", "dispatched_ops", "local_step", "measured_bytes",
-           "measured_peak_bytes", "phase", "phased", "step_transfers"]
+__all__ = ["LOCAL_STEP", "PHASE_PREFIX", "allocated_bytes", "client_transfers", "dispatched_ops", "local_step",
+           "measured_bytes", "measured_peak_bytes", "phase", "phased", "step_transfers"]

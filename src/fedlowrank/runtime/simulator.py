@@ -133,7 +133,7 @@ class Simulation(ServerRun):
             return [client_update(self.method, self.model, down, state, self.task, data[k], cfg, k, rnd, plan,
                                   on_step)]
         if self._cohort is None:
-            self._cohort = Cohort(self.model)
+            self._cohort = Cohort(self.model, plan.cohort)
         return cohort_update(self.method, self._cohort, [down for _, _, down, _ in sent],
                              [state for *_, state in sent], self.task, [data[k] for k in clients], cfg,
                              clients, rnd, plan, on_step)
