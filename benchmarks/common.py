@@ -24,7 +24,10 @@ def run_resumable(main) -> int:
     """``main()``'s exit status for a script whose runs resume (``--resume``, or reused from ``--out``): stopped by
     Ctrl-C or SIGTERM (:class:`fedlowrank.runtime.stopping.StopRequested`), it prints one line, not a traceback, and
     returns 128 + the signal's number; the finished runs and the interrupted run's checkpoint stay on disk (SIGTERM
-    stops it as Ctrl-C does: its worker processes are stopped and waited for, not left running)."""
+    stops it as Ctrl-C does: its worker processes are stopped and waited for, not left running). An error that is
+    the user's to fix (bad input, a data set that is not there: :func:`fedlowrank.cli.is_user_error`) is one
+    ``error:`` line and exit status 2, as in the ``fedlowrank`` command."""
+    from fedlowrank.cli import error_line, is_user_error
     from fedlowrank.runtime.stopping import terminate_as_interrupt
 
     try:
@@ -35,6 +38,11 @@ def run_resumable(main) -> int:
         print(f"stopped by {name}: the finished runs and the last checkpoint are kept; the same command continues "
               "from them", file=sys.stderr)
         return getattr(exc, "exit_status", 130)
+    except Exception as exc:
+        if not is_user_error(exc):
+            raise
+        print(error_line(exc), file=sys.stderr)
+        return 2
 
 
 def median_seconds(fn, repeats: int) -> tuple[float, object]:

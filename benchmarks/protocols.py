@@ -8,7 +8,7 @@ wins and losses, a bootstrap interval and the Wilcoxon signed-rank test, whose p
 (docs/comparison.md). Every step writes under ``--out/<protocol>/`` (``tune/``, ``compare/``) and is resumable:
 running the same command again reuses every run that ended there with the same config, so an interrupted protocol
 continues, and runs made by separate processes combine. ``--records DIR`` carries the finished runs between machines
-(three small files a run, e.g. kept with the docs in ``benchmarks/records``): copied from ``DIR`` into ``--out``
+(four small files a run, sealed, e.g. kept with the docs in ``benchmarks/records``): copied from ``DIR`` into ``--out``
 before, and from ``--out`` to ``DIR`` after, so a protocol longer than one machine's stay goes on elsewhere.
 
     python benchmarks/protocols.py --list
@@ -72,7 +72,30 @@ TASKMIX = ["data.source=task-mix", "data.max_train_examples=0", "data.max_test_e
            "train.local_epochs=0", "train.batch_size=4", "run.eval_every=4", "run.threads=1",
            "task.options={eval_examples=60, eval_generate=30, max_new_tokens=192, generation_batch_size=10, "
            "write_generations=5}", "run.stop_metric=exact_match"]
-SMOKE_CONFIGS = {"agnews": "tiny", "gsm8k": "tiny-lm"}  # --smoke: the tiny model of each protocol's task
+# the text protocol of the 2025–26 methods (Fed-SB, FSLoRA, FedMomentum, SDFLoRA): AG News, MiniLM-L6, 10 clients,
+# 5 sampled per round, 30 rounds of 10 local steps of 8 × 32 tokens, Dirichlet α = 0.1 unless a protocol says
+# otherwise; the rank comes from each protocol (compare.overrides where the methods' ranks differ)
+TEXT5 = ([s for s in TEXT if not s.startswith(("run.clients_per_round", "lora.rank", "run.eval_every"))]
+         + ["run.clients_per_round=5", "run.rounds=30", "train.local_steps=10", "run.eval_every=10"])
+# record-level DP-SGD on every client, C = 1; Dirichlet α = 0.5 with at least 100 examples a client: at α = 0.1 the
+# smallest clients hold tens of examples, and ε ≤ 3 for them would need σ ≥ 2.5. σ = 1.52 keeps every client of
+# ≥ 100 examples at ε ≤ 3 (δ = 1/its examples) after 30 rounds of 10 steps of 8 examples even if it were sampled in
+# every round (privacy.accountant.noise_for_epsilon(3, 8/100, 300, 1/100) = 1.512, rounded up); each run reports its
+# worst client's ε
+TEXT5_DP = ["partition.alpha=0.5", "partition.min_partition_size=100", "privacy.dpsgd=true", "privacy.dpsgd_clip=1",
+            "privacy.dpsgd_noise=1.52"]
+# FedASK's setting: BBC News (the main config), MiniLM-L6, 10 clients, 2 per round, 50 rounds of 5 local steps of 8
+# examples; under DP Dirichlet α = 0.5 with at least 50 examples a client. σ = 1.59 (ε = 3) and 3.29 (ε = 1) keep
+# a client of ≥ 50 examples within ε (δ = 1/its examples) for up to 20 participations (100 steps; a client is
+# sampled 10 times in expectation, more than 20 with probability < 10⁻³): noise_for_epsilon(ε, 8/50, 100, 1/50) =
+# 1.588 and 3.283, rounded up
+BBC = ["run.clients_per_round=2", "run.rounds=50", "train.local_steps=5", "train.batch_size=8", "run.eval_every=10",
+       "lora.rank=8", "run.threads=1"]
+BBC_DP = ["partition.alpha=0.5", "partition.min_partition_size=50", "privacy.dpsgd=true", "privacy.dpsgd_clip=1"]
+# FSLoRA's heterogeneous budgets of its code's "normal" distribution (mean 16.5, sd 31/6, rounded and clipped to
+# [1, 32]) for the 10 clients, numpy.random.default_rng(42).normal(16.5, 31 / 6, 10), of a rank-32 global LoRA
+FSLORA_RANKS = ["lora.ranks=[18,11,20,21,6,10,17,15,16,12]", "lora.server_rank=32"]
+SMOKE_CONFIGS = {"agnews": "tiny", "gsm8k": "tiny-lm", "main": "tiny"}  # --smoke: the tiny model of each task
 
 
 @dataclass(frozen=True)
@@ -189,6 +212,49 @@ PROTOCOLS = {
     "fedlease-tasks": Protocol("FedLEASE beats FedIT and local-only training on task-heterogeneous clients",
                                ["fedlease", "fedalt", "fedit", "local-only"], TASKMIX, config="gsm8k",
                                seeds="0,1,2,3,4,5", runs_of="fedalt-tasks", reference="fedlease"),
+    # Fed-SB at equal or lower uplink (arXiv:2502.15436, its Figure 1): r = 64 sends 64² = 4,096 numbers a MiniLM
+    # projection, FedIT at r = 8 sends 8·(384 + 384) = 6,144 (r = 4: 3,072, less than Fed-SB's, so not a condition)
+    "fed-sb-uplink": Protocol("Fed-SB (r = 64) beats FedIT at r = 8, whose uplink is 1.5× Fed-SB's",
+                              ["fed-sb", "fedit"], TEXT5 + NONIID + ['compare.overrides={fedit = ["lora.rank=8"], '
+                                                                     '"fed-sb" = ["lora.rank=64"]}'],
+                              seeds="0,1,2,3,4,5", reference="fed-sb"),
+    "fed-sb-dp": Protocol("Fed-SB (r = 32) beats FFA-LoRA (r = 8) under record-level DP-SGD at ε ≤ 3",
+                          ["fed-sb", "ffa-lora"], TEXT5 + TEXT5_DP + ['compare.overrides={"ffa-lora" = ["lora.rank=8"],'
+                                                                      ' "fed-sb" = ["lora.rank=32"]}'],
+                          seeds="0,1,2,3,4,5", reference="fed-sb"),
+    # FSLoRA against the zero-padding baseline at the same budgets: a client of budget k sends k·(in + out) numbers
+    # in both, so the mean uplink is equal
+    "fslora-budgets": Protocol("FSLoRA beats HetLoRA at equal heterogeneous budgets k_i ~ normal(1…32), r = 32",
+                               ["fslora", "hetlora"], TEXT5 + NONIID + FSLORA_RANKS, seeds="0,1,2,3,4,5",
+                               reference="fslora"),
+    "fedmomentum": Protocol("FedMomentum beats FlexLoRA and FedIT (rank 4; the text protocol)",
+                            ["fedmomentum", "flexlora", "fedit"], TEXT5 + NONIID + ["lora.rank=4"],
+                            seeds="0,1,2,3,4,5", reference="fedmomentum"),
+    # the paper's task at CPU scale: SmolLM2-135M on GSM8K, 8 IID clients, 4 a round, 10 rounds of 4 steps of 4
+    "fedmomentum-gsm8k": Protocol("FedMomentum beats FlexLoRA and FedIT on GSM8K (SmolLM2-135M, 8 IID clients)",
+                                  ["fedmomentum", "flexlora", "fedit"],
+                                  ["partition.kind=iid", "partition.num_clients=8", "run.clients_per_round=4",
+                                   "run.rounds=10", "train.local_steps=4", "run.eval_every=5", "run.threads=1",
+                                   "run.stop_metric=exact_match"],
+                                  config="gsm8k", seeds="0,1,2,3,4,5", grid="3e-4,1e-3,3e-3",
+                                  reference="fedmomentum"),
+    "fedask-dp3": Protocol("FedASK beats FFA-LoRA and FedIT at equal r under record-level DP-SGD at ε ≤ 3",
+                           ["fedask", "ffa-lora", "fedit"], BBC + BBC_DP + ["privacy.dpsgd_noise=1.59"],
+                           config="main", seeds="0,1,2,3,4,5", reference="fedask"),
+    "fedask-dp1": Protocol("the same at ε ≤ 1", ["fedask", "ffa-lora", "fedit"],
+                           BBC + BBC_DP + ["privacy.dpsgd_noise=3.29"], config="main", seeds="0,1,2,3,4,5",
+                           reference="fedask"),
+    "fedask": Protocol("without DP FedASK loses at most 1 point to FedIT (Dirichlet α = 0.1)",
+                       ["fedask", "fedit", "ffa-lora"], BBC + NONIID, config="main", seeds="0,1,2,3,4,5",
+                       reference="fedask"),
+    # personalised accuracy: each client's own model (the global module with its local module, gates and head),
+    # FedSA-LoRA's (shared A, own B) and FedIT's global model, all on the test set; rank 4 for the global part
+    "sdflora-personal": Protocol("SDFLoRA's clients' own models beat FedIT and FedSA-LoRA (Dirichlet α = 0.1)",
+                                 ["sdflora", "fedit", "fedsa-lora"], TEXT5 + NONIID + ["lora.rank=4"],
+                                 seeds="0,1,2,3,4,5", reference="sdflora"),
+    "sdflora-dp": Protocol("SDFLoRA (every trained tensor noised) keeps up with FedIT under DP-SGD at ε ≤ 3",
+                           ["sdflora", "fedit"], TEXT5 + TEXT5_DP + ["lora.rank=4"], seeds="0,1,2,3,4,5",
+                           reference="sdflora"),
 }
 
 
@@ -275,15 +341,17 @@ def read_against_reference(name: str, out: Path, device: str, seeds: int | None)
 
 def keep_records(records: Path, out: Path, homes: list[str], into_out: bool) -> None:
     """Copy the finished runs of each protocol folder in ``homes`` from ``records`` into ``out`` (``into_out``) or
-    back (:func:`fedlowrank.experiments.sweep.copy_finished_runs`: three small files a run, all that a verdict and a
-    resumed protocol read), logging what was copied."""
+    back (:func:`fedlowrank.experiments.sweep.copy_finished_runs`: four small files a run, all that a verdict and a
+    resumed protocol read, only while they match their seal), logging what was copied and what was refused."""
     src, dest = (records, out) if into_out else (out, records)
     for home in homes:
         if (src / home).is_dir():
-            written, skipped = copy_finished_runs(src / home, dest / home)
+            written, skipped, refused = copy_finished_runs(src / home, dest / home)
+            for line in refused:
+                log(f"--records: not copied: {line}")
             runs = f"{len(written)} finished run{'' if len(written) == 1 else 's'}"
             log(f"--records: {runs} of {home} copied from {src / home} to {dest / home} ({len(skipped)} there "
-                "already, kept as they are)")
+                f"already, kept as they are{f'; {len(refused)} refused' if refused else ''})")
 
 
 def main(argv=None) -> int:

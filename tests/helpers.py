@@ -40,6 +40,18 @@ def run_tiny(method: str, *sets: str, rounds: int = 2) -> Simulation:
 DPSGD = ("privacy.dpsgd=true", "privacy.dpsgd_clip=1.0", "privacy.dpsgd_noise=1.0")  # record-level DP-SGD settings
 
 
+def assert_client_level_dp(method: str, mode: str, *sets: str) -> None:
+    """Two tiny rounds of ``method`` under client-level DP ``mode`` (C = 0.5, σ = 0.5; central with uniform weights):
+    no reply rejected, and every round noised (central: ``noise_std`` > 0) or accounted (local: ε > 0)."""
+    extra = ("server.weighting=uniform",) if mode == "central" else ()
+    sim = run_tiny(method, f"privacy.mode={mode}", "privacy.clip=0.5", "privacy.noise_multiplier=0.5", *extra, *sets)
+    assert all(not r.get("rejected") for r in sim.history)
+    if mode == "central":
+        assert all(r["privacy"]["noise_std"] > 0 for r in sim.history)
+    else:
+        assert all(r["epsilon"] > 0 for r in sim.history)
+
+
 def run_with_dpsgd(monkeypatch, method: str, *sets: str) -> tuple[Simulation, list[set[str]]]:
     """:func:`run_tiny` of ``method`` under DP-SGD (:data:`DPSGD`), and the names of the parameters each private
     step clipped and noised (one set per step)."""

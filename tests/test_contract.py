@@ -121,7 +121,8 @@ def test_supports_cohorts_is_derived_from_the_two_phases():
 # -- optional hooks: declared, and the declarations agree with what each method does ---------------------------
 # settings under which a declared per-client downlink shows (RAVAN's: clients training different heads)
 PROBE_SETTINGS = {"ssf": ["train.optimizer=sgd", "train.lr=0.05"], "fedsub": ["train.optimizer=sgd", "train.lr=0.05"],
-                  "ravan": ["method.client_heads=[1, 3]"], "fedlease": ["method.warmup_rounds=1"]}
+                  "ravan": ["method.client_heads=[1, 3]"], "fedlease": ["method.warmup_rounds=1"],
+                  "fslora": ["lora.ranks=[1]", "lora.server_rank=2"]}
 
 
 def _same(a, b) -> bool:

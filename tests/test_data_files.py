@@ -141,6 +141,24 @@ def test_jsonl_read_with_index_columns_asks_for_key_names(tmp_path):
         load_text_files(path, None)
 
 
+def test_jsonl_lone_surrogate_is_refused_with_its_line_and_key(tmp_path, capsys):
+    """``"w0\\ud800"`` is valid JSON but no text: one error line naming the file, the line and the key (the
+    tokenizer would fail with a TypeError), through the command too; a full surrogate pair is its character."""
+    lines = [json.dumps({"text": f"w{i}", "label": f"c{i % 2}"}) for i in range(20)]
+    lines[6] = '{"text": "w0\\ud800", "label": "c0"}'
+    path = write(tmp_path / "d.jsonl", lines)
+    with pytest.raises(ValueError, match=r"d\.jsonl:7: key 'text' \(data.text_column\) holds a lone UTF-16 "
+                                         r"surrogate \(\\ud800 at character 2\)"):
+        load_text_files(path, None, "text", "label")
+    assert cli.main(["run", "tiny", "--set", "data.source=files", "--set", f"data.train={path}", "--set",
+                     "data.text_column=text", "--set", "data.label_column=label", "--out",
+                     str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds a lone UTF-16 surrogate" in err[0] and "internal error" not in err[0], err
+    pair = write(tmp_path / "p.jsonl", ['{"t": "x\\ud83d\\ude00", "y": "a"}'])
+    assert read_table(pair, ["t", "y"]).rows == [("x\U0001f600", "a")]
+
+
 def test_jsonl_numbers_are_labels_as_strings(tmp_path):
     path = write(tmp_path / "d.jsonl", [json.dumps({"t": f"s{i}", "y": i % 2}) for i in range(10)])
     table = read_table(path, ["t", "y"])

@@ -53,6 +53,31 @@ def test_routed_mixture_equals_the_per_token_dense_reference(slots, top_k, bias)
         mod.set_experts(mod.lora_A, mod.lora_B, mod.others_A, mod.others_B, torch.zeros(9, 5), None)
 
 
+def test_router_row_0_gates_the_own_lora_and_row_1_the_rest_of_world():
+    """The documented convention (docs/methods/fedalt.md, "The router's rows"): with router row 0 far above row 1
+    for every token, each adapted layer of a client's model adds its own LoRA's update alone; the other way round,
+    the Rest-of-World's. The official layout (row 0 for the Rest-of-World) fails both assertions."""
+    sim = sim_of("fedalt")
+    state = sim.method.init_client(0)
+    g = torch.Generator().manual_seed(3)
+    for key in state.tensors():
+        if ".lora_" in key:
+            state[key] = torch.randn(state[key].shape, generator=g)
+    row = Message({k: torch.randn(state[k].shape, generator=g) for k in state.tensors() if ".lora_" in k})
+    for own_row, expected in ((0, "own"), (1, "rest-of-world")):
+        for name in routed_modules(sim.model):
+            router = torch.zeros_like(state[f"{name}.router"])
+            router[own_row, 0] = 1e4          # every token below has x₀ = 1: softmax puts all weight on that row
+            state[f"{name}.router"] = router
+        sim.method.load(sim.model, row, state)
+        for name, mod in routed_modules(sim.model).items():
+            x = torch.randn(4, mod.in_features, generator=g)
+            x[:, 0] = 1.0
+            A, B = (state, row)[expected != "own"][f"{name}.lora_A"], (state, row)[expected != "own"][f"{name}.lora_B"]
+            with torch.no_grad():
+                torch.testing.assert_close(mod(x), mod.base(x) + mod.scale * x @ A.T @ B.T, rtol=1e-4, atol=1e-4)
+
+
 def _mean(tensors):
     return torch.stack([t.double() for t in tensors]).mean(0).float()
 

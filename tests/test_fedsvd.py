@@ -84,9 +84,26 @@ def test_clients_train_and_send_b_only_and_the_global_model_is_the_average_of_th
             torch.testing.assert_close(A @ A.T, torch.eye(A.shape[0], dtype=torch.float64), rtol=0, atol=1e-5)
 
 
+def official_refactor_rounds(period: int, warmup: int, rounds: int) -> list[int]:
+    """The rounds (from 1) after which the official server (``fedmm/fedavg/server.py``, 0-based ``curr_rnd``)
+    re-runs the SVD: ``(curr_rnd+1) % recalculate_svd_period == 0 and (curr_rnd+1) > svd_warmup_steps``."""
+    return [curr_rnd + 1 for curr_rnd in range(rounds)
+            if (curr_rnd + 1) % period == 0 and (curr_rnd + 1) > warmup]
+
+
+@pytest.mark.parametrize("period", range(1, 6))
+@pytest.mark.parametrize("warmup", range(0, 6))
+def test_refactor_schedule_is_the_official_rule(period, warmup):
+    """Every (period, warm-up) pair up to 5: a schedule counted from the end of the warm-up (re-factorising after
+    rounds 3, 5, 7 for period 2, warm-up 1, instead of 2, 4, 6) fails every pair whose warm-up is not a multiple
+    of the period."""
+    method = get_method("fedsvd", svd_warmup=warmup, svd_every=period)
+    assert [r for r in range(1, 31) if method.refactor_due(r)] == official_refactor_rounds(period, warmup, 30)
+
+
 def test_warmup_and_period_schedule_the_refactorisation():
-    method = get_method("fedsvd", svd_warmup=2, svd_every=3)
-    assert [r for r in range(1, 12) if method.refactor_due(r)] == [5, 8, 11]
+    method = get_method("fedsvd", svd_warmup=1, svd_every=2)
+    assert [r for r in range(1, 8) if method.refactor_due(r)] == [2, 4, 6]
     sim = sim_of("fedsvd", "method.svd_warmup=1")
     A0 = {k: v.clone() for k, v in sim.server.items() if k.endswith("lora_A")}
     play_round(sim, [0, 1], 1)

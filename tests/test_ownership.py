@@ -4,6 +4,7 @@ file a fedlowrank command wrote, and `--overwrite` removes only the entries that
 import json
 import os
 import shutil
+import subprocess
 
 import pytest
 from helpers import tiny_config, tiny_task
@@ -109,6 +110,51 @@ def test_overwrite_removes_all_or_nothing(tmp_path, finished, capsys, monkeypatc
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"cannot remove {run_dir / 'summary.json'}" in err and "nothing was removed" in err
     assert snapshot(run_dir) == before
+
+
+def test_overwrite_refuses_an_immutable_old_file_before_removing_anything(tmp_path, finished, capsys, monkeypatch):
+    """A file marked immutable (chattr +i) deep in the old run cannot be deleted by anyone: refused first, in one
+    line naming it, with the directory as it was (no hidden .overwrite.tmp folder left)."""
+    run_dir = shutil.copytree(finished[0], tmp_path / "run")
+    before = snapshot(run_dir)
+    stuck = sorted((run_dir / "checkpoints").rglob("server.safetensors"))[0]
+    monkeypatch.setattr(rundir, "file_flags", lambda path: rundir.FS_IMMUTABLE_FL if path == stuck else 0)
+    assert main(["run", "tiny", "--overwrite", "--out", str(run_dir), *ONE_ROUND]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"cannot remove {stuck} (marked immutable" in err and \
+        "nothing was removed" in err, err
+    assert snapshot(run_dir) == before and not list(run_dir.glob(".overwrite.tmp-*"))
+
+
+def test_an_immutable_file_is_seen_by_its_flags(tmp_path):
+    """The real flag, where the file system has it (chattr +i on ext4, as root)."""
+    target = tmp_path / "f"
+    target.write_text("x")
+    if subprocess.run(["chattr", "+i", str(target)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    try:
+        assert rundir.file_flags(target) & rundir.FS_IMMUTABLE_FL
+    finally:
+        subprocess.run(["chattr", "-i", str(target)], check=True)
+    assert not rundir.file_flags(target) & rundir.FS_IMMUTABLE_FL
+
+
+def test_overwrite_that_cannot_delete_what_it_moved_says_so(tmp_path, finished, capsys, monkeypatch):
+    """A deletion that fails after the old entries were moved aside (no flag foretold it) is one line naming what is
+    left and where, never a silent success."""
+    run_dir = shutil.copytree(finished[0], tmp_path / "run")
+    unlink = os.unlink
+
+    def refuse(path, *args, **kwargs):
+        if os.path.basename(path) == "summary.json":
+            raise PermissionError(1, "Operation not permitted")
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(rundir.shutil.os, "unlink", refuse)
+    assert main(["run", "tiny", "--overwrite", "--out", str(run_dir), *ONE_ROUND]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot delete" in err and "summary.json (Operation not permitted)" in err \
+        and ".overwrite.tmp-" in err, err
 
 
 def test_overwrite_checks_every_folder_it_would_empty_first(tmp_path, finished, capsys, monkeypatch):

@@ -7,6 +7,9 @@ clients simply did not reply (``run.dropout_schedule``), in the simulator and ov
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -118,7 +121,7 @@ def _replies(*norms: float, examples=None):
 @pytest.mark.parametrize("norms, rejected", [
     ((1.0, 2.0, 100.0), [2]),         # median of the others: 1.5
     ((1.0, 100.0), [1]),              # two replies: each measured against the other
-    ((5.0,), []),                     # a lone reply has nothing to be measured against
+    ((5.0,), []),                     # a lone reply sent zeros, with no earlier round: nothing to measure it against
     ((1.0, 1.0, 1.0, 10.0), []),      # at the bound: kept
     ((1.0, 1.0, 1.0, 10.5), [3]),
     ((0.0, 0.0, 0.0), []),
@@ -127,10 +130,66 @@ def test_an_update_is_measured_against_the_median_of_the_rounds_other_updates(no
     from fedlowrank.runtime.robust import outlying_replies
 
     replies, downs = _replies(*norms)
-    kept, out = outlying_replies(replies, downs, 10.0, load_config("tiny").train)
+    kept, out, norm = outlying_replies(replies, downs, 10.0, load_config("tiny").train)
     assert [r["client"] for r in out] == rejected
     assert [r.client for r in kept] == [k for k in range(len(norms)) if k not in rejected]
     assert all("server.outlier_ratio = 10 times" in r["reason"] for r in out)
+    steps = load_config("tiny").train.local_steps  # the norms are per local step
+    assert norm == pytest.approx(float(np.median([n for k, n in enumerate(norms) if k not in rejected])) / steps)
+
+
+@pytest.mark.parametrize("norm, earlier, sent, initial, kept", [  # norm: of the whole update, over 2 local steps
+    (10.0, 0.5, 0.0, 0.0, True),      # 5 per step: within 10 times the newest earlier round's median
+    (10.2, 0.5, 100.0, 0.0, False),   # beyond it: what it was sent does not matter then
+    (18.0, None, 1.0, 0.0, True),     # no earlier round: within 10 times the norm of what it was sent
+    (22.0, None, 1.0, 0.0, False),
+    (22.0, None, 0.0, 2.0, True),     # it was sent zeros: measured against its initial client state
+    (42.0, None, 0.0, 2.0, False),
+])
+def test_a_lone_reply_is_measured_against_earlier_rounds_or_what_it_starts_from(norm, earlier, sent, initial, kept):
+    from fedlowrank.runtime.robust import outlying_replies
+
+    replies, _ = _replies(norm)
+    downs = {0: Message({"w": torch.tensor([0.0, sent])})}
+    start = {0: Message({"own": torch.tensor([initial])})}
+    got, out, _ = outlying_replies(replies, downs, 10.0, load_config("tiny").train, earlier, start.__getitem__)
+    assert (len(got), len(out)) == ((1, 0) if kept else (0, 1))
+    if not kept:
+        assert ("earlier round" if earlier else "what it starts from") in out[0]["reason"]
+
+
+def _everything_huge(reply: Message) -> Message:
+    out = Message(reply)
+    for key, t in reply.tensors().items():
+        if t.is_floating_point():
+            out[key] = torch.full_like(t, 3e38)
+    return out
+
+
+@pytest.mark.parametrize("method", FEDERATED)
+def test_a_lone_bad_reply_never_ends_nor_poisons_the_run(method):
+    """Two clients a round with the default ``run.min_replies = 1``. Round 1: the other sampled client drops out and
+    the one left sends 3e38 everywhere (measured against what it was sent); round 2: both reply honestly; round 3:
+    one drops out and the other sends 3e38 (measured against round 2's replies). Both bad replies are rejected and
+    the run ends with the state of the run in which those clients did not reply."""
+    sets = ["run.clients_per_round=2", "run.rounds=3", *METHOD_SETTINGS.get(method, [])]
+    cfg = load_config("tiny", [f"method.name={method}", *sets])
+    sampled = {rnd: sample_clients(cfg.run.seed, rnd, cfg.partition.num_clients, 2) for rnd in (1, 3)}
+    bad = {rnd: clients[0] for rnd, clients in sampled.items()}
+    gone = [[rnd, clients[1]] for rnd, clients in sampled.items()]
+    attacked = Simulation(load_config("tiny", [f"method.name={method}", *sets, f"run.dropout_schedule={gone}"]),
+                          task=tiny_task(), tamper=lambda rnd, k, r: _everything_huge(r) if bad.get(rnd) == k else r)
+    attacked.run()
+    absent = Simulation(load_config("tiny", [f"method.name={method}", *sets, "run.dropout_schedule="
+                                             f"{gone + [[rnd, k] for rnd, k in bad.items()]}"]), task=tiny_task())
+    absent.run()
+    for rnd in (1, 3):
+        row = attacked.history[rnd - 1]
+        assert row["skipped"] and [r["client"] for r in row["rejected"]] == [bad[rnd]], row
+        assert "server.outlier_ratio" in row["rejected"][0]["reason"]
+    assert "update_norm" in attacked.history[1] and "rejected" not in attacked.history[1]
+    assert_same_state(attacked.server, absent.server)
+    assert all(math.isfinite(r["train_loss"]) for r in attacked.history if not r.get("skipped"))
 
 
 def test_with_local_epochs_an_update_is_measured_per_local_step():

@@ -315,12 +315,35 @@ def _with_key(state, key):
     return State({**state, key: torch.zeros(2)})
 
 
+def _changed(state, suffix, change):
+    """``state`` with the first tensor whose key ends with ``suffix`` replaced by ``change(tensor)``."""
+    from fedlowrank.message import State
+
+    key = next(k for k in sorted(state) if k.endswith(suffix))
+    return State({**state, key: change(state[key])})
+
+
+def _last_row(record, **fields):
+    return {**record, "history": record["history"][:-1] + [{**record["history"][-1], **fields}]}
+
+
 CRAFTED = {
     "history cut, hash recomputed": dict(record=lambda r: {**r, "history": r["history"][:1]}),
     "history without times": dict(record=lambda r: {**r, "history": [{"round": x["round"]} for x in r["history"]]}),
     "meta.json with another key": dict(meta=lambda m: {**m, "note": "added"}),
     "server state without lora_A": dict(server=lambda s: _without(s, "lora_A")),
     "client key without a client": dict(clients=lambda s: _with_key(s, "lora_A")),
+    # the audit's: an added entry, a cut ledger, a history value of another type, non-finite or huge values, a shape
+    "server state with an added entry": dict(server=lambda s: _with_key(s, "evil.lora_A")),
+    "ledger cut to one row": dict(record=lambda r: {**r, "ledger": r["ledger"][:1]}),
+    "a ledger row's bytes changed": dict(record=lambda r: {**r, "ledger": [{**r["ledger"][0], "up": 1}]
+                                                           + r["ledger"][1:]}),
+    "accuracy of another type": dict(record=lambda r: _last_row(r, accuracy="high")),
+    "bytes of another type": dict(record=lambda r: _last_row(r, bytes_up=-1)),
+    "NaN in the server state": dict(server=lambda s: _changed(s, "lora_B", lambda t: t * float("nan"))),
+    "3e38 in the server state": dict(server=lambda s: _changed(s, "lora_B", lambda t: t * 0 + 3e38)),
+    "a server tensor of another shape": dict(server=lambda s: _changed(s, "lora_A", lambda t: t[:1].repeat(3, 1))),
+    "a server tensor of another dtype": dict(server=lambda s: _changed(s, "lora_A", lambda t: t.double())),
 }
 
 
@@ -336,6 +359,70 @@ def test_a_crafted_checkpoint_with_matching_hashes_falls_back_to_the_last_intact
     assert rounds_in(run_dir) == [1, 2, 3]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["accuracy"] == three_rounds[1]["accuracy"] and summary["bytes_up"] == three_rounds[1]["bytes_up"]
+
+
+@pytest.mark.parametrize("craft", ["server state with an added entry", "NaN in the server state",
+                                   "3e38 in the server state", "accuracy of another type"])
+def test_export_of_a_crafted_checkpoint_exports_the_last_intact_one(three_rounds, tmp_path, capsys, craft):
+    """``export`` reads the checkpoint ``resume`` would: a damaged newest one is skipped with one line, and the model
+    exported is the last intact one's (never a non-finite or forged one)."""
+    run_dir = _copy(three_rounds[0], tmp_path)
+    _forge(run_dir / "checkpoints" / "round-00003", **CRAFTED[craft])
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "export")]) == 0
+    err = capsys.readouterr().err
+    assert "round-00003" in err and "using round-00002" in err and "Traceback" not in err, err
+    assert json.loads((tmp_path / "export" / "export.json").read_text())["round"] == 2
+
+
+@pytest.fixture(scope="module")
+def fedalt_rounds(tmp_path_factory):
+    """A finished 3-round tiny FedALT run (personalised: client states of own factors, routers and heads) with a
+    checkpoint every round (rounds 2 and 3 kept)."""
+    run_dir = tmp_path_factory.mktemp("fedalt") / "run"
+    Simulation(tiny_config("method.name=fedalt", "run.rounds=3", "run.checkpoint_every=1"), task=tiny_task(),
+               run_dir=run_dir).run()
+    return run_dir
+
+
+def _client_entry(clients, suffix, change=None):
+    """The flat client states with the first entry of a client ending with ``suffix`` removed (``change=None``) or
+    replaced by ``change(value)``."""
+    from fedlowrank.message import State
+
+    key = next(k for k in sorted(clients) if k.endswith(suffix))
+    out = {k: v for k, v in clients.items() if k != key}
+    if change is not None:
+        out[key] = change(clients[key])
+    return State(out)
+
+
+CLIENT_CRAFTED = {
+    "a client's lora_A missing": lambda c: _client_entry(c, "lora_A"),
+    "a client's router missing": lambda c: _client_entry(c, "router"),
+    "a client's index missing": lambda c: _client_entry(c, "/client"),
+    "a client's tensor of another shape": lambda c: _client_entry(c, "lora_B", lambda t: t[:, :1]),
+    "NaN in a client's state": lambda c: _client_entry(c, "router", lambda t: t * float("nan")),
+    "an added client entry": lambda c: _with_key(c, "0/evil"),
+}
+
+
+@pytest.mark.parametrize("craft", sorted(CLIENT_CRAFTED))
+@pytest.mark.parametrize("command", ["resume", "export"])
+def test_a_crafted_client_state_falls_back_to_the_last_intact_checkpoint(fedalt_rounds, tmp_path, capsys, craft,
+                                                                         command):
+    """A personalised run's client states are checked like the server's, before anything uses them: resume and
+    ``export --format routed --client K`` fall back to round 2's checkpoint with one line naming the defect."""
+    run_dir = _copy(fedalt_rounds, tmp_path)
+    _forge(run_dir / "checkpoints" / "round-00003", clients=CLIENT_CRAFTED[craft])
+    if command == "resume":
+        assert main(["resume", str(run_dir), "--quiet"]) == 0
+    else:
+        client = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["replied"][0]
+        assert main(["export", str(run_dir), "--format", "routed", "--client", str(client), "--out",
+                     str(tmp_path / "export")]) == 0
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if "round-00003" in x)
+    assert "clients" in line and "using round-00002" in line and "Traceback" not in err, err
 
 
 # -- what resume cannot delete, a full disk, an emptied finished run: one line each --------------------------------

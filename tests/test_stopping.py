@@ -423,6 +423,38 @@ def test_compare_with_jobs_stops_its_workers_which_save_their_runs(tmp_path, sig
         assert 1 <= stopped < 2000 and len(rows(out / f"{method}-seed0")) == stopped
 
 
+def test_a_worker_killed_from_outside_stops_the_sweep_with_the_command_that_continues_it(tmp_path):
+    """SIGKILL of one worker of ``compare --jobs 2`` (the out-of-memory killer, a user's kill -9): the command notices
+    at once, stops the other worker (which saves its run) and ends with one ``error:`` line naming the run cut off
+    and the ``--resume`` command, exit 1; no internal error."""
+    out, err_file = tmp_path / "cmp", tmp_path / "stderr.txt"
+    argv = [sys.executable, "-m", "fedlowrank", "compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0",
+            "--jobs", "2", "--out", str(out), "--set", "run.rounds=2000", "--set", "run.threads=1"]
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not all(f"[{m}] seed 0: [{m}] round 1/2000" in err_file.read_text() for m in ("fedit", "ffa-lora")):
+        assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+        time.sleep(0.1)
+    text = err_file.read_text()
+    fedit_worker = int(re.search(r"\[fedit\] seed 0 \(worker process (\d+)\)", text).group(1))
+    os.kill(fedit_worker, signal.SIGKILL)
+    try:
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = err_file.read_text()
+    last = text.strip().splitlines()[-1]
+    assert proc.returncode == 1, text
+    assert last.startswith("error: the worker process of [fedit] seed 0 (killed by SIGKILL) ended before its run "
+                           f"finished; the other runs saved their state; the runs are in {out}; continue with: "
+                           "fedlowrank compare tiny --methods fedit,ffa-lora") and last.endswith("--resume"), last
+    assert "internal error" not in text and "Traceback" not in text
+    stopped = load_checkpoint(latest_checkpoint(out / "ffa-lora-seed0")).round
+    assert 1 <= stopped < 2000 and len(rows(out / "ffa-lora-seed0")) == stopped
+
+
 def _ended(pid: int) -> bool:
     """Whether process ``pid`` has ended (gone, or a zombie nobody has reaped yet)."""
     try:

@@ -219,8 +219,9 @@ def test_finished_runs_copied_to_another_folder_are_reused_there(tmp_path):
     for name in RECORD_FILES:
         (loose / name).write_bytes((tmp_path / "a" / "fedit-seed0" / name).read_bytes())
 
-    written, skipped = copy_finished_runs(tmp_path / "a", tmp_path / "b")
+    written, skipped, refused = copy_finished_runs(tmp_path / "a", tmp_path / "b")
     assert written == [tmp_path / "b" / "fedit-seed0", tmp_path / "b" / "fedit-seed1"] and skipped == []
+    assert refused == [f"summary.json in {cut} differ from what the run wrote (seal.json): edited since it ended"]
     assert sorted(p.name for p in written[0].iterdir()) == sorted([CLAIM, *RECORD_FILES])
     lines: list[str] = []
     again = run_comparison("tiny", "fedit", "0,1", ["run.rounds=1"], tmp_path / "b", lines.append, resume=True)
@@ -228,5 +229,5 @@ def test_finished_runs_copied_to_another_folder_are_reused_there(tmp_path):
     finals = [[(r["seed"], r["final"], r["bytes_up"]) for r in row["runs"]] for row in first["rows"]]
     assert [[(r["seed"], r["final"], r["bytes_up"]) for r in row["runs"]] for row in again["rows"]] == finals
     before = {p: p.read_bytes() for p in (tmp_path / "b").rglob("*") if p.is_file()}
-    assert copy_finished_runs(tmp_path / "a", tmp_path / "b") == ([], written)  # what is there stays as it is
+    assert copy_finished_runs(tmp_path / "a", tmp_path / "b")[:2] == ([], written)  # what is there stays as it is
     assert {p: p.read_bytes() for p in (tmp_path / "b").rglob("*") if p.is_file()} == before

@@ -366,9 +366,9 @@ def _claimed_output(args, kind: str):
         finally:
             lock.release()
 
-def _sweep_stopped(args, out: Path, stop: KeyboardInterrupt) -> int:
-    """What a stopped ``compare``/``tune`` says (its runs saved their state, :mod:`~.experiments.sweep`): the
-    command that continues it, i.e. this one with ``--out`` and ``--resume``; exit 128 + the signal's number."""
+def _continue_line(args, out: Path) -> str:
+    """Where a stopped ``compare``/``tune``'s runs are and the command that continues it: this one with ``--out``
+    and ``--resume``."""
     import shlex
 
     words, skip = [], False
@@ -379,10 +379,21 @@ def _sweep_stopped(args, out: Path, stop: KeyboardInterrupt) -> int:
         skip = word == "--out"
         if not skip:
             words.append(word)
+    return f"the runs are in {out}; continue with: {shlex.join(['fedlowrank', *words, '--out', str(out), '--resume'])}"
+
+
+def _sweep_stopped(args, out: Path, stop: BaseException) -> int:
+    """What a stopped ``compare``/``tune`` says (its runs saved their state, :mod:`~.experiments.sweep`): the
+    command that continues it; exit 128 + the signal's number. A worker process killed from outside
+    (:class:`~.experiments.sweep.WorkerLost`) is one ``error:`` line with the same command, exit 1."""
+    from .experiments.sweep import WorkerLost
+
+    if isinstance(stop, WorkerLost):
+        _log(f"error: {stop}; the other runs saved their state; {_continue_line(args, out)}")
+        return 1
     name = getattr(stop, "name", "SIGINT")
     what = "interrupted" if name == "SIGINT" else f"stopped by {name}"
-    _log(f"{what}; the runs are in {out}; continue with: "
-         f"{shlex.join(['fedlowrank', *words, '--out', str(out), '--resume'])}")
+    _log(f"{what}; {_continue_line(args, out)}")
     return getattr(stop, "exit_status", 130)
 
 
@@ -418,7 +429,7 @@ def _sweep_ranks(args) -> int | None:
 
 def cmd_compare(args) -> int:
     from .experiments.compare import results_markdown, run_comparison
-    from .experiments.sweep import end_ranks
+    from .experiments.sweep import WorkerLost, end_ranks
     from .runtime.distributed import under_torchrun
 
     status = _sweep_ranks(args)
@@ -429,7 +440,7 @@ def cmd_compare(args) -> int:
             results = run_comparison(args.config, args.methods, args.seeds, args.set, out,
                                      None if args.quiet else _log, reference=args.reference, tuned=args.tuned,
                                      resume=args.resume, jobs=args.jobs, ranks=under_torchrun())
-        except KeyboardInterrupt as stop:
+        except (KeyboardInterrupt, WorkerLost) as stop:
             return _sweep_stopped(args, out, stop)
     end_ranks()
     print(results_markdown(results))
@@ -438,7 +449,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from .experiments.sweep import end_ranks
+    from .experiments.sweep import WorkerLost, end_ranks
     from .experiments.tune import run_tuning, tune_markdown
     from .runtime.distributed import under_torchrun
 
@@ -450,7 +461,7 @@ def cmd_tune(args) -> int:
             result = run_tuning(args.config, args.methods, args.grid, args.seeds, args.set, out,
                                 None if args.quiet else _log, resume=args.resume, jobs=args.jobs, param=args.param,
                                 tuned=args.tuned, extend=args.extend, ranks=under_torchrun())
-        except KeyboardInterrupt as stop:
+        except (KeyboardInterrupt, WorkerLost) as stop:
             return _sweep_stopped(args, out, stop)
     end_ranks()
     print(tune_markdown(result))

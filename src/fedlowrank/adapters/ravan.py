@@ -11,6 +11,8 @@ Per target linear ``W0: [out, in]`` and head i = 1..h, rank r:
 The heads are batched: ``B_eff = [s₁B₁H₁ … s_hB_hH_h]: [out, h·r]`` is one einsum over the stacked bases and cores,
 ``A_cat = [A₁; …; A_h]: [h·r, in]``, and ``y = x (W0 + base_delta)ᵀ + (dropout(x) A_catᵀ) B_effᵀ`` costs a LoRA of
 rank h·r per token. There is no α/r factor (the update is ``Σ sᵢ BᵢHᵢAᵢ`` as written).
+
+:class:`CoreLinear` is the one-head case with bases loaded from outside (Fed-SB's ``s·B R A``, arXiv:2502.15436).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from ..schema import check_choice
-from .model import AdaptedLinear, AdaptedModel
+from .model import AdaptedLinear, AdaptedModel, matrix_shape
 
 BASES_INITS = ("orthonormal", "gaussian")
 
@@ -114,6 +116,53 @@ class RavanLinear(AdaptedLinear):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+class CoreLinear(RavanLinear):
+    """One head with bases set from outside (Fed-SB's adapter, arXiv:2502.15436):
+    ``y = x (W0 + base_delta)ᵀ + B R A dropout(x) + bias``, ``B: [out, r]`` and ``A: [r, in]`` frozen
+    (:meth:`set_bases`), the core ``R: [r, r]`` (``cores[0]``, its scale ``scales[0]`` kept at 1) trained.
+
+    While probing (:meth:`start_probe`), a dense zero parameter ``probe: [out, in]`` adds ``x probeᵀ`` to the output:
+    its gradient is the loss gradient with respect to the target's weight at the current model, ``∇_W L``.
+    """
+
+    def __init__(self, base: nn.Module, rank: int, dropout: float = 0.0):
+        out_f, in_f = matrix_shape(base)
+        if not 1 <= rank <= min(out_f, in_f):
+            raise ValueError(f"lora.rank must be in [1, {min(out_f, in_f)}] for a [{out_f}, {in_f}] target, got {rank}")
+        super().__init__(base, torch.zeros(1, out_f, rank), torch.zeros(1, rank, in_f), dropout)
+        self.register_parameter("probe", None)
+
+    def set_bases(self, B: torch.Tensor, A: torch.Tensor) -> None:
+        """Replace the frozen bases by ``B: [out, r]``, ``A: [r, in]`` (buffers are replaced, never written into:
+        cohort members share them)."""
+        if tuple(B.shape) != tuple(self.bases_B.shape[1:]) or tuple(A.shape) != tuple(self.bases_A.shape[1:]):
+            raise ValueError(f"bases B{tuple(B.shape)}, A{tuple(A.shape)} do not fit B{tuple(self.bases_B.shape[1:])}, "
+                             f"A{tuple(self.bases_A.shape[1:])}")
+        like = self.bases_B
+        self.bases_B = B[None].detach().to(like.device, like.dtype, copy=True)
+        self.bases_A = A[None].detach().to(like.device, like.dtype, copy=True)
+
+    def start_probe(self) -> nn.Parameter:
+        """Add the zero ``probe: [out, in]`` (trainable) and return it."""
+        w = self.base.weight
+        self.probe = nn.Parameter(torch.zeros(self.out_features, self.in_features, device=w.device,
+                                              dtype=self.cores[0].dtype))
+        return self.probe
+
+    def stop_probe(self) -> None:
+        self.probe = None
+
+    def adapter_output(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().adapter_output(x)
+        return out if self.probe is None else out + self.input_map(x, self.probe)
+
+    @classmethod
+    def joint_adapter_output(cls, members: list["CoreLinear"], x: torch.Tensor) -> torch.Tensor | None:
+        if any(m.probe is not None for m in members):
+            return None
+        return super().joint_adapter_output(members, x)
+
+
 def ravan_modules(model: AdaptedModel) -> dict[str, RavanLinear]:
     mods = model.adapters()
     bad = [n for n, m in mods.items() if not isinstance(m, RavanLinear)]
@@ -122,4 +171,4 @@ def ravan_modules(model: AdaptedModel) -> dict[str, RavanLinear]:
     return mods  # type: ignore[return-value]
 
 
-__all__ = ["BASES_INITS", "ravan_bases", "RavanLinear", "ravan_modules"]
+__all__ = ["BASES_INITS", "ravan_bases", "RavanLinear", "CoreLinear", "ravan_modules"]

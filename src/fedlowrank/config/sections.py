@@ -244,7 +244,8 @@ class ServerSection(Schema):
                                  gt=0, allow_inf=True, reason="inf = off")
     outlier_ratio: float = setting(10.0, "reject a reply whose update's L2 norm (what it sends minus what it was "
                                    "sent) per local step exceeds this many times the median of the round's other "
-                                   "replies (a round's only reply is kept; off under central DP; inf = off)",
+                                   "replies; a round's only reply: the median of the newest earlier round's, or in "
+                                   "the first round the norm of what it was sent (off under central DP; inf = off)",
                                    ge=1, allow_inf=True, reason="inf = off")
     aggregate: str = setting("mean", "how the server combines the replies of methods whose server step is a weighted "
                              "mean: mean, median or trimmed-mean (coordinate-wise; robust to a few bad clients)",

@@ -112,10 +112,13 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     ``metrics.jsonl`` does not reach the round ``summary.json`` ends at).
 
     A run that ended with another config than ``cfg`` (its ``config.json`` has another fingerprint,
-    :func:`fedlowrank.runtime.checkpoint.config_fingerprint`; ``run.device`` aside) raises :class:`ConfigError`:
-    reusing it would mix two experiments."""
+    :func:`fedlowrank.runtime.checkpoint.config_fingerprint`; ``run.device`` aside), or whose files are not those
+    it wrote (:func:`~fedlowrank.runtime.rundir.seal_problem`: edited, linked or unsealed), raises
+    :class:`ConfigError`: reusing it would mix two experiments, or trust what the run did not write."""
     from ..config import from_dict
     from ..runtime.checkpoint import config_fingerprint
+
+    from ..runtime.rundir import seal_problem
 
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -124,6 +127,10 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"--resume: {run_dir / 'summary.json'} is unreadable ({exc}); delete {run_dir} to run "
                           "it again") from None
+    problem = seal_problem(run_dir)
+    if problem is not None:
+        raise ConfigError(f"--resume: the finished run in {run_dir} is not reused: {problem}; delete {run_dir} to "
+                          "run it again")
     try:
         old = from_dict(json.loads((run_dir / "config.json").read_text()))
         history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
@@ -140,23 +147,31 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     return {"summary": summary, "history": history, "metrics": metrics}
 
 
-RECORD_FILES = ("config.json", "metrics.jsonl", "summary.json")  # all that finished_run reads, summary last
+RECORD_FILES = ("config.json", "metrics.jsonl", "summary.json", "seal.json")  # all that finished_run reads
 
 
-def copy_finished_runs(src: Path, dest: Path) -> tuple[list[Path], list[Path]]:
+def copy_finished_runs(src: Path, dest: Path) -> tuple[list[Path], list[Path], list[str]]:
     """Copy every finished run under ``src`` (a run directory whose ``metrics.jsonl`` reaches the round its
     ``summary.json`` ends at) to the same relative place under ``dest``: its :data:`RECORD_FILES` and a claim owning
     them, all that a sweep continued there with ``resume`` reads instead of running the run again. A run whose place
-    under ``dest`` exists already is left as it is there. Returns (the run directories written under ``dest``, the
-    places skipped because they existed)."""
-    from ..runtime.rundir import new_claim, read_claim, write_claim
+    under ``dest`` exists already is left as it is there; one whose files are not those it wrote
+    (:func:`~fedlowrank.runtime.rundir.seal_problem`: edited since, linked from elsewhere, unsealed) is not copied,
+    and a linked folder is not followed. Returns (the run directories written under ``dest``, the places skipped
+    because they existed, a line for each run refused)."""
+    from ..runtime.rundir import new_claim, read_claim, seal_problem, write_claim
 
+    src = Path(src)
     written: list[Path] = []
     skipped: list[Path] = []
-    for summary in sorted(Path(src).rglob("summary.json")):
+    refused = [f"{p} is a symbolic link (not followed)" for p in sorted(src.rglob("*")) if p.is_symlink() and p.is_dir()]
+    for summary in sorted(src.rglob("summary.json")):  # never below a linked folder
         run_dir = summary.parent
         claim = read_claim(run_dir)
-        if claim is None or claim.kind != "run" or not all((run_dir / name).is_file() for name in RECORD_FILES):
+        if claim is None or claim.kind != "run":
+            continue
+        problem = seal_problem(run_dir)
+        if problem is not None:
+            refused.append(problem)
             continue
         try:
             rows = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -170,10 +185,10 @@ def copy_finished_runs(src: Path, dest: Path) -> tuple[list[Path], list[Path]]:
             continue
         target.mkdir(parents=True)
         write_claim(target, new_claim("run", list(RECORD_FILES)))
-        for name in RECORD_FILES:  # summary.json last: a copy cut short reads as a run that did not end
+        for name in RECORD_FILES:  # the seal last: a copy cut short reads as a run that cannot be reused
             (target / name).write_bytes((run_dir / name).read_bytes())
         written.append(target)
-    return written, skipped
+    return written, skipped, refused
 
 
 def interrupted_run(run_dir: Path, cfg: RunConfig) -> bool:
@@ -340,12 +355,13 @@ def run_in_processes(runs: list[tuple[str, RunConfig, Path, list[np.ndarray], np
         tasks.put(None)
     diverged: dict[str, str] = {}
     running: dict[int, Any] = {}  # run index → the worker process running it
+    ended: dict[int, float] = {}  # run index (-1: every worker) → when its worker was first seen ended
     try:
         for w in workers:
             w.start()
         left = len(runs)
         while left:
-            kind, i, value = _next_event(events, workers, running, runs)
+            kind, i, value = _next_event(events, workers, running, runs, ended)
             if kind == "start":
                 running[i] = next(w for w in workers if w.pid == value)
             elif kind == "failed":
@@ -366,19 +382,42 @@ def run_in_processes(runs: list[tuple[str, RunConfig, Path, list[np.ndarray], np
     return diverged
 
 
-def _next_event(events, workers: list, running: dict[int, Any], runs: list) -> Event:
-    """The next event of a worker; an error when every worker has ended with runs unfinished."""
+class WorkerLost(RuntimeError):
+    """A worker process ended (killed from outside: SIGKILL, the out-of-memory killer) before the run it held
+    finished; the sweep stops its other workers, which save their runs, and ``--resume`` continues."""
+
+
+def _ended_how(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+GRACE = 1.0  # seconds the last events of a worker that ended may take to arrive
+
+
+def _next_event(events, workers: list, running: dict[int, Any], runs: list, ended: dict[int, float]) -> Event:
+    """The next event of a worker; :class:`WorkerLost` once a worker that holds a run has ended (or every worker
+    has, with runs left) and :data:`GRACE` has passed without its last events. ``ended``: when each was first seen
+    ended (by run; -1: every worker), kept by the caller between calls."""
     while True:
+        now = time.monotonic()
+        for i, w in running.items():
+            if not w.is_alive():
+                ended.setdefault(i, now)
+        if not any(w.is_alive() for w in workers):
+            ended.setdefault(-1, now)
+        if any((i == -1 or i in running) and now - t > GRACE for i, t in ended.items()):
+            lost = [f"{runs[i][0]} ({_ended_how(w.exitcode)})" for i, w in running.items() if not w.is_alive()]
+            raise WorkerLost(f"the worker process of {', '.join(lost) or 'the runs left'} ended before its run "
+                             "finished")
         try:
-            return events.get(timeout=0.5)
+            return events.get(timeout=0.25)
         except queue.Empty:
-            if any(w.is_alive() for w in workers):
-                continue
-        try:
-            return events.get(timeout=1.0)  # what the last workers sent before they ended
-        except queue.Empty:
-            lost = ", ".join(f"{runs[i][0]} (exit code {w.exitcode})" for i, w in running.items()) or "none"
-            raise RuntimeError(f"the worker processes ended before every run finished; runs cut off: {lost}") from None
+            continue
 
 
 def _stop_workers(workers: list, events, report: Callable[[str, int, Any], None]) -> None:

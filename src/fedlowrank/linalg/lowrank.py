@@ -45,6 +45,29 @@ def truncated_svd(B_c: torch.Tensor, A_c: torch.Tensor, rank: int) -> tuple[torc
     return U[:, :r], S[:r], Vh[:r]
 
 
+def sketched_svd(B_c: torch.Tensor, A_c: torch.Tensor, omega: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+    """FedASK's two-stage sketch of ``ΔW = B_c A_c`` (arXiv:2507.09990), never forming ``ΔW``: stage 1
+    ``Y = B_c (A_c Ω): [out, s]`` and ``Q = qr(Y)``; stage 2 ``Pᵀ = (Qᵀ B_c) A_c = Qᵀ ΔW: [s, in]`` and its SVD
+    ``Pᵀ = Ũ S Vh``. Returns ``(U = Q Ũ, S, Vh)``, the SVD of ``Q Qᵀ ΔW``: of ``ΔW`` itself when ``rank ΔW ≤ s`` and
+    ``Ω: [in, s]`` is generic. Both stages are linear in ``(B_c, A_c)`` blocks, so ``Y`` and ``Pᵀ`` are the sums
+    of the clients' own sketches. Float64 (QR included)."""
+    B_c, A_c, omega = B_c.to(torch.float64), A_c.to(torch.float64), omega.to(torch.float64)
+    Q = torch.linalg.qr(B_c @ (A_c @ omega)).Q                       # [out, min(out, s)]
+    U, S, Vh = torch.linalg.svd((Q.T @ B_c) @ A_c, full_matrices=False)
+    return Q @ U, S, Vh
+
+
+def energy_rank(S: torch.Tensor, tau: float) -> int:
+    """The smallest ``j`` with ``Σ_{l≤j} σ_l² ≥ τ Σ_l σ_l²`` for singular values ``S: [R]`` (descending),
+    ``τ ∈ (0, 1]``; 0 when every ``σ`` is 0. With ``τ = 1`` it is the number of non-zero ``σ`` (the trailing energy below round-off
+    excluded)."""
+    cumulative = torch.cumsum(S.to(torch.float64).pow(2), 0)
+    if cumulative.numel() == 0 or float(cumulative[-1]) == 0:
+        return 0
+    return int(torch.nonzero(cumulative >= tau * cumulative[-1]).flatten()[0]) + 1
+
+
 def normalize_qr_signs(Q: torch.Tensor, R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Q D, D R)`` with ``D = sign(diag R)`` (0 → +1): the product is unchanged and ``diag R ≥ 0``.
 

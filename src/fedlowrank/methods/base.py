@@ -49,6 +49,7 @@ class SetupInfo:
         server_lr: β of the averaging step, ``new = old + β·(avg − old)`` (1 = plain averaging).
         seed: the run's seed (methods derive their streams with :func:`fedlowrank.seeding.derive_seed`).
         rounds: total number of rounds T.
+        clients_per_round: K, the clients sampled each round (``run.clients_per_round``).
     """
 
     num_clients: int
@@ -62,6 +63,7 @@ class SetupInfo:
     server_lr: float = 1.0
     seed: int = 0
     rounds: int = 10
+    clients_per_round: int = 1
 
     @property
     def heterogeneous_ranks(self) -> bool:
@@ -166,6 +168,12 @@ class Method(Schema):
             ``""`` when the method itself keeps nothing (composed corrections may: :meth:`keeps_client_state`).
             The runtime stores it (``runtime/store.py`` in the simulator, ``context.state`` on a Flower node),
             checkpoints it, and commits it only when the client's reply was aggregated.
+        server_entries: the entries the server state may hold besides :meth:`setup`'s, as templates: ``{key}`` an
+            entry of the initial server state (the added entry is a tensor of its dtype and number of dimensions),
+            ``{module}`` a target module's name, ``{client}`` a client index, ``{n}`` a count (FedALT's
+            ``"upload.{client}/{module}.lora_A"``); ``client_entries`` the same for a client's state besides
+            :meth:`init_client`'s (a composed correction declares its own). Every checkpoint's states are checked
+            against them before use (``runtime/checkpoint.py``, :meth:`state_entries`).
         batched: True if the method has a vectorised round, :meth:`batched_round` (for closed-form tasks,
             ``run.vectorized``); the vectorised runner refuses the others.
         optimizers: the ``train.optimizer`` values the method's local step allows (``()``: any), with
@@ -195,6 +203,8 @@ class Method(Schema):
     pooled: ClassVar[bool] = False
     per_client_downlink: ClassVar[bool] = False
     client_state: ClassVar[str] = ""
+    server_entries: ClassVar[tuple[str, ...]] = ()
+    client_entries: ClassVar[tuple[str, ...]] = ()
     batched: ClassVar[bool] = False
     optimizers: ClassVar[tuple[str, ...]] = ()
     optimizer_refusal: ClassVar[str] = ""
@@ -231,6 +241,13 @@ class Method(Schema):
         """Whether a client's state persists across rounds with these options: the method's own
         (``client_state``) or a composed correction's (SCAFFOLD's control variate)."""
         return bool(self.client_state) or any(c.client_state for c in self.composed_corrections())
+
+    def state_entries(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``(server, client)``: the templates of the entries the server and a client state may hold besides the
+        initial ones, the method's own and its composed corrections' (``server_entries``, ``client_entries``)."""
+        corrections = self.composed_corrections()
+        return (self.server_entries + tuple(t for c in corrections for t in c.server_entries),
+                self.client_entries + tuple(t for c in corrections for t in c.client_entries))
 
     def init_client(self, client: int) -> State:
         """Initial state of client ``client`` before its first round (the ``client_state`` declared; default:
@@ -297,6 +314,13 @@ class Method(Schema):
         ``oracle``'s closed-form minibatch gradients (:mod:`fedlowrank.runtime.vectorized`) and the server steps;
         returns the new server state."""
         raise NotImplementedError(f"method {self.name!r} has no vectorised round (batched = False)")
+
+    def protocol_messages(self, down: Message, reply: Message) -> tuple[list[Message], list[Message]] | None:
+        """The messages (down, up) the method's own protocol exchanges with a client in a round, where that differs
+        from the one exchange the runtime runs (FedASK's two uploads, whose second stage the server computes from
+        the reply): the ledger counts their sizes (:class:`~fedlowrank.runtime.rounds.RoundReplies`), which the
+        byte format makes independent of the values. ``None`` (default): ``down`` and ``reply`` themselves."""
+        return None
 
     def max_reply_bytes(self, down: Message) -> int:
         """Upper bound on an honest reply's serialised size; larger replies are rejected."""

@@ -4,8 +4,11 @@ LoRA", arXiv:2503.11880, AAAI 2026). Personalised.
 Per target linear (:class:`~fedlowrank.adapters.routed.RoutedLoRALinear`, two experts, two slots, no top-k cut):
 client k keeps its own LoRA ``(A¹_k: [r, in], B¹_k: [out, r])``, its router ``W_k: [2, in]`` and its head in its
 client state across rounds; it receives a frozen Rest-of-World LoRA ``(A⁰_k, B⁰_k)``, and a token ``x`` gives
-``y = W0 x + s·[g₁(x) B¹_kA¹_k x + g₀(x) B⁰_kA⁰_k x]`` with ``g = softmax(W_k x)``. It trains ``A¹_k, B¹_k, W_k`` and
-its head, and uploads ``A¹_k, B¹_k`` only. Message keys, both ways: ``"<module>.lora_A"`` ``[r, in]``,
+``y = W0 x + s·[g_own(x) B¹_kA¹_k x + g_RoW(x) B⁰_kA⁰_k x]`` with ``[g_own, g_RoW] = softmax(W_k x)``: row 0 of the
+router gates the client's own LoRA and row 1 the Rest-of-World (the routed adapter's expert 0 is always the trainable
+one). The official code orders the rows the other way (its row 0, ``g_0``, gates the Rest-of-World); swapping the two
+rows maps one layout to the other, with the same model. It trains ``A¹_k, B¹_k, W_k`` and its head, and uploads
+``A¹_k, B¹_k`` only. Message keys, both ways: ``"<module>.lora_A"`` ``[r, in]``,
 ``"<module>.lora_B"`` ``[out, r]`` (down: the Rest-of-World; up: the own factors, shaped as what came down).
 
 Server: it keeps the latest upload of every client (``upload.<k>/<module>.lora_A|B``) and sends client k the uniform
@@ -58,6 +61,7 @@ class FedALT(Method):
     needs_individual_replies = True          # the server keeps each client's latest upload for the leave-one-out
     personalized = True
     per_client_downlink = True               # the leave-one-out Rest-of-World of each client
+    server_entries = ("upload.{client}/{module}.lora_A", "upload.{client}/{module}.lora_B")  # latest uploads
     client_state = ("own A¹_k [r,in], B¹_k [out,r] and router W_k [2,in] per target module, the head, and the "
                     "client's index k")
     heterogeneous_ranks_refusal = ("the Rest-of-World is a mean of factors, which needs every client at the same "
@@ -77,7 +81,8 @@ class FedALT(Method):
         return State({"uploaded": torch.zeros(info.num_clients)})
 
     def init_client(self, client: int) -> State:
-        """Own ``A¹`` (LoRA's init), ``B¹ = 0``, the router (``U(±1/√in)``, a linear layer's init), the model's
+        """Own ``A¹`` (LoRA's init), ``B¹ = 0``, the router (``U(±1/√in)``, a linear layer's init; row 0 gates the own
+        LoRA, row 1 the Rest-of-World), the model's
         head and the client's index, from the stream ``"fedalt-client"`` of ``client``."""
         gen = torch_generator(self.info.seed, "fedalt-client", client)
         state = State({"client": int(client)})

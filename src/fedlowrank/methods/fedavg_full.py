@@ -28,6 +28,7 @@ class FedAvgFull(Corrected):
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks (AISTATS 2017)"
     uplink = "dense W [out,in] per target module, head"
     downlink = "dense W̄ [out,in] per target module, head"
+    server_entries = ("scaffold.ci/{key}",)  # the vectorised runner's control variates of every client, [N, ...]
     batched = True
 
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:

@@ -42,6 +42,7 @@ class FedExLoRA(HeteroRankLoRA):
     uplink = "A_k [r_k,in] and B_k [out,r_k] per target module, head"
     downlink = "Ā[:r_k], B̄[:, :r_k] and the dense base delta [out,in] per target module (from round 2), head"
     needs_individual_replies = True
+    server_entries = ("{module}.global_delta",)  # G, the exact aggregate accumulated over rounds
 
     def scale(self, rank: int) -> float:
         return lora_scale(self.info.alpha, rank, self.info.scaling)

@@ -68,6 +68,7 @@ class FedGaLore(FedAvgFull):
               "+ the [d_p,r] basis of SVD segments) and the projected ṽ [d_u,r]; head; final basis index")
     downlink = "dense W̄ [out,in] per target module, head, round seed, synced S̄ [d_u,r] per module + its basis id"
     needs_individual_replies = True
+    server_entries = ("{module}.galore_v", SYNC_SEED_KEY, SYNC_INDEX_KEY)  # the synced state, from round 1 on
     batched = False  # FedAvg-full's vectorised round has no GaLore steps
 
     rank: int = setting(0, "GaLore rank r (0 = lora.rank, the baselines' rank)", ge=0)
@@ -347,5 +348,6 @@ class FedGaLoreMinus(FedGaLore):
     uplink = "dense W [out,in] per target module (or its basis segments, upload=segments), head"
     downlink = "dense W̄ [out,in] per target module, head, round seed"
     needs_individual_replies = False
+    server_entries = ()  # no synced state
 
     state_sync: str = with_default(FedGaLore, "state_sync", "none")

@@ -58,6 +58,10 @@ class FedLEASE(Method):
     personalized = True
     per_client_downlink = True  # the client's cluster's expert, router and head, and the other experts
     client_state = "the client's index k (its cluster, in the server state, picks its personal model)"
+    server_entries = ("upload.{client}/{module}.lora_A", "upload.{client}/{module}.lora_B",  # before clustering:
+                      "upload.{client}/head/{head}",                                         # each client's upload
+                      "expert.{n}/{module}.lora_A", "expert.{n}/{module}.lora_B", "expert.{n}/head/{head}",
+                      "expert.{n}/{module}.router", "expert.{n}/{module}.router_bias")       # after: each cluster's
     heterogeneous_ranks_refusal = "an expert is a mean of its members' factors, which needs one rank"
     preset = {"train.optimizer": "adamw"}
 

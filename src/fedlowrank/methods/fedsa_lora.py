@@ -37,6 +37,7 @@ class FedSALoRA(LoRAMethod):
     supports_heterogeneous_ranks = False
     personalized = True
     client_state = "private B_k [out,r] per target module"
+    client_entries = ("{module}.lora_B",)
 
     correction: str = correction_option("none", ("none", "fedprox"), "SCAFFOLD would upload B's control variate")
 

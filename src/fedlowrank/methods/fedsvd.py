@@ -46,13 +46,16 @@ class FedSVD(FedIT):
 
     correction: str = correction_option("none", ("none", "fedprox"),
                                         "A changes every round, so SCAFFOLD's control variates on B go stale")
-    svd_every: int = setting(1, "re-factorise every this many rounds (the official recalculate_svd_period)", ge=1)
-    svd_warmup: int = setting(0, "rounds of plain B averaging before the first re-factorisation (the official "
+    svd_every: int = setting(1, "re-factorise after every round whose number (from 1) is a multiple of this (the "
+                             "official recalculate_svd_period)", ge=1)
+    svd_warmup: int = setting(0, "no re-factorisation after rounds 1..svd_warmup, plain B averaging (the official "
                               "svd_warmup_steps)", ge=0)
 
     def refactor_due(self, rnd: int) -> bool:
-        """Whether round ``rnd`` (from 1) ends with a re-factorisation."""
-        return rnd > self.svd_warmup and (rnd - self.svd_warmup) % self.svd_every == 0
+        """Whether round ``rnd`` (from 1) ends with a re-factorisation: the official rule, ``(curr_rnd + 1) %
+        recalculate_svd_period == 0 and curr_rnd + 1 > svd_warmup_steps`` with ``curr_rnd = rnd − 1``; the period
+        counts rounds from the run's start, not from the end of the warm-up."""
+        return rnd > self.svd_warmup and rnd % self.svd_every == 0
 
     def aggregate(self, server, replies, rnd):
         server = State(server)

@@ -32,11 +32,10 @@ import math
 from dataclasses import dataclass
 
 from ..adapters.lora import lora_scale
-from ..linalg.lowrank import factored_svd, stack_factors
 from ..message import Message, Reply, State
 from ..schema import setting
 from . import register
-from .ranks import HeteroRankLoRA, download_factors, module_names, zero_pad
+from .ranks import HeteroRankLoRA, download_factors, module_names, product_svd, set_balanced, zero_pad
 
 SPLITS = ("official", "even")
 EQUAL_RANKS = ("svd", "fedavg")
@@ -77,26 +76,18 @@ class FlexLoRA(HeteroRankLoRA):
             self.average_into(server, replies, self.lora_keys(server) + self.head_keys(server), p)
             self.aggregate_corrections(server, replies)
             return server
-        beta, r = self.info.server_lr, self.info.rank
+        r = self.info.rank
         s = lora_scale(self.info.alpha, r, self.info.scaling)
         errors = []
         for name in module_names(server):
             ka, kb = f"{name}.lora_A", f"{name}.lora_B"
-            Bs, As = [rep.message[kb] for rep in replies], [rep.message[ka] for rep in replies]
-            w = [beta * float(pk) * lora_scale(self.info.alpha, self.info.client_ranks[rep.client], self.info.scaling)
-                 for pk, rep in zip(p, replies)]
-            if beta != 1.0:
-                Bs, As, w = Bs + [server[kb]], As + [server[ka]], w + [(1.0 - beta) * s]
-            U, S, Vh = factored_svd(*stack_factors(Bs, As, w))
+            U, S, Vh = product_svd(server, replies, name, p, self.info)
             k = min(r, S.shape[0])
             if self.split == "official":
-                B, A = U[:, :k] * (S[:k] / s), Vh[:k]
+                server[kb] = zero_pad((U[:, :k] * (S[:k] / s)).to(server[kb].dtype), server[kb].shape)
+                server[ka] = zero_pad(Vh[:k].to(server[ka].dtype), server[ka].shape)
             else:
-                root = (S[:k] / s).sqrt()
-                B, A = U[:, :k] * root, root[:, None] * Vh[:k]
-            dtype = server[kb].dtype
-            server[kb] = zero_pad(B.to(dtype), server[kb].shape)
-            server[ka] = zero_pad(A.to(dtype), server[ka].shape)
+                set_balanced(server, name, U, S, Vh, k, s)
             total = float(S.pow(2).sum())
             errors.append(math.sqrt(float(S[k:].pow(2).sum()) / total) if total > 0 else 0.0)
         self.average_into(server, replies, self.head_keys(server), p)

@@ -54,6 +54,8 @@ class FLoRA(LoRAMethod):
     needs_individual_replies = True
     supports_heterogeneous_ranks = True
     per_client_downlink = True  # the stacked factors, or the merged base delta to a client that missed merges
+    server_entries = ("{module}.merge_A", "{module}.merge_B", "{module}.base_delta")  # the last stack, the merges
+    client_entries = ("{module}.base_delta",)  # the client's merged model
 
     correction: str = correction_option("none", ("none", "fedprox"), "the adapters are re-initialised every round, "
                                         "so control variates could not follow them")

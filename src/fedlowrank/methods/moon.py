@@ -51,6 +51,7 @@ class ModelContrastive(ClientCorrection):
     client_state = "the trained tensors of the client's last round, moon.prev/<key>"
     reads_batch = True
     prefix_prev = "moon.prev/"
+    client_entries = ("moon.prev/{key}",)
 
     def __init__(self, mu: float, temperature: float):
         self.mu, self.temperature = mu, temperature

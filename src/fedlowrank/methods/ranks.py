@@ -12,6 +12,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..adapters.lora import lora_scale
+from ..linalg.lowrank import factored_svd, stack_factors
 from ..message import Message, Reply, State
 from .base import LoRAMethod, SetupInfo, weighted_sum
 
@@ -73,6 +74,40 @@ def rank_weights(replies: Sequence[Reply], info: SetupInfo, weights: torch.Tenso
 def padded_average(replies: Sequence[Reply], key: str, shape: Sequence[int], weights: torch.Tensor) -> torch.Tensor:
     """``Σₖ wₖ pad(reply_k[key])`` with each factor zero-padded to the server ``shape``."""
     return weighted_sum((zero_pad(r.message[key], shape) for r in replies), weights)
+
+
+def product_svd(server: State, replies: Sequence[Reply], name: str, weights: torch.Tensor,
+                info: SetupInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD ``(U, S, Vh)`` of target ``name``'s aggregate product (:func:`product_factors`), factored
+    (:func:`~fedlowrank.linalg.lowrank.factored_svd`, float64)."""
+    return factored_svd(*product_factors(server, replies, name, weights, info))
+
+
+def product_factors(server: State, replies: Sequence[Reply], name: str, weights: torch.Tensor,
+                    info: SetupInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B_c: [out, R], A_c: [R, in])`` with ``B_c A_c = ΔW = (1 − β) s B A + β Σₖ pₖ sₖ Bₖ Aₖ``, target ``name``'s
+    aggregate product: the old global adapter ``(B, A)`` of ``server`` at the server scale ``s``, client k's factors
+    at its own scale ``sₖ``, β = ``info.server_lr`` (:func:`~fedlowrank.linalg.lowrank.stack_factors`, float64)."""
+    ka, kb = f"{name}.lora_A", f"{name}.lora_B"
+    beta = info.server_lr
+    Bs, As = [rep.message[kb] for rep in replies], [rep.message[ka] for rep in replies]
+    w = [beta * float(pk) * lora_scale(info.alpha, info.client_ranks[rep.client], info.scaling)
+         for pk, rep in zip(weights, replies)]
+    if beta != 1.0:
+        Bs, As = Bs + [server[kb]], As + [server[ka]]
+        w = w + [(1.0 - beta) * lora_scale(info.alpha, info.rank, info.scaling)]
+    return stack_factors(Bs, As, w)
+
+
+def set_balanced(server: State, name: str, U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor, k: int,
+                 scale: float) -> None:
+    """``server``'s factors of target ``name`` from the first ``k`` components of ``U diag(S) Vh`` split evenly,
+    ``B = U_{:k} (S_{:k}/s)^{1/2}``, ``A = (S_{:k}/s)^{1/2} Vh_{:k}`` (so ``s B A`` is the rank-k truncation; ``s`` =
+    ``scale``), zero-padded to the server rank and in the server factors' dtype."""
+    ka, kb = f"{name}.lora_A", f"{name}.lora_B"
+    root = (S[:k] / scale).sqrt()
+    server[kb] = zero_pad((U[:, :k] * root).to(server[kb].dtype), server[kb].shape)
+    server[ka] = zero_pad((root[:, None] * Vh[:k]).to(server[ka].dtype), server[ka].shape)
 
 
 def refuse_scaffold_with_hetero_ranks(method: LoRAMethod, info: SetupInfo) -> None:

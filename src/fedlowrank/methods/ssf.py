@@ -259,6 +259,8 @@ class SubspaceMethod(Method):
     needs_individual_replies: ClassVar[bool] = True
     per_client_downlink = True  # the model increments since the client's last sync, its own correction
     client_state = "the client's copy w/<layer> [out,in] of each target weight and the model version it holds (synced)"
+    server_entries = ("inc/{n}/{module}",)     # the model increments of the rounds a client may have missed
+    client_entries = ("synced", "w/{module}")
     batched = True
     optimizers = ("sgd",)
     optimizer_refusal = "the local steps are the paper's plain SGD on the projected coefficients"

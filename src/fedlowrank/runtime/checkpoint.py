@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -184,9 +185,37 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return path
 
 
-def check_history(path: Path, ck: Checkpoint, rounds: list[int]) -> None:
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _number(v: Any) -> bool:
+    return type(v) in (int, float)
+
+
+def _counts(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_count(x) for x in v)
+
+
+# the fields of a metrics row that the run reads back (resume, export, the summary, compare), with their types;
+# a row may hold others (diagnostics, privacy, ...), which are only written out again
+ROW_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "clients": _counts, "replied": _counts, "dropped": _counts, "train_loss": _number, "update_norm": _number,
+    "bytes_up": _is_count, "bytes_down": _is_count, "cum_bytes_up": _is_count, "cum_bytes_down": _is_count,
+    "skipped": lambda v: type(v) is bool, "peak_rss_mb": _number,
+    "rejected": lambda v: isinstance(v, list) and all(isinstance(r, dict) and _is_count(r.get("client"))
+                                                      and isinstance(r.get("reason"), str) for r in v),
+    "per_client": lambda v: isinstance(v, list) and all(isinstance(r, dict) and _is_count(r.get("client")) for r in v),
+    "predictions": lambda v: isinstance(v, dict), "by_task": lambda v: isinstance(v, dict),
+    "diagnostics": lambda v: isinstance(v, dict),
+}
+
+
+def check_history(path: Path, ck: Checkpoint, rounds: list[int], metrics: tuple[str, ...] = ()) -> None:
     """:class:`CheckpointError` unless the history of the checkpoint ``path`` has a row for exactly ``rounds``
-    (those the run records up to the checkpoint's round)."""
+    (those the run records up to the checkpoint's round), each of its :data:`ROW_FIELDS` and its task's
+    ``metrics`` (numbers, or ``null``) of its type, and its ledger the bytes its rows count: per round, the ledger's
+    bytes up and down sum to the row's ``bytes_up`` and ``bytes_down``, and to its ``cum_`` totals since round 1."""
     got = [r["round"] for r in ck.history]
     if got != rounds:
         def show(xs: list[int]) -> str:
@@ -194,22 +223,101 @@ def check_history(path: Path, ck: Checkpoint, rounds: list[int]) -> None:
 
         raise CheckpointError(f"checkpoint {path}: {RECORD}: the history holds rounds {show(got)}, the run records "
                               f"{show(rounds)} up to round {ck.round}")
+    fields = {**ROW_FIELDS, **{m: lambda v: v is None or _number(v) for m in metrics}}
+    for row in ck.history:
+        for key, ok in fields.items():
+            if key in row and not ok(row[key]):
+                raise CheckpointError(f"checkpoint {path}: {RECORD}: round {row['round']}'s {key} is "
+                                      f"{json.dumps(row[key])[:60]}, not a value of its type")
+    ledger: dict[int, list[int]] = {}
+    for r in ck.ledger:
+        ledger.setdefault(r["round"], [0, 0])
+        ledger[r["round"]][0] += r["up"]
+        ledger[r["round"]][1] += r["down"]
+    cum = [0, 0]
+    for row in ck.history:
+        if "bytes_up" not in row:
+            continue
+        up, down = ledger.pop(row["round"], [0, 0])
+        cum = [cum[0] + up, cum[1] + down]
+        if [row["bytes_up"], row["bytes_down"]] != [up, down] or [row.get("cum_bytes_up", cum[0]),
+                                                                   row.get("cum_bytes_down", cum[1])] != cum:
+            raise CheckpointError(f"checkpoint {path}: {RECORD}: the ledger of round {row['round']} counts {up} bytes "
+                                  f"up and {down} down, its metrics row {row['bytes_up']} and {row['bytes_down']} (or "
+                                  "its totals differ)")
+    if ledger:
+        raise CheckpointError(f"checkpoint {path}: {RECORD}: the ledger holds round {min(ledger)}, which has no "
+                              "metrics row")
 
 
-def check_state(path: Path, state: State, initial: State) -> None:
-    """:class:`CheckpointError` unless the server ``state`` of the checkpoint ``path`` holds every entry of the
-    method's ``initial`` state as the same kind of value: a tensor of the same dtype and number of dimensions (the
-    sizes may change, e.g. with the rank), or a scalar. Entries the method adds later are allowed."""
-    for key, value in initial.items():
-        got = state.get(key)
-        if isinstance(value, torch.Tensor):
-            ok = isinstance(got, torch.Tensor) and got.dtype == value.dtype and got.dim() == value.dim()
-        else:
-            ok = key in state and not isinstance(got, torch.Tensor)
-        if not ok:
-            what = "missing" if key not in state else "of another kind, dtype or number of dimensions"
-            raise CheckpointError(f"checkpoint {path}: server.safetensors: entry {key!r} is {what} than the "
-                                  f"method's")
+@dataclass
+class StateSchema:
+    """What a state may hold: every entry of ``initial`` as the same kind of value (a tensor of the same dtype and
+    number of dimensions, and of the same shape when ``same_shapes``; or a scalar), any other entry only as one of
+    the method's ``templates`` says (:meth:`fedlowrank.methods.base.Method.state_entries`), and every floating
+    tensor finite. A template's ``{key}`` is an entry of ``keys`` (the initial server state: the entry has its
+    dtype), ``{module}`` one of ``modules`` (the target modules), ``{head}`` one of ``heads`` (the head's parameter
+    names), ``{client}`` a client below ``num_clients``, ``{n}`` a count."""
+
+    initial: State
+    templates: tuple[str, ...]
+    keys: State
+    modules: list[str]
+    heads: list[str]
+    num_clients: int
+    same_shapes: bool = False
+
+    def __post_init__(self) -> None:
+        def one_of(names) -> str:
+            return "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)) or "(?!)"
+
+        fill = {"{key}": f"(?P<key>{one_of(self.keys.tensors())})", "{module}": f"(?:{one_of(self.modules)})",
+                "{head}": f"(?:{one_of(self.heads)})", "{client}": "(?P<client>0|[1-9][0-9]*)", "{n}": "(?:0|[1-9][0-9]*)"}
+        self._patterns = [re.compile("".join(fill.get(part, re.escape(part))
+                                             for part in re.split(r"(\{key\}|\{module\}|\{head\}|\{client\}|\{n\})", t)))
+                          for t in self.templates]
+
+    def _declared(self, key: str, value: Any) -> bool:
+        for pattern in self._patterns:
+            m = pattern.fullmatch(key)
+            if m is None:
+                continue
+            named = m.groupdict()
+            if named.get("client") is not None and int(named["client"]) >= self.num_clients:
+                continue
+            if named.get("key") is not None and not (isinstance(value, torch.Tensor)
+                                                     and value.dtype == self.keys[named["key"]].dtype):
+                continue
+            return True
+        return False
+
+    def problem(self, state: State) -> str | None:
+        """What is wrong with ``state`` (one line naming the entry), or ``None``."""
+        for key, value in self.initial.items():
+            got = state.get(key)
+            if key not in state:
+                return f"entry {key!r} is missing"
+            if isinstance(value, torch.Tensor):
+                if not isinstance(got, torch.Tensor) or got.dtype != value.dtype or got.dim() != value.dim():
+                    return f"entry {key!r} is not a {value.dtype} tensor of {value.dim()} dimensions"
+                if self.same_shapes and got.shape != value.shape:
+                    return f"entry {key!r} is of shape {tuple(got.shape)}, not {tuple(value.shape)}"
+            elif isinstance(got, torch.Tensor):
+                return f"entry {key!r} is a tensor, not a scalar"
+        for key, value in state.items():
+            if key not in self.initial and not self._declared(key, value):
+                return f"entry {key!r} is not one the method keeps"
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                return f"entry {key!r} holds non-finite values"
+        return None
+
+
+def check_state(path: Path, state: State, schema: StateSchema, fname: str = "server.safetensors") -> None:
+    """:class:`CheckpointError` naming the checkpoint ``path``, its file ``fname`` and the defect, unless ``state``
+    holds what ``schema`` allows."""
+    problem = schema.problem(state)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path}: {fname}: {problem}")
 
 
 def _load(path: Path, check: Callable[[Path, Checkpoint], None] | None) -> Checkpoint:
@@ -273,10 +381,6 @@ def find_checkpoint(run_dir: str | Path, round: int | None = None, warn: Callabl
             warn(f"warning: {'; '.join(skipped)}; using {folders[rnd].name}, the newest intact checkpoint")
         return folders[rnd], ck
     raise CheckpointError(f"no intact checkpoint in {run_dir}: {'; '.join(skipped)}")
-
-
-def _is_count(value: Any) -> bool:
-    return type(value) is int and value >= 0
 
 
 def _read_integrity(path: Path) -> dict[str, dict[str, Any]]:

@@ -74,9 +74,12 @@ class Cohort:
             self._views.append(self.model.shared_copy())
         return self._views[:count]
 
-    def optimizer(self, cfg, groups: list[dict], device: torch.device, anew: bool) -> torch.optim.Optimizer:
+    def optimizer(self, cfg, groups: list[dict], device: torch.device, anew: bool) -> torch.optim.Optimizer | None:
         """``train.optimizer`` over ``groups``, as a new one is at a fit's start: the last fit's, restarted in place
-        (:func:`~fedlowrank.training.local.restart_optimizer`), when it steps the same tensors and not ``anew``."""
+        (:func:`~fedlowrank.training.local.restart_optimizer`), when it steps the same tensors and not ``anew``;
+        ``None`` without any."""
+        if not groups:
+            return None
         params = [id(p) for g in groups for p in g["params"]]
         if self._opt is None or anew or params != self._opt_params:
             self._opt, self._opt_params = make_optimizer(cfg, groups, optimizer_kernel(device)), params
@@ -90,7 +93,8 @@ class Joint:
     joint step on the cohort's model (whose frozen tensors the members' views share).
 
     The members' LoRA factors are stacked (:meth:`LoRAStacks.bind`), so the optimizer steps the stacked tensors
-    (and the members' other parameters, e.g. heads) for every member at once, and clipping is per member in a few
+    (and the members' other parameters, e.g. heads, but those a method steps with its own optimizer, e.g. Fed-SB's
+    gradient sums) for every member at once, and clipping is per member in a few
     batched operations (each member's norm over its slot of every stacked gradient and its other gradients). Only
     where a member's own parameter gets a gradient (a correction's loss term, e.g. FedProx's; a target routed per
     member, e.g. one with a base delta) is it added to the member's slot; only for a member whose corrections read
@@ -104,8 +108,8 @@ class Joint:
             if bad:
                 raise RuntimeError(f"a cohort member trains {bad[0]!r}, neither an adapter's nor the head's "
                                    f"parameter: its method must not train in cohorts")
-            if m.fit.optimizer is not None or m.scaler is not None:
-                raise RuntimeError("a cohort member steps with an optimizer or loss scaler of its own")
+            if m.scaler is not None:
+                raise RuntimeError("a cohort member steps with a loss scaler of its own")
         self.model, self.members, self.stacks = model, members, cohort.stacks
         trainer = members[0].trainer
         cfg = trainer.cfg
@@ -121,9 +125,13 @@ class Joint:
             self.stacked.append([(n, f, p) for n, f, p in mine if id(p) in trained])
             ids = {id(p) for *_, p in mine}
             self.unstacked.append([p for p in m.params.values() if id(p) not in ids])
+            if m.fit.optimizer is not None and self.stacked[-1]:
+                raise RuntimeError("a cohort member steps its stacked LoRA factors with an optimizer of its own")
+        self.own = [m for m in members if m.fit.optimizer is not None]  # members stepping their own optimizer
+        shared = [ps for m, ps in zip(members, self.unstacked) if m.fit.optimizer is None]
         heads = {id(p) for m in members for k, p in m.params.items() if k.startswith("head/")}
-        body = self.stacks.trained() + [p for ps in self.unstacked for p in ps if id(p) not in heads]
-        head = [p for ps in self.unstacked for p in ps if id(p) in heads]
+        body = self.stacks.trained() + [p for ps in shared for p in ps if id(p) not in heads]
+        head = [p for ps in shared for p in ps if id(p) in heads]
         lrs = {(m.lr, m.head_lr) for m in members}
         if len(lrs) != 1:
             raise RuntimeError("a cohort's members train with different learning rates")
@@ -158,7 +166,10 @@ class Joint:
         return own, self.task.device_batch(joined, self.device), routing, select
 
     def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
+        if self.opt is not None:
+            self.opt.zero_grad(set_to_none=True)
+        for m in self.own:
+            m.opt.zero_grad(set_to_none=True)
 
     def forward_backward(self, active: list[int], inputs) -> torch.Tensor:
         batches, joined, routing, select = inputs
@@ -190,7 +201,10 @@ class Joint:
                 self._hand_out(i, True)
                 self.members[i].corrected_gradients()
                 self._hand_out(i, False)
-        self.opt.step()
+        if self.opt is not None:
+            self.opt.step()
+        for m in self.own:
+            m.opt.step()
 
     def _merge(self, active: list[int]) -> None:
         """A member's own gradient (a loss term on its parameters, a target routed per member) into its slot."""

@@ -39,7 +39,7 @@ def setup_info(cfg, client_sizes: list[int]) -> SetupInfo:
         num_clients=cfg.partition.num_clients, client_sizes=list(client_sizes), client_ranks=ranks,
         rank=cfg.lora.server_rank or (max(ranks) if cfg.lora.ranks else cfg.lora.rank), alpha=cfg.lora.alpha, scaling=cfg.lora.scaling,
         dropout=cfg.lora.dropout, weighting=cfg.server.weighting, server_lr=cfg.server.lr, seed=cfg.run.seed,
-        rounds=cfg.run.rounds)
+        rounds=cfg.run.rounds, clients_per_round=cfg.run.clients_per_round)
 
 
 def sample_clients(seed: int, rnd: int, num_clients: int, per_round: int) -> list[int]:

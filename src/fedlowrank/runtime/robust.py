@@ -8,10 +8,14 @@ which runs last:
    whose clipping bounds every reply and whose accounting knows no rule that looks at the other replies): a reply
    whose update norm per local step (each floating tensor minus what the client was sent,
    :mod:`fedlowrank.privacy.mechanisms`, over the steps its ``num_examples`` gives: with ``train.local_epochs`` a
-   larger client takes more steps) exceeds k times the median of the round's *other* replies is rejected, with the
-   reason. A leave-one-out median, so that with two replies a huge one is measured against the honest one; it holds
-   while fewer than half of a round's replies are bad. A round's only reply has nothing to be measured against and is
-   kept.
+   larger client takes more steps) exceeds k times its *reference* is rejected, with the reason. The reference is
+   the median of the round's other replies (a leave-one-out median, so that with two replies a huge one is measured
+   against the honest one; it holds while fewer than half of a round's replies are bad); for a round's only reply,
+   the median norm per step of the replies the newest earlier round aggregated (``update_norm`` in its metrics row);
+   and for the only reply of the run's first aggregated round, the norm of what the client starts from: the
+   floating tensors it was sent, or when those are all zero (FedALT's first Rest-of-World) its initial client state
+   (``method.init_client``, which every runtime's server can make): a step that moves the model by more than k times
+   its own size. A lone reply is kept unmeasured only when both are all zeros.
 2. :func:`matching_replies` (with a robust aggregate or central DP, which combine the replies coordinate by
    coordinate): replies whose floating-point tensors differ in names, shapes or dtypes from the most common
    signature of the round are rejected, with the reason.
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -50,25 +54,46 @@ def signature(reply: Message) -> tuple:
     return tuple((k, tuple(reply[k].shape), str(reply[k].dtype)) for k in update_keys(reply))
 
 
-def outlying_replies(replies: list[Reply], downs: dict[int, Message], ratio: float, train
-                     ) -> tuple[list[Reply], list[dict[str, Any]]]:
-    """``(kept, rejected)``: the replies whose update norm per local step (relative to ``downs[client]``, what each
-    was sent; steps from ``train``, the ``[train]`` config, and the reply's ``num_examples``) is at most ``ratio``
-    times the median of the round's other replies, and ``{"client", "reason"}`` for each other one. A lone reply
-    is kept."""
+def message_norm(msg: Message) -> float:
+    """‖msg‖₂ over its floating-point tensors (float64)."""
+    return math.sqrt(sum(float(t.to(torch.float64).pow(2).sum()) for t in msg.tensors().values()
+                         if t.is_floating_point()))
+
+
+def outlying_replies(replies: list[Reply], downs: dict[int, Message], ratio: float, train,
+                     earlier: float | None = None, initial: Callable[[int], Message] | None = None
+                     ) -> tuple[list[Reply], list[dict[str, Any]], float | None]:
+    """``(kept, rejected, norm)``: the replies whose update norm per local step (relative to ``downs[client]``, what
+    each was sent; steps from ``train``, the ``[train]`` config, and the reply's ``num_examples``) is at most
+    ``ratio`` times its reference (the module docstring: the median of the round's other replies; for a lone reply
+    ``earlier``, the newest earlier aggregated round's median, else the norm of what it was sent or, when that is
+    zero, of ``initial(client)``, its initial client state),
+    ``{"client", "reason"}`` for each other one, and the median norm per step of the kept replies (``None``: none
+    kept), the ``earlier`` of later rounds."""
     norms = [update_norm(r.message, downs[r.client]) / max(1, steps_per_round(train, r.num_examples))
              for r in replies]
-    kept, rejected = [], []
+    kept, kept_norms, rejected = [], [], []
     for i, r in enumerate(replies):
         others = norms[:i] + norms[i + 1:]
-        median = float(np.median(others)) if others else math.inf
-        if norms[i] > ratio * median:
+        if others:
+            reference, what = float(np.median(others)), "the median of the round's other replies"
+        elif earlier:
+            reference, what = earlier, "the median of the replies of the newest earlier round (a round's only reply)"
+        else:
+            reference = message_norm(downs[r.client]) or (message_norm(initial(r.client)) if initial else 0.0)
+            reference, what = reference or math.inf, "the norm of what it starts from (a lone reply)"
+        if norms[i] > ratio * reference:
             rejected.append({"client": r.client, "reason": f"update norm per local step {norms[i]:.4g} exceeds "
-                             f"server.outlier_ratio = {ratio:g} times {median:.4g}, the median of the round's other "
-                             f"replies"})
+                             f"server.outlier_ratio = {ratio:g} times {reference:.4g}, {what}"})
         else:
             kept.append(r)
-    return kept, rejected
+            kept_norms.append(norms[i])
+    return kept, rejected, float(np.median(kept_norms)) if kept_norms else None
+
+
+def earlier_update_norm(history: list[dict[str, Any]]) -> float | None:
+    """The ``update_norm`` of the newest metrics row of ``history`` that has one (``None``: none has)."""
+    return next((r["update_norm"] for r in reversed(history) if "update_norm" in r), None)
 
 
 def outlier_ratio(cfg) -> float:

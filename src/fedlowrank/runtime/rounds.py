@@ -5,8 +5,9 @@ a :class:`RoundReplies`: for each sampled client, the bytes it was sent and sent
 reply is usable (:meth:`RoundReplies.receive` runs :func:`~.engine.check_reply`), rejected (with the reason) or
 missing (dropped, with the reason). :func:`close_round` then does the rest, identically for both:
 
-1. rejects the replies whose update is an outlier of the round's (:func:`.robust.outlying_replies`,
-   ``server.outlier_ratio``) and, with a robust aggregate or central DP, those whose tensors differ in shape from the
+1. rejects the replies whose update is an outlier (:func:`.robust.outlying_replies`, ``server.outlier_ratio``:
+   measured against the round's other replies, or for a lone reply against the earlier rounds' or what it was
+   sent) and, with a robust aggregate or central DP, those whose tensors differ in shape from the
    round's others (:func:`.robust.matching_replies`); logs each dropped client and each rejected reply with its reason;
 2. skips the round when fewer than ``run.min_replies`` replies are usable (the global state is not touched);
 3. otherwise transforms the replies on the server (:func:`.robust.server_replies`: ``server.update_clip``,
@@ -31,7 +32,8 @@ import numpy as np
 from ..execution.measure import phased
 from ..message import Message, Reply, State
 from .engine import check_reply, sample_clients
-from .robust import matching_replies, needs_matching, outlier_ratio, outlying_replies, server_replies
+from .robust import (earlier_update_norm, matching_replies, needs_matching, outlier_ratio, outlying_replies,
+                     server_replies)
 from .run import Run
 
 Warn = Callable[[str], None]
@@ -77,13 +79,17 @@ class RoundReplies:
         """Take ``client``'s ``reply`` (as received) to ``down``: usable if :func:`~.engine.check_reply` finds
         nothing wrong (``bound``: the most examples it may claim), else rejected. ``up_bytes``: what the ledger
         counts (default ``reply.nbytes()``); ``cap``: the most examples it weighs in aggregation (``None``: its
-        ``num_examples``). Returns whether it is usable."""
+        ``num_examples``). A usable reply's ledger row counts the method's own protocol when it declares one
+        (:meth:`~fedlowrank.methods.base.Method.protocol_messages`). Returns whether it is usable."""
         up = reply.nbytes() if up_bytes is None else up_bytes
         reason = check_reply(method, down, reply, self.round, bound)
         if reason is not None:
             self.reject(client, reason, down.nbytes(), up)
             return False
-        self.ledger.append({"round": self.round, "client": client, "down": down.nbytes(), "up": up})
+        down_bytes, protocol = down.nbytes(), method.protocol_messages(down, reply)
+        if protocol is not None:
+            down_bytes, up = (sum(m.nbytes() for m in messages) for messages in protocol)
+        self.ledger.append({"round": self.round, "client": client, "down": down_bytes, "up": up})
         self.downs[client] = down
         n = int(reply["num_examples"])
         self.usable.append(Reply(client, n if cap is None else min(n, cap), reply))
@@ -116,8 +122,10 @@ def close_round(run: Run, got: RoundReplies, started: float, warn: Warn | None =
     replies = sorted(got.usable, key=lambda r: r.client)
     rejected = list(got.rejected)
     ratio = outlier_ratio(cfg)
+    kept_norm = None
     if math.isfinite(ratio):
-        replies, outliers = outlying_replies(replies, got.downs, ratio, cfg.train)
+        replies, outliers, kept_norm = outlying_replies(replies, got.downs, ratio, cfg.train,
+                                                        earlier_update_norm(run.history), run.method.init_client)
         rejected += outliers
     if needs_matching(cfg):
         replies, mismatched = matching_replies(replies)
@@ -160,6 +168,8 @@ def close_round(run: Run, got: RoundReplies, started: float, warn: Warn | None =
         row["rejected"] = rejected
     if server is None:
         row["skipped"] = True
+    elif kept_norm is not None:  # what a later round's lone reply is measured against
+        row["update_norm"] = kept_norm
     if diagnostics:
         row["diagnostics"] = diagnostics
     row.update(notes)

@@ -42,9 +42,11 @@ Checkpoints are :mod:`.checkpoint`'s. A run without a directory (``path`` ``None
 
 from __future__ import annotations
 
+import array
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -320,14 +322,42 @@ def _check_runs_inside(path: Path) -> None:
             lock_run_dir(lock_file.parent).release()
 
 
+FS_IOC_GETFLAGS, FS_IMMUTABLE_FL, FS_APPEND_FL = 0x80086601, 0x10, 0x20  # Linux's chattr flags (linux/fs.h)
+
+
+def file_flags(path: Path) -> int:
+    """Linux's inode flags of ``path`` (``chattr``/``lsattr``: immutable, append-only, ...); 0 where the system or
+    its file system has none (another OS, a file system without them) or ``path`` is a link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return 0
+    try:
+        flags = array.array("i", [0])
+        fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags, True)
+        return flags[0]
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+
+
 def _check_removable(path: Path, names: list[str]) -> None:
-    """:class:`RunDirError` naming the first folder under ``path/names`` whose entries this process may not remove."""
+    """:class:`RunDirError` naming the first folder under ``path/names`` whose entries this process may not remove,
+    or the first entry there marked immutable or append-only (which no permission lets anyone delete)."""
     folders = [path] + [path / n for n in names if (path / n).is_dir() and not (path / n).is_symlink()]
+    entries = [path / n for n in names]
     for top in folders[1:]:
-        folders += [Path(d) for d, _, _ in os.walk(top) if Path(d) != top]
+        for d, dirs, files in os.walk(top):
+            folders += [Path(d)] if Path(d) != top else []
+            entries += [Path(d) / n for n in dirs + files]
     for folder in folders:
         if not os.access(folder, os.W_OK | os.X_OK):
             raise RunDirError(f"cannot remove the entries of {folder} (not writable); nothing was removed")
+    for entry in entries:
+        if file_flags(entry) & (FS_IMMUTABLE_FL | FS_APPEND_FL):
+            raise RunDirError(f"cannot remove {entry} (marked immutable or append-only: lsattr shows it, chattr -i "
+                              "or -a clears it); nothing was removed")
 
 
 def remove_own(path: Path, names: list[str]) -> None:
@@ -349,7 +379,12 @@ def remove_own(path: Path, names: list[str]) -> None:
             os.rename(trash / back, path / back)
         trash.rmdir()
         raise RunDirError(f"cannot remove {path / name} ({exc.strerror}); nothing was removed") from None
-    shutil.rmtree(trash, ignore_errors=True)  # what stays (a file made immutable inside) goes with the next claim
+    left: list[str] = []
+    shutil.rmtree(trash, onerror=lambda fn, where, exc: left.append(f"{where} ({exc[1].strerror or exc[1]})"))
+    if left:
+        raise RunDirError(f"removed the old output's entries but cannot delete {left[0]}"
+                          f"{f' and {len(left) - 1} more' if len(left) > 1 else ''}: they are in {trash}, which the "
+                          "next claim of the directory deletes once they are deletable")
 
 
 def check_run_dir(path: str | Path, overwrite: bool = False, flag: str = "--overwrite", kind: str = "run") -> None:
@@ -512,5 +547,47 @@ class RunFiles:
             (self.path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def write_summary(self, summary: dict[str, Any]) -> None:
+        """``summary.json``, then the run's :data:`SEAL` over it and the other files it reads back."""
         if self.path is not None:
             own(self.path, "summary.json").write_text(json.dumps(summary, indent=1))
+            seal_run(self.path)
+
+
+SEAL = "seal.json"
+SEALED = ("config.json", "metrics.jsonl", "summary.json")  # what a finished run is read back from (its record)
+
+
+def _sealed_hashes(path: Path) -> dict[str, str]:
+    return {name: hashlib.sha256((path / name).read_bytes()).hexdigest() for name in SEALED}
+
+
+def seal_run(path: Path) -> None:
+    """Write ``path/seal.json``: the sha256 of each of :data:`SEALED` as the run ended. A finished run is reused or
+    carried to another machine only while its files match it (:func:`seal_problem`)."""
+    own(path, SEAL).write_text(json.dumps({"format": 1, "sha256": _sealed_hashes(path)}, indent=1))
+
+
+def seal_problem(path: Path) -> str | None:
+    """Why the finished run in ``path`` cannot be trusted as it is (one line), or ``None``: the folder or one of its
+    :data:`SEALED` files or seal is a symbolic link or missing, the seal unreadable, or a file differs from what the
+    seal says it was when the run ended (it was edited since). A seal proves the files are those the run wrote, not
+    who wrote them: whoever can rewrite them can rewrite the seal."""
+    if path.is_symlink():
+        return f"{path} is a symbolic link"
+    for name in (*SEALED, SEAL):
+        if (path / name).is_symlink():
+            return f"{path / name} is a symbolic link"
+        if not (path / name).is_file():
+            return f"{path / name} is missing" + (" (a run that ended before runs were sealed)" if name == SEAL else "")
+    try:
+        seal = json.loads((path / SEAL).read_text())
+        recorded = seal["sha256"]
+        ok = seal.get("format") == 1 and isinstance(recorded, dict) and set(recorded) == set(SEALED)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        return f"{path / SEAL} is unreadable"
+    edited = [name for name, digest in _sealed_hashes(path).items() if recorded[name] != digest]
+    if edited:
+        return f"{', '.join(edited)} in {path} differ from what the run wrote ({SEAL}): edited since it ended"
+    return None

@@ -34,8 +34,9 @@ from ..message import State
 from ..privacy.runtime import PRIVACY_KEYS, accounting
 from ..reporting.progress import Progress
 from ..reporting.tracking import RunTracker, require_package
-from .checkpoint import (ROW_TIMES, Checkpointer, check_history, check_state, read_run_checkpoint, restart_from,
-                         restore)
+from ..serialization import FormatError
+from .checkpoint import (ROW_TIMES, Checkpointer, CheckpointError, StateSchema, check_history, check_state,
+                         read_run_checkpoint, restart_from, restore)
 from .evaluation import Evaluator, collapse_line, collapse_of, run_collapse, scalar_metrics
 from .rounds import RoundOutcome, RoundReplies, Warn, client_rows, close_round
 from .run import DivergenceError, Run, peak_rss_mb
@@ -274,12 +275,60 @@ class ServerRun:
         """The rounds of the metrics rows this runner records up to round ``rnd``: every round."""
         return list(range(1, rnd + 1))
 
+    def state_schema(self, client: int | None = None) -> StateSchema:
+        """What the server state (``client=None``) or client ``client``'s state may hold
+        (:class:`~.checkpoint.StateSchema`): the run's initial ones (this run is not yet restored: ``server`` is
+        :meth:`~fedlowrank.methods.base.Method.setup`'s) and the method's declared further entries."""
+        server_entries, client_entries = self.method.state_entries()
+        initial = self.server if client is None else self.method.init_client(client)
+        return StateSchema(initial, server_entries if client is None else client_entries, self.server,
+                           self.model.target_names, list(self.model.head_parameters()), self.cfg.partition.num_clients,
+                           same_shapes=client is not None)
+
     def check_checkpoint(self, path: Path, ck) -> None:
-        """:class:`~.checkpoint.CheckpointError` when checkpoint ``ck`` (of folder ``path``) does not fit this run:
-        its history rows are not those of :meth:`history_rounds`, or its server state lacks an entry of the
-        method's (:func:`~.checkpoint.check_state`)."""
-        check_history(path, ck, self.history_rounds(ck.round))
-        check_state(path, ck.server, self.server)
+        """:class:`~.checkpoint.CheckpointError` naming the file and the defect when checkpoint ``ck`` (of folder
+        ``path``) does not fit this run, before anything of it is used: its history rows are not those of
+        :meth:`history_rounds`, a row's field is not of its type, or its ledger does not count the rows' bytes
+        (:func:`~.checkpoint.check_history`); its server state or a client's state holds an entry the method does
+        not keep, lacks one, or holds a non-finite value (:meth:`state_schema`); or the server state (and for a
+        personalised method, each client's) does not load into the model (a tensor of another shape)."""
+        check_history(path, ck, self.history_rounds(ck.round), self.task.metrics)
+        check_state(path, ck.server, self.state_schema())
+        states = dict(ck.clients)
+        for client, file in ck.spilled.items():
+            try:
+                states[client] = State.from_bytes(file.read_bytes())
+            except (OSError, FormatError) as exc:
+                raise CheckpointError(f"checkpoint {path}: clients/{file.name}: unreadable ({exc})") from None
+        for client in sorted(states):
+            where = f"clients.safetensors: client {client}" if client not in ck.spilled else f"clients/{ck.spilled[client].name}"
+            if not 0 <= client < self.cfg.partition.num_clients:
+                raise CheckpointError(f"checkpoint {path}: {where}: no such client (partition.num_clients = "
+                                      f"{self.cfg.partition.num_clients})")
+            check_state(path, states[client], self.state_schema(client), where)
+        try:  # the shapes: what the model reads from the states
+            for client in sorted(states) if self.method.personalized else ():
+                self.method.load_personal(self.model, ck.server, states[client])
+            self.method.load_global(self.model, ck.server)
+        except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise CheckpointError(f"checkpoint {path}: its states do not load into the run's model "
+                                  f"({str(exc).splitlines()[0][:200]})") from None
+        loss = self.probe_loss()
+        if not math.isfinite(loss):
+            raise CheckpointError(f"checkpoint {path}: its global model computes a non-finite loss ({loss}) on a "
+                                  "training example")
+
+    def probe_loss(self) -> float:
+        """The model's loss as it is now on one training example (:meth:`~fedlowrank.tasks.base.Task.probe_batch`),
+        in evaluation mode, without gradients."""
+        net = self.model.net
+        was_training = net.training
+        net.eval()
+        try:
+            with torch.no_grad():
+                return float(self.task.loss(net, self.task.device_batch(self.task.probe_batch(1), self.device)))
+        finally:
+            net.train(was_training)
 
     @classmethod
     def from_checkpoint(cls, run_dir: str | Path, task=None, log: Callable[[str], None] | None = None,

@@ -26,7 +26,9 @@ mean over the clients' own models; a classification task's evaluation of the glo
 the most-predicted class, its share of the test set, the per-class recall, the chance level), ``bytes_up``/``bytes_down`` (this round), ``cum_bytes_up``/
 ``cum_bytes_down``, ``time`` (``client_compute``, ``aggregation``, ``evaluation``, ``other``, ``total``, in
 seconds), ``peak_rss_mb``, optional ``dropped``, ``rejected``, ``skipped``, ``diagnostics``, ``privacy``, ``robust``
-(``server.update_clip``, ``server.aggregate``: :mod:`.robust`), and ``per_client``:
+(``server.update_clip``, ``server.aggregate``: :mod:`.robust`), ``update_norm`` (the median norm per local step of
+the aggregated replies' updates, what a later round's lone reply is measured against: :mod:`.robust`), and
+``per_client``:
 one entry per sampled client, ``{"client", "train_loss", "num_examples", "bytes_up", "bytes_down"}``
 (``train_loss`` and ``num_examples`` are ``null`` for a client whose reply was dropped or rejected); in an
 evaluated round of a personalised method each evaluated client's entry also has ``"test": {"accuracy",

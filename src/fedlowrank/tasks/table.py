@@ -114,6 +114,17 @@ def _parse_json_line(path: Path, number: int, line: str) -> dict:
     return record
 
 
+def _refuse_lone_surrogate(path: Path, number: int, key: str, name: str, value: str) -> None:
+    """Refuse a JSON string holding half of a UTF-16 surrogate pair (``"\\ud800"`` alone), which is no character: no
+    tokenizer can encode it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{path}:{number}: key {key!r} ({name}) holds a lone UTF-16 surrogate "
+                         f"(\\u{ord(value[exc.start]):04x} at character {exc.start}), which is no character; "
+                         "write the character itself or its full surrogate pair") from None
+
+
 def number_text(value: int | float) -> str:
     """A JSON number as text, by value: an integral number as its integer's digits (``1`` and ``1.0`` → ``"1"``),
     any other as Python's shortest round-tripping form (``0.5``)."""
@@ -147,6 +158,8 @@ def _read_jsonl(path: Path, text: str, columns: list[str | int], names: list[str
             if value is None or isinstance(value, (bool, list, dict)):
                 raise ValueError(f"{path}:{number}: key {key!r} ({name}) holds {json.dumps(value)[:40]}; "
                                  "expected a string or a number")
+            if isinstance(value, str):
+                _refuse_lone_surrogate(path, number, key, name, value)
             cells.append(value if isinstance(value, str) else number_text(value))
         rows.append(tuple(cells))
     if label_position is not None:

@@ -33,11 +33,15 @@ CV_REFRESH = ("mean", "last", "option2")
 
 class ClientCorrection:
     """One correction's hooks (module docstring). ``client_state``: what it keeps in the client's state across
-    rounds, in words with shapes (``""``: nothing); the method's ``keeps_client_state`` reads it. ``reads_batch``:
-    whether its ``loss`` reads the step's batch (MOON's features; a cohort then stages each member's own batch)."""
+    rounds, in words with shapes (``""``: nothing); the method's ``keeps_client_state`` reads it.
+    ``server_entries``, ``client_entries``: the templates of the entries it adds to the server's and a client's state
+    after they were made (``Method.state_entries``). ``reads_batch``: whether its ``loss`` reads the step's batch
+    (MOON's features; a cohort then stages each member's own batch)."""
 
     name = ""
     client_state = ""
+    server_entries: tuple[str, ...] = ()
+    client_entries: tuple[str, ...] = ()
     reads_batch = False
 
     def init_server(self, server: State, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -105,6 +109,10 @@ class Scaffold(ClientCorrection):
     name = "scaffold"
     client_state = "the client's control variate scaffold.ci/<key>, shaped as each trained tensor"
     prefix_c, prefix_ci, prefix_dc = "scaffold.c/", "scaffold.ci/", "scaffold.dc/"
+
+    @property
+    def client_entries(self) -> tuple[str, ...]:
+        return (self.prefix_ci + "{key}",)
 
     def __init__(self, refresh: str = "mean"):
         check_choice("method.cv_grad", refresh, CV_REFRESH)
