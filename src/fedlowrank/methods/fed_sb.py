@@ -98,6 +98,7 @@ class FedSB(Method):
     downlink = ("R [r,r] per target module, head; with method.init = gradient also the bases B [out,r], A [r,in] "
                 "(from the seed otherwise)")
     needs_individual_replies = False
+    server_entries = ("{module}.fedsb_A", "{module}.fedsb_B", "{module}.fedsb_R")  # once round 1 made the bases
     heterogeneous_ranks_refusal = ("every client trains an r×r core between one shared pair of rank-r bases; the "
                                    "paper's mechanism for mixed ranks was not available")
     preset = {"train.optimizer": "adamw", "train.weight_decay": 0.0}  # official: AdamW, wd 0, lr 1e-4 (5e-4 DP)
