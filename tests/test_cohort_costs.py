@@ -92,3 +92,42 @@ def test_a_joint_step_s_operations_do_not_grow_with_the_members_and_one_client_s
     assert many <= 1.02 * two, (two, many)
     one = joint_step_ops(sim, 1)
     assert one <= 1.05 * plain_peft_step_ops(sim), one
+
+
+@pytest.mark.parametrize("cohort", [1, 2])
+def test_a_compiled_step_is_one_graph_per_shape_with_the_loss_inside_and_no_break_over_three_rounds(cohort,
+                                                                                                   monkeypatch):
+    """``run.compile`` on tiny-llama with length buckets, one client at a time or a cohort of 2 packed in static
+    shapes, 3 rounds: the decoder, the head at the response positions and the cross-entropy are one graph (the loss
+    has no autograd call inside, and a fixed number of positions per shape), compiled once (frames, graphs) in round
+    1, with no graph break and nothing compiled again in rounds 2 and 3."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from fedlowrank.execution import compiling
+
+    graphs = []
+
+    def recording(gm, example_inputs):  # every call of a graph, its subgraphs' (the loss's forward body) included
+        graphs.append({str(n.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+                       for n in m.graph.nodes})
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    monkeypatch.setattr(compiling, "COMPILE_BACKEND", recording)
+    torch._dynamo.reset()
+    counters.clear()
+    sets = ["task.options.eval_generate=0", "task.length_buckets=[512, 768]", f"run.cohort={cohort}",
+            "run.clients_per_round=2", "run.rounds=3", "train.max_grad_norm=1.0", "run.compile=true",
+            *(["task.options.pack=768"] if cohort > 1 else [])]
+    sim = Simulation(load_config("tiny-lm", sets), task=build_task(load_config("tiny-lm", sets)))
+    try:
+        per_round = []
+        for _ in range(3):
+            sim.run_round()
+            per_round.append((counters["frames"]["total"], counters["stats"]["unique_graphs"]))
+        assert sim.cohort_size() == cohort
+        assert per_round[0] == per_round[1] == per_round[2] and per_round[0][0] == len(graphs) >= 1, per_round
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+        assert all(any("cross_entropy" in t for t in g) and any("index_select" in t for t in g) for g in graphs)
+    finally:
+        sim.close()
+        torch._dynamo.reset()

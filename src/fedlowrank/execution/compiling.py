@@ -64,11 +64,11 @@ def run_compiled(module: nn.Module, step: Callable[[], Any], restart: Callable[[
     return step()
 
 
-def release_compiled(net: nn.Module) -> None:
-    """Drop the compiled calls of ``net``'s modules (the run has ended): their graphs (on CUDA their memory pools)
-    are freed with them; dynamo's caches are reset when no compiled module is left."""
+def release_compiled(*modules: nn.Module) -> None:
+    """Drop the compiled calls of ``modules`` and of their submodules (the run has ended): their graphs (on CUDA
+    their memory pools) are freed with them; dynamo's caches are reset when no compiled module is left."""
     found = False
-    for module in net.modules():
+    for module in (m for root in modules for m in root.modules()):
         if module in _COMPILED:
             del _COMPILED[module]
             module._compiled_call_impl = None

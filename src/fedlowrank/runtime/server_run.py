@@ -382,7 +382,7 @@ class ServerRun:
         directory's lock (nothing is written to it after this); compiled modules are released
         (:func:`~fedlowrank.execution.compiling.release_compiled`) and the plan with them (a later round decides
         and compiles again)."""
-        release_compiled(self.model.net)
+        release_compiled(self.model.net, self.task.compiled_module(self.model.net))
         self.state.plan = None
         self.progress.close()
         self.tracker.close()
