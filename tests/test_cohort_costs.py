@@ -131,3 +131,42 @@ def test_a_compiled_step_is_one_graph_per_shape_with_the_loss_inside_and_no_brea
     finally:
         sim.close()
         torch._dynamo.reset()
+
+
+def test_reductions_over_many_tensors_equal_the_dense_ones():
+    """:func:`all_finite` and :func:`total_norm` against the concatenated tensors (one float64 vector)."""
+    from fedlowrank.linalg.reductions import all_finite, total_norm
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(5, generator=g, dtype=torch.float64),
+               torch.zeros(0, dtype=torch.float64), torch.arange(4)]
+    dense = torch.cat([t.flatten().double() for t in tensors[:3]])
+    assert total_norm(tensors[:3]) == pytest.approx(float(dense.norm()), rel=1e-12)
+    assert total_norm([]) == 0.0 and all_finite([]) and all_finite(tensors)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        broken = [t.clone() for t in tensors]
+        broken[1][2] = bad
+        assert not all_finite(broken)
+    assert all_finite([torch.full((2,), 3e38)])  # large but finite (its 2-norm overflows in float32)
+
+
+def test_the_server_reads_each_reply_at_most_twice_not_once_per_tensor():
+    """A round of 4 FedIT clients on tiny-llama (8 LoRA factors each), with the outlier check on: the checks of a
+    reply (finiteness) and its update norm read the host once each per reply, not once per tensor."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sim = Simulation(load_config("tiny-lm", ["task.options.eval_generate=0", "run.clients_per_round=4",
+                                             "run.rounds=1", "partition.kind=iid"]), task=build_task(load_config(
+                                                 "tiny-lm", ["task.options.eval_generate=0"])))
+    assert len(sim.server.tensors()) >= 8
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        sim.run_round()
+
+    def in_server_part(event) -> bool:
+        while event is not None:
+            if event.name in ("fedlowrank.receive", "fedlowrank.close_round"):
+                return True
+            event = event.cpu_parent
+        return False
+    reads = sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense" and in_server_part(e))
+    assert reads <= 2 * 4, reads
