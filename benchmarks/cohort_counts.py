@@ -3,7 +3,8 @@
 FedIT (LoRA r = 2 on q_proj/v_proj: 60 targets, 120 factors per member on SmolLM2's 30 layers) on short
 instruction pairs (a few byte tokens each, so that the CPU runs K = 32 in seconds: the counts do not depend on the
 tokens, the time does), ``--steps`` local steps of ``--batch`` examples per client, one cohort of K clients
-(``run.cohort = K``; K = 1 is one client alone), ``train.dtype`` bf16 by default. One round warms up, the next is
+(``run.cohort = K``, its examples packed together into rows of 2 × ``task.max_length`` as a run does; K = 1 is one
+client alone), ``train.dtype`` bf16 by default, per-member clipping (``train.max_grad_norm = 1``). One round warms up, the next is
 profiled (the torch profiler over every thread). Printed for each K:
 
 * ``step_ops``: top-level aten operations inside one joint step (``fedlowrank.local_step``: forward, loss,
@@ -14,6 +15,9 @@ profiled (the torch profiler over every thread). Printed for each K:
 * ``member_moves``: calls of fedlowrank's code in the clients' updates outside their steps that would move a
   tensor between host and device on CUDA (``.to(device)``, ``.cpu()``, ``pin_memory``, ``copy_`` into the model),
   per member (:func:`fedlowrank.execution.measure.client_transfers`);
+* ``saved_kb``: with ``--saved``, the activations one joint step's forward saves for its backward
+  (``torch.autograd.graph.saved_tensors_hooks``, each storage once, the model's parameters and the stacked factors
+  left out), in KB per position (the joined batch's tokens) per decoder layer;
 * ``peft_ops``: with ``--peft``, the same count for a plain peft step (``get_peft_model`` r = 2 on q/v, its own
   loss, clipping, AdamW) on one client's batch, the K = 1 reference.
 
@@ -40,6 +44,7 @@ from torch import nn  # noqa: E402
 
 from fedlowrank.config import load_config  # noqa: E402
 from fedlowrank.execution.measure import client_transfers  # noqa: E402
+from fedlowrank.runtime.plan import packs_cohorts  # noqa: E402
 from fedlowrank.runtime.simulator import Simulation  # noqa: E402
 from fedlowrank.tasks import build_task  # noqa: E402
 
@@ -115,6 +120,33 @@ def round_counts(sim: Simulation, k: int) -> dict:
             "round_s": round(seconds, 2)}
 
 
+def saved_kb(sim: Simulation, k: int) -> float:
+    """KB saved for the backward per position per decoder layer by one joint step of ``k`` members (``saved_kb``)."""
+    from fedlowrank.message import State
+    from fedlowrank.runtime.cohort import Cohort, Joint, cohort_members
+    from fedlowrank.training.local import LocalSteps
+
+    clients = list(range(k))
+    cohort = Cohort(sim.model, k)
+    members = cohort_members(sim.method, cohort, [sim.method.broadcast(sim.server, c, 1) for c in clients],
+                             [State() for _ in clients], sim.task, [sim.parts[c] for c in clients], sim.cfg, clients,
+                             1, sim.training_plan())
+    steps = LocalSteps(members, Joint(cohort, members, seed=0))
+    inputs = steps.group.stage(clients)
+    kept = {p.untyped_storage().data_ptr() for p in (*sim.model.parameters(), *cohort.stacks.groups.values())}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in kept:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        steps.group.forward_backward(clients, inputs)
+    positions = inputs[1]["input_ids"].numel()
+    return sum(seen.values()) / positions / sim.model.net.config.num_hidden_layers / 1000
+
+
 def peft_ops(args, data: list[str]) -> int:
     """Top-level aten ops of one plain peft step (after a warm-up step) on one client's batch."""
     from peft import LoraConfig, get_peft_model
@@ -153,6 +185,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--peft", action="store_true")
+    p.add_argument("--saved", action="store_true")
     p.add_argument("--set", action="append", default=[])
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -160,13 +193,18 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as folder:
         sizes = [int(s) for s in args.sizes.split(",")]
         data = pairs(Path(folder), max(sizes) * args.batch * args.steps)
-        task = None
+        tasks = {}
         for k in sizes:
             cfg = config(args, k, data)
-            task = task if task is not None and task.num_train >= cfg.partition.num_clients else build_task(cfg)
-            sim = Simulation(cfg, task=task)
+            packs = packs_cohorts(cfg)  # as a run builds it: a cohort's examples packed together
+            if packs not in tasks:
+                tasks[packs] = build_task(cfg, cohorts=packs)
+            sim = Simulation(cfg, task=tasks[packs])
             sim.run_round()
-            print(json.dumps(round_counts(sim, k)), flush=True)
+            row = round_counts(sim, k)
+            if args.saved and k > 1:
+                row["saved_kb"] = round(saved_kb(sim, k), 2)
+            print(json.dumps(row), flush=True)
         if args.peft:
             print(json.dumps({"peft_ops": peft_ops(args, data)}))
 
