@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 from common import provenance, run_resumable  # noqa: E402
 
-from fedlowrank.experiments.compare import against_reference, results_markdown, run_comparison  # noqa: E402
+from fedlowrank.experiments.compare import (against_reference, results_markdown, run_comparison,  # noqa: E402
+                                            write_report)
 from fedlowrank.experiments.sweep import copy_finished_runs  # noqa: E402
 from fedlowrank.experiments.tune import run_tuning  # noqa: E402
 
@@ -277,11 +279,12 @@ def device_suffix(device: str) -> str:
 
 
 def run_protocol(name: str, out: Path, jobs: int, smoke: bool, device: str = "cpu", seeds: int | None = None,
-                 tune_seeds: str | None = None) -> dict:
-    """Tune (unless reused), write the rates each method runs at, compare; returns compare's results."""
+                 tune_seeds: str | None = None, command: str | None = None) -> dict:
+    """Tune (unless reused), write the rates each method runs at, compare; returns compare's results (``command``:
+    the command line, which ``report.html`` quotes)."""
     p = PROTOCOLS[name]
     if p.runs_of:
-        return read_against_reference(name, out, device, seeds)
+        return read_against_reference(name, out, device, seeds, command)
     config, sets, compare_seeds = (p.config, p.sets, p.seeds) if not smoke else (
         SMOKE_CONFIGS.get(p.config, p.config), p.sets + ["run.rounds=1", "train.local_steps=1"], "0,1")
     if smoke and p.config != "agnews":
@@ -316,12 +319,13 @@ def run_protocol(name: str, out: Path, jobs: int, smoke: bool, device: str = "cp
         tuned.parent.mkdir(parents=True, exist_ok=True)
         tuned.write_text(json.dumps({"chosen": {m: {**chosen, "shared_from": p.shared_lr_from} for m in p.methods}}))
     return run_comparison(config, p.methods, compare_seeds, sets, home / "compare", log, reference=p.reference,
-                          tuned=tuned, resume=True, jobs=jobs)
+                          tuned=tuned, resume=True, jobs=jobs, command=command)
 
 
-def read_against_reference(name: str, out: Path, device: str, seeds: int | None) -> dict:
+def read_against_reference(name: str, out: Path, device: str, seeds: int | None, command: str | None = None) -> dict:
     """Protocol ``name``'s verdict from the compared runs of protocol ``runs_of`` (the same methods, settings and
-    seeds) read against ``name``'s reference; writes ``results.json`` and ``results.md`` under ``--out/<name>/``."""
+    seeds) read against ``name``'s reference; writes ``results.json``, ``results.md`` and ``report.html`` (with the
+    plots of ``runs_of``'s comparison) under ``--out/<name>/``."""
     p = PROTOCOLS[name]
     suffix = device_suffix(device)
     done = out / (p.runs_of + suffix) / "compare" / "results.json"
@@ -334,8 +338,10 @@ def read_against_reference(name: str, out: Path, device: str, seeds: int | None)
                          f"run it with --seeds {seeds} first")
     home = out / (name + suffix)
     home.mkdir(parents=True, exist_ok=True)
+    results["command"] = command
     (home / "results.json").write_text(json.dumps(results, indent=1))
     (home / "results.md").write_text(results_markdown(results))
+    write_report(home, results)
     return results
 
 
@@ -400,10 +406,11 @@ def main(argv=None) -> int:
         keep_records(Path(args.records), Path(args.out), homes, into_out=False)
         return 0
     print(provenance(argv))
+    command = shlex.join(["python", "benchmarks/protocols.py", *(sys.argv[1:] if argv is None else argv)])
     try:
         for name in args.protocols:
             results = run_protocol(name, Path(args.out), args.jobs, args.smoke, args.device, args.seeds,
-                                   args.tune_seeds)
+                                   args.tune_seeds, command)
             print(f"\n# Protocol {name}: {PROTOCOLS[name].claim}\n")
             print(results_markdown(results))
     finally:

@@ -29,3 +29,14 @@ if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
     echo "setup: Fashion-MNIST absent; for the image tasks run: sudo apt-get install dataset-fashion-mnist" >&2
   fi
 fi
+# Debian's Chromium, in which tests/test_report_html.py renders a comparison's report.html headless. Installed only
+# where apt-get runs as root; elsewhere that test skips, saying so.
+if ! command -v chromium >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -qq chromium >/dev/null 2>&1 \
+      || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)) \
+      || echo "setup: could not install chromium (the report.html rendering test will skip)" >&2
+  else
+    echo "setup: chromium absent; for the report.html rendering test run: sudo apt-get install chromium" >&2
+  fi
+fi

@@ -206,3 +206,74 @@ def test_run_devices_outside_a_job_is_refused_by_the_python_api():
 
     with pytest.raises(ValueError, match="run.devices"):
         runner_for(tiny_config('run.devices=["cpu","cpu"]'))
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (Linux: /proc/PID/task/*/children)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                children = []
+            found += children
+            todo += children
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks through /proc (Linux)")
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT to the group", "kill -9"])
+def test_a_stopped_launcher_stops_every_rank_at_a_rounds_end_with_that_round_saved(tmp_path, how):
+    """``run.devices`` with 2 ranks: SIGTERM to the launcher, Ctrl-C (SIGINT to its process group), or the launcher
+    killed outright. Every rank stops at the end of the same round, rank 0 saving it, within seconds; one line says
+    where and how to continue (none from rank 1); no rank runs on."""
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run_dir, err_file = tmp_path / "run", tmp_path / "stderr.txt"
+    argv = [sys.executable, "-m", "fedlowrank", "run", "tiny", "--out", str(run_dir), "--set", 'run.devices=["cpu","cpu"]',
+            "--set", "run.rounds=2000", "--set", "run.checkpoint_seconds=0", "--set", "run.collective_timeout_s=30"]
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while "round 3/2000" not in err_file.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+        time.sleep(0.1)
+    ranks = _descendants(proc.pid)
+    assert ranks
+    t0 = time.monotonic()
+    {"SIGTERM": lambda: os.kill(proc.pid, signal.SIGTERM), "SIGINT to the group": lambda: os.killpg(proc.pid, signal.SIGINT),
+     "kill -9": lambda: os.kill(proc.pid, signal.SIGKILL)}[how]()
+    try:
+        proc.wait(timeout=60)
+        while any(_alive(p) for p in ranks):
+            assert time.monotonic() - t0 < 40, "a rank runs on after its launcher stopped"
+            time.sleep(0.2)
+    finally:
+        for p in [proc.pid, *ranks]:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    assert time.monotonic() - t0 < 40
+    text = err_file.read_text()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    saved = int((run_dir / "checkpoints" / "latest").read_text().strip()[len("round-"):])
+    assert 3 <= saved < 2000 and len(rows) == saved  # the last finished round, saved by rank 0
+    if how != "kill -9":
+        assert proc.returncode == {"SIGTERM": 143, "SIGINT to the group": 130}[how], text
+        what = "stopped by SIGTERM" if how == "SIGTERM" else "interrupted"
+        stops = [line for line in text.splitlines() if line.startswith(what)]
+        assert stops == [f"{what} in round {saved + 1} of 2000; saved the state after round {saved}; continue with: "
+                         f"fedlowrank resume {run_dir}"], text
+        assert "error" not in text and "Traceback" not in text, text

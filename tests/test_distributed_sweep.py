@@ -106,3 +106,35 @@ def test_rank_0_stopped_by_an_error_ends_the_other_rank_with_one_line(tmp_path, 
 def test_a_sweep_over_ranks_without_an_output_directory_or_with_jobs_is_refused(out, jobs):
     with pytest.raises(ConfigError, match="a sweep over ranks needs an output directory"):
         Sweep(out, jobs, ranks=True)
+
+
+def test_sigterm_to_a_compare_on_run_devices_stops_its_ranks_with_one_line(tmp_path):
+    """SIGTERM to the launcher of ``compare`` on 2 ranks: each rank's run saves its state and stops within seconds
+    (not every remaining round), one line says how to continue (none from rank 1), exit 143."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out, err_file = tmp_path / "cmp", tmp_path / "stderr.txt"
+    argv = [sys.executable, "-m", "fedlowrank", "compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0",
+            "--out", str(out), *DEVICES, "--set", "run.rounds=2000"]
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while "round 3/2000" not in err_file.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=60) == 143, err_file.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = err_file.read_text()
+    stops = [line for line in text.splitlines() if line.startswith("stopped by")]
+    assert len(stops) == 1 and stops[0].startswith(f"stopped by SIGTERM; the runs are in {out}; continue with: "
+                                                   "fedlowrank compare tiny") and stops[0].endswith("--resume"), text
+    assert "Traceback" not in text and "error" not in text, text

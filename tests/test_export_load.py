@@ -146,6 +146,8 @@ def test_the_model_cards_offline_snippet_loads_the_adapter_over_the_packaged_bas
     snippets = re.findall(r"```python\n(.*?)```", (path / "README.md").read_text(), re.S)
     assert len(snippets) == 2 and "BUNDLED_FOLDERS['minilm']()" in snippets[1], snippets
     assert "fedlowrank assets install minilm" in (path / "README.md").read_text()
+    assert "pip install fedlowrank`" not in (path / "README.md").read_text()  # fedlowrank is not on PyPI
+    assert "`classifier.weight` and `classifier.bias` as MISSING (newly initialized)" in (path / "README.md").read_text()
     assert len(re.findall("```python", (loaded_back["tiny-bert-peft"][-1] / "README.md").read_text())) == 1
     assert len(re.findall("```python", (loaded_back["minilm-merged"][-1] / "README.md").read_text())) == 1
     (tmp_path / path.name).symlink_to(path)

@@ -73,6 +73,9 @@ def test_histogram_report():
     assert hist.sum() == len(LABELS) and hist.shape == (3, 5)
     text = format_histograms(hist, ["a", "b", "c", "d", "e"])
     assert text.splitlines()[0].split()[:3] == ["client", "a", "b"] and len(text.splitlines()) == 4
+    long = format_histograms(hist, ["entertainment", "cluster 10", "cluster 11", "d", "e"]).splitlines()
+    assert "entertainment" in long[0] and "cluster 10" in long[0] and "cluster 11" in long[0]  # whole names
+    assert all(len(line) == len(long[0]) for line in long)  # each column as wide as its name
 
 
 # -- data without labels: a column, natural clients from a column, k-means clusters ------------------------------

@@ -113,6 +113,7 @@ def test_qlora_trains_and_exports_a_plain_adapter_over_the_unquantised_base(tmp_
     assert bases and all(type(m) is nn.Linear for m in bases)  # a plain PEFT adapter over the unquantised base
     merged = export_run(tmp_path / "run", tmp_path / "merged", "merged", task=task)
     assert merged["check"]["exported"]["loss"] == pytest.approx(run_loss, rel=1e-5)  # the run's own weights
+    assert merged["dequantized"] == "4bit" and "4bit (task.quantize)" in (tmp_path / "merged" / "README.md").read_text()
 
 
 @needs_bnb

@@ -13,7 +13,7 @@ from fedlowrank.config import from_dict
 from fedlowrank.message import Message, State
 from fedlowrank.runtime.evaluation import COLLAPSE_SHARE, collapse_of, run_collapse
 from fedlowrank.runtime.simulator import Simulation
-from fedlowrank.tasks.base import confusion_counts, prediction_summary
+from fedlowrank.tasks.base import prediction_counts, prediction_summary
 from helpers import run_tiny, tiny_config, tiny_simulation, tiny_task
 from test_image import image_config, image_task
 
@@ -22,12 +22,12 @@ from test_image import image_config, image_task
 def test_prediction_summary_matches_a_count_by_hand():
     labels = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 2])
     predicted = torch.tensor([0, 1, 0, 1, 1, 1, 1, 2, 1, 1])
-    confusion = confusion_counts(predicted, labels, 4)
-    dense = np.zeros((4, 4), dtype=int)
+    counts = prediction_counts(predicted, labels, 4)
+    dense = np.zeros((4, 4), dtype=int)  # the confusion matrix: rows true class, columns predicted
     for t, p in zip(labels.tolist(), predicted.tolist()):
         dense[t, p] += 1
-    assert np.array_equal(confusion.numpy(), dense)
-    s = prediction_summary(confusion, ["a", "b", "c", "d"])
+    assert np.array_equal(counts.numpy(), [dense.sum(1), dense.sum(0), np.diag(dense)])
+    s = prediction_summary(counts, ["a", "b", "c", "d"])
     assert (s["top_class"], s["top_label"], s["top_share"]) == (1, "b", 0.7)
     assert s["recall"] == [2 / 3, 1.0, 0.2, None]  # class d has no test example
     assert s["majority_share"] == 0.5

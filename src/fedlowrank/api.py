@@ -60,8 +60,8 @@ def compare(config: str | Path | dict[str, Any] | None, methods: list[str] | Non
 
     Args:
         methods, seeds: default ``compare.methods`` and ``compare.seeds`` of the config.
-        out: folder for the run directories, ``results.json``, ``results.md`` and the plots; ``None`` writes
-            nothing.
+        out: folder for the run directories, ``results.json``, ``results.md``, the plots and ``report.html``;
+            ``None`` writes nothing.
         quiet: ``False`` prints progress lines on stderr.
         reference: the method the others are compared with (default: the first); ``tuned``: a ``tune.json``.
         resume: reuse each run in ``out`` that ended with the same config (the others run from the start).

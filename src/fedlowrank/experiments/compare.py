@@ -18,7 +18,8 @@ Settings per method, later ones winning: the method's preset (:func:`fedlowrank.
 then the user's ``--set``.
 
 Files (when ``out`` is given): one run directory per (method, seed), ``results.json`` (setup, per-seed values,
-means, intervals, paired statistics), ``results.md`` (opens with the setup as run) and the plots. The runs go
+means, intervals, paired statistics, the command), ``results.md`` (opens with the setup as run), the plots and
+``report.html``, all of it on one self-contained page (:func:`write_report`). The runs go
 through :class:`~fedlowrank.experiments.sweep.Sweep`: ``resume`` reads each run that ended in ``out`` instead of
 running it again, ``jobs`` runs them in that many worker processes, with the same results as one process.
 """
@@ -220,9 +221,10 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
                    seeds: str | list[int] | None = None, overrides: list[str] | tuple[str, ...] = (),
                    out: str | Path | None = None, log: Log = None, *, reference: str | None = None,
                    tuned: str | Path | None = None, resume: bool = False, jobs: int = 1,
-                   ranks: bool = False) -> dict[str, Any]:
+                   ranks: bool = False, command: str | None = None) -> dict[str, Any]:
     """Run every method on every seed and return the results (see the module docstring); with ``out`` also
-    write the run directories, ``results.json``, ``results.md`` and the plots there; with ``resume`` reuse the
+    write the run directories, ``results.json``, ``results.md``, the plots and ``report.html``
+    (:func:`write_report`; ``command``: the command line that asked for it) there; with ``resume`` reuse the
     runs that ended in ``out``; with ``jobs > 1`` run them in that many processes (needs ``out``); with ``ranks``,
     over the ranks of this ``torch.distributed`` job (this process is rank 0, the others serve the sweep:
     :func:`~fedlowrank.experiments.sweep.serve_ranks`).
@@ -232,6 +234,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
         methods, seeds: default ``compare.methods`` and ``compare.seeds``.
         reference: the method the others are compared with, per seed (default: the first method).
         tuned: a ``tune.json`` whose chosen learning rates are applied (default: ``compare.tuned``).
+        command: the exact command, as ``results.json`` and ``report.html`` give it (``None``: from Python).
     """
     from ..methods import method_class
 
@@ -297,18 +300,43 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
     results = {"metric": metric, "metric_description": described, "higher_is_better": higher_is_better(metric),
                "confidence": CONFIDENCE,
                "alpha": ALPHA, "setup": setup, "seeds": seed_list, "reference": reference,
-               "tuned": str(tuned) if tuned else None, "rows": rows, "paired": paired}
+               "tuned": str(tuned) if tuned else None, "rows": rows, "paired": paired, "command": command}
     if out is not None:
         from ..runtime.rundir import own
         from .plots import plot_comparison
 
         out.mkdir(parents=True, exist_ok=True)
-        own(out, "results.json", "results.md", *(f"{metric}_vs_{x}.png" for x in ("round", "bytes")))
+        own(out, "results.json", "results.md", REPORT, *(f"{metric}_vs_{x}.png" for x in ("round", "bytes")))
         results["plots"] = [str(p) for p in plot_comparison(histories, out, metric, plot_title(setup),
                                                               {r["method"] for r in rows if r["reference_row"]})]
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "results.md").write_text(results_markdown(results))
+        write_report(out, results)
     return results
+
+
+REPORT = "report.html"
+
+
+def write_report(out: Path, results: dict[str, Any]) -> Path:
+    """``out/report.html``: one self-contained page (:func:`fedlowrank.reporting.html.html_page`) of ``results.md``
+    (setup, table, paired statistics), the plots ``results`` lists, the label histogram of the reference's first
+    run (``partition.png``: the partition every method trained on with that seed), and the command."""
+    from ..reporting.html import html_page
+
+    figures = [(Path(p).stem.replace("_", " "), Path(p).read_bytes()) for p in results.get("plots", [])
+               if Path(p).is_file()]
+    reference = next(r for r in results["rows"] if r["method"] == results["reference"])
+    first = reference["runs"][0]
+    histogram = Path(first.get("run_dir", "")) / "partition.png"
+    if first.get("run_dir") and histogram.is_file():
+        figures.append((f"labels per client, seed {first['seed']} (the same partition for every method)",
+                        histogram.read_bytes()))
+    command = results.get("command") or "from Python: fedlowrank.compare(...) (no command line)"
+    title = f"{', '.join(r['method'] for r in results['rows'])}: {plot_title(results['setup'])}"
+    path = out / REPORT
+    path.write_text(html_page(title, results_markdown(results), figures, command))
+    return path
 
 
 def check_reference(reference: str, names: list[str]) -> str:

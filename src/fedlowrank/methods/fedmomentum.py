@@ -48,6 +48,7 @@ class FedMomentum(HeteroRankLoRA):
     downlink = ("balanced SVD factors A [r_k,in], B [out,r_k] and the accumulated base delta [out,in] (once "
                 "non-zero) per target module, head")
     needs_individual_replies = True
+    server_entries = ("{module}.base_delta",)  # the merged residual directions, once non-zero
 
     tau: float = setting(0.9999, "energy kept: r_eff is the fewest singular directions holding this share of "
                          "‖ΔW‖²; directions r..r_eff are merged into the base, those beyond r_eff dropped "

@@ -56,6 +56,8 @@ def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] |
     plt = pyplot()
     if plt is None:
         return None
+    if hist.shape[1] > BARS_UP_TO:
+        return _plot_histogram_map(plt, hist, path, client_names, what)
     fig, ax = plt.subplots(figsize=(max(4, 0.35 * hist.shape[0] + 2) + 1.5, 3.5))
     names = label_names or [str(c) for c in range(hist.shape[1])]
     bottom = np.zeros(hist.shape[0])
@@ -69,6 +71,32 @@ def plot_label_histograms(hist: np.ndarray, path: Path, label_names: list[str] |
     ax.set_title(f"split on: {what}", fontsize=9)
     ax.legend(fontsize=7, ncol=1 if hist.shape[1] <= 12 else 2, loc="upper left", bbox_to_anchor=(1.01, 1.0),
               borderaxespad=0.0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+BARS_UP_TO = 20  # the most values drawn as stacked bars with a legend; beyond, a map of the counts
+
+
+def _plot_histogram_map(plt, hist: np.ndarray, path: Path, client_names: list[str] | None, what: str) -> Path:
+    """Each client's counts of each of many values as one image (clients × values, values by total count, colour
+    on a log scale): a fixed number of artists, whatever the number of values."""
+    from matplotlib.colors import LogNorm
+
+    order = np.argsort(-hist.sum(axis=0), kind="stable")
+    counts = hist[:, order].astype(float)
+    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.25 * hist.shape[0] + 1.5)))
+    shown = np.ma.masked_equal(counts, 0)
+    image = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap="viridis",
+                      norm=LogNorm(vmin=1, vmax=max(1.0, counts.max())))
+    fig.colorbar(image, ax=ax, label="examples")
+    ax.set_xlabel(f"{what} ({hist.shape[1]:,} values, most frequent first)")
+    ax.set_yticks(np.arange(hist.shape[0]), [f"{k} {n}" for k, n in enumerate(client_names)] if client_names
+                  else [str(k) for k in range(hist.shape[0])], fontsize=7)
+    ax.set_ylabel("client")
+    ax.set_title(f"split on: {what}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

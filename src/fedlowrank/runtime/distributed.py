@@ -34,7 +34,9 @@ import datetime
 import json
 import multiprocessing
 import os
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -49,6 +51,7 @@ from ..training.local import steps_per_round
 from .engine import pool, sample_clients, wire
 from .rounds import RoundReplies
 from .simulator import Simulation
+from .stopping import StopRequested, pending_stop
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -207,6 +210,9 @@ class Distributed(Simulation):
         self.moves = 0  # client states moved between ranks so far
         self._gather_due = False  # rank 0 holds every client state this round
         self._checkpoint_now = False  # and writes a checkpoint of it
+        self._stop = 0  # the stop signal the ranks agreed on at the end of this round (0: none)
+
+    stops_together = True  # a stop signal is noted, and every rank stops at the end of the round it came in
 
     def _failure_line(self, what: str, exc: BaseException) -> str:
         other = f"rank {1 - self.rank}" if self.world == 2 else "another rank"
@@ -273,19 +279,22 @@ class Distributed(Simulation):
             if k not in dropped:
                 entries[f"reply/{k}"] = reply.to_bytes()
                 pending[k] = new_state
+        entries[f"stop/{self.rank}"] = pending_stop()  # a stop signal this rank got: the ranks stop together
         blobs = self.comm.gather_bytes("gathering replies", _pack(entries))
         outcome = None
         if self.rank == 0:
             blob_entries = _unpack(blobs)
+            stop = next((int(blob_entries[f"stop/{r}"]) for r in range(self.world) if blob_entries[f"stop/{r}"]), 0)
             outcome = self.close_gathered(rnd, clients, data, dropped, downs, blob_entries, started)
             used = sorted(r.client for r in outcome.replies) if not outcome.skipped else []
-            self._checkpoint_now = self.checkpoints.due(rnd)
+            self._checkpoint_now = self.checkpoints.due(rnd) or bool(stop and self.run_dir is not None)
             self._gather_due = self._checkpoint_now or (self.method.personalized and self.evaluator.due(rnd))
             control = _pack({"server": b"" if outcome.skipped else outcome.server.to_bytes(), "used": used,
-                             "gather": self._gather_due})
+                             "gather": self._gather_due, "stop": stop})
         else:
             control = None
         control = _unpack([self.comm.broadcast_bytes("broadcasting the global state", control)])
+        self._stop = int(control["stop"])
         used = set(control["used"])
         new_states = {k: s for k, s in pending.items() if k in used}
         for k in used:
@@ -297,6 +306,7 @@ class Distributed(Simulation):
             if control["gather"]:
                 self.gather_states()
             self.round = rnd
+            self._stop_if_agreed()
             return None
         copied = [k for k in self.gather_states() if k not in new_states] if control["gather"] else []
         t = outcome.row["time"]
@@ -306,11 +316,19 @@ class Distributed(Simulation):
                   "collective": self.comm.seconds - comm0})
         metrics, evaluation = self.evaluate_round(outcome, new_states)
         try:
-            return self.commit_round(outcome, metrics, evaluation, new_states)
+            row = self.commit_round(outcome, metrics, evaluation, new_states)
         finally:
             for k in copied:  # their owners keep them
                 del self.store[k]
             self._gather_due = self._checkpoint_now = False
+        self._stop_if_agreed()
+        return row
+
+    def _stop_if_agreed(self) -> None:
+        """Every rank raises :class:`~.stopping.StopRequested` after a round in which one of them got a stop signal
+        (its checkpoint written by rank 0, the clients' states gathered for it)."""
+        if self._stop:
+            raise StopRequested(self._stop)
 
     def close_gathered(self, rnd: int, clients: list[int], data: dict[int, np.ndarray], dropped: dict[int, str],
                        downs: dict[int, Message], got_entries: dict[str, Any], started: float):
@@ -381,11 +399,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stop_when_orphaned(parent: int) -> None:
+    """A spawned rank's watch: once the launcher has ended without stopping it (``kill -9``), stop as on its
+    SIGTERM (with the other ranks, at the end of the round) rather than train on with nobody waiting for it."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _rank_main(rank: int, devices: list[str], port: int, target: Callable[..., Any], args: tuple) -> None:
     world = len(devices)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "FEDLOWRANK_DEVICE": devices[rank]})
+    threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
     try:
         status = target(*args)
     finally:
@@ -396,19 +423,31 @@ def _rank_main(rank: int, devices: list[str], port: int, target: Callable[..., A
 
 def spawn(target: Callable[..., Any], args: tuple, devices: list[str], grace_s: float) -> list[int]:
     """Run ``target(*args)`` in one new process per entry of ``devices``, as the ranks of one job on this machine
-    (``torchrun``'s environment, a free port; rank r computes on ``devices[r]``); ``target`` is a module-level function (it is pickled by name). Waits for them all;
-    once one has failed, the others get ``grace_s`` seconds to end by themselves (their collectives fail or time
-    out), then are terminated. Returns the exit codes by rank."""
+    (``torchrun``'s environment, a free port; rank r computes on ``devices[r]``); ``target`` is a module-level
+    function (it is pickled by name). Waits for them all; once one has failed, the others get ``grace_s`` seconds to
+    end by themselves (their collectives fail or time out), then are terminated. Stopped itself (Ctrl-C, SIGTERM:
+    ``KeyboardInterrupt``), it forwards SIGTERM to every rank, which stop together at the end of the round (rank 0
+    saving it and saying so) and waits for them; a second stop kills them. Each rank also stops when this process
+    ends without stopping it (:func:`_stop_when_orphaned`). Returns the exit codes by rank."""
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, list(devices), port, target, args))
              for r in range(len(devices))]
     for p in procs:
         p.start()
-    deadline = None
+    deadline, stops = None, 0
     while any(p.is_alive() for p in procs):
-        for p in procs:
-            p.join(0.2)
+        try:
+            for p in procs:
+                p.join(0.2)
+        except KeyboardInterrupt:
+            stops += 1
+            for p in procs:
+                if p.is_alive() and stops == 1:
+                    os.kill(p.pid, signal.SIGTERM)
+                elif p.is_alive():
+                    p.kill()
+            continue
         if deadline is None and any(p.exitcode not in (None, 0) for p in procs):
             deadline = time.monotonic() + grace_s
         if deadline is not None and time.monotonic() > deadline:

@@ -66,14 +66,22 @@ class Evaluator:
             clients = self.personal_clients(states)
             self.progress.eval_start(len(clients))
             for k in clients:
-                self.method.load_personal(self.model, server, states[k])
-                with interruptible():
-                    self.client_tests[k] = self.task.evaluate(self.model.net)
+                self.client_tests[k] = self.evaluate_client(server, states[k], k)
                 self.progress.eval_step()
             return mean_metrics(list(self.client_tests.values()))
         self.method.load_global(self.model, server)
         with interruptible(), self.progress.evaluating(self.model.net):
             return self.task.evaluate(self.model.net)
+
+    def evaluate_client(self, server: State, state: State, client: int) -> dict[str, Any]:
+        """The metrics of client ``client``'s own model (``method.load_personal`` with its ``state``) on the test
+        set, or on the test examples of its own values when the evaluation is own-task (:func:`own_groups`)."""
+        self.method.load_personal(self.model, server, state)
+        with interruptible():
+            if self.own is None:
+                return self.task.evaluate(self.model.net)
+            groups, test_values = self.own
+            return self.task.evaluate_subset(self.model.net, np.isin(test_values, groups[client]))
 
     def evaluate_own(self, server: State, states: Mapping[int, State]) -> dict[str, Any]:
         """Each evaluated client's own-task metrics (in :attr:`client_tests`) and their mean over the clients, with

@@ -11,10 +11,10 @@ command left behind, and nothing deleted that a fedlowrank command did not make.
 * :func:`own` records a name that a command writes in the directory it claimed.
 
 **Ownership.** A command that makes a directory its own writes the claim file :data:`CLAIM` into it: JSON holding
-the kind of output (``run``, ``compare``, ``tune``, ``export``), a random id, and ``own``, the names directly in the
-directory that the command wrote (recorded before each is written). No file name alone is evidence: a folder
-holding ``ledger.jsonl``, ``export.json`` or ``config.json`` but no valid claim is nobody's, and is never written
-into or deleted from. ``--overwrite`` removes the entries listed in ``own`` (an own directory, e.g.
+the kind of output (``run``, ``compare``, ``tune``, ``export``, ``evaluate``), a random id, and ``own``, the names
+directly in the directory that the command wrote (recorded before each is written). No file name alone is
+evidence: a folder holding ``ledger.jsonl``, ``export.json`` or ``config.json`` but no valid claim is nobody's, and
+is never written into or deleted from. ``--overwrite`` removes the entries listed in ``own`` (an own directory, e.g.
 ``checkpoints``, as a whole, symbolic links as links, never what they point to) and the sub-directories that hold a
 claim of their own whose entries are all theirs (a comparison's runs, an export inside a run); a directory holding
 any other entry, or a claim of another kind, is refused with the entry named and nothing changed. Before removing
@@ -59,8 +59,8 @@ from typing import Any, Callable
 
 LOCK_FILE = ".lock"
 CLAIM = ".fedlowrank-run"
-RUN_KINDS = ("run", "compare", "tune")  # what `run`, `compare` and `tune` claim; `export` claims "export"
-KINDS = (*RUN_KINDS, "export")
+RUN_KINDS = ("run", "compare", "tune")  # what `run`, `compare` and `tune` claim; `export` and `evaluate` their own
+KINDS = (*RUN_KINDS, "export", "evaluate")
 _BOOKKEEPING = (LOCK_FILE, CLAIM)  # not contents of the run
 _NOTE = ("This directory is the output of a fedlowrank command. `--overwrite` removes only the entries listed in "
          "`own` (and sub-directories holding a claim of their own); it refuses a directory holding anything else.")

@@ -65,6 +65,8 @@ class ServerRun:
         client_states: whether the server holds the clients' states (``False`` on Flower; checkpoints say so).
     """
 
+    stops_together = False  # a stop signal is only noted: the runner agrees on it with its peers (distributed ranks)
+
     cfg = _held("cfg")
     task = _held("task")
     parts = _held("parts")
@@ -211,7 +213,7 @@ class ServerRun:
         (:mod:`.stopping`), it saves the state after its last finished round as a checkpoint (with a run
         directory) and raises :class:`~.stopping.StopRequested`."""
         try:
-            with stop_signals():
+            with stop_signals(hold=self.stops_together):
                 try:
                     if self.round == 0 and not self.initial_eval:
                         self.evaluate_initial()

@@ -9,6 +9,11 @@ consistent state, the one after its last finished round: the loop saves that sta
 128 + the signal's number (130 for SIGINT, 143 for SIGTERM). A signal held through the last round's checkpoint
 stops the run there too, before its summary: the caller (``compare``, ``tune``) must not go on to its next run.
 
+The ranks of a distributed job stop together instead (``stop_signals(hold=True)``): a signal is only noted, and
+:func:`pending_stop` tells the runner, which agrees on it with the other ranks at the end of the round and raises
+:class:`StopRequested` on every rank at once (:mod:`.distributed`); a rank that stopped alone would leave the others
+waiting in a collective.
+
 Outside :func:`stop_signals` (or in another thread) nothing changes: SIGINT raises ``KeyboardInterrupt`` as usual.
 A signal ignored when the run starts stays ignored (a job that a script starts with ``&`` ignores SIGINT, for one):
 that is how its starter asked the process not to be stopped by it.
@@ -42,16 +47,18 @@ class StopRequested(KeyboardInterrupt):
 
 
 class _Signals:
-    """The stop signals caught while a run goes: the first one received, and how deep in :func:`interruptible`."""
+    """The stop signals caught while a run goes: the first one received, how deep in :func:`interruptible`, and
+    whether stops are only noted (``hold``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold: bool = False) -> None:
         self.received: int | None = None
         self.depth = 0
+        self.hold = hold
 
     def handle(self, signum: int, frame) -> None:
         if self.received is None:
             self.received = signum
-        if self.depth:
+        if self.depth and not self.hold:
             raise StopRequested(signum)
 
 
@@ -59,14 +66,15 @@ _caught: _Signals | None = None
 
 
 @contextmanager
-def stop_signals() -> Iterator[None]:
+def stop_signals(hold: bool = False) -> Iterator[None]:
     """Catch SIGINT and SIGTERM while the block runs (see the module docstring), unless ignored; the handlers that
-    were there before are put back afterwards. Nested uses, and uses outside the main thread, change nothing."""
+    were there before are put back afterwards. ``hold``: only note them (:func:`pending_stop`; a rank of a
+    distributed job). Nested uses, and uses outside the main thread, change nothing."""
     global _caught
     if _caught is not None or threading.current_thread() is not threading.main_thread():
         yield
         return
-    _caught = caught = _Signals()
+    _caught = caught = _Signals(hold)
     before = {s: signal.signal(s, caught.handle) for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield
@@ -77,9 +85,15 @@ def stop_signals() -> Iterator[None]:
 
 
 def check_stop() -> None:
-    """Raise :class:`StopRequested` if a stop signal has arrived (inside :func:`stop_signals`)."""
-    if _caught is not None and _caught.received is not None:
+    """Raise :class:`StopRequested` if a stop signal has arrived (inside :func:`stop_signals`, unless it holds
+    them)."""
+    if _caught is not None and _caught.received is not None and not _caught.hold:
         raise StopRequested(_caught.received)
+
+
+def pending_stop() -> int:
+    """The stop signal received so far inside :func:`stop_signals` (0: none)."""
+    return _caught.received or 0 if _caught is not None else 0
 
 
 @contextmanager

@@ -80,25 +80,27 @@ def mean_by_member(values: Tensor, routing: Routing) -> Tensor:
     return sums / values.new_zeros(routing.size).index_add(0, member, torch.ones_like(values))
 
 
-def confusion_counts(predicted: Tensor, labels: Tensor, num_classes: int) -> Tensor:
-    """``[C, C]`` counts of (true class, predicted class) pairs of ``[n]`` predictions and labels (on the CPU)."""
-    pairs = labels.long().cpu() * num_classes + predicted.long().cpu()
-    return torch.bincount(pairs, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+def prediction_counts(predicted: Tensor, labels: Tensor, num_classes: int) -> Tensor:
+    """``[3, C]`` counts of ``[n]`` predictions and labels (on the CPU), per class: its examples, its predictions and
+    its examples predicted right (what :func:`prediction_summary` reads; linear in the classes, where a ``[C, C]``
+    confusion matrix is not)."""
+    predicted, labels = predicted.long().cpu(), labels.long().cpu()
+    return torch.stack([torch.bincount(labels, minlength=num_classes), torch.bincount(predicted, minlength=num_classes),
+                        torch.bincount(labels[predicted == labels], minlength=num_classes)])
 
 
-def prediction_summary(confusion: Tensor | np.ndarray, label_names: list[str] | None = None) -> dict[str, Any]:
-    """What a classifier predicted on a test set, from its ``[C, C]`` confusion counts (rows: true class, columns:
-    predicted class): ``top_class`` (the most-predicted class), ``top_label`` (its name), ``top_share`` (the share
-    of predictions in it), ``recall`` (per class, the share of its examples predicted right; ``None`` for a class
-    with no test example) and ``majority_share`` (the share of the test set in its most frequent class: the
-    accuracy of always predicting it, the chance level)."""
-    counts = np.asarray(confusion, dtype=np.int64)
-    n = int(counts.sum())
-    predicted, true = counts.sum(0), counts.sum(1)
+def prediction_summary(counts: Tensor | np.ndarray, label_names: list[str] | None = None) -> dict[str, Any]:
+    """What a classifier predicted on a test set, from its ``[3, C]`` :func:`prediction_counts`: ``top_class`` (the
+    most-predicted class), ``top_label`` (its name), ``top_share`` (the share of predictions in it), ``recall`` (per
+    class, the share of its examples predicted right; ``None`` for a class with no test example) and
+    ``majority_share`` (the share of the test set in its most frequent class: the accuracy of always predicting
+    it, the chance level)."""
+    true, predicted, right = np.asarray(counts, dtype=np.int64)
+    n = int(true.sum())
     top = int(predicted.argmax())
     return {"top_class": top, "top_label": label_names[top] if label_names else str(top),
             "top_share": float(predicted[top] / n),
-            "recall": [float(counts[c, c] / true[c]) if true[c] else None for c in range(len(true))],
+            "recall": [float(right[c] / true[c]) if true[c] else None for c in range(len(true))],
             "majority_share": float(true.max() / n)}
 
 

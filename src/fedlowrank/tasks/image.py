@@ -24,7 +24,7 @@ from ..device import module_device
 from ..models.loading import NOT_IMAGENET, load_model
 from ..schema import distinct, setting
 from . import register_task
-from .base import (Classification, ClassificationOptions, adapted_copy, confusion_counts, join_padded,
+from .base import (Classification, ClassificationOptions, adapted_copy, join_padded, prediction_counts,
                    prediction_summary)
 from .fmnist_vit import fmnist_vit_folder
 from .image_data import (DOMAINS, ImageData, apply_domain, assign_domains, check_domains, load_fashion_mnist,
@@ -196,11 +196,12 @@ class ImageClassification(Classification):
     @torch.no_grad()
     def _evaluate(self, net: nn.Module, images: torch.Tensor,
                   labels: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
-        """Accuracy and mean cross-entropy on ``images`` with ``[n]`` labels, and the ``[C, C]`` confusion counts."""
+        """Accuracy and mean cross-entropy on ``images`` with ``[n]`` labels, and the ``[3, C]`` per-class
+        :func:`~.base.prediction_counts`."""
         net.eval()
         device = module_device(net)
         correct, total_loss, n = 0, 0.0, len(labels)
-        confusion = torch.zeros(self.num_labels, self.num_labels, dtype=torch.long)
+        counts = torch.zeros(3, self.num_labels, dtype=torch.long)
         for start in range(0, n, self.eval_batch_size):
             x = self.inputs(images[start:start + self.eval_batch_size]).to(device)
             y = labels[start:start + self.eval_batch_size].to(device)
@@ -208,8 +209,8 @@ class ImageClassification(Classification):
             total_loss += float(F.cross_entropy(logits.float(), y, reduction="sum"))
             predicted = logits.argmax(-1)
             correct += int((predicted == y).sum())
-            confusion += confusion_counts(predicted, y, self.num_labels)
-        return {"accuracy": correct / n, "loss": total_loss / n}, confusion
+            counts += prediction_counts(predicted, y, self.num_labels)
+        return {"accuracy": correct / n, "loss": total_loss / n}, counts
 
     def evaluate(self, net: nn.Module) -> dict[str, Any]:
         """Accuracy and loss on the test set; with domains, their means over the domains plus

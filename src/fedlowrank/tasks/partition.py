@@ -267,14 +267,28 @@ def label_histograms(labels: np.ndarray, parts: list[np.ndarray], num_classes: i
     return np.stack([np.bincount(labels[p], minlength=num_classes) for p in parts])
 
 
+TABLE_COLUMNS = 20  # the most values a per-client table shows as columns; beyond, each client's most frequent
+
+
 def format_histograms(hist: np.ndarray, label_names: list[str] | None = None,
                       client_names: list[str] | None = None) -> str:
-    """A plain-text table of per-client label counts (and each client's ``client_names`` entry, e.g. its domain)."""
+    """A plain-text table of per-client label counts (and each client's ``client_names`` entry, e.g. its domain);
+    each column as wide as its whole name (at least 6). With more than :data:`TABLE_COLUMNS` values, one line per
+    client instead: its examples, how many values it holds and its three most frequent (linear in the values)."""
     names = label_names or [str(i) for i in range(hist.shape[1])]
-    short = [n[:8] for n in names]
-    width = max(6, *(len(s) for s in short))
-    lines = ["client " + " ".join(s.rjust(width) for s in short) + "   total" + ("  domain" if client_names else "")]
+    if len(names) > TABLE_COLUMNS:
+        lines = []
+        for k, row in enumerate(hist):
+            top = np.argsort(-row, kind="stable")[:3] if row.size <= 3 else np.argpartition(-row, 3)[:3]
+            top = sorted(top, key=lambda c: (-row[c], c))
+            most = ", ".join(f"{names[c]} ({int(row[c])})" for c in top if row[c] > 0)
+            lines.append(f"client {k}: {int(row.sum())} examples of {int((row > 0).sum())} of the {len(names)} "
+                         f"values" + (f"; most: {most}" if most else "") + (f"; {client_names[k]}" if client_names else ""))
+        return "\n".join(lines)
+    widths = [max(6, len(n)) for n in names]
+    lines = ["client " + " ".join(n.rjust(w) for n, w in zip(names, widths)) + "   total"
+             + ("  domain" if client_names else "")]
     for k, row in enumerate(hist):
-        lines.append(f"{k:6d} " + " ".join(str(int(v)).rjust(width) for v in row) + f"  {int(row.sum()):6d}"
-                     + (f"  {client_names[k]}" if client_names else ""))
+        lines.append(f"{k:6d} " + " ".join(str(int(v)).rjust(w) for v, w in zip(row, widths))
+                     + f"  {int(row.sum()):6d}" + (f"  {client_names[k]}" if client_names else ""))
     return "\n".join(lines)

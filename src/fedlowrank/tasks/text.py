@@ -18,8 +18,8 @@ from ..adapters.model import AdaptedModel, Routing
 from ..device import module_device, to_device
 from ..models.loading import load_model
 from . import register_task
-from .base import (Classification, ClassificationOptions, adapted_copy, check_max_length, confusion_counts,
-                   join_padded, padded_length, prediction_summary)
+from .base import (Classification, ClassificationOptions, adapted_copy, check_max_length, join_padded, padded_length,
+                   prediction_counts, prediction_summary)
 from .data import TextData, load_node_file
 from .table import column_spec
 
@@ -156,8 +156,8 @@ class TextClassification(Classification):
         return pooled if pooled is not None else out.last_hidden_state[:, 0]
 
     def evaluate(self, net: nn.Module) -> dict[str, Any]:
-        metrics, confusion = self._evaluate(net, self.test_ids, self.test_mask, self.test_labels)
-        return {**metrics, "predictions": prediction_summary(confusion, self.data.label_names)}
+        metrics, counts = self._evaluate(net, self.test_ids, self.test_mask, self.test_labels)
+        return {**metrics, "predictions": prediction_summary(counts, self.data.label_names)}
 
     def evaluate_examples(self, net: nn.Module, indices: np.ndarray) -> dict[str, float]:
         idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)
@@ -169,10 +169,10 @@ class TextClassification(Classification):
     def _evaluate(self, net: nn.Module, all_ids: torch.Tensor, all_mask: torch.Tensor,
                   labels: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
         """Accuracy and mean cross-entropy on ``[n, L]`` token ids/masks with ``[n]`` labels (length-sorted), and the
-        ``[C, C]`` confusion counts."""
+        ``[3, C]`` per-class :func:`~.base.prediction_counts`."""
         net.eval()
         correct, total_loss, n = 0, 0.0, len(labels)
-        confusion = torch.zeros(self.num_labels, self.num_labels, dtype=torch.long)
+        counts = torch.zeros(3, self.num_labels, dtype=torch.long)
         device = module_device(net)
         for start in range(0, n, self.eval_batch_size):
             sl = slice(start, start + self.eval_batch_size)
@@ -182,8 +182,8 @@ class TextClassification(Classification):
             total_loss += float(F.cross_entropy(logits.float(), batch_labels, reduction="sum"))
             predicted = logits.argmax(-1)
             correct += int((predicted == batch_labels).sum())
-            confusion += confusion_counts(predicted, batch_labels, self.num_labels)
-        return {"accuracy": correct / n, "loss": total_loss / n}, confusion
+            counts += prediction_counts(predicted, batch_labels, self.num_labels)
+        return {"accuracy": correct / n, "loss": total_loss / n}, counts
 
     def describe(self) -> dict[str, Any]:
         counts = np.bincount(self.train_labels, minlength=self.num_labels).tolist()
