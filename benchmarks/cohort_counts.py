@@ -27,7 +27,6 @@ profiled (the torch profiler over every thread). Printed for each K:
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
 import json
 import os
