@@ -83,7 +83,7 @@ def client_round(run, context: Context, route, down):
     if state is None:
         state = run.method.init_client(k)
     reply, new_state, trainer = client_update(run.method, run.model, down, state, run.task, run.parts[k], run.cfg,
-                                              k, rnd)
+                                              k, rnd, run.training_plan(one_at_a_time=True))
     put_records(context.state, new_state, PENDING)
     context.state[PENDING_ROUND] = ConfigRecord({"round": rnd})
     return reply, trainer
