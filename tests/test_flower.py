@@ -233,7 +233,8 @@ def test_dropped_client_round_aggregates_the_remaining_replies(caplog):
     # the global state is the method's aggregate of the one reply
     ref = simulator.Simulation(cfg, task=tiny_task())
     reply, _, _ = client_update(ref.method, ref.model, ref.method.broadcast(ref.server, kept, 1),
-                                ref.method.init_client(kept), ref.task, ref.parts[kept], cfg, kept, 1)
+                                ref.method.init_client(kept), ref.task, ref.parts[kept], cfg, kept, 1,
+                                ref.training_plan())
     expected = ref.method.aggregate(ref.server, [Reply(kept, reply["num_examples"], reply)], 1)
     assert_same_state(sim.server, expected)
 

@@ -328,7 +328,7 @@ def honest():
     node = build_run(cfg, task)
     down = wire(strategy.run.method.broadcast(strategy.run.server, 0, 1))
     reply, _, _ = client_update(node.method, node.model, down, node.method.init_client(0), task, node.parts[0], cfg,
-                                0, 1)
+                                0, 1, node.training_plan(one_at_a_time=True))
     return strategy, down, to_records(reply)
 
 

@@ -38,7 +38,7 @@ class ToyRegression(Task):
     Options = ToyOptions
 
     @classmethod
-    def from_config(cls, cfg) -> "ToyRegression":
+    def from_config(cls, cfg, cohorts: bool = False) -> "ToyRegression":  # cohorts: whether its batches are joined
         return cls(cls.checked_options(cfg), cfg.run.seed)
 
     def __init__(self, options: ToyOptions, seed: int):
