@@ -32,12 +32,14 @@ class ClientCorrection:
     """One correction's hooks (module docstring). ``client_state``: what it keeps in the client's state across
     rounds, in words with shapes (``""``: nothing); the method's ``keeps_client_state`` reads it.
     ``server_entries``, ``client_entries``: the templates of the entries it adds to the server's and a client's state
-    after they were made (``Method.state_entries``)."""
+    after they were made (``Method.state_entries``); ``upload_entries``: those of the tensors it adds to a reply
+    (``Method.upload_templates``)."""
 
     name = ""
     client_state = ""
     server_entries: tuple[str, ...] = ()
     client_entries: tuple[str, ...] = ()
+    upload_entries: tuple[str, ...] = ()
 
     def init_server(self, server: State, shapes: dict[str, tuple[int, ...]]) -> None:
         pass
@@ -108,6 +110,10 @@ class Scaffold(ClientCorrection):
     @property
     def client_entries(self) -> tuple[str, ...]:
         return (self.prefix_ci + "{key}",)
+
+    @property
+    def upload_entries(self) -> tuple[str, ...]:
+        return (self.prefix_dc + "{key}",)
 
     def __init__(self, refresh: str = "mean"):
         check_choice("method.cv_grad", refresh, CV_REFRESH)
