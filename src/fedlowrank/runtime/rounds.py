@@ -15,7 +15,7 @@ missing (dropped, with the reason). :func:`close_round` then does the rest, iden
    ``server.aggregate``, central DP) and runs ``method.aggregate`` on them, sorted by client (sums in the same
    order everywhere);
 4. opens the round's metrics row (see :mod:`.simulator` for its keys; with a codec, ``codec``: each direction's, and
-   the seconds spent coding and decoding in this process); the ledger rows of a method that declares that it does
+   ``time.codec``: the seconds spent coding and decoding in this process, a part of ``time.other``); the ledger rows of a method that declares that it does
    not communicate (``method.communicates``, a reference) count zero bytes; the first time a codec leaves tensors
    exact because the method declares them so, one line says which.
 
@@ -201,8 +201,8 @@ def close_round(run: Run, got: RoundReplies, started: float, warn: Warn | None =
     row.update(notes)
     links = [link for link in (got.uplink, got.downlink) if link is not None]
     if any(link.active for link in links):
-        row["codec"] = {**{link.direction: link.describe() for link in links},
-                        "seconds": got.coding_seconds() - got.codec_seconds}
+        row["codec"] = {link.direction: link.describe() for link in links}
+        row["time"]["codec"] = got.coding_seconds() - got.codec_seconds
     for link in links:
         line = link.exact_line()
         if line:

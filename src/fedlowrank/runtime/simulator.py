@@ -25,8 +25,10 @@ A metrics row: ``round``, ``clients`` (sampled), ``replied`` (used), ``train_los
 replies), the test metrics when the round was evaluated (``accuracy``, ``loss``; for personalised methods the
 mean over the clients' own models; a classification task's evaluation of the global model adds ``predictions``:
 the most-predicted class, its share of the test set, the per-class recall, the chance level), ``bytes_up``/``bytes_down`` (this round), ``cum_bytes_up``/
-``cum_bytes_down``, ``time`` (``client_compute``, ``aggregation``, ``evaluation``, ``other``, ``total``, in
-seconds), ``peak_rss_mb``, optional ``dropped``, ``rejected``, ``skipped``, ``diagnostics``, ``privacy``, ``robust``
+``cum_bytes_down`` (the coded messages' bytes, :mod:`fedlowrank.codecs`), ``time`` (``client_compute``,
+``aggregation``, ``evaluation``, ``other``, ``total``, in seconds; with a codec ``codec``, the seconds spent coding and
+decoding in this process, a part of ``other``), ``peak_rss_mb``, optional ``codec`` (each direction's codec in
+words, when one is configured), ``dropped``, ``rejected``, ``skipped``, ``diagnostics``, ``privacy``, ``robust``
 (``server.update_clip``, ``server.aggregate``: :mod:`.robust`), ``update_norm`` (the median norm per local step of
 the aggregated replies' updates, what a later round's lone reply is measured against: :mod:`.robust`), and
 ``per_client``:
