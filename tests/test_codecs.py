@@ -16,6 +16,7 @@ from fedlowrank.codecs.kernels import (NF4_LEVELS, block_scales, dequantize_bloc
 from fedlowrank.codecs.lossless import compress, decompress
 from fedlowrank.config import ConfigError
 from fedlowrank.message import Message
+from fedlowrank.methods import available_methods
 from fedlowrank.runtime.simulator import Simulation
 
 from helpers import run_tiny, tiny_config, tiny_task
@@ -411,3 +412,29 @@ def test_secagg_refuses_an_uplink_codec_in_one_line_and_takes_a_downlink_one():
             check_secagg(tiny_config(*base, *sets), FlowerSettings(secagg=True))
         text = str(err.value)
         assert text.startswith("flower.secagg with uplink.codec") and "leave [uplink] unset" in text and "\n" not in text
+
+
+PLAIN_SGD = {"ssf": ("train.optimizer=sgd", "train.lr=0.05"), "fedsub": ("train.optimizer=sgd", "train.lr=0.05")}
+
+
+@pytest.mark.parametrize("name", sorted(available_methods()))
+def test_every_method_runs_coded_and_its_residuals_fit_its_state_schema(name):
+    """Stochastic int4 with error feedback up, int8 down: no reply rejected, and every client state the run keeps,
+    residuals included, is one a checkpoint accepts."""
+    sim = run_tiny(name, "uplink.codec=int4", "uplink.rounding=stochastic", "uplink.error_feedback=true",
+                   "downlink.codec=int8", *PLAIN_SGD.get(name, ()))
+    assert all(not r.get("rejected") for r in sim.history), name
+    for k in sim.store:
+        assert sim.state_schema(k).problem(sim.store[k]) is None, (name, k)
+    if sim.method.communicates and not sim.method.pooled:
+        assert any(key.startswith("uplink.residual/") for k in sim.store for key in sim.store[k]), name
+
+
+def test_heterogeneous_ranks_keep_each_clients_residuals_at_its_rank():
+    sim = run_tiny("hetlora", "lora.ranks=[1,2]", "uplink.codec=topk", "uplink.error_feedback=true",
+                   "uplink.lossless=zlib", "run.rounds=3")
+    assert all(not r.get("rejected") for r in sim.history)
+    for k in sim.store:
+        rank = sim.cfg.client_ranks()[k]
+        residuals = {key: t for key, t in sim.store[k].items() if key.endswith(".lora_A")}
+        assert residuals and all(t.shape[0] == rank for t in residuals.values()), k
