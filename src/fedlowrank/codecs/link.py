@@ -65,7 +65,7 @@ def residual_entries(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def split_state(state: State) -> tuple[State, dict[str, torch.Tensor]]:
-    """``(the method's own entries, the residuals)`` of a client's state: the method never sees the residuals."""
+    """``(the method's own entries, the residuals)`` of a client's state: ``method.train`` gets the former only."""
     return State({k: v for k, v in state.items() if not k.startswith(RESIDUAL)}), residual_entries(state)
 
 

@@ -3,10 +3,10 @@
 Each round: sample K of M clients from the round's stream; for each, code and serialise the broadcast
 (:func:`~.engine.send_down`; counted in the ledger), run :func:`~fedlowrank.runtime.engine.client_update` on the
 shared model, code the reply (:meth:`~fedlowrank.codecs.Link.encode_reply`: with error feedback, the client's
-residual rides in its state, never in what the method sees) and serialise it (counted); then the server's step shared with Flower (:meth:`~.server_run.ServerRun.close_round`: server-side
-reply transforms, ``method.aggregate``), the evaluation every ``run.eval_every`` rounds, and the commit of the round
-(:meth:`~.server_run.ServerRun.commit_round`). Memory grows with the
-clients' small states, never with model copies. With ``run.cohort`` > 1 (by default on CUDA) the sampled clients
+residual rides in its state, out of what ``method.train`` gets) and serialise it (counted); then the server's step
+shared with Flower (:meth:`~.server_run.ServerRun.close_round`: server-side reply transforms, ``method.aggregate``),
+the evaluation every ``run.eval_every`` rounds, and the commit of the round
+(:meth:`~.server_run.ServerRun.commit_round`). Memory grows with the clients' small states, never with model copies. With ``run.cohort`` > 1 (by default on CUDA) the sampled clients
 go in groups of that many: broadcasts, then their local training together (:mod:`.cohort`; each member's model
 shares the frozen backbone), then each reply in client order as above. A pooled method (``method.pooled``, the
 centralised reference) trains one client per round, holding the sampled clients' pooled data
