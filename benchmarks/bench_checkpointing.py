@@ -1,6 +1,6 @@
 """What gradient checkpointing costs and saves in a cohort's joint step, on the CPU.
 
-A joint step of ``--cohort`` FedIT members (the simulator's :class:`~fedlowrank.runtime.cohort.JointFit`) on the
+A joint step of ``--cohort`` FedIT members (the simulator's :class:`~fedlowrank.runtime.cohort.Joint`) on the
 ``tiny-lm`` task with ``--model`` (default tiny-llama), every member on the task's longest examples: the median step
 time over ``--steps`` steps after one warm-up, and the step's peak allocation (the torch profiler's allocator
 events), with and without ``train.gradient_checkpointing``; the ratios are what ``run.cohort = 0`` trades when it
@@ -23,26 +23,26 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from fedlowrank.config import load_config  # noqa: E402
-from fedlowrank.device import measured_peak_bytes, set_checkpointing  # noqa: E402
-from fedlowrank.runtime.cohort import FitRequest, JointFit  # noqa: E402
+from fedlowrank.device import set_checkpointing  # noqa: E402
+from fedlowrank.execution.measure import measured_peak_bytes  # noqa: E402
+from fedlowrank.runtime.cohort import Joint  # noqa: E402
 from fedlowrank.runtime.simulator import Simulation  # noqa: E402
 from fedlowrank.tasks import build_task  # noqa: E402
-from fedlowrank.training.local import FitRun, LocalTrainer  # noqa: E402
+from fedlowrank.training.local import Fit, LocalSteps, LocalTrainer, MemberFit  # noqa: E402
 
 
-def joint_fit(sim: Simulation, size: int, batch, steps: int) -> JointFit:
-    runs = []
+def joint_fit(sim: Simulation, size: int, batch, steps: int) -> LocalSteps:
+    members = []
     for k in range(size):
         view = sim.model.shared_copy()
         sim.method.load_global(view, sim.server)
         params = sim.method.trainable(view, ("A", "B"))
         view.set_trainable(params)
         trainer = LocalTrainer(sim.task, sim.parts[k % len(sim.parts)], sim.cfg.train, k, 1, 2, 0)
-        runs.append(FitRun(trainer, view, params))
-    fit = JointFit(sim.model, [FitRequest(r.trainer, r.model, r.params, [], None) for r in runs], seed=0)
-    for run in fit.runs:
-        run.batches = iter([batch] * (steps + 2))
-    return fit
+        member = MemberFit(trainer, Fit(view, params))
+        member.batches = iter([batch] * (steps + 2))
+        members.append(member)
+    return LocalSteps(members, Joint(sim.model, members, seed=0))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,7 @@ classification); ``--config gsm8k`` is SmolLM2-135M-Instruct on GSM8K (causal LM
 mode it reports the mean round time without evaluation over the rounds after the first (which compiles and builds
 the cohort's model views), real (unpadded) and computed (padded) tokens per second, the padding's share of the
 computed tokens, the peak device memory (CUDA) and, for the cohort, the planner's estimate of that peak
-(``runtime.cohort.cohort_memory``). Last, the largest difference between the two runs' global states: float
+(``runtime.plan.cohort_memory``). Last, the largest difference between the two runs' global states: float
 rounding without dropout; MiniLM trains with dropout 0.1, whose masks a cohort draws from its own stream.
 
     python benchmarks/bench_cohort.py [--config main] [--device auto] [--rounds 3] [--clients 10] [--steps 5]
@@ -33,7 +33,7 @@ from common import provenance, setup_line  # noqa: E402
 import torch  # noqa: E402
 
 from fedlowrank.config import load_config  # noqa: E402
-from fedlowrank.runtime.cohort import cohort_memory  # noqa: E402
+from fedlowrank.runtime.plan import cohort_memory  # noqa: E402
 from fedlowrank.runtime.simulator import Simulation  # noqa: E402
 from fedlowrank.tasks import build_task  # noqa: E402
 

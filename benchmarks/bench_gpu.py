@@ -17,7 +17,7 @@ Each figure is a JSON line (``--out``/bench_gpu.jsonl and stdout) and a row of a
 input embeddings, the tied output layer counted once; 2N forward, 2N backward to the activations, frozen weights
 get no gradient; attention scores left out), peak memory (CUDA: ``max_memory_allocated``; CPU: the rise of the
 process's peak RSS over the round) beside the runtime's own estimate
-(:func:`fedlowrank.runtime.cohort.cohort_memory`, which sizes ``run.cohort = 0``: the planned peak on CUDA, what a
+(:func:`fedlowrank.runtime.plan.cohort_memory`, which sizes ``run.cohort = 0``: the planned peak on CUDA, what a
 step allocates on the CPU; none for plain peft), and from one profiled extra round
 the dispatched aten ops, scalar reads, host syncs (CUDA runtime calls that wait), host-to-device copies, CUDA kernel
 launches and CUDA-graph replays per client step (:func:`event_counts`).
@@ -62,8 +62,9 @@ from common import provenance  # noqa: E402
 import torch  # noqa: E402
 
 from fedlowrank.config import load_config  # noqa: E402
-from fedlowrank.device import DTYPES, PHASE_PREFIX, resolve_device  # noqa: E402
-from fedlowrank.runtime.cohort import cohort_memory  # noqa: E402
+from fedlowrank.device import DTYPES, resolve_device
+from fedlowrank.execution.measure import PHASE_PREFIX  # noqa: E402
+from fedlowrank.runtime.plan import cohort_memory  # noqa: E402
 from fedlowrank.runtime.simulator import Simulation  # noqa: E402
 from fedlowrank.tasks import build_task  # noqa: E402
 from fedlowrank.training.local import LocalTrainer  # noqa: E402
@@ -206,7 +207,7 @@ WAITS = (*SYNCS, "cudaMemcpyAsync", *READ_OPS)  # calls that may make the host w
 def caller(event) -> str:
     """The innermost Python frame outside torch around a profiler ``event`` (recorded with ``with_stack``), e.g.
     ``fedlowrank/adapters/lora.py(120): forward``; where no frame was recorded, the innermost part of the round
-    (:func:`fedlowrank.device.phase`) and the operation around it, e.g. ``fedlowrank.reply_to_host: aten::to``;
+    (:func:`fedlowrank.execution.measure.phase`) and the operation around it, e.g. ``fedlowrank.reply_to_host: aten::to``;
     ``?`` when neither is."""
     part = op = None
     while event is not None:
@@ -230,9 +231,8 @@ def waits_by_caller(events, top: int) -> list[tuple[int, str, str]]:
 
 
 def profiled(fn, device: torch.device, stack: bool = False):
-    """The torch profiler (CUDA activity too on CUDA; Python frames with ``stack``) over ``fn()``, on every thread:
-    a cohort's members run their client updates in threads of their own (:func:`fedlowrank.runtime.cohort.
-    run_together`), which a profiler of the calling thread alone would not see."""
+    """The torch profiler (CUDA activity too on CUDA; Python frames with ``stack``) over ``fn()``, on every thread
+    (a backward's autograd threads on CUDA included)."""
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 

@@ -104,14 +104,15 @@ def step_costs(padding_model: str, sets: list[str]) -> None:
     import numpy as np
     import torch
 
-    from fedlowrank import device
+    from fedlowrank.execution import measure
     from fedlowrank.runtime import cohort
-    from fedlowrank.runtime.cohort import FitRequest, JointFit, cohort_memory
+    from fedlowrank.runtime.cohort import Joint
+    from fedlowrank.runtime.plan import cohort_memory
     from fedlowrank.tasks import build_task
     from fedlowrank.tasks.base import padded_length
     from fedlowrank.tasks.causal_lm import pack_rows
     from fedlowrank.training import local
-    from fedlowrank.training.local import FitRun, LocalTrainer
+    from fedlowrank.training.local import Alone, Fit, LocalSteps, LocalTrainer, MemberFit
 
     def simulation(*extra):
         return Simulation(load_config("tiny-lm", ["task.options.eval_generate=0", *sets, *extra]))
@@ -122,15 +123,14 @@ def step_costs(padding_model: str, sets: list[str]) -> None:
         params = sim.method.trainable(model, ("A", "B"))
         model.set_trainable(params)
         trainer = LocalTrainer(sim.task, sim.parts[client % len(sim.parts)], sim.cfg.train, client, 1, 2, 0)
-        return FitRun(trainer, model, params)
+        return MemberFit(trainer, Fit(model, params))
 
     def joint(sim, size, batch=None):
-        runs = [fit_run(sim, k, sim.model.shared_copy()) for k in range(size)]
-        fit = JointFit(sim.model, [FitRequest(r.trainer, r.model, r.params, [], None) for r in runs], seed=0)
+        members = [fit_run(sim, k, sim.model.shared_copy()) for k in range(size)]
         if batch is not None:
-            for r in fit.runs:
-                r.batches = iter([batch] * 3)
-        return fit
+            for m in members:
+                m.batches = iter([batch] * 3)
+        return LocalSteps(members, Joint(sim.model, members, seed=0))
 
     print("step: tiny-llama (tiny-lm config), FedIT r = 2 on q/v, batch 4, seed 0; torch profiler on the CPU")
     for kernel in ("loop", "fused"):
@@ -139,8 +139,9 @@ def step_costs(padding_model: str, sets: list[str]) -> None:
         run = fit_run(sim)
         batch = sim.task.batch(sim.parts[0][:4])
         run.batches = iter([batch] * 2)
-        ours = device.dispatched_ops(run.train_step)
-        plain = device.dispatched_ops(plain_peft_step(sim.task, batch, kernel == "fused"))
+        alone = LocalSteps([run], Alone(run))
+        ours = measure.dispatched_ops(lambda: alone.step(0))
+        plain = measure.dispatched_ops(plain_peft_step(sim.task, batch, kernel == "fused"))
         ops = [sum(v for k, v in c.items() if k.startswith("aten::")) for c in (ours, plain)]
         print(f"  optimizer kernel {kernel:5s}, clipping: host reads (aten::item) ours {ours['aten::item']}, plain "
               f"peft {plain['aten::item']}; dispatched aten ops ours {ops[0]}, plain peft {ops[1]} "
@@ -148,8 +149,8 @@ def step_costs(padding_model: str, sets: list[str]) -> None:
     sim = simulation()
     totals = {}
     for size in (1, 8):
-        fit, steps = joint(sim, size), iter(range(10))
-        counts = device.dispatched_ops(lambda: fit.step(next(steps)))
+        fit = joint(sim, size)
+        counts = measure.dispatched_ops(lambda: fit.step(0))
         totals[size] = sum(v for k, v in counts.items() if k.startswith("aten::"))
     print(f"  cohort joint step (fused kernel): {totals[1]} aten ops with 1 member, {totals[8]} with 8 "
           f"({totals[8] / totals[1]:.2f}x), {counts['Optimizer.step#AdamW.step']} optimizer step")
@@ -161,7 +162,7 @@ def step_costs(padding_model: str, sets: list[str]) -> None:
         for size in (1, 2, 4):
             fit = joint(sim, size, sim.task.batch(longest))
             fit.step(0)
-            measured = device.measured_peak_bytes(lambda: fit.step(1), torch.device("cpu"))
+            measured = measure.measured_peak_bytes(lambda: fit.step(1), torch.device("cpu"))
             line.append(f"{size}: {memory.step(size) / 2**20:.2f} / {measured / 2**20:.2f} MiB")
         print(f"  planner, estimated / measured step peak ({' '.join(extra) or 'fp32'}): " + "; ".join(line))
     task = build_task(load_config("gsm8k", ["partition.kind=iid", "data.max_train_examples=3000",

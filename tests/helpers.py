@@ -1,9 +1,17 @@
-"""Shared test helpers: the tiny task (random 2-layer BERT, 200 BBC News articles) built once per session, and the
-skip of tests that need AG News or GSM8K when neither a local copy nor the ``datasets`` cache has them."""
+"""Shared test helpers: the tiny task (random 2-layer BERT, 200 BBC News articles) built once per session, the
+skip of tests that need AG News or GSM8K when neither a local copy nor the ``datasets`` cache has them, and a
+``fedlowrank`` command started in a process of its own."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from functools import lru_cache
+from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -111,3 +119,36 @@ def benchmark_module(name: str):
         sys.path.remove(folder)
         sys.modules.pop(spec.name, None)
     return module
+
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+COMMAND_ENV = {**os.environ, "PYTHONPATH": str(CHECKOUT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def started(args: list[str], err_file: Path, shown: Callable[[str], bool], timeout: float = 240,
+            **popen) -> subprocess.Popen:
+    """``python -m fedlowrank ARGS`` in a session of its own (this checkout's sources, stderr to ``err_file``),
+    returned once ``shown(its stderr so far)`` holds; fails when it ends or ``timeout`` seconds pass first."""
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "fedlowrank", *args], env=COMMAND_ENV, stdout=subprocess.DEVNULL,
+                                stderr=err, start_new_session=True, **popen)
+    deadline = time.monotonic() + timeout
+    while not shown(err_file.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+        time.sleep(0.1)
+    return proc
+
+
+def compare_rounds_begun(text: str) -> bool:
+    """Whether both runs of ``compare tiny --methods fedit,ffa-lora --seeds 0 --jobs 2`` have begun round 1."""
+    return all(f"[{m}] seed 0: [{m}] round 1/2000" in text for m in ("fedit", "ffa-lora"))
+
+
+def ended(proc: subprocess.Popen, timeout: float = 90) -> int:
+    """``proc``'s exit status once it has ended (its whole session killed if it has not within ``timeout`` s)."""
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+

@@ -91,8 +91,8 @@ def test_a_wait_is_attributed_to_its_python_frame_else_to_its_part_of_the_round(
 
 @pytest.mark.parametrize("cohort", [1, 2])
 def test_a_profiled_round_holds_every_part_of_the_round_on_every_thread(cohort):
-    """The parts of a round (fedlowrank.device.phase) are profiler ranges on any device, and the benchmark's
-    profile sees every thread: one at a time, and as a cohort, whose members update in threads of their own."""
+    """The parts of a round (fedlowrank.execution.measure.phase) are profiler ranges on any device, and the
+    benchmark's profile sees them: one at a time, and as a cohort, whose members update in the calling thread."""
     import torch
 
     from fedlowrank.config import load_config
@@ -106,7 +106,6 @@ def test_a_profiled_round_holds_every_part_of_the_round_on_every_thread(cohort):
         counts[e.name] = counts.get(e.name, 0) + 1
     for part in ("client_update", "reply_to_host", "wire", "receive", "close_round", "local_step"):
         assert counts.get(f"fedlowrank.{part}", 0) >= 1, part
-    assert counts["fedlowrank.client_update"] == counts["fedlowrank.reply_to_host"] == 2
+    assert counts["fedlowrank.client_update"] == 2 // cohort and counts["fedlowrank.reply_to_host"] == 2
     assert counts["fedlowrank.receive"] == 2 and counts["fedlowrank.local_step"] == 2 // cohort
-    threads = {e.thread for e in events if e.name == "fedlowrank.client_update"}
-    assert len(threads) == cohort  # a cohort's members in threads of their own, each seen
+    assert len({e.thread for e in events if e.name.startswith("fedlowrank.")}) == 1  # no thread of a member's

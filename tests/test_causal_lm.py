@@ -284,7 +284,7 @@ def test_causal_lm_config_runs_unchanged_in_flower(monkeypatch):
 
     for name in ("run_id", "node_id", "task_id"):
         monkeypatch.setattr(TaskIdentity, f"_{name}", 7)
-    monkeypatch.setattr(run_module, "build_task", lambda cfg: tiny_lm_task())
+    monkeypatch.setattr(run_module, "build_task", lambda cfg, cohorts=False: tiny_lm_task())
     client_app._runs.clear()
     run_config = {"config": "tiny-lm", "set": "method.name=fedit", "flower.node-timeout": 0.0}
     cfg, settings = load_run_config(run_config)

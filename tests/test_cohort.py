@@ -15,7 +15,7 @@ from torch import nn
 
 from fedlowrank.config import ConfigError, load_config
 from fedlowrank.methods import available_methods, get_method
-from fedlowrank.runtime.cohort import cohort_size, run_together
+from fedlowrank.runtime.plan import cohort_size
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks import build_task
 
@@ -209,8 +209,8 @@ def test_methods_without_cohorts_train_one_at_a_time(method):
     sim = Simulation(load_config("tiny", [f"method.name={method}", "run.cohort=4", *extra]), task=text_task(),
                      log=lines.append)
     assert sim.cohort_size() == 1
-    assert lines == [f"[{method}] run.cohort = 4: method {method!r} trains one client at a time (it does not "
-                     f"declare supports_cohorts); clients train one at a time"]
+    assert lines == [f"[{method}] run.cohort = 4: method {method!r} trains one client at a time (it has its own "
+                     f"train, not the two phases prepare_fit and finish_fit); clients train one at a time"]
 
 
 def test_a_method_without_cohorts_gives_the_one_at_a_time_run():
@@ -223,8 +223,8 @@ def test_automatic_cohort_is_the_round_on_cuda_and_one_on_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     cfg = load_config("tiny", ["run.clients_per_round=3"])
     sim = Simulation(cfg, task=text_task())
-    assert cohort_size(cfg, sim.method, sim.task, sim.model, torch.device("cpu")) == (1, "")
-    assert cohort_size(cfg, sim.method, sim.task, sim.model, torch.device("cuda")) == (3, "")
+    assert cohort_size(cfg, sim.method, sim.task, sim.model, torch.device("cpu")) == (1, "", False)
+    assert cohort_size(cfg, sim.method, sim.task, sim.model, torch.device("cuda"))[:2] == (3, "")
     cfg = load_config("tiny", ["privacy.dpsgd=true"])
     assert cohort_size(cfg, sim.method, sim.task, sim.model, torch.device("cuda"))[0] == 1
 
@@ -234,7 +234,7 @@ def test_batch_normalisation_trains_one_at_a_time():
     sim = Simulation(cfg, task=text_task())
     sim.model.net.bert.pooler.add_module("norm", nn.BatchNorm1d(32))
     assert cohort_size(cfg, sim.method, sim.task, sim.model, sim.device) == (
-        1, "the network's batch normalisation would mix the clients' rows")
+        1, "the network's batch normalisation would mix the clients' rows", False)
 
 
 def test_with_dropout_a_cohort_is_deterministic():
@@ -261,19 +261,27 @@ def test_dpsgd_refuses_an_explicit_cohort():
     load_config("tiny", ["run.cohort=0", "privacy.dpsgd=true"])
 
 
-def test_a_failing_member_ends_every_worker_and_raises():
-    from fedlowrank.runtime.cohort import FitRequest
+def test_a_cohort_trains_in_the_calling_thread_and_a_failing_member_raises(lm_sets, monkeypatch):
+    """No thread is started to train a cohort (the members' two phases run in order around the joint steps, in the
+    caller's thread); a member whose method fails while preparing its fit raises out of the round."""
+    task = lm_task(tuple(lm_sets))
+    started: list[threading.Thread] = []
+    monkeypatch.setattr(threading.Thread, "start", lambda self: started.append(self))
+    sets = [*lm_sets, "method.name=fedprox", "run.clients_per_round=4", "run.rounds=1"]
+    sim = simulate("tiny-lm", task, 4, sets)
+    assert sim.cohort_size() == 4 and started == []
+    failing = Simulation(load_config("tiny-lm", [*sets, "run.cohort=4"]), task=task)
+    calls = []
 
-    def reaches_fit(member):
-        return member.meet(FitRequest(None, None, {}, [], None))
-
-    def fails(member):
-        raise KeyError("boom")
-
-    before = threading.active_count()
+    def prepare(model, msg, state, trainer):
+        calls.append(trainer.client)
+        if len(calls) == 2:
+            raise KeyError("boom")
+        return type(failing.method).prepare_fit(failing.method, model, msg, state, trainer)
+    monkeypatch.setattr(failing.method, "prepare_fit", prepare)
     with pytest.raises(KeyError, match="boom"):
-        run_together([reaches_fit, fails, reaches_fit], joint=lambda requests: [None] * len(requests))
-    assert threading.active_count() == before
+        failing.run()
+    assert len(calls) == 2 and started == []
 
 
 @needs_cuda

@@ -13,6 +13,7 @@ import fedlowrank
 import fedlowrank.cli
 from fedlowrank.message import State
 from fedlowrank.methods import available_methods, get_method, preset_overrides
+from fedlowrank.message import State
 from fedlowrank.methods.base import Corrected, Method
 from fedlowrank.schema import declared
 from fedlowrank.tasks import available_tasks
@@ -87,8 +88,35 @@ def test_a_corrected_method_makes_its_corrections_from_its_options():
         method = get_method(name, correction="fedprox", mu=0.5)
         assert [type(c).__name__ for c in method.composed_corrections()] == ["FedProx"], name
         assert method.composed_corrections()[0].mu == 0.5
-        member = method.cohort_member()
-        assert member.composed_corrections()[0] is not method.composed_corrections()[0]
+
+
+def test_each_prepared_fit_has_its_own_corrections_and_changes_nothing_of_the_method():
+    """Two clients' fits prepared one after the other (as a cohort prepares its members') each hold their own
+    started copies of the composed corrections; the method's own stay as made."""
+    from fedlowrank.runtime.engine import client_trainer
+
+    sim = run_tiny("fedit", "method.correction=fedprox+scaffold", "run.clients_per_round=2", rounds=1)
+    method, before = sim.method, dict(vars(sim.method))
+    fits = []
+    for k in (0, 1):
+        view = sim.model.shared_copy()
+        trainer = client_trainer(view, sim.task, sim.parts[k], sim.cfg, k, 2)
+        fits.append(method.prepare_fit(view, method.broadcast(sim.server, k, 2), State(), trainer))
+    ids = [{id(c) for c in fit.corrections} for fit in fits]
+    assert len(ids[0]) == len(ids[1]) == 2 and not ids[0] & ids[1]
+    assert not ids[0] & {id(c) for c in method.composed_corrections()}
+    assert fits[0].corrections[0]._anchor.keys() == fits[0].params.keys()
+    assert vars(method) == before
+
+
+def test_supports_cohorts_is_derived_from_the_two_phases():
+    """A method trains in cohorts exactly when it has prepare_fit and finish_fit and keeps Method.train; declaring
+    it is refused."""
+    for name, cls in available_methods().items():
+        phases = cls.prepare_fit is not Method.prepare_fit and cls.finish_fit is not Method.finish_fit
+        assert cls.supports_cohorts == (phases and cls.train is Method.train), name
+    with pytest.raises(TypeError, match="supports_cohorts is derived"):
+        type("Declares", (Method,), {"supports_cohorts": True})
 
 
 # -- optional hooks: declared, and the declarations agree with what each method does ---------------------------
@@ -185,7 +213,7 @@ def test_no_runtime_probes_a_method_or_task_with_hasattr():
     src = Path(fedlowrank.__file__).parent
     for path in [*(src / "runtime").rglob("*.py"), src / "config" / "checks.py"]:
         text = path.read_text()
-        for hook in ("batched_round", "batched_grad", "init_client", "load_personal", "cohort_member"):
+        for hook in ("batched_round", "batched_grad", "init_client", "load_personal", "prepare_fit"):
             assert f'"{hook}")' not in text, (path, hook)
 
 

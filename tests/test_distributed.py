@@ -23,7 +23,7 @@ from fedlowrank.methods import available_methods
 from fedlowrank.runtime.distributed import Distributed, RankFailure, assign, spawn
 from fedlowrank.runtime.simulator import Simulation
 
-from helpers import tiny_config, tiny_task
+from helpers import started, tiny_config, tiny_task
 
 SETS = ("run.clients_per_round=3", "run.rounds=2")  # 4 clients, 3 a round: assignments change between rounds
 METHODS = sorted(available_methods())
@@ -252,20 +252,11 @@ def test_a_stopped_launcher_stops_every_rank_at_a_rounds_end_with_that_round_sav
     killed outright. Every rank stops at the end of the same round, rank 0 saving it, within seconds; one line says
     where and how to continue (none from rank 1); no rank runs on."""
     import signal
-    import subprocess
-    import sys
 
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     run_dir, err_file = tmp_path / "run", tmp_path / "stderr.txt"
-    argv = [sys.executable, "-m", "fedlowrank", "run", "tiny", "--out", str(run_dir), "--set", 'run.devices=["cpu","cpu"]',
-            "--set", "run.rounds=2000", "--set", "run.checkpoint_seconds=0", "--set", "run.collective_timeout_s=30"]
-    with open(err_file, "w") as err:
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while "round 3/2000" not in err_file.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
-        time.sleep(0.1)
+    proc = started(["run", "tiny", "--out", str(run_dir), "--set", 'run.devices=["cpu","cpu"]', "--set",
+                    "run.rounds=2000", "--set", "run.checkpoint_seconds=0", "--set", "run.collective_timeout_s=30"],
+                   err_file, lambda text: "round 3/2000" in text)
     ranks = _descendants(proc.pid)
     assert ranks
     t0 = time.monotonic()

@@ -37,7 +37,8 @@ def _results(out: Path, name: str) -> dict:
     """``name`` (results.json, tune.json) without what names the directory or the command's --set."""
     def strip(x):
         if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k not in ("run_dir", "in_force", "settings", "plots", "time")}
+            return {k: strip(v) for k, v in x.items()
+                    if k not in ("run_dir", "in_force", "settings", "plots", "time", "command")}
         return [strip(v) for v in x] if isinstance(x, list) else x
     return strip(json.loads((out / name).read_text()))
 
@@ -113,26 +114,14 @@ def test_sigterm_to_a_compare_on_run_devices_stops_its_ranks_with_one_line(tmp_p
     (not every remaining round), one line says how to continue (none from rank 1), exit 143."""
     import os
     import signal
-    import subprocess
-    import sys
 
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    from helpers import ended, started
+
     out, err_file = tmp_path / "cmp", tmp_path / "stderr.txt"
-    argv = [sys.executable, "-m", "fedlowrank", "compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0",
-            "--out", str(out), *DEVICES, "--set", "run.rounds=2000"]
-    with open(err_file, "w") as err:
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while "round 3/2000" not in err_file.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
-        time.sleep(0.1)
+    proc = started(["compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0", "--out", str(out), *DEVICES,
+                    "--set", "run.rounds=2000"], err_file, lambda text: "round 3/2000" in text)
     os.kill(proc.pid, signal.SIGTERM)
-    try:
-        assert proc.wait(timeout=60) == 143, err_file.read_text()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    assert ended(proc, timeout=60) == 143, err_file.read_text()
     text = err_file.read_text()
     stops = [line for line in text.splitlines() if line.startswith("stopped by")]
     assert len(stops) == 1 and stops[0].startswith(f"stopped by SIGTERM; the runs are in {out}; continue with: "

@@ -94,7 +94,7 @@ def flower_process(monkeypatch):
     client side reuses the tiny task's data (its model, method and state are its own)."""
     for name in ("run_id", "node_id", "task_id"):
         monkeypatch.setattr(TaskIdentity, f"_{name}", 7)
-    monkeypatch.setattr(run_module, "build_task", lambda cfg: tiny_task())
+    monkeypatch.setattr(run_module, "build_task", lambda cfg, cohorts=False: tiny_task())
     client_app._runs.clear()
     yield
     client_app._runs.clear()

@@ -13,8 +13,10 @@ import torch
 from fedlowrank import device
 from fedlowrank.adapters.model import Routing
 from fedlowrank.config import load_config
-from fedlowrank.device import local_step, stage, step_transfers, to_device
-from fedlowrank.runtime import cohort
+from fedlowrank.device import stage, to_device
+from fedlowrank.execution import compiling
+from fedlowrank.execution.measure import local_step, step_transfers
+from fedlowrank.runtime import plan
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks import build_task
 from fedlowrank.tasks.causal_lm import PackShapes, collate
@@ -91,7 +93,6 @@ def test_on_cuda_a_round_s_local_steps_never_synchronise_in_our_code(size, monke
 
     from contextlib import contextmanager
     monkeypatch.setattr(local, "local_step", contextmanager(checked_step))
-    monkeypatch.setattr(cohort, "local_step", contextmanager(checked_step))
     sets = [*LM, "run.device=cuda", "train.dtype=bf16", f"run.cohort={size}", "run.clients_per_round=4",
             "task.options.pack=1536"]
     sim = Simulation(load_config("tiny-lm", sets), task=lm_task(1536))
@@ -109,7 +110,7 @@ def fast_compile(monkeypatch):
     """torch.compile with the ``aot_eager`` backend (traced graphs, no code generation); dynamo reset around."""
     import torch._dynamo
 
-    monkeypatch.setattr(device, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(compiling, "COMPILE_BACKEND", "aot_eager")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     yield torch._dynamo.utils.counters
@@ -145,14 +146,15 @@ def test_run_compile_auto_compiles_when_the_steps_per_bucket_repay_the_warm_up(s
     """``run.compile = auto`` (the default): compiled on CUDA with length buckets when the planned steps per bucket
     reach the measured break-even (≈ 766); the rule is one line; true and false are obeyed."""
     cfg = load_config("tiny-lm", ["run.clients_per_round=2", *sets])
-    wanted, rule = device.compile_decision(cfg, lm_task(), torch.device(where))
+    cohort = cfg.run.cohort or cfg.run.clients_per_round
+    wanted, rule = plan.compile_decision(cfg, lm_task(), torch.device(where), cohort)
     assert wanted is compiled and rule.startswith("run.compile = ") and "\n" not in rule
     steps = cfg.run.rounds * cfg.train.local_steps * (2 if cfg.run.cohort == 1 else 1)
-    assert device.planned_steps(cfg, lm_task()) == steps
+    assert plan.planned_steps(cfg, lm_task(), cohort) == steps
     if cfg.run.compile == "auto" and cfg.task.length_buckets and where == "cuda":
         per_bucket = steps / len(cfg.task.length_buckets)
-        assert f"= {per_bucket:.0f} per bucket" in rule and str(device.COMPILE_BREAK_EVEN) in rule
-        fewer = steps // device.COMPILE_BREAK_EVEN
+        assert f"= {per_bucket:.0f} per bucket" in rule and str(plan.COMPILE_BREAK_EVEN) in rule
+        fewer = steps // plan.COMPILE_BREAK_EVEN
         assert (f"; {fewer} length bucket(s) would repay it" in rule) == (not compiled and fewer >= 1)
 
 
@@ -215,7 +217,7 @@ def test_a_packed_cohort_in_static_shapes_gives_each_member_s_loss():
         joined, routing = task.join_batches(batches)
         shapes.add((tuple(joined["input_ids"].shape), routing.gather(torch.device("cpu"))[0].shape))
         out = task.output(net, task.device_batch(joined, torch.device("cpu")))
-        losses = task.output_losses(out, routing, batches)
+        losses = task.output_losses(out, routing, joined)
         for k, b in enumerate(batches):
             alone = task.loss(net, collate([task.train[int(i)] for i in b["example_index"]], 0))
             torch.testing.assert_close(losses[k], alone, rtol=1e-4, atol=1e-5)
@@ -268,18 +270,16 @@ def test_packing_is_the_default_for_causal_lm_cohorts_where_it_is_correct(sets, 
     leaves examples unpacked where packing is not correct: DP-SGD clips each example's gradient and a method such as
     MOON reads each example's representation, neither of which a row holding several examples has; one client at
     a time gains nothing from it."""
-    task = build_task(load_config("tiny-lm", ["task.options.eval_generate=0", *sets]))
-    assert task.pack == rows
+    cfg = load_config("tiny-lm", ["task.options.eval_generate=0", *sets])
+    assert build_task(cfg, cohorts=plan.packs_cohorts(cfg)).pack == rows
 
 
 def test_automatic_cohorts_on_cuda_pack_unless_dp_sgd_clips_each_example(monkeypatch):
     """``run.cohort = 0`` trains cohorts on CUDA, so auto packs there, except with DP-SGD (one client at a time, and
     each example's gradient clipped: a packed row holds several)."""
-    from fedlowrank.tasks.causal_lm import auto_pack
-
-    monkeypatch.setattr(device, "resolve_device", lambda spec: torch.device("cuda"))
-    assert auto_pack(load_config("tiny-lm", []))
-    assert not auto_pack(load_config("tiny-lm", ["privacy.dpsgd=true"]))
+    monkeypatch.setattr(plan, "resolve_device", lambda spec: torch.device("cuda"))
+    assert plan.packs_cohorts(load_config("tiny-lm", []))
+    assert not plan.packs_cohorts(load_config("tiny-lm", ["privacy.dpsgd=true"]))
 
 
 def test_auto_packing_stays_off_for_a_model_that_mixes_packed_sequences(monkeypatch):
@@ -288,7 +288,7 @@ def test_auto_packing_stays_off_for_a_model_that_mixes_packed_sequences(monkeypa
     from fedlowrank.tasks import causal_lm
 
     monkeypatch.setattr(causal_lm, "keeps_packed_sequences_apart", lambda net: False)
-    assert build_task(load_config("tiny-lm", ["task.options.eval_generate=0", "run.cohort=2"])).pack == 0
+    assert build_task(load_config("tiny-lm", ["task.options.eval_generate=0", "run.cohort=2"]), cohorts=True).pack == 0
     with pytest.raises(ValueError, match="does not keep sequences packed in one row apart"):
         build_task(load_config("tiny-lm", ["task.options.eval_generate=0", "task.options.pack=768"]))
 

@@ -16,16 +16,19 @@ from torch import nn
 from fedlowrank.adapters.gram import GramLinear
 from fedlowrank.adapters.lora import LoRALinear
 from fedlowrank.config import ConfigError, load_config
-from fedlowrank import device
-from fedlowrank.device import dispatched_ops, measured_peak_bytes, store_frozen
-from fedlowrank.runtime import cohort
-from fedlowrank.runtime.cohort import FitRequest, JointFit, cohort_memory, cohort_size
+from fedlowrank.device import store_frozen
+from fedlowrank.execution import compiling
+from fedlowrank.execution.measure import dispatched_ops, measured_peak_bytes
+from fedlowrank.runtime import plan as planner
+from fedlowrank.runtime.cohort import Cohort, Joint
+from fedlowrank.runtime.plan import cohort_memory, cohort_size
 from fedlowrank.runtime.simulator import Simulation
 from fedlowrank.tasks import build_task
 from fedlowrank.tasks.base import padded_length
 from fedlowrank.tasks.causal_lm import IGNORE, LMHead, check_lm_head, check_packing, pack_rows, response_nll
 from fedlowrank.training import local
-from fedlowrank.training.local import OPTIMIZERS, FitRun, LocalTrainer, TrainConfig, make_optimizer
+from fedlowrank.training.local import (OPTIMIZERS, Alone, Fit, LocalSteps, LocalTrainer, MemberFit, TrainConfig,
+                                      make_optimizer)
 
 from helpers import require_dataset
 
@@ -185,14 +188,26 @@ def lm_simulation(*sets: str) -> Simulation:
     return Simulation(load_config("tiny-lm", ["task.options.eval_generate=0", *sets]), task=lm_task())
 
 
-def fit_run(sim: Simulation, client: int = 0, model=None) -> FitRun:
+def fit_run(sim: Simulation, client: int = 0, model=None) -> MemberFit:
     """FedIT's local fit of ``client`` on ``model`` (default: the simulation's), ready to step."""
     model = model or sim.model
     sim.method.load_global(model, sim.server)
     params = sim.method.trainable(model, ("A", "B"))
     model.set_trainable(params)
     trainer = LocalTrainer(sim.task, sim.parts[client % len(sim.parts)], sim.cfg.train, client, 1, 2, 0)
-    return FitRun(trainer, model, params)
+    return MemberFit(trainer, Fit(model, params))
+
+
+def train_step(member: MemberFit):
+    """A call that runs one local step of ``member`` alone (its first step, on its next batch)."""
+    steps = LocalSteps([member], Alone(member))
+    return lambda: steps.step(0)
+
+
+def joint_steps(sim: Simulation, members: list[MemberFit], cohort: Cohort | None = None) -> LocalSteps:
+    """The joint steps of ``members`` (each on its own view of ``sim``'s model) on ``sim``'s model, in ``cohort``
+    (default: a new one)."""
+    return LocalSteps(members, Joint(cohort or Cohort(sim.model, len(members)), members, seed=0))
 
 
 def plain_peft_step(task, batch, kernel: str = "loop"):
@@ -222,7 +237,7 @@ def test_a_local_step_reads_the_device_no_more_than_a_plain_peft_step(kernel, mo
     run = fit_run(sim)
     batch = sim.task.batch(sim.parts[0][:4])
     run.batches = iter([batch] * 2)
-    ours = dispatched_ops(run.train_step)
+    ours = dispatched_ops(train_step(run))
     net, plain_step = plain_peft_step(sim.task, batch, kernel)
     plain = dispatched_ops(plain_step)
     forward = dispatched_ops(lambda: net(**batch))
@@ -234,15 +249,14 @@ def test_a_local_step_reads_the_device_no_more_than_a_plain_peft_step(kernel, mo
 def test_a_cohort_step_dispatches_at_most_1_5x_the_operations_of_one_member(monkeypatch):
     """One joint step of 8 members against one of a single member (the same tiny-llama batches, CUDA's fused
     optimizer kernel): the per-member work is a few operations, and the optimizer steps once for everyone."""
+    from fedlowrank.runtime import cohort
+
     monkeypatch.setattr(cohort, "optimizer_kernel", lambda device: "fused")
     sim = lm_simulation()
     counts = {}
     for size in (1, 8):
-        runs = [fit_run(sim, k, sim.model.shared_copy()) for k in range(size)]
-        requests = [FitRequest(run.trainer, run.model, run.params, [], None) for run in runs]
-        fit = JointFit(sim.model, requests, seed=0)
-        steps = iter(range(10))
-        counts[size] = dispatched_ops(lambda: fit.step(next(steps)))
+        fit = joint_steps(sim, [fit_run(sim, k, sim.model.shared_copy()) for k in range(size)])
+        counts[size] = dispatched_ops(lambda: fit.step(0))
         assert counts[size]["Optimizer.step#AdamW.step"] == 1
     total = {size: sum(v for k, v in c.items() if k.startswith("aten::")) for size, c in counts.items()}
     assert total[8] <= 1.5 * total[1], total
@@ -280,13 +294,13 @@ def test_bf16_stores_the_frozen_backbone_in_bf16_and_trains_in_fp32():
     assert {p.dtype for p in frozen} == {torch.bfloat16}
     assert {p.dtype for p in sim.model.own_parameters()} == {torch.float32}
     assert {t.dtype for t in sim.server.tensors().values()} == {torch.float32}
-    view = sim._views[0]
+    view = sim._cohort.views(1)[0]
     assert [p.data_ptr() for p in view.frozen_parameters()] == [p.data_ptr() for p in frozen]
     for name, module in sim.model.adapters().items():  # FLoRG's bases: bf16, one copy for every view
         assert module.L.dtype == torch.bfloat16 and module.L.data_ptr() == view.target(name).L.data_ptr()
     run = fit_run(lm_simulation("train.dtype=bf16"))
     store_frozen(run.model, "bf16")
-    run.train_step()
+    train_step(run)()
     assert {s.dtype for state in run.opt.state.values() for s in state.values() if s.is_floating_point()} \
         == {torch.float32}
     fp32 = lm_simulation("run.rounds=1")
@@ -395,7 +409,7 @@ def fast_compile(monkeypatch):
     dynamo's caches and counters reset before and after."""
     import torch._dynamo
 
-    monkeypatch.setattr(device, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(compiling, "COMPILE_BACKEND", "aot_eager")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     yield torch._dynamo.utils.counters
@@ -422,7 +436,7 @@ def test_a_run_that_cannot_compile_goes_on_eagerly(fast_compile, monkeypatch, ca
     def broken(graph, inputs):
         raise RuntimeError("no C++ compiler here")
 
-    monkeypatch.setattr(device, "COMPILE_BACKEND", broken)
+    monkeypatch.setattr(compiling, "COMPILE_BACKEND", broken)
     compiled = lm_simulation("run.compile=true", "run.rounds=1")
     with caplog.at_level("WARNING", logger="fedlowrank"):
         compiled.run()
@@ -452,8 +466,9 @@ def test_gradient_checkpointing_gives_the_same_run_with_less_memory(cohort):
         run = fit_run(sim)
         batch = sim.task.batch(np.arange(8))
         run.batches = iter([batch] * 2)
-        run.train_step()
-        peaks.append(measured_peak_bytes(run.train_step, torch.device("cpu")))
+        step = train_step(run)
+        step()
+        peaks.append(measured_peak_bytes(step, torch.device("cpu")))
     assert peaks[1] < 0.8 * peaks[0], peaks
 
 
@@ -466,12 +481,12 @@ def test_gradient_checkpointing_needs_a_model_that_supports_it():
 
 
 # -- the cohort memory planner ----------------------------------------------------------------------------------------
-def joint_fit_of(sim: Simulation, size: int, batch) -> JointFit:
-    """A joint fit of ``size`` FedIT members on ``sim``'s model whose every step trains on ``batch``."""
-    runs = [fit_run(sim, k, sim.model.shared_copy()) for k in range(size)]
-    fit = JointFit(sim.model, [FitRequest(r.trainer, r.model, r.params, [], None) for r in runs], seed=0)
-    for run in fit.runs:
-        run.batches = iter([batch] * 3)
+def joint_fit_of(sim: Simulation, size: int, batch, cohort: Cohort | None = None) -> LocalSteps:
+    """The joint steps of ``size`` FedIT members on ``sim``'s model whose every step trains on ``batch``."""
+    models = cohort.views(size) if cohort is not None else [sim.model.shared_copy() for _ in range(size)]
+    fit = joint_steps(sim, [fit_run(sim, k, models[k]) for k in range(size)], cohort)
+    for member in fit.members:
+        member.batches = iter([batch] * 3)
     return fit
 
 
@@ -535,7 +550,7 @@ def test_what_a_device_allocates_once_is_held_not_a_step_cost(monkeypatch):
     and the buffer counts once, in what the device already holds."""
     sim = lm_simulation("run.clients_per_round=4", IID)
     plain = cohort_memory(sim.cfg, sim.task, sim.model)
-    workspace, measured = 2**20, cohort.measured_bytes
+    workspace, measured = 2**20, planner.measured_bytes
     kept = []
 
     def first_step_allocates(fn, device):
@@ -545,9 +560,9 @@ def test_what_a_device_allocates_once_is_held_not_a_step_cost(monkeypatch):
             return peak + workspace, held + workspace
         return peak, held
 
-    monkeypatch.setattr(cohort, "measured_bytes", first_step_allocates)
-    model_bytes = cohort.weight_bytes(sim.model.net) + plain.own
-    monkeypatch.setattr(cohort, "allocated_bytes", lambda device: model_bytes + sum(kept))
+    monkeypatch.setattr(planner, "measured_bytes", first_step_allocates)
+    model_bytes = planner.weight_bytes(sim.model.net) + plain.own
+    monkeypatch.setattr(planner, "allocated_bytes", lambda device: model_bytes + sum(kept))
     once = cohort_memory(sim.cfg, sim.task, sim.model)
     assert plain.held == 0 and once.held == workspace
     for k in (1, 4):
@@ -571,49 +586,59 @@ def test_the_per_layer_estimate_equals_a_probe_of_the_whole_depth(sets, monkeypa
     cfg = load_config("tiny-lm", ["task.options.eval_generate=0", f"task.model={smollm2_four_layers}",
                                   "run.clients_per_round=4", "train.gradient_checkpointing=false", *sets])
     sim = Simulation(cfg, task=build_task(cfg))
-    assert cohort.stacked_layers(sim.model.net) is not None
-    assert cohort.stacked_layers(lm_simulation().model.net) is None  # tiny-llama: 2 layers, probed whole
+    assert planner.stacked_layers(sim.model.net) is not None
+    assert planner.stacked_layers(lm_simulation().model.net) is None  # tiny-llama: 2 layers, probed whole
     layered, whole = (cohort_memory(sim.cfg, sim.task, sim.model, per_layer=on) for on in (True, False))
     assert len(sim.model.net.get_decoder().layers) == sim.model.net.config.num_hidden_layers == 4
     for size in (1, 4):
         assert 0.85 * whole.step(size) <= layered.step(size) <= 1.15 * whole.step(size), (size, layered, whole)
 
 
-def test_a_cohorts_lora_factors_are_slices_of_one_tensor_with_one_gradient_buffer():
-    """A joint step's LoRA factors: every member's ``lora_A`` (``lora_B``) of a target is a slice of one tensor and
-    its gradient a slice of one buffer, equal to the member's own step alone (different factors per member)."""
+def test_a_cohorts_lora_factors_are_views_of_stacked_tensors_that_persist_across_fits():
+    """A joint step's LoRA factors: every member's ``lora_A`` (``lora_B``) of every target is a view of one stacked
+    tensor per factor group (every target's A of one input size, every B of one output size), whose one gradient
+    holds each member's, equal to the member's own step alone (different factors per member); the next fit of the
+    cohort (the next round) writes into the same tensors and restarts the same optimizer."""
     sim = lm_simulation("run.clients_per_round=4")
     batch = sim.task.batch(np.arange(4))
-    fit = joint_fit_of(sim, 3, batch)
+    cohort = Cohort(sim.model, 3)
+    fit = joint_fit_of(sim, 3, batch, cohort)
+    stacks = cohort.stacks
+    shapes = [sim.model.base_matrix(n).shape for n in sim.model.target_names]
+    assert set(stacks.groups) == {("A", i) for _, i in shapes} | {("B", o) for o, _ in shapes}
+    assert len(stacks.groups) < len(stacks.names) == len(sim.model.target_names)
     g = torch.Generator().manual_seed(0)
     factors = []
-    for run in fit.runs:
+    for run in fit.members:
         mine = {}
         for name, layer in run.model.adapters().items():
             A, B = torch.randn(layer.lora_A.shape, generator=g), torch.randn(layer.lora_B.shape, generator=g) / 10
-            with torch.no_grad():
-                layer.lora_A.copy_(A)
-                layer.lora_B.copy_(B)
+            layer.set_factors(A, B)
             mine[name] = (A, B)
         factors.append(mine)
     fit.step(0)
-    name = sim.model.target_names[0]
-    layers = [run.model.net.get_submodule(name) for run in fit.runs]
-    for factor in ("lora_A", "lora_B"):
-        params = [getattr(m, factor) for m in layers]
-        assert len({p.untyped_storage().data_ptr() for p in params}) == 1
-        assert len({p.grad.untyped_storage().data_ptr() for p in params}) == 1
-    for k, run in enumerate(fit.runs):
+    storages = {key: group.untyped_storage().data_ptr() for key, group in stacks.groups.items()}
+    for run in fit.members:
+        for layer in run.model.adapters().values():
+            assert {layer.lora_A.untyped_storage().data_ptr(), layer.lora_B.untyped_storage().data_ptr()} <= \
+                set(storages.values())
+            assert layer.lora_A.grad is None and layer.lora_B.grad is None  # FedIT: no gradient handed out
+    for k, run in enumerate(fit.members):
         alone = fit_run(sim, k, sim.model.shared_copy())
         for layer_name, layer in alone.model.adapters().items():
             layer.set_factors(*factors[k][layer_name])
         alone.batches = iter([batch] * 2)
-        alone.train_step()
+        train_step(alone)()
         for key, p in run.params.items():
-            torch.testing.assert_close(p.grad, alone.params[key].grad, rtol=1e-6, atol=1e-7, msg=key)
+            name, factor = key.rsplit(".lora_", 1)
+            grad = stacks.member_grad(name, k, factor, p.shape[0 if factor == "A" else 1])
+            torch.testing.assert_close(grad, alone.params[key].grad, rtol=1e-6, atol=1e-7, msg=key)
             torch.testing.assert_close(p.detach(), alone.params[key].detach(), rtol=1e-6, atol=1e-7, msg=key)
     fit.finish()
-    assert all(m.stack is None for m in layers)
+    opt = fit.group.opt
+    again = joint_fit_of(sim, 3, batch, cohort)
+    assert again.group.opt is opt and {k: g.untyped_storage().data_ptr() for k, g in stacks.groups.items()} == storages
+    assert all(v.abs().max() == 0 for s in opt.state.values() for v in s.values())  # restarted: a new optimizer's
 
 
 def test_the_automatic_cohort_on_cuda_is_the_largest_that_fits(monkeypatch, caplog):
@@ -626,15 +651,16 @@ def test_the_automatic_cohort_on_cuda_is_the_largest_that_fits(monkeypatch, capl
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     cuda = torch.device("cuda")
     with caplog.at_level("INFO", logger="fedlowrank"):
-        assert cohort_size(sim.cfg, sim.method, sim.task, sim.model, cuda) == (2, "")
+        assert cohort_size(sim.cfg, sim.method, sim.task, sim.model, cuda) == (2, "", False)
     assert [r.getMessage() for r in caplog.records][-1].startswith("run.cohort = 0: 2 of 4 clients train together")
     tight = load_config("tiny-lm", ["task.options.eval_generate=0", "run.clients_per_round=4",
                                     "run.gpu_memory_fraction=0.3", "train.gradient_checkpointing=false"])
-    assert cohort_size(tight, sim.method, sim.task, sim.model, cuda) == (1, "")
+    assert cohort_size(tight, sim.method, sim.task, sim.model, cuda) == (1, "", False)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * int(free), 200 * int(free)))
-    assert cohort_size(sim.cfg, sim.method, sim.task, sim.model, cuda) == (4, "")      # at most the round's
-    explicit = load_config("tiny-lm", ["task.options.eval_generate=0", "run.clients_per_round=4", "run.cohort=3"])
-    assert cohort_size(explicit, sim.method, sim.task, sim.model, cuda) == (3, "")     # run.cohort > 0 is obeyed
+    assert cohort_size(sim.cfg, sim.method, sim.task, sim.model, cuda) == (4, "", False)  # at most the round's
+    explicit = load_config("tiny-lm", ["task.options.eval_generate=0", "run.clients_per_round=4", "run.cohort=3",
+                                       "train.gradient_checkpointing=false"])
+    assert cohort_size(explicit, sim.method, sim.task, sim.model, cuda) == (3, "", False)  # run.cohort > 0 obeyed
 
 
 def test_the_automatic_cohort_turns_checkpointing_on_when_that_fits_more_clients(monkeypatch, caplog):
@@ -650,16 +676,19 @@ def test_the_automatic_cohort_turns_checkpointing_on_when_that_fits_more_clients
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     cuda = torch.device("cuda")
     with caplog.at_level("INFO", logger="fedlowrank"):
-        assert cohort_size(sim.cfg, sim.method, sim.task, sim.model, cuda) == (4, "")
-    assert sim.model.net.is_gradient_checkpointing
+        assert cohort_size(sim.cfg, sim.method, sim.task, sim.model, cuda) == (4, "", True)
     assert caplog.records[-1].getMessage().endswith("gradient checkpointing on (auto))")
     off = load_config("tiny-lm", ["task.options.eval_generate=0", "run.clients_per_round=4",
                                   "train.gradient_checkpointing=false"])
     assert cohort_size(off, sim.method, sim.task, sim.model, cuda)[0] < 4      # false: never switched on
-    assert not sim.model.net.is_gradient_checkpointing
+    assert not sim.model.net.is_gradient_checkpointing                          # the planner changes no model
+    fixed = load_config("tiny-lm", ["task.options.eval_generate=0", "run.clients_per_round=4", "run.cohort=4"])
+    with caplog.at_level("INFO", logger="fedlowrank"):
+        assert cohort_size(fixed, sim.method, sim.task, sim.model, cuda) == (4, "", True)  # a fixed cohort: on
+    assert caplog.records[-1].getMessage().startswith("run.cohort = 4: gradient checkpointing on (auto)")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * int(free), 200 * int(free)))
-    assert cohort_size(sim.cfg, sim.method, sim.task, sim.model, cuda) == (4, "")
-    assert not sim.model.net.is_gradient_checkpointing                          # all fit without: left off
+    assert cohort_size(sim.cfg, sim.method, sim.task, sim.model, cuda) == (4, "", False)  # all fit without: off
+    assert cohort_size(fixed, sim.method, sim.task, sim.model, cuda) == (4, "", False)
 
 
 def llama_1b_with_two_built_layers(monkeypatch, *sets: str):
@@ -701,16 +730,16 @@ def test_the_planner_fits_32_clients_of_the_1b_architecture_in_80_gib_by_checkpo
     both the weights and the activations, so the verdict is the same)."""
     cfg, task, model = llama_1b_with_two_built_layers(monkeypatch)
     estimates = {}
-    monkeypatch.setattr(cohort, "cohort_memory", lambda cfg, task, model, on: estimates.setdefault(
+    monkeypatch.setattr(planner, "cohort_memory", lambda cfg, task, model, on: estimates.setdefault(
         on, cohort_memory(cfg, task, model, on)))
     free = 80 * 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, free))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     with caplog.at_level("INFO", logger="fedlowrank"):
-        size = cohort.largest_fitting_cohort(cfg, task, model, torch.device("cuda"), 32)
+        size, checkpointing = planner.largest_fitting_cohort(cfg, task, model, torch.device("cuda"), 32)
     budget = cfg.run.gpu_memory_fraction * free
     peaks = {on: f"{m.peak(32) / 2**30:.1f} GiB" for on, m in estimates.items()}
-    assert size == 32 and model.net.is_gradient_checkpointing, (caplog.records[-1].getMessage(), peaks)
+    assert size == 32 and checkpointing, (caplog.records[-1].getMessage(), peaks)
     assert estimates[False].peak(32) > budget and estimates[True].peak(32) <= budget, peaks
     assert caplog.records[-1].getMessage().startswith("run.cohort = 0: 32 of 32 clients train together")
 

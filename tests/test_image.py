@@ -329,7 +329,7 @@ def test_flower_runs_the_image_task_like_the_simulator(tmp_path, monkeypatch):
     for name in ("run_id", "node_id", "task_id"):  # this process plays SuperLink and SuperNodes (test_flower.py)
         monkeypatch.setattr(TaskIdentity, f"_{name}", 7)
     task = image_task(domains=("clean", "invert"))
-    monkeypatch.setattr(run_module, "build_task", lambda cfg: task)
+    monkeypatch.setattr(run_module, "build_task", lambda cfg, cohorts=False: task)
     client_app._runs.clear()
     (tmp_path / "image.toml").write_text(
         '[run]\nrounds = 2\nclients_per_round = 2\nthreads = 1\ndevice = "cpu"\n'

@@ -206,7 +206,7 @@ def test_privacy_on_flower_equals_the_simulator(mode, monkeypatch):
 
     for name in ("run_id", "node_id", "task_id"):                  # as test_flower's flower_process fixture
         monkeypatch.setattr(TaskIdentity, f"_{name}", 7)
-    monkeypatch.setattr(run_module, "build_task", lambda cfg: tiny_task())
+    monkeypatch.setattr(run_module, "build_task", lambda cfg, cohorts=False: tiny_task())
     client_app._runs.clear()
     sets = (UNIFORM, f"privacy.mode={mode}", "privacy.clip=0.05", "privacy.noise_multiplier=0.5")
     ref = run_tiny("fedit", *sets)

@@ -190,7 +190,7 @@ def test_flower_with_head_subsets_equals_the_simulator(monkeypatch):
 
     for name in ("run_id", "node_id", "task_id"):                  # as test_flower's flower_process fixture
         monkeypatch.setattr(TaskIdentity, f"_{name}", 7)
-    monkeypatch.setattr(run_module, "build_task", lambda cfg: tiny_task())
+    monkeypatch.setattr(run_module, "build_task", lambda cfg, cohorts=False: tiny_task())
     client_app._runs.clear()
     sets = ("method.client_heads=[1, 3]", "run.clients_per_round=3")
     ref = run_tiny("ravan", *sets)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_config, tiny_task
+from helpers import compare_rounds_begun, ended, started, tiny_config, tiny_task
 from test_robustness import _assert_same_run
 
 import fedlowrank
@@ -31,6 +31,8 @@ from fedlowrank.runtime.vectorized import Vectorized
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+COMPARE_2000 = ["compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0", "--jobs", "2", "--set",
+                "run.rounds=2000", "--set", "run.threads=1"]  # two runs that outlast any test, one per worker
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -389,15 +391,8 @@ def test_compare_with_jobs_stops_its_workers_which_save_their_runs(tmp_path, sig
     (``pkill``): each worker's round lines show as they come; the workers stop, each saves its run's state, no
     other run starts, and the command says how to continue."""
     out, err_file = tmp_path / "cmp", tmp_path / "stderr.txt"
-    argv = [sys.executable, "-m", "fedlowrank", "compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0",
-            "--jobs", "2", "--out", str(out), "--set", "run.rounds=2000", "--set", "run.threads=1"]
-    with open(err_file, "w") as err:
-        proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal does
-    deadline = time.monotonic() + 240
-    while not all(f"[{m}] seed 0: [{m}] round 1/2000" in err_file.read_text() for m in ("fedit", "ffa-lora")):
-        assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
-        time.sleep(0.1)
+    proc = started([*COMPARE_2000, "--out", str(out)], err_file, compare_rounds_begun,
+                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal does
     workers = [int(p) for p in re.findall(r"\(worker process (\d+)\)", err_file.read_text())]
     assert len(workers) == 2
     if to == "workers":
@@ -405,11 +400,7 @@ def test_compare_with_jobs_stops_its_workers_which_save_their_runs(tmp_path, sig
             os.kill(pid, signum)
     else:
         (os.killpg if to == "group" else os.kill)(proc.pid, signum)
-    try:
-        proc.wait(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    ended(proc)
     text = err_file.read_text()
     assert proc.returncode == 128 + signum, text
     what = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
@@ -428,22 +419,11 @@ def test_a_worker_killed_from_outside_stops_the_sweep_with_the_command_that_cont
     at once, stops the other worker (which saves its run) and ends with one ``error:`` line naming the run cut off
     and the ``--resume`` command, exit 1; no internal error."""
     out, err_file = tmp_path / "cmp", tmp_path / "stderr.txt"
-    argv = [sys.executable, "-m", "fedlowrank", "compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0",
-            "--jobs", "2", "--out", str(out), "--set", "run.rounds=2000", "--set", "run.threads=1"]
-    with open(err_file, "w") as err:
-        proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not all(f"[{m}] seed 0: [{m}] round 1/2000" in err_file.read_text() for m in ("fedit", "ffa-lora")):
-        assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
-        time.sleep(0.1)
+    proc = started([*COMPARE_2000, "--out", str(out)], err_file, compare_rounds_begun)
     text = err_file.read_text()
     fedit_worker = int(re.search(r"\[fedit\] seed 0 \(worker process (\d+)\)", text).group(1))
     os.kill(fedit_worker, signal.SIGKILL)
-    try:
-        proc.wait(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    ended(proc)
     text = err_file.read_text()
     last = text.strip().splitlines()[-1]
     assert proc.returncode == 1, text
@@ -468,14 +448,7 @@ def test_workers_of_a_killed_command_save_their_runs_and_end(tmp_path):
     """SIGKILL leaves the command no chance to stop its workers: each sees its parent gone, saves its run's state
     and ends instead of training on unwatched (holding its run directory)."""
     out, err_file = tmp_path / "cmp", tmp_path / "stderr.txt"
-    argv = [sys.executable, "-m", "fedlowrank", "compare", "tiny", "--methods", "fedit,ffa-lora", "--seeds", "0",
-            "--jobs", "2", "--out", str(out), "--set", "run.rounds=2000", "--set", "run.threads=1"]
-    with open(err_file, "w") as err:
-        proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not all(f"[{m}] seed 0: [{m}] round 1/2000" in err_file.read_text() for m in ("fedit", "ffa-lora")):
-        assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
-        time.sleep(0.1)
+    proc = started([*COMPARE_2000, "--out", str(out)], err_file, compare_rounds_begun)
     workers = [int(p) for p in re.findall(r"\(worker process (\d+)\)", err_file.read_text())]
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()

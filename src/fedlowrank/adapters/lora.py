@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..schema import check_choice
@@ -50,7 +49,6 @@ class LoRALinear(AdaptedLinear):
         self.lora_A = nn.Parameter(torch.zeros(rank, self.in_features, **like))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **like))
         self.scale = lora_scale(self.alpha, rank, scaling)
-        self.stack: LoRAStack | None = None  # set while this layer is a cohort member's (its factors: slices)
 
     @property
     def rank(self) -> int:
@@ -76,77 +74,146 @@ class LoRALinear(AdaptedLinear):
     def adapter_output(self, x: torch.Tensor) -> torch.Tensor:
         return self.scale * self.output_map(self.input_map(self.dropout(x), self.lora_A), self.lora_B)
 
-    @classmethod
-    def joint_adapter_output(cls, members: list["LoRALinear"], x: torch.Tensor) -> torch.Tensor | None:
-        """Every member's ``s_k · x_k A_kᵀ B_kᵀ`` as two batched products over the K members, factors zero-padded to
-        the largest rank (the padded directions add exact zeros): ``x [K·n, ..., in] → [K·n, ..., out]``. Linear
-        layers without LoRA dropout; ``None`` otherwise."""
-        if isinstance(members[0].base, nn.Conv2d) or not all(isinstance(m.dropout, nn.Identity) for m in members):
-            return None
-        stack = members[0].stack
-        if stack is not None and stack.members == members:  # the factors are slices of one tensor each
-            A, B = stack.A, stack.B
-        else:
-            r = max(m.rank for m in members)
-            A = torch.stack([m.lora_A if m.rank == r else F.pad(m.lora_A, (0, 0, 0, r - m.rank)) for m in members])
-            B = torch.stack([m.lora_B if m.rank == r else F.pad(m.lora_B, (0, r - m.rank)) for m in members])
-        A, B = A.to(x.dtype), B.to(x.dtype)  # A: [K, r, in], B: [K, out, r], in the input's dtype
-        out = torch.bmm(torch.bmm(x.reshape(len(members), -1, x.shape[-1]), A.mT), B.mT)  # [K, n·…, out]
-        scales = {m.scale for m in members}
-        if len(scales) == 1:
-            out = scales.pop() * out
-        else:
-            out = out * torch.tensor([m.scale for m in members], dtype=out.dtype, device=out.device).view(-1, 1, 1)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-class LoRAStack:
-    """The factors of K cohort members' :class:`LoRALinear` of one target (equal ranks) held as slices of one
-    tensor each, ``A: [K, r, in]``, ``B: [K, out, r]``: member k's ``lora_A``/``lora_B`` become views ``A[k]``,
-    ``B[k]`` (their optimizer updates them in place), and the joint forward multiplies by ``A`` and ``B`` themselves
-    (:meth:`LoRALinear.joint_adapter_output`), so the backward writes one gradient buffer per stacked factor, not
-    one allocation and copy per member; :meth:`hand_out_grads` makes its slices the members' gradients.
-    :meth:`release` ends it (the members keep their values)."""
+class LoRAStacks:
+    """The LoRA factors of a cohort's ``slots`` members on every target they can share a batched product on, held
+    across rounds: for each factor group (every target's ``A`` of one input size, every target's ``B`` of one
+    output size) one trained tensor, ``A: [T, K, R, in]`` and ``B: [T, K, out, R]`` (T targets, K slots, R the
+    largest rank). Member k's ``lora_A``/``lora_B`` of target t are views ``A[t, k, :r_k]``, ``B[t, k, :, :r_k]``
+    (the directions past its rank stay zero: their gradients are zero, so no optimizer moves them), so that a
+    round writes each member's factors into its slot as its method loads them (:meth:`bind` copies what was loaded
+    elsewhere, e.g. factors of another rank), an optimizer over :meth:`trained` steps every member at once, and a
+    step reads every target's factors from a few tensors (:meth:`prepare`, :meth:`factors`): each group cast to the
+    compute dtype once, each member's scale folded into ``B``. The backward fills one gradient per group
+    (:meth:`member_grad` is member k's part of a target's)."""
 
-    def __init__(self, members: list[LoRALinear]):
-        self.members = list(members)
-        self.A = torch.stack([m.lora_A.detach() for m in members]).requires_grad_(members[0].lora_A.requires_grad)
-        self.B = torch.stack([m.lora_B.detach() for m in members]).requires_grad_(members[0].lora_B.requires_grad)
-        for k, m in enumerate(members):
-            m.lora_A.data, m.lora_B.data = self.A.data[k], self.B.data[k]
-            m.stack = self
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.names: list[str] = []                             # the stacked targets
+        self.groups: dict[tuple[str, int], nn.Parameter] = {}   # ("A", in) / ("B", out) → the stacked factor
+        self.where: dict[str, tuple[tuple[str, int], int, tuple[str, int], int]] = {}  # target → A's, B's place
+        self.rank = 0
+        self.scales: dict[tuple[str, int], torch.Tensor] | float = 1.0  # per B group [T, K, 1, 1], or one for all
+        self._scales_of: tuple = ()
+        self._owner: dict[tuple[str, int], str] = {}             # a target of each group
+        self._views: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._step: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
-    def fits(members: list[nn.Module]) -> bool:
-        """Whether ``members`` can be stacked: linear :class:`LoRALinear` layers of one rank, dtype and device,
-        each factor trained by all of them or by none."""
-        if not all(type(m) is LoRALinear and isinstance(m.base, nn.Linear) for m in members):
+    def stackable(layers: list[nn.Module]) -> bool:
+        """Whether one target's ``layers`` (one per member) can be stacked: linear :class:`LoRALinear` layers
+        without LoRA dropout, of one factor dtype and device, each factor trained by all of them or by none."""
+        if not all(type(m) is LoRALinear and isinstance(m.base, nn.Linear) and isinstance(m.dropout, nn.Identity)
+                   for m in layers):
             return False
-        first = members[0]
-        return all(m.rank == first.rank and m.lora_A.dtype == first.lora_A.dtype == m.lora_B.dtype
-                   and m.lora_A.device == first.lora_A.device
+        first = layers[0]
+        return all(m.lora_A.dtype == first.lora_A.dtype == m.lora_B.dtype and m.lora_A.device == first.lora_A.device
                    and m.lora_A.requires_grad == first.lora_A.requires_grad
-                   and m.lora_B.requires_grad == first.lora_B.requires_grad for m in members)
+                   and m.lora_B.requires_grad == first.lora_B.requires_grad for m in layers)
 
-    def hand_out_grads(self) -> None:
-        """After backward: member k's gradient of each factor is the slice k of the stacked gradient (plus what its
-        own loss terms put on its parameter, e.g. FedProx's proximal term)."""
-        for stacked, name in ((self.A, "lora_A"), (self.B, "lora_B")):
-            if stacked.grad is None:
-                continue
-            for k, m in enumerate(self.members):
-                p, g = getattr(m, name), stacked.grad[k]
-                if p.grad is not None:
-                    g.add_(p.grad)
-                p.grad = g
-            stacked.grad = None
+    def bind(self, layers: dict[str, list[LoRALinear]]) -> bool:
+        """Stack the members' factors of the targets in ``layers`` (target → its layer in each member's model,
+        at most :attr:`slots`): each member's factors in its slot, its ``lora_A``/``lora_B`` views of it. Returns
+        whether the stacked tensors were made anew (the first time, other targets or a larger rank): an optimizer
+        over :meth:`trained` must then be made anew too."""
+        names = [n for n, ls in layers.items() if self.stackable(ls)]
+        rank = max((m.rank for n in names for m in layers[n]), default=0)
+        made = names != self.names or rank > self.rank
+        if made:
+            self._make(names, layers, rank)
+        for name in names:
+            (ka, ta, kb, tb) = self.where[name]
+            for k, m in enumerate(layers[name]):
+                A, B = self._member_views(name, k, m.rank)
+                for p, view, group, t, padded in ((m.lora_A, A, ka, ta, (slice(m.rank, None),)),
+                                                  (m.lora_B, B, kb, tb, (slice(None), slice(m.rank, None)))):
+                    if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
+                        with torch.no_grad():
+                            view.copy_(p)
+                            self.groups[group].detach()[t, k][padded].zero_()
+                        p.data = view
+        for key, group in self.groups.items():
+            group.requires_grad_(getattr(layers[self._owner[key]][0], f"lora_{key[0]}").requires_grad)
+        self._set_scales(names, layers)
+        return made
 
-    def zero_grad(self) -> None:
-        self.A.grad = self.B.grad = None
+    def _make(self, names: list[str], layers: dict[str, list[LoRALinear]], rank: int) -> None:
+        first = {n: layers[n][0] for n in names}
+        count: dict[tuple[str, int], int] = {}
+        self.where, self._owner = {}, {}
+        for n in names:
+            ka, kb = ("A", first[n].in_features), ("B", first[n].out_features)
+            self.where[n] = (ka, count.get(ka, 0), kb, count.get(kb, 0))
+            count[ka], count[kb] = count.get(ka, 0) + 1, count.get(kb, 0) + 1
+            self._owner.setdefault(ka, n)
+            self._owner.setdefault(kb, n)
+        like = dict(dtype=first[names[0]].lora_A.dtype, device=first[names[0]].lora_A.device) if names else {}
+        self.groups = {key: nn.Parameter(torch.zeros((t, self.slots, rank, key[1]) if key[0] == "A"
+                                                     else (t, self.slots, key[1], rank), **like))
+                       for key, t in count.items()}
+        self.names, self.rank, self._views, self._scales_of = names, rank, {}, ()
 
-    def release(self) -> None:
-        for m in self.members:
-            m.stack = None
+    def _member_views(self, name: str, k: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Member k's factors of target ``name`` at ``rank``, as views of the stacked tensors (made once)."""
+        if (name, k, rank) not in self._views:
+            ka, ta, kb, tb = self.where[name]
+            self._views[name, k, rank] = (self.groups[ka].detach()[ta, k, :rank],
+                                          self.groups[kb].detach()[tb, k, :, :rank])
+        return self._views[name, k, rank]
+
+    def _set_scales(self, names: list[str], layers: dict[str, list[LoRALinear]]) -> None:
+        scales = tuple(tuple(m.scale for m in layers[n]) for n in names)
+        if scales == self._scales_of:
+            return
+        self._scales_of = scales
+        values = {v for row in scales for v in row}
+        if len(values) == 1:
+            self.scales = values.pop()
+            return
+        table = {key: torch.ones(group.shape[0], self.slots, 1, 1, dtype=torch.float64)
+                 for key, group in self.groups.items() if key[0] == "B"}
+        for n, row in zip(names, scales):
+            _, _, kb, tb = self.where[n]
+            table[kb][tb, :len(row), 0, 0] = torch.tensor(row, dtype=torch.float64)
+        self.scales = {key: t.to(self.groups[key].dtype).to(self.groups[key].device) for key, t in table.items()}
+
+    def trained(self) -> list[nn.Parameter]:
+        """The stacked tensors some member trains (for the optimizer)."""
+        return [g for g in self.groups.values() if g.requires_grad]
+
+    def prepare(self, members: int, dtype: torch.dtype, select: torch.Tensor | None = None) -> None:
+        """This step's factors (:meth:`factors`): each group's first ``members`` slots (or the slots ``select``
+        ``[K']``, on the device), in ``dtype``, ``B`` times each member's scale; with autograd, so that the
+        backward fills each group's gradient."""
+        self._step = {}
+        parts = {}
+        for key, group in self.groups.items():
+            g = group if select is None else group.index_select(1, select)
+            if select is None and members < self.slots:
+                g = g.narrow(1, 0, members)
+            if key[0] == "B":
+                scale = self.scales if isinstance(self.scales, float) else self.scales[key]
+                if isinstance(scale, torch.Tensor):
+                    scale = scale.index_select(1, select) if select is not None else scale.narrow(1, 0, members)
+                g = g * scale
+            parts[key] = g.to(dtype).unbind(0)
+        for name in self.names:
+            ka, ta, kb, tb = self.where[name]
+            self._step[name] = (parts[ka][ta], parts[kb][tb])
+
+    def factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target ``name``'s ``(A [K, R, in], s·B [K, out, R])`` of this step (:meth:`prepare`)."""
+        return self._step[name]
+
+    def member_grad(self, name: str, k: int, factor: str, rank: int) -> torch.Tensor | None:
+        """Member k's part of the gradient of target ``name``'s stacked ``factor`` (``"A"`` or ``"B"``) at its
+        ``rank``: a view, ``None`` before a backward."""
+        ka, ta, kb, tb = self.where[name]
+        grad = self.groups[ka if factor == "A" else kb].grad
+        if grad is None:
+            return None
+        return grad[ta, k, :rank] if factor == "A" else grad[tb, k, :, :rank]
 
 
 def attach_lora(model: AdaptedModel, rank: int, alpha: float, scaling: str = "standard", dropout: float = 0.0) -> None:

@@ -157,6 +157,7 @@ class Routing:
         self.rows, self.tokens, self.width = rows, tokens, width
         self.size = len(rows) if rows is not None else size  # members
         self._on: dict[tuple[str, torch.device], tuple[torch.Tensor, ...]] = {}
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # gathered(): input, its gather
 
     def _cached(self, name: str, device: torch.device, make: Callable[[], tuple[torch.Tensor, ...]],
                 move: Callable[[torch.Tensor, torch.device], torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -203,19 +204,38 @@ class Routing:
         index, valid = self._cached("gather", device, make, move)
         return index, valid
 
+    def gathered(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token routing: ``(index [K·n], xs [K·n, in])``, member k's tokens of ``x: [B, T, in]`` gathered in
+        :meth:`gather`'s order, padding slots zero rows (so that an adapter's product is 0 there and may be added
+        at index 0). The last input's gather is kept: the targets that read one tensor (q, k and v of an attention
+        layer) share it."""
+        if self._last is not None and self._last[0] is x:
+            return self._last[1], self._last[2]
+        index, valid = self.gather(x.device)
+        index = index.flatten()
+        xs = x.reshape(-1, x.shape[-1]).index_select(0, index) * valid.reshape(-1, 1).to(x.dtype)
+        self._last = (x, index, xs)
+        return index, xs
+
 
 class RowRouter(nn.Module):
     """Stands in for one module of a cohort's joint forward: rows ``rows[k]`` of the input go through
     ``members[k]`` (the same module in member k's model), outputs concatenated in order. ``[N, ...] → [N, ...]``,
-    ``N = rows[-1].stop``; the batch must be dimension 0 (a head: routing by rows only)."""
+    ``N = rows[-1].stop``; the batch must be dimension 0 (a head: routing by rows only). Made once per cohort's
+    fit; each step's :class:`Routing` is set by :meth:`route`."""
 
-    def __init__(self, members: list[nn.Module], routing: Routing):
+    def __init__(self, members: list[nn.Module]):
         super().__init__()
-        self.members, self.routing = members, routing  # a plain list: not submodules of the joint network
+        self.members = members  # a plain list: not submodules of the joint network
+        self.routing: Routing | None = None
+        self.rows: list[slice] | None = None
+
+    def route(self, routing: Routing) -> None:
+        """Route the next forward (and its backward) by ``routing``."""
         if routing.rows is None and type(self) is RowRouter:
             raise ValueError("a head cannot be routed per member in packed rows that hold several clients' "
                              "sequences (task.options.pack); set pack = 0")
-        self.rows = routing.rows
+        self.routing, self.rows = routing, routing.rows
 
     def _check(self, x: torch.Tensor) -> None:
         if x.shape[0] != self.rows[-1].stop:
@@ -227,19 +247,36 @@ class RowRouter(nn.Module):
         return torch.cat([m(x[s], *args, **kwargs) for m, s in zip(self.members, self.rows)])
 
 
+StackedFactors = Callable[[], "tuple[torch.Tensor, torch.Tensor]"]
+
+
 class AdapterRouter(RowRouter):
     """A :class:`RowRouter` for an adapted target. When no member holds a base delta, the frozen ``W0`` (shared by
-    every member) multiplies all rows at once and only the adapters' paths run per member, batched over the
-    members when they have as many rows each (:meth:`AdaptedLinear.joint_adapter_output`); otherwise each member's
-    rows go through its own ``W0 + base_delta``. Routing by tokens (packed rows) gathers each member's tokens
-    into ``[K, n, in]`` (padded to the most any member has), runs the same batched product, and adds each token's
-    result back in place."""
+    every member) multiplies all rows at once and only the adapters' paths run per member:
+
+    * with ``stacked`` (the members' LoRA factors of this target as stacked tensors for this step,
+      ``A: [K, R, in]`` and ``B: [K, out, R]`` with each member's scale in it,
+      :meth:`~fedlowrank.adapters.lora.LoRAStacks.factors`) as two batched products: ``x: [K·n, ..., in]`` seen as
+      ``[K, n·…, in]`` when the members have as many rows each, or, routed by tokens (packed rows), each member's
+      tokens gathered into ``[K·n, in]`` (:meth:`Routing.gathered`, shared by the targets that read the same input;
+      padding slots are zero rows) and each result added back at its token;
+    * else batched by the adapter's class when it can (:meth:`AdaptedLinear.joint_adapter_output`), else each
+      member on its own rows (or tokens).
+
+    When a member holds a base delta, each member's rows go through its own ``W0 + base_delta``. ``batched``: whether
+    the last forward used ``stacked`` (else a member's own factors, its own parameters, got their gradient)."""
+
+    def __init__(self, members: list[nn.Module], stacked: StackedFactors | None = None):
+        super().__init__(members)
+        self.stacked = stacked
+        self.batched = False
 
     @property
     def weight(self) -> torch.Tensor:
         return self.members[0].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.batched = False
         if self.rows is None:
             return self._by_tokens(x)
         self._check(x)
@@ -248,6 +285,11 @@ class AdapterRouter(RowRouter):
         y = self.members[0].frozen_output(x)
         kind = type(self.members[0])
         if len({s.stop - s.start for s in self.rows}) == 1 and all(type(m) is kind for m in self.members):
+            if self.stacked is not None:
+                A, B = self.stacked()
+                self.batched = True
+                xs = x.reshape(len(self.members), -1, x.shape[-1])                 # [K, n·…, in]: a view
+                return y + torch.bmm(torch.bmm(xs, A.mT), B.mT).reshape(*y.shape)
             extra = kind.joint_adapter_output(self.members, x)
             if extra is not None:
                 return y + extra
@@ -259,20 +301,25 @@ class AdapterRouter(RowRouter):
 
     def _by_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """``x: [B, T, in] → [B, T, out]`` routed by tokens (linear targets)."""
-        index, valid = self.routing.gather(x.device)                     # [K, n]
-        k, n = index.shape
         flat = x.reshape(-1, x.shape[-1])
-        xs = flat.index_select(0, index.flatten())                       # [K·n, in]: member k's tokens k·n ...
-        kind = type(self.members[0])
+        index, xs = self.routing.gathered(x)                             # [K·n], [K·n, in]: member k's tokens
+        k, n = self.routing.size, len(index) // self.routing.size
         shared = not any(m.base_delta is not None for m in self.members)
+        if shared and self.stacked is not None:
+            A, B = self.stacked()
+            self.batched = True
+            extra = torch.bmm(torch.bmm(xs.view(k, n, -1), A.mT), B.mT).view(k * n, -1)
+            return self.members[0].frozen_output(flat).index_add_(0, index, extra).reshape(*x.shape[:-1], -1)
+        kind = type(self.members[0])
         extra = kind.joint_adapter_output(self.members, xs) if shared and all(
             type(m) is kind for m in self.members) else None
         if extra is None:  # each member on its own tokens: its adapter (and its own W0 + base delta)
             outs = [m(xs[i * n:(i + 1) * n]) if not shared else m.adapter_output(xs[i * n:(i + 1) * n])
                     for i, m in enumerate(self.members)]
             extra = torch.cat([o if o is not None else xs.new_zeros(n, self.members[0].out_features) for o in outs])
-        extra = extra * valid.reshape(-1, 1).to(extra.dtype)
-        out = extra.new_zeros(flat.shape[0], extra.shape[-1]).index_add(0, index.flatten(), extra)
+        valid = self.routing.gather(flat.device)[1].reshape(-1, 1)
+        extra = extra * valid.to(extra.dtype)
+        out = extra.new_zeros(flat.shape[0], extra.shape[-1]).index_add(0, index, extra)
         if shared:
             out = out + self.members[0].frozen_output(flat)
         return out.reshape(*x.shape[:-1], -1)
@@ -294,6 +341,10 @@ class AdaptedModel(nn.Module):
         target_names: full module names of the target ``nn.Linear`` (or ``nn.Conv2d``) layers, e.g.
             ``bert.encoder.layer.0.attention.self.query``.
         head_names: full parameter names of the head (trained and shared unless a method says otherwise).
+
+    Attributes:
+        stored_dtype: the dtype (``train.dtype``'s name) its frozen backbone is stored in, ``"fp32"`` as loaded
+            (:func:`fedlowrank.device.store_frozen` sets it).
     """
 
     def __init__(self, net: nn.Module, target_names: list[str], head_names: list[str]):
@@ -301,6 +352,7 @@ class AdaptedModel(nn.Module):
         self.net = net
         self.target_names = list(target_names)
         self.head_names = list(head_names)
+        self.stored_dtype = "fp32"
         for name in self.target_names:
             mod = net.get_submodule(name)
             if not isinstance(mod, (*TARGET_TYPES, AdaptedLinear)):
@@ -377,18 +429,32 @@ class AdaptedModel(nn.Module):
         memo = {id(t): t for t in (*self.parameters(), *self.buffers()) if id(t) not in own}
         return copy.deepcopy(self, memo)
 
+    def routers(self, members: list["AdaptedModel"],
+                stacked: dict[str, StackedFactors] | None = None) -> dict[str, RowRouter]:
+        """For every adapted target and head module of this model, the router (:class:`AdapterRouter`,
+        :class:`RowRouter`) through member ``k``'s own module (its factors, base delta, scale, head) for member
+        ``k``'s rows or tokens; ``stacked``: the stacked factors of the targets that have them. Made once per
+        cohort's fit, used by :meth:`routed` at every step."""
+        routers: dict[str, RowRouter] = {}
+        for name in self.target_names:
+            routers[name] = AdapterRouter([m.net.get_submodule(name) for m in members], (stacked or {}).get(name))
+        for name in self.head_modules():
+            routers[name] = RowRouter([m.net.get_submodule(name) for m in members])
+        return routers
+
     @contextlib.contextmanager
-    def routed(self, members: list["AdaptedModel"], routing: Routing):
-        """Within the block, this model's forward sends member ``k``'s rows (or tokens, :class:`Routing`) of every
-        adapted target and head module through member ``k``'s own module (its factors, base delta, scale, head);
-        the rest of the network, shared by every member (:meth:`shared_copy`), sees all of the batch at once."""
-        routes = [(n, AdapterRouter) for n in self.target_names] + [(n, RowRouter) for n in self.head_modules()]
+    def routed(self, routers: dict[str, RowRouter], routing: Routing):
+        """Within the block, this model's forward (and a backward that recomputes checkpointed layers) sends
+        member ``k``'s rows (or tokens, :class:`Routing`) of every adapted target and head module through member
+        ``k``'s own module (``routers``, :meth:`routers`); the rest of the network, shared by every member
+        (:meth:`shared_copy`), sees all of the batch at once."""
         originals = []
         try:
-            for name, router in routes:
+            for name, router in routers.items():
+                router.route(routing)
                 parent, attr = _get_parent(self.net, name)
                 originals.append((parent, attr, getattr(parent, attr)))
-                setattr(parent, attr, router([m.net.get_submodule(name) for m in members], routing))
+                setattr(parent, attr, router)
             yield
         finally:
             for parent, attr, module in reversed(originals):

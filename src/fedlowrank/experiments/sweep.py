@@ -57,8 +57,20 @@ SUMMARY_KEYS = ("method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_
 
 
 def task_key(cfg: RunConfig) -> str:
-    """What a built task depends on: the seed and the [task] and [data] sections."""
-    return json.dumps([cfg.run.seed, dataclasses.asdict(cfg.task), dataclasses.asdict(cfg.data)], sort_keys=True)
+    """What a built task depends on: the seed, the [task] and [data] sections and whether it packs a cohort's
+    batches (:func:`~fedlowrank.runtime.plan.packs_cohorts`)."""
+    from ..runtime.plan import packs_cohorts
+
+    return json.dumps([cfg.run.seed, dataclasses.asdict(cfg.task), dataclasses.asdict(cfg.data), packs_cohorts(cfg)],
+                      sort_keys=True)
+
+
+def built_task(cfg: RunConfig):
+    """The task of ``cfg`` as its run builds it (:func:`~fedlowrank.runtime.plan.packs_cohorts`)."""
+    from ..runtime.plan import packs_cohorts
+    from ..tasks import build_task
+
+    return build_task(cfg, cohorts=packs_cohorts(cfg))
 
 
 def partition_digest(parts: list[np.ndarray]) -> str:
@@ -115,10 +127,6 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"--resume: {run_dir / 'summary.json'} is unreadable ({exc}); delete {run_dir} to run "
                           "it again") from None
-    problem = seal_problem(run_dir)
-    if problem is not None:
-        raise ConfigError(f"--resume: the finished run in {run_dir} is not reused: {problem}; delete {run_dir} to "
-                          "run it again")
     try:
         old = from_dict(json.loads((run_dir / "config.json").read_text()))
         history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
@@ -127,6 +135,10 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
                           "again") from None
     if not ran_to_its_end(summary, history[-1] if history else None):  # its metrics were cut: run it again
         return None
+    problem = seal_problem(run_dir)  # a run that looks finished: only as it was written
+    if problem is not None:
+        raise ConfigError(f"--resume: the finished run in {run_dir} is not reused: {problem}; delete {run_dir} to "
+                          "run it again")
     same_device = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device=old.run.device))
     if config_fingerprint(old) != config_fingerprint(same_device):  # a rank of a sweep pins its device
         raise ConfigError(f"--resume: {run_dir} holds a run of another config than this one (different settings "
@@ -235,11 +247,10 @@ def _run_one(cfg: RunConfig, run_dir: Path, parts: list[np.ndarray], held_out: n
     ``log_partition``); ``one_process``: a rank's run of a sweep over ranks (:func:`_run_share`). Returns
     ``None``, or the message of a divergence."""
     from ..runtime.simulator import DivergenceError
-    from ..tasks import build_task
 
     key = task_key(cfg)
     if key not in _WORKER_TASKS:
-        _WORKER_TASKS[key] = build_task(cfg)
+        _WORKER_TASKS[key] = built_task(cfg)
     task = _WORKER_TASKS[key]
     try:
         runner(cfg, task if held_out is None else task.validation(held_out), parts, run_dir, log, log_partition,
@@ -580,11 +591,9 @@ class Sweep:
     # -- data ------------------------------------------------------------------------------------------------
     def task(self, cfg: RunConfig):
         """The task of ``cfg``, built once per :func:`task_key`."""
-        from ..tasks import build_task
-
         key = task_key(cfg)
         if key not in self._tasks:
-            self._tasks[key] = build_task(cfg)
+            self._tasks[key] = built_task(cfg)
         return self._tasks[key]
 
     def partition(self, cfg: RunConfig) -> list[np.ndarray]:

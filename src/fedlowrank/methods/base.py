@@ -6,6 +6,10 @@ One round of any method::
     reply_k, state_k = method.train(model, msg_k, state_k, trainer)     # client side (trainer = data + loss + hp)
     server           = method.aggregate(server, [Reply(k, n_k, reply_k)...], rnd)
 
+``train`` is, by default, two phases around the local steps: ``fit = prepare_fit(...)``, the trainer's steps,
+``finish_fit(fit, result, trainer)``; a method with the two phases trains in client cohorts
+(``supports_cohorts``), whose runtime prepares every member's fit, steps them together and finishes each.
+
 Server and client state are explicit :class:`~fedlowrank.message.State` objects; per-client state lives in a
 store the runtime owns, never in the method. The runtime serialises every message and counts its bytes.
 A method never imports a runtime, and runtimes never look at a method's name.
@@ -13,7 +17,6 @@ A method never imports a runtime, and runtimes never look at a method's name.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Sequence
@@ -27,7 +30,9 @@ from ..adapters.model import AdaptedModel
 from ..message import Message, Reply, State
 from ..schema import Declared, Schema, declared, setting
 from ..seeding import torch_generator
-from ..training.corrections import CORRECTIONS, CV_REFRESH, ClientCorrection, fit_with_corrections, make_corrections
+from ..training.corrections import (CORRECTIONS, CV_REFRESH, ClientCorrection, corrected_fit, finish_corrections,
+                                    make_corrections)
+from ..training.local import Fit, FitResult
 
 
 @dataclass
@@ -133,11 +138,12 @@ class Method(Schema):
             (:meth:`supported_privacy_modes`). A class that narrows it says why in ``privacy_refusal``.
         supports_heterogeneous_ranks: whether clients may have different LoRA ranks; a class without them may
             say why in ``heterogeneous_ranks_refusal`` (the config error quotes it).
-        supports_cohorts: whether several clients' ``train`` may run together in a cohort
-            (:mod:`fedlowrank.runtime.cohort`): ``train`` trains only adapter and head parameters, with one
-            ``trainer.fit``, and changes nothing of the method's but its composed corrections (which
-            :meth:`cohort_member` copies). The runtime then trains the members' local steps jointly; methods
-            without it train one client at a time.
+        supports_cohorts: derived, never declared: whether several clients train together in a cohort
+            (:mod:`fedlowrank.runtime.cohort`), i.e. whether ``train`` is the composition of the two phases
+            :meth:`prepare_fit` and :meth:`finish_fit` (the class defines them and keeps the default ``train``).
+            The phases train only adapter and head parameters and change nothing of the method; the runtime then
+            prepares every member's fit, runs their local steps jointly and finishes each. A method with its own
+            ``train`` trains one client at a time.
         reads_features: whether the method's local loss reads each example's representation
             (``task.features``): causal-LM cohorts then leave their examples unpacked (``task.options.pack``).
         personalized: True if each client's model differs from the global one (part of it stays private);
@@ -218,6 +224,13 @@ class Method(Schema):
 
     info: SetupInfo
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "supports_cohorts" in cls.__dict__:
+            raise TypeError(f"{cls.__name__}: supports_cohorts is derived (a method trains in cohorts when it has "
+                            f"the two phases prepare_fit and finish_fit and keeps Method.train), not declared")
+        cls.supports_cohorts = cls.train is Method.train and cls.prepare_fit is not Method.prepare_fit
+
     @classmethod
     def supported_privacy_modes(cls) -> tuple[str, ...]:
         """``privacy_modes``, or ``("local",)`` for methods needing individual replies and ``("central", "local")``
@@ -263,10 +276,24 @@ class Method(Schema):
         raise NotImplementedError
 
     def train(self, model: AdaptedModel, msg: Message, state: State, trainer) -> tuple[Message, State]:
-        """Load ``msg`` into ``model``, train with ``trainer.fit(...)``, return (reply, new client state).
+        """Load ``msg`` into ``model``, train with ``trainer.fit(...)``, return (reply, new client state). The
+        reply must carry ``num_examples`` (``trainer.num_examples``) and ``train_loss``.
 
-        The reply must carry ``num_examples`` (``trainer.num_examples``) and ``train_loss``.
-        """
+        Default: :meth:`prepare_fit`, ``trainer.fit`` of what it prepared, :meth:`finish_fit`. A method that
+        overrides ``train`` instead trains one client at a time (``supports_cohorts``)."""
+        fit = self.prepare_fit(model, msg, state, trainer)
+        return self.finish_fit(fit, trainer.fit(fit.model, fit.params, fit.corrections, fit.optimizer), trainer)
+
+    def prepare_fit(self, model: AdaptedModel, msg: Message, state: State, trainer) -> Fit:
+        """The first phase of :meth:`train`: load ``msg`` (and ``state``) into ``model`` and return the client's
+        :class:`~fedlowrank.training.local.Fit` (the adapter and head parameters to train, now ``model``'s only
+        trainable ones; this fit's own corrections, started; what :meth:`finish_fit` reads). It changes nothing
+        of the method itself: a cohort prepares several clients' fits before it finishes any."""
+        raise NotImplementedError
+
+    def finish_fit(self, fit: Fit, result: FitResult, trainer) -> tuple[Message, State]:
+        """The second phase of :meth:`train`: from the trained ``fit`` and its ``result``, the reply (with
+        ``num_examples`` and ``train_loss``) and the client's new state."""
         raise NotImplementedError
 
     def aggregate(self, server: State, replies: list[Reply], rnd: int) -> State:
@@ -322,11 +349,6 @@ class Method(Schema):
     def pop_metrics(self) -> dict[str, float]:
         """The diagnostics recorded since the last call (called by the runtime after each aggregate)."""
         return self.__dict__.pop("_metrics", {})
-
-    def cohort_member(self) -> "Method":
-        """This method as one member of a cohort runs it: a shallow copy, so members' ``train`` calls can
-        interleave (:class:`Corrected` adds its own copies of the composed corrections)."""
-        return copy.copy(self)
 
     # -- shared helpers ------------------------------------------------------------------------------
     def composed_corrections(self) -> list[ClientCorrection]:
@@ -425,13 +447,6 @@ class Corrected(Method):
     def composed_corrections(self) -> list[ClientCorrection]:
         return self._corrections
 
-    def cohort_member(self) -> "Method":
-        """A shallow copy with its own copies of the composed corrections (whose ``start`` sets every per-client
-        attribute anew)."""
-        member = copy.copy(self)
-        member._corrections = [copy.copy(c) for c in self._corrections]
-        return member
-
     def correction_broadcast(self, server: State, msg: Message) -> Message:
         """``msg`` plus what the corrections send down (e.g. SCAFFOLD's control variate)."""
         for c in self.composed_corrections():
@@ -446,12 +461,24 @@ class Corrected(Method):
             out.update(c.upload_spec(down, trained))
         return out
 
+    def corrected_fit(self, model: AdaptedModel, msg: Message, state: State,
+                      params: dict[str, nn.Parameter]) -> Fit:
+        """The :class:`~fedlowrank.training.local.Fit` of ``params`` of ``model`` (already loaded from ``msg``)
+        with the composed corrections (:func:`~fedlowrank.training.corrections.corrected_fit`)."""
+        return corrected_fit(self.composed_corrections(), model, msg, state, params)
+
+    def finish_fit(self, fit: Fit, result: FitResult, trainer) -> tuple[Message, State]:
+        """The corrections' ``finish`` hooks; the reply with every trained tensor and their entries, and the
+        client's new state."""
+        extra = finish_corrections(fit, result)
+        return self.reply(fit.params, fit.params, extra, trainer, result.loss), fit.state
+
     def fit_and_reply(self, model: AdaptedModel, msg: Message, state: State, trainer,
                       params: dict[str, nn.Parameter]) -> tuple[Message, State]:
-        """Train ``params`` of ``model`` (already loaded from ``msg``) with the composed corrections; reply with
-        all of them. Returns (reply, new client state)."""
-        result, extra, state = fit_with_corrections(self.composed_corrections(), model, msg, state, params, trainer)
-        return self.reply(params, params, extra, trainer, result.loss), state
+        """Train ``params`` of ``model`` (already loaded from ``msg``) with the composed corrections and reply with
+        all of them, in one go (for a method with its own ``train``). Returns (reply, new client state)."""
+        fit = self.corrected_fit(model, msg, state, params)
+        return self.finish_fit(fit, trainer.fit(fit.model, fit.params, fit.corrections, fit.optimizer), trainer)
 
 
 @dataclass
@@ -462,16 +489,15 @@ class LoRAMethod(Corrected):
     ``"<module>.base_delta"`` ``[out, in]`` (only when the method keeps a non-zero base delta). Keys of
     composed pieces are namespaced with a slash (``"scaffold.c/<key>"``); plain keys never contain one.
 
-    Client cohorts (``supports_cohorts``): on for the whole family, whose ``train`` is :meth:`local_train`'s one
-    ``trainer.fit`` of factors and head, whatever it does before and after (FedIT, FedProx, SCAFFOLD, MOON (its
-    extra forward passes run per member), FFA-LoRA, FedSA-LoRA, HetLoRA, FLoRA, FlexLoRA, FeDeRA, FedEx-LoRA,
-    LoRA-FAIR, ILoRA(-S), FedIT+QR, FR-LoRA, FedRPCA, TIES, Task Arithmetic, RoLoRA).
+    Client cohorts (``supports_cohorts``): the two phases are :meth:`local_fit` (load the message, the fit of
+    the factors and head with the corrections) and :meth:`Corrected.finish_fit` (reply with all of them); a member
+    of the family that does more before or after (FedSA-LoRA's private B, FLoRA's fresh factors, FedRot-LoRA's
+    alignment...) overrides the phases, not ``train``, and so trains in cohorts too.
 
     Options shared by every LoRA method: :class:`Corrected`'s ``correction``, ``mu`` and ``cv_grad``.
     """
 
     trains: ClassVar[tuple[str, ...]] = ("A", "B")
-    supports_cohorts = True
     upload_entries = ("{module}.lora_A", "{module}.lora_B", "head/{head}")
 
     # -- set-up ----------------------------------------------------------------------------------------
@@ -535,21 +561,30 @@ class LoRAMethod(Corrected):
     def factors_to_train(self, rnd: int) -> tuple[str, ...]:
         return self.trains
 
+    def local_fit(self, model: AdaptedModel, msg: Message, state: State, factors: Iterable[str]) -> Fit:
+        """Load ``msg``; the :class:`~fedlowrank.training.local.Fit` of ``factors`` + head with the composed
+        corrections."""
+        self.load_message(model, msg)
+        return self.corrected_fit(model, msg, state, self.trainable(model, factors))
+
+    def local_result(self, fit: Fit, result: FitResult) -> tuple[dict[str, nn.Parameter], Message, State, float]:
+        """After :meth:`local_fit`'s fit: (trained params, extra reply entries from the corrections, new client
+        state, mean train loss)."""
+        return fit.params, Message(finish_corrections(fit, result)), fit.state, result.loss
+
     def local_train(self, model: AdaptedModel, msg: Message, state: State, trainer,
                     factors: Iterable[str]) -> tuple[dict[str, nn.Parameter], Message, State, float]:
-        """Load ``msg``, train ``factors`` + head with the composed corrections.
+        """Load ``msg``, train ``factors`` + head with the composed corrections, in one go (:meth:`local_fit`,
+        ``trainer.fit``, :meth:`local_result`; a method with its own ``train``).
 
         Returns (trained params, extra reply entries from corrections, new client state, mean train loss).
         """
-        self.load_message(model, msg)
-        params = self.trainable(model, factors)
-        result, extra, state = fit_with_corrections(self._corrections, model, msg, state, params, trainer)
-        return params, Message(extra), state, result.loss
+        fit = self.local_fit(model, msg, state, factors)
+        return self.local_result(fit, trainer.fit(fit.model, fit.params, fit.corrections, fit.optimizer))
 
-    def train(self, model: AdaptedModel, msg: Message, state: State, trainer) -> tuple[Message, State]:
-        """FedIT's client: train the factors in ``trains`` and the head, reply with all of them."""
-        params, extra, state, loss = self.local_train(model, msg, state, trainer, self.trains)
-        return self.reply(params, params, extra, trainer, loss), state
+    def prepare_fit(self, model: AdaptedModel, msg: Message, state: State, trainer) -> Fit:
+        """FedIT's client: the factors in ``trains`` and the head (the reply: all of them)."""
+        return self.local_fit(model, msg, state, self.trains)
 
     # -- server side -----------------------------------------------------------------------------------
     def average_into(self, server: State, replies: Sequence[Reply], keys: Iterable[str], weights: torch.Tensor) -> None:

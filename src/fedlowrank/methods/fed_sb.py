@@ -35,6 +35,7 @@ from ..linalg.lowrank import normalize_svd_signs
 from ..message import Message, State
 from ..schema import setting
 from ..seeding import torch_generator
+from ..training.local import Fit
 from . import register
 from .base import Method, SetupInfo, TensorSpec, Upload, head_tensors, load_head, on_host, specs_of, weighted_sum
 
@@ -98,7 +99,6 @@ class FedSB(Method):
                 "(from the seed otherwise)")
     needs_individual_replies = False
     server_entries = ("{module}.fedsb_A", "{module}.fedsb_B", "{module}.fedsb_R")  # once round 1 made the bases
-    supports_cohorts = True  # train: one fit of the cores and the head (or of the probes), routed per member
     heterogeneous_ranks_refusal = ("every client trains an r×r core between one shared pair of rank-r bases; the "
                                    "paper's mechanism for mixed ranks was not available")
     preset = {"train.optimizer": "adamw", "train.weight_decay": 0.0}  # official: AdamW, wd 0, lr 1e-4 (5e-4 DP)
@@ -173,36 +173,36 @@ class FedSB(Method):
                 mod.set_heads([torch.zeros(self.info.rank, self.info.rank)])
         load_head(model, msg)
 
-    def train(self, model, msg, state, trainer):
+    def prepare_fit(self, model, msg, state, trainer):
+        """One fit of the cores and the head (routed per member in a cohort); in the initialisation round, of a
+        zero probe per target whose optimizer (:class:`GradientSum`) moves nothing and sums the gradients
+        ``Gₖ = Σ_steps ∇_W L`` at the model as loaded (``W0``)."""
         self.load(model, msg)
         mods = ravan_modules(model)
         if not self.initialised(msg):
-            return self.gradient_reply(model, mods, trainer), state
+            probes = {gradient_key(name): mod.start_probe() for name, mod in mods.items()}
+            model.set_trainable(probes)
+            made: list[GradientSum] = []
+
+            def summing(params: dict[str, nn.Parameter], lr: float) -> GradientSum:
+                made.append(GradientSum(params.values()))
+                return made[-1]
+            return Fit(model, probes, optimizer=summing, msg=msg, state=state, carry={"sums": made, "mods": mods})
         params: dict[str, nn.Parameter] = {core_key(name): mod.cores[0] for name, mod in mods.items()}
         params.update({f"head/{n}": p for n, p in model.head_parameters().items()})
         model.set_trainable(params)
-        result = trainer.fit(model, params)
-        up = Message({k: on_host(p) for k, p in params.items()})
+        return Fit(model, params, msg=msg, state=state)
+
+    def finish_fit(self, fit, result, trainer):
+        """The trained cores and head; in the initialisation round, each target's summed gradient ``Gₖ``."""
+        if "sums" in fit.carry:
+            up = Message({k: on_host(fit.carry["sums"][-1].total(p)) for k, p in fit.params.items()})
+            for mod in fit.carry["mods"].values():
+                mod.stop_probe()
+        else:
+            up = Message({k: on_host(p) for k, p in fit.params.items()})
         up["num_examples"], up["train_loss"] = int(trainer.num_examples), float(result.loss)
-        return up, state
-
-    def gradient_reply(self, model: AdaptedModel, mods: dict[str, CoreLinear], trainer) -> Message:
-        """The initialisation round's reply: ``Gₖ = Σ_steps ∇_W L`` per module at the model as loaded (``W0``),
-        through a zero probe per target and :class:`GradientSum`, which moves nothing."""
-        probes = {gradient_key(name): mod.start_probe() for name, mod in mods.items()}
-        model.set_trainable(probes)
-        made: list[GradientSum] = []
-
-        def summing(params: dict[str, nn.Parameter], lr: float) -> GradientSum:
-            made.append(GradientSum(params.values()))
-            return made[-1]
-
-        result = trainer.fit(model, probes, optimizer=summing)
-        up = Message({k: on_host(made[-1].total(p)) for k, p in probes.items()})
-        for mod in mods.values():
-            mod.stop_probe()
-        up["num_examples"], up["train_loss"] = int(trainer.num_examples), float(result.loss)
-        return up
+        return up, fit.state
 
     # -- server side -----------------------------------------------------------------------------------
     def aggregate(self, server, replies, rnd):

@@ -37,6 +37,7 @@ from ..adapters.model import AdaptedModel
 from ..adapters.routed import RoutedLoRALinear, routed_modules
 from ..message import Message, State
 from ..seeding import torch_generator
+from ..training.local import Fit
 from . import register
 from .base import Method, SetupInfo, Upload, head_tensors, load_head, on_host, specs_of
 
@@ -64,7 +65,6 @@ class FedALT(Method):
     upload_entries = ("{module}.lora_A", "{module}.lora_B")  # the shared adapter (the server keeps them per client)
     client_state = ("own A¹_k [r,in], B¹_k [out,r] and router W_k [2,in] per target module, the head, and the "
                     "client's index k")
-    supports_cohorts = True                  # train: one fit of own factors, router and head, routed per member
     heterogeneous_ranks_refusal = ("the Rest-of-World is a mean of factors, which needs every client at the same "
                                    "rank")
     # official main.py/config.py: AdamW, weight decay 0.05, lr 3e-4, 5 local epochs, batch 8, every client each round
@@ -149,13 +149,17 @@ class FedALT(Method):
         params.update({f"head/{n}": p for n, p in model.head_parameters().items()})
         return params
 
-    def train(self, model, msg, state, trainer):
+    def prepare_fit(self, model, msg, state, trainer):
+        """One fit of the own factors, router and head (routed per member in a cohort)."""
         self.load(model, msg, state)
         params = self.trainable(model)
         model.set_trainable(params)
-        result = trainer.fit(model, params)
+        return Fit(model, params, msg=msg, state=state)
+
+    def finish_fit(self, fit, result, trainer):
+        params = fit.params
         new_state = State({k: on_host(p) for k, p in params.items()})
-        new_state["client"] = int(state["client"])
+        new_state["client"] = int(fit.state["client"])
         up = Message({k: on_host(p) for k, p in params.items() if k.endswith((".lora_A", ".lora_B"))})
         up["num_examples"] = int(trainer.num_examples)
         up["train_loss"] = float(result.loss)

@@ -32,6 +32,7 @@ from ..linalg.clustering import cluster_by_silhouette, layer_cosine_distance
 from ..message import Message, State
 from ..schema import setting
 from ..seeding import torch_generator
+from ..training.local import Fit
 from . import register
 from .base import Method, SetupInfo, Upload, head_tensors, load_head, on_host, specs_of, weighted_sum
 
@@ -62,7 +63,6 @@ class FedLEASE(Method):
                       "expert.{n}/{module}.lora_A", "expert.{n}/{module}.lora_B", "expert.{n}/head/{head}",
                       "expert.{n}/{module}.router", "expert.{n}/{module}.router_bias")       # after: each cluster's
     upload_entries = ("{module}.lora_A", "{module}.lora_B", "{module}.router", "{module}.router_bias", "head/{head}")
-    supports_cohorts = True                  # train: one fit of the own expert, router and head
     heterogeneous_ranks_refusal = "an expert is a mean of its members' factors, which needs one rank"
     preset = {"train.optimizer": "adamw"}
 
@@ -178,7 +178,8 @@ class FedLEASE(Method):
                             msg[f"{name}.router_bias"])
         load_head(model, msg)
 
-    def train(self, model, msg, state, trainer):
+    def prepare_fit(self, model, msg, state, trainer):
+        """One fit of the own expert, router and head (routed per member in a cohort)."""
         self.load(model, msg)
         routed = any(".router" in k for k in msg.tensors())
         params: dict[str, nn.Parameter] = {}
@@ -188,11 +189,13 @@ class FedLEASE(Method):
                 params[f"{name}.router"], params[f"{name}.router_bias"] = mod.router, mod.router_bias
         params.update({f"head/{n}": p for n, p in model.head_parameters().items()})
         model.set_trainable(params)
-        result = trainer.fit(model, params)
-        up = Message({k: on_host(p) for k, p in params.items()})
+        return Fit(model, params, msg=msg, state=state)
+
+    def finish_fit(self, fit, result, trainer):
+        up = Message({k: on_host(p) for k, p in fit.params.items()})
         up["num_examples"] = int(trainer.num_examples)
         up["train_loss"] = float(result.loss)
-        return up, State(state)
+        return up, State(fit.state)
 
     def load_personal(self, model: AdaptedModel, server: State, state: State) -> None:
         """Client k's model: during the warm-up its latest warm-up upload (the initial model before it has one);

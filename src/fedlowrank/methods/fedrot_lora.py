@@ -74,8 +74,9 @@ class FedRotLoRA(FedIT):
         msg["fedrot.align"] = self.aligned_factor(rnd)
         return msg
 
-    def train(self, model, msg, state, trainer):
-        params, extra, state, loss = self.local_train(model, msg, state, trainer, self.trains)
+    def finish_fit(self, fit, result, trainer):
+        params, extra, state, loss = self.local_result(fit, result)
+        msg = fit.msg
         factor = msg["fedrot.align"]
         up = {k: on_host(p) for k, p in params.items()}
         if factor:

@@ -59,9 +59,11 @@ class FedSALoRA(LoRAMethod):
             full[key] = state[key] if key in state else torch.zeros(mod.out_features, self.info.rank)
         return full
 
-    def train(self, model, msg, state, trainer):
-        params, extra, new_state, loss = self.local_train(model, self.with_private_B(model, msg, state), state,
-                                                          trainer, ("A", "B"))
+    def prepare_fit(self, model, msg, state, trainer):
+        return self.local_fit(model, self.with_private_B(model, msg, state), state, ("A", "B"))
+
+    def finish_fit(self, fit, result, trainer):
+        params, extra, new_state, loss = self.local_result(fit, result)
         new_state.update({k: p.detach().clone() for k, p in params.items() if k.endswith(".lora_B")})
         keys = [k for k in params if not k.endswith(".lora_B")]
         return self.reply(params, keys, extra, trainer, loss), new_state

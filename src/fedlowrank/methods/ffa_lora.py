@@ -56,12 +56,11 @@ class FFALoRA(HeteroRankLoRA):
         msg.update(self.global_tensors(server, self.head_keys(server)))
         return self.correction_broadcast(server, msg)
 
-    def train(self, model, msg, state, trainer):
+    def prepare_fit(self, model, msg, state, trainer):
         local = Message(msg)
         for name, A in frozen_A(model, self.info).items():
             local[f"{name}.lora_A"] = A[: msg[f"{name}.lora_B"].shape[1]]
-        params, extra, state, loss = self.local_train(model, local, state, trainer, ("B",))
-        return self.reply(params, params, extra, trainer, loss), state
+        return self.local_fit(model, local, state, ("B",))
 
     def aggregate(self, server, replies, rnd):
         server = State(server)

@@ -92,7 +92,7 @@ class FLoRA(LoRAMethod):
         factors = 4 * self.info.client_ranks[int(down["client"])] * sum(o + i for o, i in self.targets.values())
         return 2 * down.nbytes() + factors + (1 << 20)
 
-    def train(self, model, msg, state, trainer):
+    def prepare_fit(self, model, msg, state, trainer):
         client, rnd = int(msg["client"]), int(msg["round"])
         rank = self.info.client_ranks[client]
         gen = torch_generator(self.info.seed, "flora-init", client, rnd)
@@ -107,8 +107,7 @@ class FLoRA(LoRAMethod):
                 local[f"{name}.base_delta"] = new_state[f"{name}.base_delta"] = base
             A, B = init_lora_factors(mod.out_features, mod.in_features, rank, gen, mod.base.weight.dtype)
             local[f"{name}.lora_A"], local[f"{name}.lora_B"] = A, B
-        params, extra, new_state, loss = self.local_train(model, local, new_state, trainer, ("A", "B"))
-        return self.reply(params, params, extra, trainer, loss), new_state
+        return self.local_fit(model, local, new_state, ("A", "B"))
 
     def aggregate(self, server: State, replies: list[Reply], rnd: int) -> State:
         server = State(server)

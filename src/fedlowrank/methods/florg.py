@@ -65,7 +65,6 @@ class FLoRG(Corrected):
     supports_heterogeneous_ranks = False
     max_server_lr = 1.0
     server_lr_refusal = "Q must stay positive semi-definite"
-    supports_cohorts = True  # train: one fit of gram_A and the head, routed per client like LoRA's factors
     preset = {"server.weighting": "uniform"}  # eq. 4: 1/N
     lr_grid = (1e-3, 3e-3, 1e-2)  # benchmarks/protocols.py's CPU grid (paper: {5e-4, 1e-4, 5e-5, 1e-5}, LLMs)
 
@@ -145,9 +144,10 @@ class FLoRG(Corrected):
         """The trained ``gram_A`` and head as sent, and the corrections' uploads."""
         return self.with_corrections(down, specs_of(down, self.model_keys(down)))
 
-    def train(self, model, msg, state, trainer):
+    def prepare_fit(self, model, msg, state, trainer):
+        """One fit of ``gram_A`` and the head (routed per client in a cohort, like LoRA's factors)."""
         self.load_global(model, msg)
-        return self.fit_and_reply(model, msg, state, trainer, self.trainable(model))
+        return self.corrected_fit(model, msg, state, self.trainable(model))
 
     # -- server side -----------------------------------------------------------------------------------
     def aggregate(self, server, replies, rnd):

@@ -81,10 +81,6 @@ class FRLoRA(LoRAMethod):
     def load_global(self, model: AdaptedModel, server: State) -> None:
         self.load_message(model, Message(server))
 
-    def train(self, model, msg, state, trainer):
-        params, extra, state, loss = self.local_train(model, msg, state, trainer, self.trains)
-        return self.reply(params, params, extra, trainer, loss), state
-
     def aggregate(self, server, replies, rnd):
         new = State(server)
         weights = self.client_weights(replies).tolist()

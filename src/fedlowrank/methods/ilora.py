@@ -173,9 +173,8 @@ class QRInitLoRA(LoRAMethod):
         msg.update({k: server[k] for k in self.head_keys(server)})
         self.load_message(model, msg, self.leading_directions(r) if server["qr_init"] else self.global_base())
 
-    def train(self, model: AdaptedModel, msg: Message, state: State, trainer) -> tuple[Message, State]:
-        params, extra, state, loss = self.local_train(model, msg, state, trainer, ("A", "B"))
-        return self.reply(params, params, extra, trainer, loss), state
+    def prepare_fit(self, model: AdaptedModel, msg: Message, state: State, trainer):
+        return self.local_fit(model, msg, state, ("A", "B"))
 
 
 @register

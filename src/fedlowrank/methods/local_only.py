@@ -49,11 +49,14 @@ class LocalOnly(LoRAMethod):
         """No tensor: the reply carries only ``num_examples`` and ``train_loss``."""
         return {}
 
-    def train(self, model: AdaptedModel, msg: Message, state: State, trainer) -> tuple[Message, State]:
-        """Train the client's own factors and head from its state; reply with the example count and loss only."""
-        params, _, _, loss = self.local_train(model, Message(state), State(), trainer, self.trains)
-        reply = Message({"num_examples": int(trainer.num_examples), "train_loss": float(loss)})
-        return reply, State({k: p.detach().clone() for k, p in params.items()})
+    def prepare_fit(self, model: AdaptedModel, msg: Message, state: State, trainer):
+        """Train the client's own factors and head from its state."""
+        return self.local_fit(model, Message(state), State(), self.trains)
+
+    def finish_fit(self, fit, result, trainer):
+        """Reply with the example count and loss only; the trained tensors are the client's new state."""
+        reply = Message({"num_examples": int(trainer.num_examples), "train_loss": float(result.loss)})
+        return reply, State({k: p.detach().clone() for k, p in fit.params.items()})
 
     def aggregate(self, server: State, replies, rnd: int) -> State:
         return State(server)

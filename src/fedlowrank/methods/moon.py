@@ -49,6 +49,7 @@ class ModelContrastive(ClientCorrection):
 
     name = "moon"
     client_state = "the trained tensors of the client's last round, moon.prev/<key>"
+    reads_batch = True
     prefix_prev = "moon.prev/"
     client_entries = ("moon.prev/{key}",)
 

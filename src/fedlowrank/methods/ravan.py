@@ -29,7 +29,7 @@ from ..adapters.ravan import BASES_INITS, RavanLinear, ravan_bases, ravan_module
 from ..message import Message, State
 from ..schema import setting
 from ..seeding import torch_generator
-from ..training.corrections import fit_with_corrections
+from ..training.corrections import finish_corrections
 from . import register
 from .base import (Corrected, SetupInfo, Upload, correction_option, head_tensors, load_head, on_host, specs_of,
                    weighted_sum)
@@ -51,7 +51,6 @@ class Ravan(Corrected):
     downlink = "Hᵢ [r,r] for every head per target module, the heads to train, head (bases come from the seed)"
     needs_individual_replies = False
     per_client_downlink = True  # the heads this client trains (method.client_heads)
-    supports_cohorts = True  # train: one fit of the cores, scales and head, routed per client like LoRA's factors
     heterogeneous_ranks_refusal = ("every head has rank lora.rank; RAVAN's compute heterogeneity is how many heads "
                                    "a client trains (method.client_heads)")
 
@@ -127,7 +126,9 @@ class Ravan(Corrected):
         trained += [k for k in down.tensors() if k.startswith("head/")]
         return self.with_corrections(down, specs_of(down, trained))
 
-    def train(self, model, msg, state, trainer):
+    def prepare_fit(self, model, msg, state, trainer):
+        """One fit of the trained heads' cores and scales and the head (routed per client in a cohort, like
+        LoRA's factors)."""
         self.load_global(model, msg)
         heads = list(msg["ravan.heads"])
         mods = ravan_modules(model)
@@ -137,14 +138,18 @@ class Ravan(Corrected):
                 params[core_key(name, i)] = mod.cores[i]
                 params[f"{name}.ravan_s.{i}"] = mod.scales[i]
         params.update({f"head/{n}": p for n, p in model.head_parameters().items()})
-        result, extra, state = fit_with_corrections(self._corrections, model, msg, state, params, trainer)
+        return self.corrected_fit(model, msg, state, params)
+
+    def finish_fit(self, fit, result, trainer):
+        extra = finish_corrections(fit, result)
+        heads, mods = list(fit.msg["ravan.heads"]), ravan_modules(fit.model)
         up = Message({core_key(name, i): on_host(mod.cores[i] * mod.scales[i]) for name, mod in mods.items()
                       for i in heads})
-        up.update({k: on_host(p) for k, p in params.items() if k.startswith("head/")})
+        up.update({k: on_host(p) for k, p in fit.params.items() if k.startswith("head/")})
         up.update(extra)
         up["num_examples"] = int(trainer.num_examples)
         up["train_loss"] = float(result.loss)
-        return up, state
+        return up, fit.state
 
     # -- server side -----------------------------------------------------------------------------------
     def aggregate(self, server, replies, rnd):

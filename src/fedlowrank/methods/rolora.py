@@ -40,9 +40,8 @@ class RoLoRA(LoRAMethod):
         msg["rolora.factor"] = self.factors_to_train(rnd)[0]
         return self.correction_broadcast(server, msg)
 
-    def train(self, model, msg, state, trainer):
-        params, extra, state, loss = self.local_train(model, msg, state, trainer, (msg["rolora.factor"],))
-        return self.reply(params, params, extra, trainer, loss), state
+    def prepare_fit(self, model, msg, state, trainer):
+        return self.local_fit(model, msg, state, (msg["rolora.factor"],))
 
     def aggregate(self, server, replies, rnd):
         server = State(server)

@@ -33,6 +33,7 @@ from ..adapters.model import AdaptedModel
 from ..message import Message, Reply, State
 from ..schema import setting
 from ..seeding import torch_generator
+from ..training.local import Fit
 from . import register
 from .base import LoRAMethod, SetupInfo, correction_option, head_tensors, load_head, on_host
 from .ranks import download_factors, module_names, product_svd, set_balanced
@@ -131,16 +132,20 @@ class DualModule(LoRAMethod):
                     params[key] = p
         return params
 
-    def train(self, model, msg, state, trainer):
+    def prepare_fit(self, model, msg, state, trainer):
+        """One fit of the global and local modules, the gates and the head (routed per member in a cohort)."""
         self.load(model, msg, state)
         params = self.trainable_all(model)
         model.set_trainable(params)
-        result = trainer.fit(model, params)
-        sent = self.upload_spec(msg, 0)
+        return Fit(model, params, msg=msg, state=state)
+
+    def finish_fit(self, fit, result, trainer):
+        """The tensors the upload declares go up; the others are the client's new state."""
+        params, sent = fit.params, self.upload_spec(fit.msg, 0)
         up = Message({k: on_host(p) for k, p in params.items() if k in sent})
         up["num_examples"], up["train_loss"] = int(trainer.num_examples), float(result.loss)
         new_state = State({k: on_host(p) for k, p in params.items() if k not in sent})
-        new_state["client"] = int(state["client"])
+        new_state["client"] = int(fit.state["client"])
         return up, new_state
 
     def load_global(self, model: AdaptedModel, server: State) -> None:

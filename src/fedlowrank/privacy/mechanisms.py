@@ -13,10 +13,10 @@ changes nothing, bit for bit.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
+from ..linalg.reductions import total_norm
 from ..message import Message
 
 
@@ -45,8 +45,9 @@ def update_keys(reply: Message) -> list[str]:
 
 
 def update_norm(reply: Message, down: Message) -> float:
-    """‖Δ‖₂ of the reply's update (see the module docstring)."""
-    return math.sqrt(sum(float(update_tensor(reply, down, key).pow(2).sum()) for key in update_keys(reply)))
+    """‖Δ‖₂ of the reply's update (see the module docstring), read once (:func:`~fedlowrank.linalg.reductions.
+    total_norm`)."""
+    return total_norm([update_tensor(reply, down, key) for key in update_keys(reply)])
 
 
 def clip_update(reply: Message, down: Message, clip: float) -> tuple[Message, float]:

@@ -11,7 +11,7 @@ with the same seeds produce the same global model:
   decodes (the server keeps the same, what updates are measured from); a reply's codec is the uplink's
   :meth:`~fedlowrank.codecs.Link.encode_reply` on the client and :meth:`.rounds.RoundReplies.receive` on the server;
 * :func:`client_update` — one client's round: fresh base deltas, ``method.train``, the reply (the simulator's
-  cohorts run several at once, :mod:`.cohort`);
+  cohorts run the same parts, :func:`client_trainer` and :func:`client_reply`, around a joint fit, :mod:`.cohort`);
 * :func:`check_reply` — whether the server may use a reply (shapes, dtypes, finiteness, size, keys);
 * :func:`pool` — the round of a method that trains on pooled data (``method.pooled``, a centralised reference).
 """
@@ -20,20 +20,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
-
 import numpy as np
 import torch
 
 from ..adapters.model import AdaptedModel
 from ..codecs import Link
-from ..device import phase, phased, prepare_training, to_host
+from ..device import to_host
+from ..execution.measure import phase, phased
+from ..linalg.reductions import all_finite
 from ..message import Message, State
 from ..methods.base import Method, SetupInfo
 from ..privacy.dpsgd import DPSGD
 from ..privacy.runtime import local_reply
 from ..seeding import numpy_rng, torch_generator
 from ..training.local import LocalTrainer, steps_per_round
+from .plan import Plan
 
 
 def setup_info(cfg, client_sizes: list[int]) -> SetupInfo:
@@ -78,29 +79,37 @@ def send_down(link: Link, msg: Message, client: int, rnd: int) -> tuple[Message,
     return coded, link.decode(wire(coded), None)
 
 
-@phased("client_update")
-def client_update(method: Method, model: AdaptedModel, msg: Message, state: State, task, indices: np.ndarray,
-                  cfg, client: int, rnd: int, on_step=None,
-                  trainer_class: Callable[..., LocalTrainer] = LocalTrainer) -> tuple[Message, State, LocalTrainer]:
-    """Run one client's round on ``model`` and return (reply, new client state, the trainer used);
-    ``on_step(step, total)`` is the trainer's progress hook; ``trainer_class`` builds the trainer (a cohort's
-    :class:`~.cohort.CohortTrainer`, see :mod:`.cohort`).
-
-    Every adapter's base delta is cleared first: whatever the client needs must come in ``msg``. The reply and
-    the new state come back on the CPU, whatever device the model is on. With ``privacy.dpsgd`` local training is
-    DP-SGD; with ``privacy.mode = "local"`` the reply is clipped and noised here, before it leaves the client
-    (:func:`fedlowrank.privacy.runtime.local_reply`).
-    """
-    prepare_training(model, task, cfg)  # once: the backbone in the compute dtype, checkpointing, compiling
+def client_trainer(model: AdaptedModel, task, indices: np.ndarray, cfg, client: int, rnd: int,
+                   on_step=None) -> LocalTrainer:
+    """Before client ``client`` trains on ``model``: every adapter's base delta cleared (whatever the client needs
+    must come in its message) and its trainer (``on_step(step, total)``: its progress hook; with ``privacy.dpsgd``
+    its DP-SGD)."""
     for mod in model.adapters().values():
         mod.set_base_delta(None)
     dp = cfg.privacy
     dpsgd = DPSGD(dp.dpsgd_clip, dp.dpsgd_noise, torch_generator(cfg.run.seed, "dpsgd", client, rnd)) if dp.dpsgd else None
-    trainer = trainer_class(task, indices, cfg.train, client, rnd, cfg.run.rounds, cfg.run.seed, on_step=on_step,
-                            dpsgd=dpsgd)
-    reply, new_state = method.train(model, msg, state, trainer)
+    return LocalTrainer(task, indices, cfg.train, client, rnd, cfg.run.rounds, cfg.run.seed, on_step=on_step,
+                        dpsgd=dpsgd)
+
+
+def client_reply(cfg, reply: Message, new_state: State, msg: Message, client: int, rnd: int) -> tuple[Message, State]:
+    """After client ``client`` trained: its reply and new state on the CPU, whatever device the model is on; with
+    ``privacy.mode = "local"`` the reply clipped and noised before it leaves the client
+    (:func:`fedlowrank.privacy.runtime.local_reply`)."""
     with phase("reply_to_host"):
-        return local_reply(cfg, to_host(reply), msg, client, rnd), to_host(new_state), trainer
+        return local_reply(cfg, to_host(reply), msg, client, rnd), to_host(new_state)
+
+
+@phased("client_update")
+def client_update(method: Method, model: AdaptedModel, msg: Message, state: State, task, indices: np.ndarray,
+                  cfg, client: int, rnd: int, plan: Plan, on_step=None) -> tuple[Message, State, LocalTrainer]:
+    """Run one client's round on ``model`` and return (reply, new client state, the trainer used): the run's
+    ``plan`` applied to the model (:meth:`~.plan.Plan.prepare`), :func:`client_trainer`, ``method.train``,
+    :func:`client_reply`. The simulator's cohorts run the same parts around a joint fit (:mod:`.cohort`)."""
+    plan.prepare(model, task)  # once: the backbone in the compute dtype, checkpointing, compiling
+    trainer = client_trainer(model, task, indices, cfg, client, rnd, on_step)
+    reply, new_state = method.train(model, msg, state, trainer)
+    return (*client_reply(cfg, reply, new_state, msg, client, rnd), trainer)
 
 
 def check_reply(method: Method, down: Message, reply: Message, rnd: int, client_size: int | None = None) -> str | None:
@@ -129,10 +138,11 @@ def check_reply(method: Method, down: Message, reply: Message, rnd: int, client_
                        ("unexpected", sorted(tensors.keys() - expected.keys()))):
         if keys:
             return f"{what} tensors: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+    finite = all_finite(list(tensors.values()))  # one read for the reply; the first bad tensor found below
     for key, t in sorted(tensors.items()):
         spec = expected[key]
         if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
             return f"tensor {key!r} is {t.dtype} {tuple(t.shape)}, expected {spec.dtype} {spec.shape}"
-        if not bool(torch.isfinite(t).all()):
+        if not finite and not bool(torch.isfinite(t).all()):
             return f"tensor {key!r} has non-finite values"
     return None

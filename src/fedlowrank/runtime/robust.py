@@ -43,6 +43,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..linalg.reductions import total_norm
 from ..message import Message, Reply
 from ..privacy.mechanisms import clip_update, update_keys, update_norm
 from ..privacy.runtime import central_replies
@@ -55,9 +56,8 @@ def signature(reply: Message) -> tuple:
 
 
 def message_norm(msg: Message) -> float:
-    """‖msg‖₂ over its floating-point tensors (float64)."""
-    return math.sqrt(sum(float(t.to(torch.float64).pow(2).sum()) for t in msg.tensors().values()
-                         if t.is_floating_point()))
+    """‖msg‖₂ over its floating-point tensors (float64), read once."""
+    return total_norm([t.to(torch.float64) for t in msg.tensors().values() if t.is_floating_point()])
 
 
 def outlying_replies(replies: list[Reply], downs: dict[int, Message], ratio: float, train,

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..codecs import CodecError, Link
-from ..device import phased
+from ..execution.measure import phased
 from ..message import Message, Reply, State
 from .engine import check_reply, sample_clients
 from .robust import (earlier_update_norm, matching_replies, needs_matching, outlier_ratio, outlying_replies,

@@ -29,6 +29,7 @@ from ..methods.base import Method, SetupInfo
 from ..tasks import Task, build_task
 from ..tasks.partition import SplitOn, partition_task, split_on
 from .engine import setup_info
+from .plan import Plan, packs_cohorts, plan_training
 
 
 class DivergenceError(RuntimeError):
@@ -75,6 +76,8 @@ class Run:
             every message crosses at the wire (:func:`~.engine.send_down`, :func:`~.engine.send_up`).
         round: rounds finished; history: their metrics rows; ledger: their bytes per client; last_eval: the
             metrics of the newest evaluated round.
+        plan: how it trains (cohorts, checkpointing, compilation; :mod:`.plan`), decided before its first client
+            trains (:meth:`training_plan`).
     """
 
     cfg: Any
@@ -92,6 +95,14 @@ class Run:
     history: list[dict[str, Any]] = field(default_factory=list)
     ledger: Ledger = field(default_factory=Ledger)
     last_eval: dict[str, float] = field(default_factory=dict)
+    plan: Plan | None = None
+
+    def training_plan(self, one_at_a_time: bool = False) -> Plan:
+        """:attr:`plan`, decided at the first call (:func:`~.plan.plan_training`; ``one_at_a_time``: a Flower
+        node's run, which trains one client)."""
+        if self.plan is None:
+            self.plan = plan_training(self.cfg, self.method, self.task, self.model, self.device, one_at_a_time)
+        return self.plan
 
 
 def build_run(cfg, task: Task | None = None, parts: list[np.ndarray] | None = None) -> Run:
@@ -105,7 +116,7 @@ def build_run(cfg, task: Task | None = None, parts: list[np.ndarray] | None = No
     """
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    task = task if task is not None else build_task(cfg)
+    task = task if task is not None else build_task(cfg, cohorts=packs_cohorts(cfg))
     if parts is None:
         parts, split = partition_task(task, cfg.partition, cfg.run.seed)
     else:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..codecs import RESIDUAL
-from ..device import release_compiled
+from ..execution.compiling import release_compiled
 from ..message import State
 from ..privacy.runtime import PRIVACY_KEYS, accounting
 from ..reporting.progress import Progress
@@ -81,6 +81,10 @@ class ServerRun:
     history = _held("history")
     ledger = _held("ledger")
     last_eval = _held("last_eval")
+
+    def training_plan(self):
+        """The held run's :meth:`~.run.Run.training_plan`."""
+        return self.state.training_plan()
 
     def __init__(self, run: Run, run_dir: str | Path | None = None, log: Callable[[str], None] | None = None,
                  overwrite: bool = False, log_partition: bool = True, client_states: bool = True):
@@ -384,8 +388,10 @@ class ServerRun:
     def close(self) -> None:
         """Close the progress bars and the tracker (a later round reopens the tracker) and release the run
         directory's lock (nothing is written to it after this); compiled modules are released
-        (:func:`~fedlowrank.device.release_compiled`)."""
-        release_compiled(self.model)
+        (:func:`~fedlowrank.execution.compiling.release_compiled`) and the plan with them (a later round decides
+        and compiles again)."""
+        release_compiled(self.model.net, self.task.compiled_module(self.model.net))
+        self.state.plan = None
         self.progress.close()
         self.tracker.close()
         if self._lock is not None:

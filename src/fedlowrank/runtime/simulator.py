@@ -27,8 +27,8 @@ mean over the clients' own models; a classification task's evaluation of the glo
 the most-predicted class, its share of the test set, the per-class recall, the chance level), ``bytes_up``/``bytes_down`` (this round), ``cum_bytes_up``/
 ``cum_bytes_down`` (the coded messages' bytes, :mod:`fedlowrank.codecs`), ``time`` (``client_compute``,
 ``aggregation``, ``evaluation``, ``other``, ``total``, in seconds; with a codec ``codec``, the seconds spent coding and
-decoding in this process, a part of ``other``), ``peak_rss_mb``, optional ``codec`` (each direction's codec in
-words, when one is configured), ``dropped``, ``rejected``, ``skipped``, ``diagnostics``, ``privacy``, ``robust``
+decoding in this process, a part of ``other``), ``peak_rss_mb``, optional ``codec`` (each direction's codec in words, when one is configured), ``dropped``,
+``rejected``, ``skipped``, ``diagnostics``, ``privacy``, ``robust``
 (``server.update_clip``, ``server.aggregate``: :mod:`.robust`), ``update_norm`` (the median norm per local step of
 the aggregated replies' updates, what a later round's lone reply is measured against: :mod:`.robust`), and
 ``per_client``:
@@ -51,13 +51,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..adapters.model import AdaptedModel
 from ..codecs import split_state
-from ..device import compile_decision
 from ..message import Message, State
 from ..seeding import numpy_rng
 from ..tasks import Task
-from .cohort import cohort_size, cohort_update
+from .cohort import Cohort, cohort_update
 from .engine import client_update, pool, sample_clients, send_down, wire
 from .rounds import RoundReplies
 from .run import DivergenceError, Ledger, build_run, peak_rss_mb
@@ -97,10 +95,7 @@ class Simulation(ServerRun):
         self.check(cfg, run_dir, overwrite)  # refuse before building anything
         super().__init__(build_run(cfg, task, parts), run_dir, log, overwrite, log_partition)
         self.tamper = tamper
-        if self.log and (self.device.type == "cuda" or self.cfg.run.compile != "auto"):  # the CPU: always eager
-            self.log(compile_decision(self.cfg, self.task, self.device)[1])
-        self._cohort: int | None = None  # clients trained together (run.cohort resolved at the first round)
-        self._views: list[AdaptedModel] = []  # the cohort members' models (shared frozen backbone)
+        self._cohort: Cohort | None = None  # the cohorts' member views (made at the first cohort)
 
     # -- clients -------------------------------------------------------------------------------------
     def dropped_clients(self, rnd: int, clients: list[int]) -> dict[int, str]:
@@ -118,30 +113,36 @@ class Simulation(ServerRun):
         return dropped
 
     def cohort_size(self) -> int:
-        """How many clients train together (:func:`~.cohort.cohort_size`, resolved at the first round); when
-        ``run.cohort`` asked for more than can be, one line says why."""
-        if self._cohort is None:
-            self._cohort, reason = cohort_size(self.cfg, self.method, self.task, self.model, self.device)
-            if reason and self.cfg.run.cohort > 1 and self.log:
-                self.log(f"[{self.method.name}] run.cohort = {self.cfg.run.cohort}: {reason}; clients train one at "
-                         f"a time")
-        return self._cohort
+        """How many clients train together (the run's :meth:`~.run.Run.training_plan`, decided before the first
+        client trains); when ``run.cohort`` asked for more than can be, one line says why, as one line says whether
+        the run compiles (on the CPU only when ``run.compile`` is set)."""
+        first = self.state.plan is None
+        plan = self.training_plan()
+        if first and self.log:
+            if plan.cohort_reason and self.cfg.run.cohort > 1:
+                self.log(f"[{self.method.name}] run.cohort = {self.cfg.run.cohort}: {plan.cohort_reason}; clients "
+                         f"train one at a time")
+            if self.device.type == "cuda" or self.cfg.run.compile != "auto":
+                self.log(plan.compile_rule)
+        return plan.cohort
 
     def train_clients(self, rnd: int, sent: list[tuple[int, int, Message, State]], data: dict[int, np.ndarray],
                       cfg) -> list[tuple[Message, State, Any]]:
         """``(reply, new state, trainer)`` of each client in ``sent`` (``data``: its example indices; ``cfg``: the
-        round's config): alone on the model, or as a cohort, each member on its own
-        :meth:`~fedlowrank.adapters.model.AdaptedModel.shared_copy` of it (made once, reused)."""
+        round's config): alone on the model, or as a cohort, each member on its own view of it
+        (:class:`~.cohort.Cohort`: made once, reused)."""
         clients = [k for k, *_ in sent]
         on_step = self.progress.client_start(clients[0] if len(clients) == 1 else clients)
+        plan = self.training_plan()
         if len(sent) == 1:
             k, _, down, state = sent[0]
-            return [client_update(self.method, self.model, down, state, self.task, data[k], cfg, k, rnd, on_step)]
-        while len(self._views) < len(sent):
-            self._views.append(self.model.shared_copy())
-        return cohort_update(self.method, self.model, self._views[:len(sent)], [down for _, _, down, _ in sent],
+            return [client_update(self.method, self.model, down, state, self.task, data[k], cfg, k, rnd, plan,
+                                  on_step)]
+        if self._cohort is None:
+            self._cohort = Cohort(self.model, plan.cohort)
+        return cohort_update(self.method, self._cohort, [down for _, _, down, _ in sent],
                              [state for *_, state in sent], self.task, [data[k] for k in clients], cfg,
-                             clients, rnd, on_step)
+                             clients, rnd, plan, on_step)
 
     # -- rounds --------------------------------------------------------------------------------------
     def trained_clients(self, rnd: int, clients: list[int], data: dict[int, np.ndarray], cfg):

@@ -63,9 +63,11 @@ def task_class(kind: str) -> type[Task]:
     return tasks[kind]
 
 
-def build_task(cfg) -> Task:
-    """The task of a :class:`~fedlowrank.config.RunConfig` (data loaded and tokenised once)."""
-    return task_class(cfg.task.kind).from_config(cfg)
+def build_task(cfg, cohorts: bool = False) -> Task:
+    """The task of a :class:`~fedlowrank.config.RunConfig` (data loaded and tokenised once); ``cohorts``: the run
+    trains clients in cohorts whose batches ``task.options.pack = auto`` packs together (the run's plan decides it,
+    :func:`fedlowrank.runtime.plan.packs_cohorts`)."""
+    return task_class(cfg.task.kind).from_config(cfg, cohorts)
 
 
 def headline_metric(cfg) -> str:

@@ -181,8 +181,9 @@ class Task:
     metric_counts: dict[str, int] = {}
 
     @classmethod
-    def from_config(cls, cfg) -> "Task":
-        """The task of a validated :class:`~fedlowrank.config.RunConfig` (data loaded, model loaded)."""
+    def from_config(cls, cfg, cohorts: bool = False) -> "Task":
+        """The task of a validated :class:`~fedlowrank.config.RunConfig` (data loaded, model loaded); ``cohorts``:
+        the run trains clients in cohorts (a task that can pack their batches together may do so)."""
         raise NotImplementedError(f"task {cls.name!r} declares no from_config")
 
     @classmethod
@@ -261,7 +262,7 @@ class Task:
         raise NotImplementedError(f"task {self.name!r} does not expose features")
 
     # -- cohorts (supports_cohorts): loss(net, batch) == output_loss(output(net, batch), batch) -------------------
-    # and output_losses(output(net, joined), routing, batches)[k] == output_loss(output(net, batches[k]), batches[k])
+    # and output_losses(output(net, joined), routing, joined)[k] == output_loss(output(net, batches[k]), batches[k])
     def join_batches(self, batches: list) -> tuple[Any, Routing]:
         """Several clients' batches as one batch and where each one is in it (:class:`Routing`: its rows, or its
         tokens in packed rows); padding changes no output the loss reads (e.g. :func:`join_padded` with the pad
@@ -277,10 +278,12 @@ class Task:
         """The loss of ``batch`` from its rows of :meth:`output` (longer along a padded dimension when joined)."""
         raise NotImplementedError(f"task {self.name!r} cannot join batches")
 
-    def output_losses(self, out: Tensor, routing: Routing, batches: list) -> Tensor:
-        """``[K]`` the loss of each of ``batches`` from its part (``routing``) of the joined batch's :meth:`output`
-        (default: :meth:`output_loss` of each one's rows; a task computes them together in a few operations)."""
-        return torch.stack([self.output_loss(out[s], b) for s, b in zip(routing.rows, batches)])
+    def output_losses(self, out: Tensor, routing: Routing, joined: Any) -> Tensor:
+        """``[K]`` the loss of each member's batch from its part (``routing``) of the :meth:`output` of the
+        ``joined`` batch (:meth:`join_batches`, as staged on the device), which holds what the loss reads of each
+        member's rows (default: :meth:`output_loss` of each one's rows of a dict batch; a task computes them
+        together in a few operations)."""
+        return torch.stack([self.output_loss(out[s], {k: v[s] for k, v in joined.items()}) for s in routing.rows])
 
     def evaluate(self, net: nn.Module) -> dict[str, Any]:
         """Metrics on the global test set, e.g. ``{"accuracy": .., "loss": ..}`` (no autograd); a classification
@@ -370,8 +373,7 @@ class Classification(Task):
     def output_loss(self, out: Tensor, batch: dict[str, Tensor]) -> Tensor:
         return adjusted_cross_entropy(out, batch)
 
-    def output_losses(self, out: Tensor, routing: Routing, batches: list) -> Tensor:
-        joined = {key: torch.cat([b[key] for b in batches]) for key in ("labels", "logit_offset") if key in batches[0]}
+    def output_losses(self, out: Tensor, routing: Routing, joined: dict[str, Tensor]) -> Tensor:
         return mean_by_member(adjusted_cross_entropy(out, joined, reduction="none"), routing)
 
 
@@ -403,8 +405,8 @@ class ValidationView(Task):
     def output_loss(self, out: Tensor, batch: Any) -> Tensor:
         return self.task.output_loss(out, batch)
 
-    def output_losses(self, out: Tensor, routing: Routing, batches: list) -> Tensor:
-        return self.task.output_losses(out, routing, batches)
+    def output_losses(self, out: Tensor, routing: Routing, joined: Any) -> Tensor:
+        return self.task.output_losses(out, routing, joined)
 
     @property
     def num_train(self) -> int:

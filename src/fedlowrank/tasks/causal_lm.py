@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import weakref
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -285,25 +286,47 @@ class LMHead:
         return z if self.softcap is None else self.softcap * torch.tanh(z / self.softcap)
 
 
+class StepOutput(nn.Module):
+    """:meth:`CausalLM.output` of a staged batch (:meth:`CausalLM.device_batch`) on ``net`` as a module, so that
+    ``run.compile`` compiles the decoder, the head at the response positions and the cross-entropy as one graph;
+    it holds ``net`` weakly (the task keeps one per network: :meth:`CausalLM.compiled_module`)."""
+
+    def __init__(self, task: "CausalLM", net: nn.Module):
+        super().__init__()
+        self._task, self._net = task, weakref.ref(net)
+
+    def forward(self, batch: dict[str, Any]) -> torch.Tensor:
+        return self._task.staged_output(self._net(), batch, batch["response_at"], batch["response_tokens"])
+
+
 class _ResponseNLL(torch.autograd.Function):
-    """Per-row cross-entropy of ``head.logits(hidden)`` against ``targets``, ``rows`` at a time. When ``hidden``
-    needs a gradient, each chunk's ``∂nll/∂hidden`` is computed right after its forward, so that no chunk's logits
-    outlive it; backward only scales these rows by the incoming gradient. The head gets no gradient."""
+    """Per-row cross-entropy of ``head.logits(hidden)`` against ``targets``, ``rows`` at a time, so that no chunk's
+    logits outlive it. When ``hidden`` needs a gradient, each chunk's ``∂nll/∂hidden`` is computed right after its
+    forward in closed form, ``(softmax(z) − onehot(target)) · ∂z/∂h`` with ``z`` the capped, scaled logits
+    (:class:`LMHead`: ``∂z/∂h = (1 − (z/cap)²)·scale·W``), no autograd call inside, so that a compiled step traces
+    it whole; backward only scales these rows by the incoming gradient. A target :data:`IGNORE` gives 0 and no
+    gradient (a fixed-size batch's padding positions). The head gets no gradient."""
 
     @staticmethod
     def forward(ctx, hidden, targets, head: LMHead, rows: int):
-        nll = hidden.new_empty(len(hidden), dtype=torch.promote_types(hidden.dtype, torch.float32))
-        grad = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        needs = ctx.needs_input_grad[0]
+        nll = [hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))]  # none: no positions
+        grads = [hidden.new_zeros(0, hidden.shape[1])]
         for start in range(0, len(hidden), rows):
-            part = slice(start, start + rows)
-            with torch.enable_grad():
-                h = hidden[part].detach().requires_grad_(grad is not None)
-                chunk = F.cross_entropy(head.logits(h), targets[part], reduction="none")
-                if grad is not None:
-                    grad[part] = torch.autograd.grad(chunk.sum(), h)[0]
-            nll[part] = chunk.detach()
-        ctx.save_for_backward(grad)
-        return nll
+            h, t = hidden[start:start + rows], targets[start:start + rows]
+            z = head.logits(h)                                                       # [n, V], at least fp32
+            nll.append(F.cross_entropy(z, t, reduction="none", ignore_index=IGNORE))
+            if needs:
+                dz = torch.softmax(z, -1)
+                dz.scatter_add_(1, t.clamp_min(0)[:, None], torch.full_like(t, -1, dtype=dz.dtype)[:, None])
+                dz = dz * (t != IGNORE).to(dz.dtype)[:, None]
+                if head.softcap is not None:
+                    dz = dz * (1 - (z / head.softcap) ** 2)
+                if head.scale != 1.0:
+                    dz = dz * head.scale
+                grads.append(dz.to(head.module.weight.dtype) @ head.module.weight)
+        ctx.save_for_backward(torch.cat(grads).to(hidden.dtype) if needs else None)
+        return torch.cat(nll)
 
     @staticmethod
     def backward(ctx, grad_nll):
@@ -327,19 +350,6 @@ def check_pack_option(value, key: str) -> None:
     """``task.options.pack`` is ``"auto"`` or an integer ≥ 0."""
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise ValueError(f"{key} must be auto or an integer >= 0, got {value!r}")
-
-
-def auto_pack(cfg) -> bool:
-    """Whether ``task.options.pack = "auto"`` packs: when the run trains cohorts (``run.cohort`` > 1, or 0 on CUDA,
-    with a method that supports them) and packing is correct: not with DP-SGD (it clips each example's gradient,
-    and a packed row holds several examples) nor with a method that reads each example's features (a packed row
-    has no per-example representation)."""
-    from ..device import resolve_device
-    from ..methods import method_class
-
-    method = method_class(cfg.method_name)
-    cohorts = cfg.run.cohort > 1 or (cfg.run.cohort == 0 and resolve_device(cfg.run.device).type == "cuda")
-    return cohorts and method.supports_cohorts and not method.reads_features and not cfg.privacy.dpsgd
 
 
 def check_pack(pack: int, max_length: int) -> None:
@@ -476,14 +486,16 @@ class CausalLM(Task):
                              "packed row holds several examples; set task.options.pack = 0")
 
     @classmethod
-    def from_config(cls, cfg) -> "CausalLM":
-        """Read the instruction data of ``[data]`` (with ``partition.partition_by``'s column) and tokenise it."""
+    def from_config(cls, cfg, cohorts: bool = False) -> "CausalLM":
+        """Read the instruction data of ``[data]`` (with ``partition.partition_by``'s column) and tokenise it;
+        ``task.options.pack = auto`` packs when the run trains ``cohorts`` whose examples may be packed together
+        (:func:`fedlowrank.runtime.plan.packs_cohorts`)."""
         from .instructions import load_instructions
 
         data = load_instructions(cfg.data, cfg.partition.partition_by, cfg.run.seed)
         options = dict(cfg.task.options)
         if options.get("pack", "auto") == "auto":
-            options["pack"] = "auto" if auto_pack(cfg) else 0
+            options["pack"] = "auto" if cohorts else 0
         return cls(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None, cfg.task.eval_batch_size,
                    quantize=cfg.task.quantize, length_buckets=cfg.task.length_buckets, **options)
 
@@ -524,6 +536,9 @@ class CausalLM(Task):
         self.train = [encode_example(tok, p, r, max_length) for p, r in zip(data.train_prompts, data.train_responses)]
         self.shapes = (PackShapes.of([len(e.ids) for e in self.train], pack, self.length_buckets)
                        if pack and self.length_buckets else None)
+        counts = sorted((max(len(e.ids) - max(e.prompt_len, 1), 0) for e in self.train), reverse=True)
+        self.response_counts = np.concatenate([[0], np.cumsum(counts)])  # [i]: the i examples with most positions
+        self._outputs: "weakref.WeakKeyDictionary[nn.Module, StepOutput]" = weakref.WeakKeyDictionary()
         n_test = len(data.test_prompts)
         pick = numpy_rng(eval_seed, "eval-loss-subset").permutation(n_test)
         self.eval_idx = np.sort(pick[:eval_examples] if eval_examples else pick)
@@ -610,10 +625,24 @@ class CausalLM(Task):
     def device_batch(self, batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
         """A step's inputs staged on ``device`` (:func:`~fedlowrank.device.stage`): the token ids, mask or
         positions, and where the loss is, found on the host (:func:`response_positions`): ``response_at`` ``[N]``
-        (flat indices ``b·T + t``) and ``response_tokens`` ``[N]``."""
+        (flat indices ``b·T + t``) and ``response_tokens`` ``[N]``. With length buckets (static shapes) N is fixed
+        by the batch's number of examples E, :meth:`response_bound`, the positions past the batch's own pointing
+        at position 0 with target :data:`IGNORE` (no loss, no count): a compiled step then sees one shape per
+        bucket."""
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
         at, tokens, _ = response_positions(batch["labels"])
+        if self.length_buckets:
+            examples = batch["example_count"] if "example_count" in batch else (
+                len(batch["example_index"]) if "example_index" in batch else len(batch["labels"]))
+            pad = self.response_bound(examples) - len(at)
+            at = torch.cat([at, at.new_zeros(pad)])
+            tokens = torch.cat([tokens, tokens.new_full((pad,), IGNORE)])
         return stage({**inputs, "response_at": at, "response_tokens": tokens}, device)
+
+    def response_bound(self, examples: int) -> int:
+        """The most response positions a batch of ``examples`` training examples can have: those of the
+        ``examples`` training examples with the most."""
+        return int(self.response_counts[min(examples, len(self.train))])
 
     def hidden_states(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """The last hidden states ``[B, T, H]`` (after the final norm) of the network's decoder, without the
@@ -623,8 +652,12 @@ class CausalLM(Task):
         return net.get_decoder()(**inputs, use_cache=False).last_hidden_state
 
     def compiled_module(self, net: nn.Module) -> nn.Module:
-        """The decoder (:meth:`hidden_states`): the response positions are found on the host, outside."""
-        return net.get_decoder()
+        """:meth:`output` of a staged batch as one module (:class:`StepOutput`: the decoder, the head at the response
+        positions and the cross-entropy; the positions were found on the host), which ``run.compile`` compiles as
+        one graph per shape."""
+        if net not in self._outputs:
+            self._outputs[net] = StepOutput(self, net)
+        return self._outputs[net]
 
     def loss(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """Mean next-token cross-entropy over the batch's response tokens (0 when the batch has none left after
@@ -633,23 +666,29 @@ class CausalLM(Task):
 
     def output(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """At each position, the negative log-likelihood of the next token when it is a response token, and 1 (its
-        count), else 0: ``[B, T, 2]`` (fp32); the head only at the response positions (:func:`response_nll`)."""
-        staged = "response_at" in batch
-        if not staged:  # a batch as :meth:`batch` gives it (privacy.dpsgd slices its tensors per example)
-            batch = stage(batch, module_device(net))
+        count), else 0: ``[B, T, 2]`` (fp32); the head only at the response positions (:func:`response_nll`). A
+        staged batch (:meth:`device_batch`) goes through :meth:`compiled_module`."""
+        if "response_at" in batch:
+            return self.compiled_module(net)(batch)
+        batch = stage(batch, module_device(net))  # a batch as :meth:`batch` gives it (privacy.dpsgd slices it)
+        return self.staged_output(net, batch, *response_positions(batch["labels"])[:2])
+
+    def staged_output(self, net: nn.Module, batch: dict[str, Any], flat: torch.Tensor,
+                      targets: torch.Tensor) -> torch.Tensor:
+        """:meth:`output` with the response positions ``flat`` ``[N]`` and their next tokens ``targets`` ``[N]``
+        given (:data:`IGNORE`: a padding position)."""
         hidden = self.hidden_states(net, batch)
-        flat, targets = ((batch["response_at"], batch["response_tokens"]) if staged
-                         else response_positions(batch["labels"])[:2])
         nll = response_nll(hidden.flatten(0, 1).index_select(0, flat), targets, LMHead.of(net))
         out = nll.new_zeros(hidden.shape[0] * hidden.shape[1], 2)
-        return out.index_add(0, flat, torch.stack([nll, torch.ones_like(nll)], 1)).view(*hidden.shape[:2], 2)
+        counted = (targets != IGNORE).to(nll.dtype)                                  # 0: a padding position
+        return out.index_add(0, flat, torch.stack([nll, counted], 1)).view(*hidden.shape[:2], 2)
 
     def output_loss(self, out: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
         """:meth:`loss` from the batch's part of :meth:`output`: read on the device, never on the host."""
         total = out.reshape(-1, 2).sum(0)
         return total[0] / total[1].clamp_min(1)
 
-    def output_losses(self, out: torch.Tensor, routing: Routing, batches: list) -> torch.Tensor:
+    def output_losses(self, out: torch.Tensor, routing: Routing, joined: dict[str, Any]) -> torch.Tensor:
         """:meth:`output_loss` of every member at once: ``[K]`` (a position counts for the member of its token)."""
         if routing.rows is not None:
             out, member = out.sum(1), routing.member_of_rows(out.device)
@@ -669,7 +708,8 @@ class CausalLM(Task):
         groups = [[self.train[int(i)] for i in b["example_index"]] for b in batches]
         joined, members = pack(groups, self.pack, self.tokenizer.pad_token_id, self.length_buckets, self.shapes)
         width = self.shapes.member_tokens(max(len(g) for g in groups)) if self.shapes else 0
-        return joined, Routing(tokens=members, size=len(batches), width=width)
+        return {**joined, "example_count": sum(len(g) for g in groups)}, Routing(tokens=members, size=len(batches),
+                                                                                width=width)
 
     def features(self, net: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """``[B, d]`` last hidden state averaged over each example's tokens (padding excluded)."""

@@ -110,7 +110,7 @@ class ImageClassification(Classification):
             raise ValueError("task.options.classes applies to data.source = 'fashion-mnist' only")
 
     @classmethod
-    def from_config(cls, cfg) -> "ImageClassification":
+    def from_config(cls, cfg, cohorts: bool = False) -> "ImageClassification":
         """The images of ``data.source`` (Fashion-MNIST, a folder of class sub-folders or a Hugging Face image set),
         ``data.max_*_examples`` of them, on ``task.model`` with the options' classes and domains."""
         d, options = cfg.data, cls.checked_options(cfg)

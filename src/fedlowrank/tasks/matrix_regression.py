@@ -115,7 +115,7 @@ class MatrixRegression(Task):
                 "synthetic (" + ", ".join(f"{k} = {v}" for k, v in cfg.task.options.items()) + ")")
 
     @classmethod
-    def from_config(cls, cfg) -> "MatrixRegression":
+    def from_config(cls, cfg, cohorts: bool = False) -> "MatrixRegression":
         return cls(**cfg.task.options)
 
     def __init__(self, **options):

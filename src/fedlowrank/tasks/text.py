@@ -57,7 +57,7 @@ class TextClassification(Classification):
                     "files": (*_EVERY_SOURCE, "train", "test", "test_fraction"), "hf": (*_EVERY_SOURCE, "hf_name")}
 
     @classmethod
-    def from_config(cls, cfg) -> "TextClassification":
+    def from_config(cls, cfg, cohorts: bool = False) -> "TextClassification":
         """Read ``data.source`` (packaged BBC News, AG News files, TSV/CSV/JSONL files or a Hugging Face dataset),
         keep ``data.max_*_examples`` of it, then tokenise it for ``task.model``."""
         from .data import load_agnews, load_bbc_news, load_hf, load_text_files, subsample, use_label_names

@@ -8,8 +8,8 @@ A correction sees the trainable parameters as ``{key: Parameter}`` where the key
 * client: ``start`` (round start), ``loss`` (extra loss term), ``grad`` (edit gradients before the optimizer
   step), ``finish`` (extra upload entries; updates the client state in place).
 
-``start`` sets every per-client attribute anew: the members of a client cohort (:mod:`fedlowrank.runtime.cohort`)
-each train with a shallow copy of the method's corrections (:meth:`~fedlowrank.methods.base.Method.cohort_member`).
+``start`` sets every per-client attribute anew: each fit trains with shallow copies of the method's corrections
+(:func:`corrected_fit`), so that a cohort's members (:mod:`fedlowrank.runtime.cohort`) never share one.
 
 :class:`FedProx` is Li et al. 2020 (μ/2·‖w − w_global‖²). :class:`Scaffold` is Karimireddy et al. 2020, with
 the global variate updated by ``c ← c + (|S|/N)·mean(Δcᵢ)`` so that ``c`` stays the mean of all clients'
@@ -18,11 +18,14 @@ the global variate updated by ``c ← c + (|S|/N)·mean(Δcᵢ)`` so that ``c`` 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
 from ..message import Message, Reply, State
 from ..schema import check_choice
+from .local import Fit
 
 CORRECTIONS = ("none", "fedprox", "scaffold", "fedprox+scaffold")
 CV_REFRESH = ("mean", "last", "option2")
@@ -33,13 +36,15 @@ class ClientCorrection:
     rounds, in words with shapes (``""``: nothing); the method's ``keeps_client_state`` reads it.
     ``server_entries``, ``client_entries``: the templates of the entries it adds to the server's and a client's state
     after they were made (``Method.state_entries``); ``upload_entries``: those of the tensors it adds to a reply
-    (``Method.upload_templates``)."""
+    (``Method.upload_templates``). ``reads_batch``: whether its ``loss`` reads the step's batch (MOON's features; a
+    cohort then stages each member's own batch)."""
 
     name = ""
     client_state = ""
     server_entries: tuple[str, ...] = ()
     client_entries: tuple[str, ...] = ()
     upload_entries: tuple[str, ...] = ()
+    reads_batch = False
 
     def init_server(self, server: State, shapes: dict[str, tuple[int, ...]]) -> None:
         pass
@@ -188,19 +193,34 @@ def make_corrections(spec: str, mu: float = 0.01, cv_grad: str = "mean") -> list
     return out
 
 
-def fit_with_corrections(corrections: list[ClientCorrection], model, msg: Message, state: State,
-                         params: dict[str, nn.Parameter], trainer, optimizer=None):
-    """Train ``params`` (already loaded into ``model``) with the composed corrections.
-
-    Runs the corrections' ``start`` hooks, ``trainer.fit``, then their ``finish`` hooks. Returns
-    ``(fit result, extra reply entries from the corrections, the client's new state)``.
-    """
+def corrected_fit(corrections: list[ClientCorrection], model, msg: Message, state: State,
+                  params: dict[str, nn.Parameter], optimizer=None) -> Fit:
+    """The :class:`~fedlowrank.training.local.Fit` of ``params`` (already loaded into ``model``, now its only
+    trainable parameters) with this fit's own copies of ``corrections``, started (their ``start`` hooks, which set
+    every per-client attribute anew: several clients' fits may be prepared before any runs), and a copy of the
+    client's ``state`` that their ``finish`` hooks update."""
     model.set_trainable(params)
     state = State(state)
-    for c in corrections:
+    own = [copy.copy(c) for c in corrections]
+    for c in own:
         c.start(msg, state, params)
-    result = trainer.fit(model, params, corrections=corrections, optimizer=optimizer)
+    return Fit(model, params, own, optimizer, msg, state)
+
+
+def finish_corrections(fit: Fit, result) -> dict[str, torch.Tensor]:
+    """After the fit: the corrections' ``finish`` hooks (their reply entries, returned; the client's new state,
+    ``fit.state``, updated)."""
     extra: dict[str, torch.Tensor] = {}
-    for c in corrections:
-        extra.update(c.finish(params, state, result))
-    return result, extra, state
+    for c in fit.corrections:
+        extra.update(c.finish(fit.params, fit.state, result))
+    return extra
+
+
+def fit_with_corrections(corrections: list[ClientCorrection], model, msg: Message, state: State,
+                         params: dict[str, nn.Parameter], trainer, optimizer=None):
+    """Train ``params`` (already loaded into ``model``) with the composed corrections: :func:`corrected_fit`,
+    ``trainer.fit``, :func:`finish_corrections`. Returns ``(fit result, extra reply entries from the corrections,
+    the client's new state)``."""
+    fit = corrected_fit(corrections, model, msg, state, params, optimizer)
+    result = trainer.fit(fit.model, fit.params, fit.corrections, fit.optimizer)
+    return result, finish_corrections(fit, result), fit.state

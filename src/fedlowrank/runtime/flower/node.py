@@ -86,7 +86,7 @@ def client_round(run, context: Context, route, down):
         state = run.method.init_client(k)
     state, residual = split_state(state) if run.uplink.error_feedback else (state, {})
     reply, new_state, trainer = client_update(run.method, run.model, down, state, run.task, run.parts[k], run.cfg,
-                                              k, rnd)
+                                              k, rnd, run.training_plan(one_at_a_time=True))
     coded, new_state = run.uplink.encode_reply(reply, down, new_state, residual, k, rnd)
     put_records(context.state, new_state, PENDING)
     context.state[PENDING_ROUND] = ConfigRecord({"round": rnd})
