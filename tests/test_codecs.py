@@ -438,3 +438,14 @@ def test_heterogeneous_ranks_keep_each_clients_residuals_at_its_rank():
         rank = sim.cfg.client_ranks()[k]
         residuals = {key: t for key, t in sim.store[k].items() if key.endswith(".lora_A")}
         assert residuals and all(t.shape[0] == rank for t in residuals.values()), k
+
+
+def test_compare_shows_the_codec_column_only_when_a_codec_is_set():
+    from fedlowrank.experiments.compare import results_markdown, run_comparison
+
+    coded = run_comparison("tiny", ["fedit", "ffa-lora"], [0], ["run.rounds=1", "uplink.codec=int8"])
+    plain = run_comparison("tiny", ["fedit", "ffa-lora"], [0], ["run.rounds=1"])
+    assert all(r["codec"] == "int8 uniform b64 nearest / fp32" for r in coded["rows"])
+    assert all("codec" not in r for r in plain["rows"])
+    assert "| codec (up / down) |" in results_markdown(coded) and "codec" not in results_markdown(plain)
+    assert all(c["bytes_up"] < 0.8 * p["bytes_up"] for c, p in zip(coded["rows"], plain["rows"]))
