@@ -11,6 +11,7 @@ import torch
 
 import fedlowrank
 import fedlowrank.cli
+from fedlowrank.message import State
 from fedlowrank.methods import available_methods, get_method, preset_overrides
 from fedlowrank.message import State
 from fedlowrank.methods.base import Corrected, Method
@@ -159,6 +160,31 @@ def test_client_state_is_declared_exactly_by_the_methods_that_keep_one(one_round
             assert len(m.init_client(0)) == 0, name
     assert get_method("fedit", correction="scaffold").keeps_client_state()
     assert not get_method("fedit").keeps_client_state()
+
+
+def test_upload_templates_name_every_reply_tensor_and_exact_entries_are_patterns(one_round_each):
+    """Every tensor an honest reply carries (``upload_spec`` of each client's broadcast, after a round) is named by
+    one of the method's ``upload_templates()`` (error feedback's residuals in a client's state are checked against
+    them); no message name starts with the codecs' reserved ``@``; ``exact_entries`` are shell patterns."""
+    from fedlowrank.codecs import PART, RESIDUAL
+    from fedlowrank.runtime.checkpoint import StateSchema
+
+    for name, sim in one_round_each.items():
+        m = sim.method
+        schema = StateSchema(State(), tuple(RESIDUAL + t for t in m.upload_templates()), sim.server,
+                             sim.model.target_names, list(sim.model.head_parameters()), 3)
+        for k in range(3):
+            down = m.broadcast(sim.server, k, 2)
+            assert not any(key.startswith(PART) for key in down), name
+            for key, spec in m.upload_spec(down, 2).items():
+                assert not key.startswith(PART), (name, key)
+                assert schema.problem({RESIDUAL + key: torch.zeros(spec.shape, dtype=spec.dtype)}) is None, (name, key)
+        assert all(isinstance(p, str) and p for p in m.exact_entries), name
+    fedit = one_round_each["fedit"]
+    schema = StateSchema(State(), tuple(RESIDUAL + t for t in fedit.method.upload_templates()), fedit.server,
+                         fedit.model.target_names, list(fedit.model.head_parameters()), 3)
+    assert schema.problem({RESIDUAL + "scaffold.dc/head/classifier.weight": torch.zeros(2)}) is not None
+    assert get_method("fedit", correction="scaffold").upload_templates()[-1] == "scaffold.dc/{key}"
 
 
 def test_a_vectorised_round_is_declared_exactly_by_the_methods_that_have_one():

@@ -1,5 +1,6 @@
 """The distributed runner (runtime/distributed.py) on CPU gloo ranks spawned on this machine: two ranks equal one
-process bit for bit for every registered method, resume across rank counts, a rank that dies, bad ``run.devices``.
+process bit for bit for every registered method (and coded runs of each family), resume across rank counts, a rank
+that dies, bad ``run.devices``.
 
 Every spawned job runs many runs in each rank (spawning costs seconds); rank 0 writes what it got under tmp_path.
 """
@@ -28,6 +29,12 @@ SETS = ("run.clients_per_round=3", "run.rounds=2")  # 4 clients, 3 a round: assi
 METHODS = sorted(available_methods())
 RESUMED = ("fedsa-lora", "scaffold")  # per-client states (personal adapters, control variates) that move
 PLAIN_SGD = {"ssf": ("train.optimizer=sgd", "train.lr=0.05"), "fedsub": ("train.optimizer=sgd", "train.lr=0.05")}
+CODED = {  # coded runs (docs/codecs.md), a method of each family: residuals move with their clients' states
+    "fedit": ("uplink.codec=int4", "uplink.rounding=stochastic", "uplink.error_feedback=true", "downlink.codec=int8"),
+    "fedavg-full": ("uplink.codec=topk", "uplink.error_feedback=true", "uplink.lossless=zlib"),
+    "ssf": ("uplink.codec=int8", "uplink.error_feedback=true", "downlink.codec=int4"),
+    "florg": ("uplink.codec=bf16", "downlink.codec=fp16"),
+}
 
 
 def _config(method: str, *sets: str):
@@ -76,6 +83,12 @@ def _job(out: str, resume_dir: str) -> int:
         _write_states(out_path, method, run)
         if rank == 0:
             _write(out_path, method, run)
+    for method, sets in CODED.items():
+        run = Distributed(_config(method, *sets), task=tiny_task())
+        run.run()
+        _write_states(out_path, f"coded-{method}", run)
+        if rank == 0:
+            _write(out_path, f"coded-{method}", run)
     for method in RESUMED:
         run = Distributed(_config(method, "run.rounds=3", "run.checkpoint_every=1"), task=tiny_task(),
                           run_dir=out_path / f"two-ranks-{method}")
@@ -124,17 +137,19 @@ def test_two_gloo_ranks_equal_one_process_for_every_method_and_resume_across_ran
     assert spawn(_job, (str(out), str(resume_dir)), ["cpu", "cpu"], grace_s=60) == [0, 0]
     print(f"2-rank job: {time.monotonic() - t0:.1f} s")
     assert sum(int((out / f"moves-{r}").read_text()) for r in (0, 1)) > 0  # client states moved between ranks
-    for method in METHODS:
-        sim = _reference(method)
-        _assert_equal(_read(out, method), sim, method)
+    for method, name, sets in [*((m, m, ()) for m in METHODS), *((m, f"coded-{m}", s) for m, s in CODED.items())]:
+        sim = _reference(method, *sets)
+        _assert_equal(_read(out, name), sim, name)
         states = {}
         for r in (0, 1):
-            states.update(State.from_bytes((out / f"{method}.states-{r}").read_bytes()))
+            states.update(State.from_bytes((out / f"{name}.states-{r}").read_bytes()))
         expected = {f"{k}/{key}": v for k in sim.store for key, v in sim.store[k].items()}
-        assert states.keys() == expected.keys(), method
+        assert states.keys() == expected.keys(), name
+        if "uplink.error_feedback=true" in sets:  # the residuals are in the states compared
+            assert any("/uplink.residual/" in key for key in expected), name
         for key, value in expected.items():
             assert (torch.equal(states[key], value) if isinstance(value, torch.Tensor)
-                    else states[key] == value), (method, key)
+                    else states[key] == value), (name, key)
     for method in RESUMED:
         _assert_equal(_read(out, f"resumed-{method}"), uninterrupted[method])  # 1 -> 2 ranks
         resumed = Simulation.resume(out / f"two-ranks-{method}", task=tiny_task(), round=2)  # 2 -> 1 rank

@@ -9,6 +9,7 @@ The real SuperLink/SuperNode processes are exercised in ``test_flower_deployment
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 
@@ -31,7 +32,8 @@ from fedlowrank.message import Message, Reply, State  # noqa: E402
 from fedlowrank.methods import available_methods  # noqa: E402
 from fedlowrank.runtime.engine import client_update, sample_clients  # noqa: E402
 from fedlowrank.runtime.flower import client_app  # noqa: E402
-from fedlowrank.runtime.flower.records import from_records, put_records, records_nbytes, to_records  # noqa: E402
+from fedlowrank.runtime.flower.records import (from_records, put_records, records_nbytes, to_array,  # noqa: E402
+                                              to_records, to_tensor)
 from fedlowrank.runtime.flower.settings import load_run_config  # noqa: E402
 from fedlowrank.runtime.flower.strategy import MethodStrategy, state_arrays  # noqa: E402
 
@@ -172,6 +174,14 @@ CASES = [(name, ("train.optimizer=sgd",) if name in SGD_ONLY else ()) for name, 
          if not cls.pooled] + [
     ("fedit", ("method.correction=scaffold",)),
     *[(name, ("lora.ranks=[1,2]", f'compare.methods=["{name}"]')) for name, cls in available_methods().items() if cls.supports_heterogeneous_ranks],
+    # coded runs, a method of each family (docs/codecs.md): the same coded bytes, residuals and global model
+    ("fedit", ("uplink.codec=int4", "uplink.rounding=stochastic", "uplink.error_feedback=true", "downlink.codec=int8")),
+    ("fedavg-full", ("uplink.codec=topk", "uplink.error_feedback=true", "uplink.lossless=zlib", "downlink.codec=bf16")),
+    ("florg", ("uplink.codec=int8", "uplink.lossless=lzma", "downlink.codec=fp16")),
+    ("ssf", ("train.optimizer=sgd", "uplink.codec=int8", "uplink.error_feedback=true", "downlink.codec=int4")),
+    ("fedalt", ("uplink.codec=int4", "uplink.levels=nf4", "uplink.error_feedback=true")),
+    ("ravan", ("uplink.codec=bf16", "downlink.lossless=zlib")),
+    ("fedsvd", ("uplink.codec=topk", "uplink.topk_count=3", "uplink.error_feedback=true")),
 ]
 
 
@@ -263,6 +273,27 @@ def test_non_finite_reply_is_rejected_and_logged(caplog):
     assert sim.history[0]["replied"] == [c for c in sim.history[0]["clients"] if c != poisoned]
     assert all(torch.isfinite(t).all() for t in sim.server.tensors().values())
     assert f"rejected the reply of client {poisoned}: train_loss must be a finite number" in caplog.text
+
+
+def test_a_malformed_coded_reply_is_rejected_with_its_reason_never_raised():
+    """A node's coded reply whose top-k indices point outside the tensor (or whose header lies) is a bad reply."""
+    def corrupt(client, reply):
+        arrays = reply.content["arrays"]
+        if client == bad_index:
+            raw = to_tensor(arrays["@i"])
+            arrays["@i"] = to_array(torch.full_like(raw, 0xFF))
+        elif client == bad_header:
+            header = json.loads(reply.content["scalars.json"]["@codec"])
+            reply.content["scalars.json"]["@codec"] = json.dumps({**header, "topk_count": 5})
+
+    cfg, _ = load_run_config({"config": "tiny", "set": "run.clients_per_round=3"})
+    bad_index, bad_header, good = sample_clients(cfg.run.seed, 1, cfg.partition.num_clients, 3)
+    sim, *_ = run_flower("run.rounds=1", "run.clients_per_round=3", "uplink.codec=topk", "uplink.topk_count=2",
+                         tamper=corrupt)
+    reasons = {r["client"]: r["reason"] for r in sim.history[0]["rejected"]}
+    assert "top-k indices must increase and stay below" in reasons[bad_index]
+    assert "the header says" in reasons[bad_header] and "'topk_count': 5" in reasons[bad_header]
+    assert sim.history[0]["replied"] == [good]
 
 
 def test_a_rejected_reply_never_advances_its_clients_state():

@@ -1,7 +1,7 @@
 """Run configuration: TOML files plus ``--set section.key=value`` overrides, checked before any work.
 
 Sections: ``[run]``, ``[task]``, ``[data]``, ``[partition]``, ``[lora]``, ``[train]``, ``[server]``, ``[method]``
-(``name`` plus the method's own options), ``[compare]`` and ``[privacy]``; code reads ``cfg.<section>.<key>``,
+(``name`` plus the method's own options), ``[compare]``, ``[privacy]``, ``[uplink]`` and ``[downlink]``; code reads ``cfg.<section>.<key>``,
 ``cfg.method_name`` and ``cfg.method_options``. A wrong value raises :class:`ConfigError`, one line naming the
 field and what is allowed.
 
@@ -11,6 +11,7 @@ Every key is ONE declaration (:mod:`fedlowrank.schema`): validation, ``fedlowran
 * ``[run]``, ``[task]``, ``[data]``, ``[lora]``, ``[server]``, ``[compare]``: :mod:`.sections`;
 * ``[train]``: :class:`fedlowrank.training.local.TrainConfig`; ``[partition]``:
   :class:`fedlowrank.tasks.partition.PartitionConfig`; ``[privacy]``: :class:`fedlowrank.privacy.settings.PrivacySection`;
+  ``[uplink]``, ``[downlink]``: :mod:`fedlowrank.codecs.settings`;
 * ``method.*``: the method's dataclass fields (:mod:`fedlowrank.methods`); ``task.options.*``: the task's
   ``Options`` (:mod:`fedlowrank.tasks`).
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from ..codecs.settings import check_codec
 from ..privacy.settings import check_privacy
 from ..schema import ConfigError, declared
 from ..tasks import available_tasks, task_class
@@ -25,6 +26,7 @@ def validate(cfg: RunConfig, method_checks: bool = True) -> None:
     Checked values are stored back (``task.options``, the method's options)."""
     try:
         _check_run(cfg)
+        _check_codecs(cfg)
         _check_task_and_data(cfg)
         lo, t = cfg.lora, cfg.train
         _need(len(lo.ranks) <= cfg.partition.num_clients,
@@ -59,6 +61,16 @@ def _check_run(cfg: RunConfig) -> None:
     _need(r.cohort <= 1 or not cfg.privacy.dpsgd,
           f"run.cohort = {r.cohort} with privacy.dpsgd: DP-SGD clips per example within one client's step, which a "
           f"joint step of several clients does not do; use run.cohort = 1, or 0 (automatic: one at a time)")
+
+
+def _check_codecs(cfg: RunConfig) -> None:
+    """Each direction's codec options (:func:`~fedlowrank.codecs.settings.check_codec`); none with the vectorised
+    runner, which sends no messages."""
+    for section in (cfg.uplink, cfg.downlink):
+        check_codec(section)
+        _need(not (section.active and cfg.run.vectorized),
+              f"{section.prefix}.codec / {section.prefix}.lossless with run.vectorized: the vectorised runner sends no "
+              f"messages to code; leave [{section.prefix}] unset or run the simulator")
 
 
 def _check_task_and_data(cfg: RunConfig) -> None:

@@ -1,8 +1,9 @@
 """The run configuration's sections: each key declared once (type, default, bounds or allowed values, meaning).
 
-``[train]``, ``[partition]`` and ``[privacy]`` are declared beside the code that reads them
-(:class:`~fedlowrank.training.local.TrainConfig`, :class:`~fedlowrank.tasks.partition.PartitionConfig`,
-:class:`~fedlowrank.privacy.settings.PrivacySection`); ``[method]`` is the method's name plus its own declared
+``[train]``, ``[partition]``, ``[privacy]``, ``[uplink]`` and ``[downlink]`` are declared beside the code that reads
+them (:class:`~fedlowrank.training.local.TrainConfig`, :class:`~fedlowrank.tasks.partition.PartitionConfig`,
+:class:`~fedlowrank.privacy.settings.PrivacySection`, :class:`~fedlowrank.codecs.settings.UplinkSection` and
+:class:`~fedlowrank.codecs.settings.DownlinkSection`); ``[method]`` is the method's name plus its own declared
 options (:mod:`fedlowrank.methods`); ``task.options`` are the configured task's declared options.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..adapters.lora import SCALING_RULES
+from ..codecs.settings import DownlinkSection, UplinkSection
 from ..device import check_device_spec
 from ..privacy.settings import PrivacySection
 from ..reporting.tracking import TRACKERS
@@ -289,6 +291,8 @@ class RunConfig:
     method: dict[str, Any] = field(default_factory=lambda: {"name": METHOD_NAME.default})
     compare: CompareSection = field(default_factory=CompareSection)
     privacy: PrivacySection = field(default_factory=PrivacySection)
+    uplink: UplinkSection = field(default_factory=UplinkSection)
+    downlink: DownlinkSection = field(default_factory=DownlinkSection)
 
     @property
     def method_name(self) -> str:

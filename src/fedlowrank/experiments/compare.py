@@ -95,6 +95,11 @@ def interval_cell(iv: Interval, metric: str) -> str:
     return f"{iv.format()} (in [{max(iv.mean - iv.half_width, low):.4g}, {min(iv.mean + iv.half_width, high):.4g}])"
 
 
+def codec_of(cfg: RunConfig) -> str:
+    """The codecs of a run, up / down (``docs/codecs.md``): ``int8 uniform b64 nearest / fp32``."""
+    return f"{cfg.uplink.describe()} / {cfg.downlink.describe()}"
+
+
 def method_cell(row: dict[str, Any]) -> str:
     """A method's name in a table, marked when it is a reference row (``Method.reference``)."""
     return f"{row['method']} (reference)" if row.get("reference_row") else row["method"]
@@ -290,6 +295,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
             "bytes_down": float(np.mean([r["bytes_down"] for r in method_runs])),
             "time": float(np.mean([r["time"] for r in method_runs])),
             **{key: max((r[key] for r in method_runs if r.get(key) is not None), default=None) for key in PRIVACY_KEYS},
+            **({"codec": codec_of(cfg0)} if cfg0.uplink.active or cfg0.downlink.active else {}),
         })
     for row in rows:
         line = collapse_summary(row)
@@ -451,15 +457,18 @@ def results_markdown(results: dict[str, Any]) -> str:
     else:
         where = "as the task evaluates it"
     private = [k for k in PRIVACY_KEYS if any(r.get(k) is not None for r in results["rows"])]
+    coded = any("codec" in r for r in results["rows"])  # bytes are the coded messages' (docs/codecs.md)
     lines += ["", "## Results", "", f"Metric: {named} {where} ({direction}); final = after the last round, "
               f"best = the best evaluated round. Values are {pm}.", "",
               f"| method | final {named} | best {named} | bytes up | bytes down | time (s) |"
-              + "".join(f" {PRIVACY_KEYS[k]} |" for k in private), "|---|---|---|---|---|---|" + "---|" * len(private)]
+              + (" codec (up / down) |" if coded else "") + "".join(f" {PRIVACY_KEYS[k]} |" for k in private),
+              "|---|---|---|---|---|---|" + "---|" * (len(private) + coded)]
     for r in results["rows"]:
         eps = "".join(f" {r[k]:.3g} |" if r.get(k) is not None else " – |" for k in private)
+        codec = f" {r.get('codec', 'fp32 / fp32')} |" if coded else ""
         lines.append(f"| {method_cell(r)} | {interval_cell(_interval(r['final']), metric)} | "
                      f"{interval_cell(_interval(r['best']), metric)} | "
-                     f"{format_bytes(r['bytes_up'])} | {format_bytes(r['bytes_down'])} | {r['time']:.1f} |{eps}")
+                     f"{format_bytes(r['bytes_up'])} | {format_bytes(r['bytes_down'])} | {r['time']:.1f} |{codec}{eps}")
     collapses = [line for line in map(collapse_summary, results["rows"]) if line]
     if collapses:
         lines += ["", *(f"- {line}" for line in collapses)]

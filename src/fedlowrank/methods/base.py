@@ -174,6 +174,15 @@ class Method(Schema):
             ``"upload.{client}/{module}.lora_A"``); ``client_entries`` the same for a client's state besides
             :meth:`init_client`'s (a composed correction declares its own). Every checkpoint's states are checked
             against them before use (``runtime/checkpoint.py``, :meth:`state_entries`).
+        upload_entries: the names of the tensors a reply may hold, as templates of the same kind (default
+            ``("{key}",)``: named as entries of the initial server state, as LoRA factors and the head are; a
+            composed correction adds its own, SCAFFOLD's ``"scaffold.dc/{key}"``); the uplink's error feedback keeps a
+            residual per reply tensor in the client's state, under ``"uplink.residual/"`` and the tensor's name
+            (:meth:`upload_templates`).
+        exact_entries: shell-style patterns (``fnmatch``) of the floating tensors of its messages, either way, that a
+            lossy codec must send exactly (``docs/codecs.md``): those whose error the method cannot absorb, such as an
+            increment a client adds to a copy of the model it keeps (SSF's ``"sync/*"``). Default: none; integer and
+            boolean tensors and scalars always travel exactly.
         batched: True if the method has a vectorised round, :meth:`batched_round` (for closed-form tasks,
             ``run.vectorized``); the vectorised runner refuses the others.
         optimizers: the ``train.optimizer`` values the method's local step allows (``()``: any), with
@@ -205,6 +214,8 @@ class Method(Schema):
     client_state: ClassVar[str] = ""
     server_entries: ClassVar[tuple[str, ...]] = ()
     client_entries: ClassVar[tuple[str, ...]] = ()
+    upload_entries: ClassVar[tuple[str, ...]] = ("{key}",)
+    exact_entries: ClassVar[tuple[str, ...]] = ()
     batched: ClassVar[bool] = False
     optimizers: ClassVar[tuple[str, ...]] = ()
     optimizer_refusal: ClassVar[str] = ""
@@ -248,6 +259,11 @@ class Method(Schema):
         corrections = self.composed_corrections()
         return (self.server_entries + tuple(t for c in corrections for t in c.server_entries),
                 self.client_entries + tuple(t for c in corrections for t in c.client_entries))
+
+    def upload_templates(self) -> tuple[str, ...]:
+        """The templates of a reply's tensor names: the method's own and its composed corrections'
+        (``upload_entries``)."""
+        return self.upload_entries + tuple(t for c in self.composed_corrections() for t in c.upload_entries)
 
     def init_client(self, client: int) -> State:
         """Initial state of client ``client`` before its first round (the ``client_state`` declared; default:
@@ -482,6 +498,7 @@ class LoRAMethod(Corrected):
     """
 
     trains: ClassVar[tuple[str, ...]] = ("A", "B")
+    upload_entries = ("{module}.lora_A", "{module}.lora_B", "head/{head}")
 
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(self, model: AdaptedModel, info: SetupInfo) -> State:

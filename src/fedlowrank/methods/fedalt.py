@@ -62,6 +62,7 @@ class FedALT(Method):
     personalized = True
     per_client_downlink = True               # the leave-one-out Rest-of-World of each client
     server_entries = ("upload.{client}/{module}.lora_A", "upload.{client}/{module}.lora_B")  # latest uploads
+    upload_entries = ("{module}.lora_A", "{module}.lora_B")  # the shared adapter (the server keeps them per client)
     client_state = ("own A¹_k [r,in], B¹_k [out,r] and router W_k [2,in] per target module, the head, and the "
                     "client's index k")
     heterogeneous_ranks_refusal = ("the Rest-of-World is a mean of factors, which needs every client at the same "

@@ -62,6 +62,7 @@ class FedLEASE(Method):
                       "upload.{client}/head/{head}",                                         # each client's upload
                       "expert.{n}/{module}.lora_A", "expert.{n}/{module}.lora_B", "expert.{n}/head/{head}",
                       "expert.{n}/{module}.router", "expert.{n}/{module}.router_bias")       # after: each cluster's
+    upload_entries = ("{module}.lora_A", "{module}.lora_B", "{module}.router", "{module}.router_bias", "head/{head}")
     heterogeneous_ranks_refusal = "an expert is a mean of its members' factors, which needs one rank"
     preset = {"train.optimizer": "adamw"}
 

@@ -56,6 +56,7 @@ class FLoRA(LoRAMethod):
     per_client_downlink = True  # the stacked factors, or the merged base delta to a client that missed merges
     server_entries = ("{module}.merge_A", "{module}.merge_B", "{module}.base_delta")  # the last stack, the merges
     client_entries = ("{module}.base_delta",)  # the client's merged model
+    exact_entries = ("*.merge_A", "*.merge_B", "*.base_delta")  # merged into the base a client keeps
 
     correction: str = correction_option("none", ("none", "fedprox"), "the adapters are re-initialised every round, "
                                         "so control variates could not follow them")

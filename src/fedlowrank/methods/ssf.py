@@ -261,6 +261,8 @@ class SubspaceMethod(Method):
     client_state = "the client's copy w/<layer> [out,in] of each target weight and the model version it holds (synced)"
     server_entries = ("inc/{n}/{module}",)     # the model increments of the rounds a client may have missed
     client_entries = ("synced", "w/{module}")
+    upload_entries = ("dy/{module}", "dy/head/{head}", "g/{module}", "g/head/{head}")  # increments, gradients
+    exact_entries = ("sync/*",)  # added to the copy of the model a client keeps
     batched = True
     optimizers = ("sgd",)
     optimizer_refusal = "the local steps are the paper's plain SGD on the projected coefficients"

@@ -12,8 +12,8 @@ A round (:meth:`Distributed.run_round`), on every rank:
    client's new rank move there (:meth:`Distributed.move_states`, one all-gather of their bytes), so a client's
    state lives with the rank that trains it;
 2. each rank trains its clients (as cohorts where ``run.cohort`` says so, :meth:`~.simulator.Simulation.train_clients`)
-   from the broadcast of the same global state; the replies, serialised, are gathered to rank 0 as one byte tensor
-   per rank (:func:`gather_bytes`; the per-client metadata rides in the same safetensors container);
+   from the broadcast of the same global state; the replies, coded (:mod:`fedlowrank.codecs`) and serialised, are
+   gathered to rank 0 as one byte tensor per rank (:func:`gather_bytes`; the per-client metadata rides in the same safetensors container);
 3. rank 0 checks every reply in client order and runs the server's step once (:meth:`~.server_run.ServerRun.close_round`);
    the new global state and the clients whose replies were used are broadcast (:func:`broadcast_bytes`); each rank
    commits the new states of its used clients;
@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ..message import Message, State
 from ..tasks import Task
 from ..training.local import steps_per_round
-from .engine import pool, sample_clients, wire
+from .engine import pool, sample_clients, send_down
 from .rounds import RoundReplies
 from .simulator import Simulation
 from .stopping import StopRequested, pending_stop
@@ -334,16 +334,16 @@ class Distributed(Simulation):
                        downs: dict[int, Message], got_entries: dict[str, Any], started: float):
         """Rank 0: every gathered reply received in client order (checked as in the simulator; the broadcast of
         a client trained elsewhere is made again here), then the server's step."""
-        got = RoundReplies(rnd, clients)
+        got = RoundReplies(rnd, clients, uplink=self.state.uplink, downlink=self.state.downlink)
         for k in clients:
             got.compute += got_entries[f"compute/{k}"]
             self.progress.client_done()
             if k in dropped:
                 got.drop(k, dropped[k], got_entries[f"down/{k}"])
                 continue
-            down = downs.get(k) or wire(self.method.broadcast(self.server, k, rnd))
+            down = downs.get(k) or send_down(self.state.downlink, self.method.broadcast(self.server, k, rnd), k, rnd)[1]
             reply = Message.from_bytes(got_entries[f"reply/{k}"])
-            got.receive(self.method, k, down, reply, len(data[k]), reply.nbytes())
+            got.receive(self.method, k, down, reply, len(data[k]), reply.nbytes(), down_bytes=got_entries[f"down/{k}"])
         return self.close_round(got, started)
 
     def checkpoint_due(self, rnd: int) -> bool:

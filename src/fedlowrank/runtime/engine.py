@@ -7,6 +7,9 @@ with the same seeds produce the same global model:
 * :func:`setup_info` — the :class:`SetupInfo` a method is set up with (same on server and clients);
 * :func:`sample_clients` — uniform sampling of K of M clients without replacement, from the round's stream;
 * :func:`wire` — what crosses the network: a message serialised and parsed back;
+* :func:`send_down` — a broadcast through the downlink's codec and the wire: what travels, and what the client
+  decodes (the server keeps the same, what updates are measured from); a reply's codec is the uplink's
+  :meth:`~fedlowrank.codecs.Link.encode_reply` on the client and :meth:`.rounds.RoundReplies.receive` on the server;
 * :func:`client_update` — one client's round: fresh base deltas, ``method.train``, the reply (the simulator's
   cohorts run the same parts, :func:`client_trainer` and :func:`client_reply`, around a joint fit, :mod:`.cohort`);
 * :func:`check_reply` — whether the server may use a reply (shapes, dtypes, finiteness, size, keys);
@@ -21,6 +24,7 @@ import numpy as np
 import torch
 
 from ..adapters.model import AdaptedModel
+from ..codecs import Link
 from ..device import to_host
 from ..execution.measure import phase, phased
 from ..linalg.reductions import all_finite
@@ -65,6 +69,14 @@ def pool(cfg, data: dict[int, np.ndarray]):
 def wire(msg: Message) -> Message:
     """The message as the receiver gets it: serialised and parsed (no shared tensors, exact bytes)."""
     return Message.from_bytes(msg.to_bytes())
+
+
+def send_down(link: Link, msg: Message, client: int, rnd: int) -> tuple[Message, Message]:
+    """``(coded, received)``: the broadcast ``msg`` to ``client`` in round ``rnd`` as the downlink ``link`` codes it
+    (what travels; the ledger counts its bytes) and as the client decodes it after the wire (deterministic: the server
+    decodes the same and measures the client's update from it). Without a codec, ``msg`` and ``wire(msg)``."""
+    coded, _ = link.encode(msg, None, client, rnd)
+    return coded, link.decode(wire(coded), None)
 
 
 def client_trainer(model: AdaptedModel, task, indices: np.ndarray, cfg, client: int, rnd: int,

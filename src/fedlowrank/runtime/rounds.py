@@ -1,8 +1,9 @@
 """The server's half of a round, the same for every runtime.
 
 A runtime (the simulator, or the Flower strategy) sends the round's broadcasts and collects what comes back into
-a :class:`RoundReplies`: for each sampled client, the bytes it was sent and sent back (the ledger), and whether its
-reply is usable (:meth:`RoundReplies.receive` runs :func:`~.engine.check_reply`), rejected (with the reason) or
+a :class:`RoundReplies`: for each sampled client, the bytes it was sent and sent back (the ledger: the coded
+messages' bytes, :mod:`fedlowrank.codecs`), and whether its reply is usable (:meth:`RoundReplies.receive` decodes it
+with the uplink's codec and runs :func:`~.engine.check_reply` on what it decodes to), rejected (with the reason) or
 missing (dropped, with the reason). :func:`close_round` then does the rest, identically for both:
 
 1. rejects the replies whose update is an outlier (:func:`.robust.outlying_replies`, ``server.outlier_ratio``:
@@ -13,8 +14,10 @@ missing (dropped, with the reason). :func:`close_round` then does the rest, iden
 3. otherwise transforms the replies on the server (:func:`.robust.server_replies`: ``server.update_clip``,
    ``server.aggregate``, central DP) and runs ``method.aggregate`` on them, sorted by client (sums in the same
    order everywhere);
-4. opens the round's metrics row (see :mod:`.simulator` for its keys); the ledger rows of a method that declares
-   that it does not communicate (``method.communicates``, a reference) count zero bytes.
+4. opens the round's metrics row (see :mod:`.simulator` for its keys; with a codec, ``codec``: each direction's, and
+   ``time.codec``: the seconds spent coding and decoding in this process, a part of ``time.other``); the ledger rows of a method that declares that it does
+   not communicate (``method.communicates``, a reference) count zero bytes; the first time a codec leaves tensors
+   exact because the method declares them so, one line says which.
 
 It changes nothing of the run: the :class:`RoundOutcome` (new server state, row, ledger rows, aggregated replies)
 is committed by :meth:`~.server_run.ServerRun.commit_round` once the round is evaluated.
@@ -29,6 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..codecs import CodecError, Link
 from ..execution.measure import phased
 from ..message import Message, Reply, State
 from .engine import check_reply, sample_clients
@@ -50,6 +54,8 @@ class RoundReplies:
         dropped: client -> why it did not reply; rejected: ``{"client", "reason"}`` of each rejected reply.
         compute: seconds of local training reported for the usable replies.
         extra: runtime-specific entries of the round's row (Flower's ``flower_bytes_up``/``_down``).
+        uplink, downlink: the run's codecs (``None``: none); replies are decoded with ``uplink``, and a method's own
+            protocol messages counted at their coded sizes.
     """
 
     round: int
@@ -61,6 +67,15 @@ class RoundReplies:
     rejected: list[dict[str, Any]] = field(default_factory=list)
     compute: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    uplink: Link | None = None
+    downlink: Link | None = None
+
+    def __post_init__(self) -> None:
+        self.codec_seconds = self.coding_seconds()  # what the links had spent before the round
+
+    def coding_seconds(self) -> float:
+        """Seconds the run's codecs have spent coding and decoding in this process so far."""
+        return sum(link.seconds for link in (self.uplink, self.downlink) if link is not None)
 
     def drop(self, client: int, reason: str, down_bytes: int | None = None) -> None:
         """``client`` sent nothing back; ``down_bytes``: what it was sent (``None``: nothing was sent)."""
@@ -75,20 +90,31 @@ class RoundReplies:
 
     @phased("receive")
     def receive(self, method, client: int, down: Message, reply: Message, bound: int | None,
-                up_bytes: int | None = None, cap: int | None = None) -> bool:
-        """Take ``client``'s ``reply`` (as received) to ``down``: usable if :func:`~.engine.check_reply` finds
-        nothing wrong (``bound``: the most examples it may claim), else rejected. ``up_bytes``: what the ledger
-        counts (default ``reply.nbytes()``); ``cap``: the most examples it weighs in aggregation (``None``: its
-        ``num_examples``). A usable reply's ledger row counts the method's own protocol when it declares one
-        (:meth:`~fedlowrank.methods.base.Method.protocol_messages`). Returns whether it is usable."""
+                up_bytes: int | None = None, cap: int | None = None, down_bytes: int | None = None) -> bool:
+        """Take ``client``'s ``reply`` (as received, coded by :attr:`uplink`) to ``down`` (what the client decoded
+        from its broadcast): usable if it decodes and :func:`~.engine.check_reply` finds nothing wrong with what it
+        decodes to (``bound``: the most examples it may claim), else rejected. ``up_bytes``: what the ledger counts
+        (default ``reply.nbytes()``), ``down_bytes``: the broadcast's (default ``down.nbytes()``); ``cap``: the most
+        examples it weighs in aggregation (``None``: its ``num_examples``). A usable reply's ledger row counts the
+        method's own protocol when it declares one (:meth:`~fedlowrank.methods.base.Method.protocol_messages`), at
+        the lossy stages' coded sizes. Returns whether it is usable."""
         up = reply.nbytes() if up_bytes is None else up_bytes
+        down_bytes = down.nbytes() if down_bytes is None else down_bytes
+        if self.uplink is not None:
+            try:
+                reply = self.uplink.decode(reply, down, method.max_reply_bytes(down))
+            except CodecError as exc:
+                self.reject(client, f"the coded reply does not decode: {exc}", down_bytes, up)
+                return False
         reason = check_reply(method, down, reply, self.round, bound)
         if reason is not None:
-            self.reject(client, reason, down.nbytes(), up)
+            self.reject(client, reason, down_bytes, up)
             return False
-        down_bytes, protocol = down.nbytes(), method.protocol_messages(down, reply)
+        protocol = method.protocol_messages(down, reply)
         if protocol is not None:
-            down_bytes, up = (sum(m.nbytes() for m in messages) for messages in protocol)
+            sizes = [(self.downlink, None), (self.uplink, down)]
+            down_bytes, up = (sum(m.nbytes() if link is None else link.coded_size(m, ref) for m in messages)
+                              for messages, (link, ref) in zip(protocol, sizes))
         self.ledger.append({"round": self.round, "client": client, "down": down_bytes, "up": up})
         self.downs[client] = down
         n = int(reply["num_examples"])
@@ -173,6 +199,14 @@ def close_round(run: Run, got: RoundReplies, started: float, warn: Warn | None =
     if diagnostics:
         row["diagnostics"] = diagnostics
     row.update(notes)
+    links = [link for link in (got.uplink, got.downlink) if link is not None]
+    if any(link.active for link in links):
+        row["codec"] = {link.direction: link.describe() for link in links}
+        row["time"]["codec"] = got.coding_seconds() - got.codec_seconds
+    for link in links:
+        line = link.exact_line()
+        if line:
+            say(f"round {rnd}: {line}")
     return RoundOutcome(server, row, ledger, replies, started)
 
 

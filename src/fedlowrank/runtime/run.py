@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..adapters.model import AdaptedModel
+from ..codecs import Link
 from ..config.checks import check_requirements
 from ..device import check_dtype, resolve_device
 from ..message import State
@@ -71,6 +72,8 @@ class Run:
         info: the method's view of the run.
         device: where the model computes (``run.device`` resolved).
         server: the method's server state (the global model and whatever the method keeps).
+        uplink, downlink: the codec of each direction (``[uplink]``, ``[downlink]``; :mod:`fedlowrank.codecs`), which
+            every message crosses at the wire (:func:`~.engine.send_down`, :func:`~.engine.send_up`).
         round: rounds finished; history: their metrics rows; ledger: their bytes per client; last_eval: the
             metrics of the newest evaluated round.
         plan: how it trains (cohorts, checkpointing, compilation; :mod:`.plan`), decided before its first client
@@ -86,6 +89,8 @@ class Run:
     info: SetupInfo
     device: torch.device
     server: State
+    uplink: Link
+    downlink: Link
     round: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     ledger: Ledger = field(default_factory=Ledger)
@@ -103,7 +108,7 @@ class Run:
 def build_run(cfg, task: Task | None = None, parts: list[np.ndarray] | None = None) -> Run:
     """Set up the run of ``cfg``: torch threads (``run.threads``), the task (``task``, or built from the config),
     the partition (``parts``, or the configured one), the method and its model, the setup info, the initial server
-    state, and the model on ``run.device``.
+    state, the model on ``run.device``, and each direction's codec.
 
     ``parts`` replaces the configured partition (``fedlowrank tune`` passes it with each client's validation
     examples held out; a Flower node with its own data passes its own); ``split`` then still reports what the
@@ -124,4 +129,5 @@ def build_run(cfg, task: Task | None = None, parts: list[np.ndarray] | None = No
     device = resolve_device(cfg.run.device)
     check_dtype(cfg.train.dtype, device)
     model.to(device)  # after setup: the method derives its server state on the CPU
-    return Run(cfg, task, parts, split, method, model, info, device, server)
+    links = [Link(getattr(cfg, d), d, cfg.run.seed, method.exact_entries) for d in ("uplink", "downlink")]
+    return Run(cfg, task, parts, split, method, model, info, device, server, *links)

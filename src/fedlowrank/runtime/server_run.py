@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..codecs import RESIDUAL
 from ..execution.compiling import release_compiled
 from ..message import State
 from ..privacy.runtime import PRIVACY_KEYS, accounting
@@ -280,8 +281,12 @@ class ServerRun:
     def state_schema(self, client: int | None = None) -> StateSchema:
         """What the server state (``client=None``) or client ``client``'s state may hold
         (:class:`~.checkpoint.StateSchema`): the run's initial ones (this run is not yet restored: ``server`` is
-        :meth:`~fedlowrank.methods.base.Method.setup`'s) and the method's declared further entries."""
+        :meth:`~fedlowrank.methods.base.Method.setup`'s) and the method's declared further entries; with the uplink's
+        error feedback, a client's residual of each tensor its replies may hold
+        (:meth:`~fedlowrank.methods.base.Method.upload_templates`)."""
         server_entries, client_entries = self.method.state_entries()
+        if self.state.uplink.error_feedback:
+            client_entries += tuple(RESIDUAL + t for t in self.method.upload_templates())
         initial = self.server if client is None else self.method.init_client(client)
         return StateSchema(initial, server_entries if client is None else client_entries, self.server,
                            self.model.target_names, list(self.model.head_parameters()), self.cfg.partition.num_clients,
@@ -373,7 +378,8 @@ class ServerRun:
         run.use_dir(Path(run_dir))
         run._lock = lock
         restart_from(run.run_dir, run.round, run.history, run.ledger.rows, warn or log)
-        if not run.client_states and run.method.keeps_client_state() and (warn or log):
+        keeps = run.method.keeps_client_state() or run.state.uplink.error_feedback
+        if not run.client_states and keeps and (warn or log):
             (warn or log)(f"note: the checkpoint of round {run.round} is the Flower server's; the clients' states "
                           f"stayed on the SuperNodes, so clients start here from their initial states")
         run.client_states = True  # from here on the runner holds them

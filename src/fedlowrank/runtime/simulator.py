@@ -1,11 +1,12 @@
 """The in-process simulator: one backbone in memory, per-client state in a store, every message on the wire.
 
-Each round: sample K of M clients from the round's stream; for each, serialise the broadcast (counted in the
-ledger), run :func:`~fedlowrank.runtime.engine.client_update` on the shared model, serialise the reply
-(counted); then the server's step shared with Flower (:meth:`~.server_run.ServerRun.close_round`: server-side
-reply transforms, ``method.aggregate``), the evaluation every ``run.eval_every`` rounds, and the commit of the round
-(:meth:`~.server_run.ServerRun.commit_round`). Memory grows with the
-clients' small states, never with model copies. With ``run.cohort`` > 1 (by default on CUDA) the sampled clients
+Each round: sample K of M clients from the round's stream; for each, code and serialise the broadcast
+(:func:`~.engine.send_down`; counted in the ledger), run :func:`~fedlowrank.runtime.engine.client_update` on the
+shared model, code the reply (:meth:`~fedlowrank.codecs.Link.encode_reply`: with error feedback, the client's
+residual rides in its state, out of what ``method.train`` gets) and serialise it (counted); then the server's step
+shared with Flower (:meth:`~.server_run.ServerRun.close_round`: server-side reply transforms, ``method.aggregate``),
+the evaluation every ``run.eval_every`` rounds, and the commit of the round
+(:meth:`~.server_run.ServerRun.commit_round`). Memory grows with the clients' small states, never with model copies. With ``run.cohort`` > 1 (by default on CUDA) the sampled clients
 go in groups of that many: broadcasts, then their local training together (:mod:`.cohort`; each member's model
 shares the frozen backbone), then each reply in client order as above. A pooled method (``method.pooled``, the
 centralised reference) trains one client per round, holding the sampled clients' pooled data
@@ -24,8 +25,10 @@ A metrics row: ``round``, ``clients`` (sampled), ``replied`` (used), ``train_los
 replies), the test metrics when the round was evaluated (``accuracy``, ``loss``; for personalised methods the
 mean over the clients' own models; a classification task's evaluation of the global model adds ``predictions``:
 the most-predicted class, its share of the test set, the per-class recall, the chance level), ``bytes_up``/``bytes_down`` (this round), ``cum_bytes_up``/
-``cum_bytes_down``, ``time`` (``client_compute``, ``aggregation``, ``evaluation``, ``other``, ``total``, in
-seconds), ``peak_rss_mb``, optional ``dropped``, ``rejected``, ``skipped``, ``diagnostics``, ``privacy``, ``robust``
+``cum_bytes_down`` (the coded messages' bytes, :mod:`fedlowrank.codecs`), ``time`` (``client_compute``,
+``aggregation``, ``evaluation``, ``other``, ``total``, in seconds; with a codec ``codec``, the seconds spent coding and
+decoding in this process, a part of ``other``), ``peak_rss_mb``, optional ``codec`` (each direction's codec in words, when one is configured), ``dropped``,
+``rejected``, ``skipped``, ``diagnostics``, ``privacy``, ``robust``
 (``server.update_clip``, ``server.aggregate``: :mod:`.robust`), ``update_norm`` (the median norm per local step of
 the aggregated replies' updates, what a later round's lone reply is measured against: :mod:`.robust`), and
 ``per_client``:
@@ -48,11 +51,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..codecs import split_state
 from ..message import Message, State
 from ..seeding import numpy_rng
 from ..tasks import Task
 from .cohort import Cohort, cohort_update
-from .engine import client_update, pool, sample_clients, wire
+from .engine import client_update, pool, sample_clients, send_down, wire
 from .rounds import RoundReplies
 from .run import DivergenceError, Ledger, build_run, peak_rss_mb
 from .server_run import ServerRun
@@ -73,7 +77,7 @@ class Simulation(ServerRun):
         log: where progress lines go (``None`` = silent); a log with a true ``bars`` attribute
             (:class:`~fedlowrank.reporting.progress.StderrLog` on a terminal) also gets tqdm bars.
         tamper: fault injection for tests and robustness studies: ``tamper(rnd, client, reply) -> reply`` is
-            applied to every reply before it is sent.
+            applied to every reply before it is sent (as coded, when the uplink has a codec).
         parts: client index arrays to train on instead of the configured partition (``fedlowrank tune`` passes
             the partition with each client's validation examples held out).
         log_partition: log the per-client label counts when the run directory is made (``compare`` logs them
@@ -143,17 +147,23 @@ class Simulation(ServerRun):
     # -- rounds --------------------------------------------------------------------------------------
     def trained_clients(self, rnd: int, clients: list[int], data: dict[int, np.ndarray], cfg):
         """Broadcast to ``clients`` and train them, a cohort of :meth:`cohort_size` at a time; yields per client
-        (client, bytes down, the message it received, its reply, its new state, its trainer)."""
+        (client, bytes down, the message it received, its coded reply, its new state, its trainer)."""
         size = self.cohort_size()
+        uplink = self.state.uplink
         for chunk in (clients[i:i + size] for i in range(0, len(clients), size)):
             sent: list[tuple[int, int, Message, State]] = []  # (client, bytes down, what it received, its state)
+            residuals = []  # error feedback's, kept apart from the method's state
             for k in chunk:
-                msg = self.method.broadcast(self.server, k, rnd)
+                coded, down = send_down(self.state.downlink, self.method.broadcast(self.server, k, rnd), k, rnd)
                 state = self.store.get(k)
-                sent.append((k, msg.nbytes(), wire(msg), self.method.init_client(k) if state is None else state))
+                state = self.method.init_client(k) if state is None else state
+                state, residual = split_state(state) if uplink.error_feedback else (state, {})
+                sent.append((k, coded.nbytes(), down, state))
+                residuals.append(residual)
             with interruptible():
                 trained = self.train_clients(rnd, sent, data, cfg)
-            for (k, down_bytes, down, _), (reply, new_state, trainer) in zip(sent, trained):
+            for (k, down_bytes, down, _), residual, (reply, new_state, trainer) in zip(sent, residuals, trained):
+                reply, new_state = uplink.encode_reply(reply, down, new_state, residual, k, rnd)
                 yield k, down_bytes, down, reply, new_state, trainer
 
     def run_round(self) -> dict[str, Any]:
@@ -166,7 +176,7 @@ class Simulation(ServerRun):
             first, data, cfg = pool(cfg, data)
             clients = [first]
         dropped = self.dropped_clients(rnd, clients)
-        got = RoundReplies(rnd, clients)
+        got = RoundReplies(rnd, clients, uplink=self.state.uplink, downlink=self.state.downlink)
         new_states: dict[int, State] = {}  # committed only when the round is aggregated
         self.progress.round_start(rnd, len(clients))
         for k, down_bytes, down, reply, new_state, trainer in self.trained_clients(rnd, clients, data, cfg):
@@ -177,7 +187,7 @@ class Simulation(ServerRun):
                 continue
             if self.tamper is not None:
                 reply = self.tamper(rnd, k, reply)
-            if got.receive(self.method, k, down, wire(reply), len(data[k]), reply.nbytes()):
+            if got.receive(self.method, k, down, wire(reply), len(data[k]), reply.nbytes(), down_bytes=down_bytes):
                 new_states[k] = new_state
         outcome = self.close_round(got, started)
         used = {r.client for r in outcome.replies}  # a reply rejected in close_round leaves its client's state

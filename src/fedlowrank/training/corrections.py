@@ -35,13 +35,15 @@ class ClientCorrection:
     """One correction's hooks (module docstring). ``client_state``: what it keeps in the client's state across
     rounds, in words with shapes (``""``: nothing); the method's ``keeps_client_state`` reads it.
     ``server_entries``, ``client_entries``: the templates of the entries it adds to the server's and a client's state
-    after they were made (``Method.state_entries``). ``reads_batch``: whether its ``loss`` reads the step's batch
-    (MOON's features; a cohort then stages each member's own batch)."""
+    after they were made (``Method.state_entries``); ``upload_entries``: those of the tensors it adds to a reply
+    (``Method.upload_templates``). ``reads_batch``: whether its ``loss`` reads the step's batch (MOON's features; a
+    cohort then stages each member's own batch)."""
 
     name = ""
     client_state = ""
     server_entries: tuple[str, ...] = ()
     client_entries: tuple[str, ...] = ()
+    upload_entries: tuple[str, ...] = ()
     reads_batch = False
 
     def init_server(self, server: State, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -113,6 +115,10 @@ class Scaffold(ClientCorrection):
     @property
     def client_entries(self) -> tuple[str, ...]:
         return (self.prefix_ci + "{key}",)
+
+    @property
+    def upload_entries(self) -> tuple[str, ...]:
+        return (self.prefix_dc + "{key}",)
 
     def __init__(self, refresh: str = "mean"):
         check_choice("method.cv_grad", refresh, CV_REFRESH)

@@ -92,8 +92,10 @@ def train(msg: FlowerMessage, context: Context) -> FlowerMessage:
 
     if SECAGG_ROUND in msg.content:
         return secagg_reply(msg, context, _node_run(context))
-    reply, trainer = client_round(_node_run(context), context, msg.content[ROUTE], from_records(msg.content, Message))
+    run = _node_run(context)
+    down = run.downlink.decode(from_records(msg.content, Message), None)
+    reply, coded, trainer = client_round(run, context, msg.content[ROUTE], down)
     metrics = MetricRecord({"num-examples": int(reply["num_examples"]),
                             "train-loss": float(reply.get("train_loss", float("nan"))),
                             "compute-seconds": float(trainer.compute_seconds)})
-    return FlowerMessage(RecordDict({**to_records(reply), "metrics": metrics}), reply_to=msg)
+    return FlowerMessage(RecordDict({**to_records(coded), "metrics": metrics}), reply_to=msg)

@@ -70,8 +70,10 @@ def committed_state(records: RecordDict, accepted: int):
 
 
 def client_round(run, context: Context, route, down):
-    """This node's client round of ``run`` (its :func:`build_node_run`) on ``down`` (the broadcast) for ``route``
-    (client, round, accepted): the new state is kept pending in ``context.state``. Returns (reply, trainer)."""
+    """This node's client round of ``run`` (its :func:`build_node_run`) on ``down`` (the broadcast, decoded) for
+    ``route`` (client, round, accepted): the new state (with the uplink's error feedback residuals) is kept pending in
+    ``context.state``. Returns (reply, the reply coded by the uplink's codec, trainer)."""
+    from ...codecs import split_state
     from ..engine import client_update
     from .records import put_records
 
@@ -82,8 +84,10 @@ def client_round(run, context: Context, route, down):
     state = committed_state(context.state, int(route["accepted"]))
     if state is None:
         state = run.method.init_client(k)
+    state, residual = split_state(state) if run.uplink.error_feedback else (state, {})
     reply, new_state, trainer = client_update(run.method, run.model, down, state, run.task, run.parts[k], run.cfg,
                                               k, rnd, run.training_plan(one_at_a_time=True))
+    coded, new_state = run.uplink.encode_reply(reply, down, new_state, residual, k, rnd)
     put_records(context.state, new_state, PENDING)
     context.state[PENDING_ROUND] = ConfigRecord({"round": rnd})
-    return reply, trainer
+    return reply, coded, trainer

@@ -5,7 +5,8 @@ Flower 1.41 ships SecAgg+ for its legacy ``FitIns``/``FitRes`` records only, dri
 ``LegacyContext``. :class:`SecAggRounds` is that legacy strategy, a thin adapter over :class:`MethodStrategy`:
 
 * ``configure_fit``: the round's sampled clients and broadcasts (:meth:`MethodStrategy.start_round`); each
-  broadcast travels in ``FitIns.config`` as fedlowrank's byte format (plaintext, as in a plain round);
+  broadcast travels in ``FitIns.config`` as fedlowrank's byte format (plaintext, as in a plain round, coded by the
+  downlink's codec when there is one; the uplink's codecs are refused, :func:`~.settings.check_secagg`);
 * client (:func:`secagg_reply`): the client round of a plain run (local DP included), then the *update* of each
   floating-point reply tensor (:mod:`fedlowrank.privacy.mechanisms`: ``reply − broadcast``, or the tensor itself)
   goes into ``FitRes.parameters`` with ``num_examples = 1``, which ``secaggplus_mod`` quantises, masks and sends;
@@ -73,9 +74,9 @@ def secagg_reply(msg: FlowerMessage, context: Context, run) -> FlowerMessage:
     from .node import client_round
 
     config = msg.content[SECAGG_ROUND]
-    down = Message.from_bytes(bytes(config["fedlowrank.message"]))
+    down = run.downlink.decode(Message.from_bytes(bytes(config["fedlowrank.message"])), None)
     route = json.loads(str(config["fedlowrank.route"]))
-    reply, trainer = client_round(run, context, route, down)
+    reply, _, trainer = client_round(run, context, route, down)
     keys = update_keys(reply)
     updates = [update_tensor(reply, down, key).to("cpu").numpy() for key in keys]
     names = [[key, str(reply[key].dtype).removeprefix("torch.")] for key in keys]
@@ -93,15 +94,16 @@ class SecAggRounds(LegacyStrategy):
         self.strategy = strategy
         self.grid = grid
         self.run_id = run_id
-        self.downs: dict[int, object] = {}
+        self.downs: dict[int, object] = {}  # client -> what it decodes from its broadcast
+        self.down_bytes: dict[int, int] = {}  # client -> its coded broadcast's bytes
 
     def configure_fit(self, server_round, parameters, client_manager):
         s = self.strategy
-        self.downs, out = {}, []
+        self.downs, self.down_bytes, out = {}, {}, []
         self.grid.up = self.grid.down = 0  # the round's protocol traffic starts here (SecAgg+'s setup stage)
-        for k, msg, route in s.start_round(server_round, self.grid):
-            self.downs[k] = msg
-            config = {"fedlowrank.message": msg.to_bytes(), "fedlowrank.route": json.dumps(dict(route))}
+        for k, coded, down, route in s.start_round(server_round, self.grid):
+            self.downs[k], self.down_bytes[k] = down, coded.nbytes()
+            config = {"fedlowrank.message": coded.to_bytes(), "fedlowrank.route": json.dumps(dict(route))}
             out.append((GridClientProxy(s.nodes[k], self.grid, self.run_id), FitIns(Parameters([], ""), config)))
         return out
 
@@ -114,17 +116,17 @@ class SecAggRounds(LegacyStrategy):
             k = next((c for c, node in s.nodes.items() if node == proxy.node_id), None)
             if k not in self.downs:
                 continue  # not a client of this round
-            down = self.downs.pop(k)
+            down, down_bytes = self.downs.pop(k), self.down_bytes[k]
             try:
                 reply = self.rebuild(fitres, down)
-                usable = got.receive(s.run.method, k, down, reply, s.size_bound(k))
+                usable = got.receive(s.run.method, k, down, reply, s.size_bound(k), down_bytes=down_bytes)
             except Exception as exc:  # noqa: BLE001 - whatever a node sent, the run goes on without it
-                got.reject(k, f"malformed reply ({type(exc).__name__}: {exc})", down.nbytes(), 0)
+                got.reject(k, f"malformed reply ({type(exc).__name__}: {exc})", down_bytes, 0)
                 continue
             if usable:
                 got.compute += reported_seconds(fitres.metrics.get("compute-seconds"))
-        for k, down in self.downs.items():
-            got.drop(k, "no masked update (SecAgg+ dropped it)", down.nbytes())
+        for k in self.downs:
+            got.drop(k, "no masked update (SecAgg+ dropped it)", self.down_bytes[k])
         got.extra = {"flower_bytes_up": int(self.grid.up), "flower_bytes_down": int(self.grid.down)}
         s.close_round()
         self.downs = {}

@@ -114,5 +114,11 @@ def check_secagg(cfg: RunConfig, settings: FlowerSettings) -> None:
                           "server.update_clip = inf")
     if cfg.run.clients_per_round < 2:
         raise ConfigError("flower.secagg needs run.clients_per_round >= 2")
+    if cfg.uplink.active:
+        raise ConfigError(f"flower.secagg with uplink.codec = {cfg.uplink.codec!r}, uplink.lossless = "
+                          f"{cfg.uplink.lossless!r}: SecAgg+ masks the plain update in its integer field and unmasks "
+                          f"only the sum, which a coded reply does not survive; leave [uplink] unset (SecAgg+ quantises "
+                          f"the update itself, to flower.secagg-clipping-range) or run without flower.secagg "
+                          f"(downlink codecs work with it)")
     if settings.secagg_clipping_range <= 0:
         raise ConfigError(f"flower.secagg-clipping-range must be > 0, got {settings.secagg_clipping_range}")

@@ -10,8 +10,10 @@ produce the same global model:
 * sampling: :func:`~fedlowrank.runtime.engine.sample_clients` (the run's seeded stream, never Python's
   global ``random``); client ``k`` is the SuperNode whose ``partition-id`` is ``k``, learnt by a ``query``
   message to each node;
-* broadcast: ``method.broadcast(server, k, rnd)`` for each sampled client, one ``Message`` per node, its
-  records built by :func:`~fedlowrank.runtime.flower.records.to_records` (any keys, shapes and scalars);
+* broadcast: ``method.broadcast(server, k, rnd)`` for each sampled client, coded by the run's downlink
+  (:func:`~fedlowrank.runtime.engine.send_down`), one ``Message`` per node, its records built by
+  :func:`~fedlowrank.runtime.flower.records.to_records` (any keys, shapes and scalars); a reply is decoded by the
+  uplink's codec in :meth:`~fedlowrank.runtime.rounds.RoundReplies.receive`, before any check;
 * aggregate: the replies, sorted by client as in the simulator, go to ``method.aggregate``; a reply that
   fails :func:`~fedlowrank.runtime.engine.check_reply`, is larger than the method can send
   (``method.max_reply_bytes``, checked before anything is decoded) or cannot be decoded at all is rejected, and a
@@ -25,7 +27,7 @@ produce the same global model:
 * client state: each train message names the last round whose reply of that client was aggregated
   (``accepted``), so that its node commits the state it made then and drops one whose reply was not taken;
 * evaluation: on the server, on the task's global test set (``evaluate``, passed as ``evaluate_fn``);
-* ledger: ``Message.nbytes()`` of every broadcast and reply (the simulator's count), plus the bytes of the
+* ledger: ``Message.nbytes()`` of every coded broadcast and reply (the simulator's count), plus the bytes of the
   Flower records themselves (``flower_bytes_up``/``flower_bytes_down`` in the round's row).
 """
 
@@ -43,7 +45,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from ...message import Message, State
-from ..engine import sample_clients
+from ..engine import sample_clients, send_down
 from ..evaluation import scalar_metrics
 from ..rounds import RoundOutcome, RoundReplies
 from ..server_run import ServerRun
@@ -111,7 +113,8 @@ class MethodStrategy(Strategy):
         self.nodes: dict[int, int] = {}  # client id (SuperNode partition-id) -> node id
         self._ignored: set[int] = set()  # node ids whose answer to the query was unusable
         self.node_sizes: dict[int, int] = {}  # client id -> its declared training examples (nodes with own data)
-        self._sent: list[tuple[FlowerMessage, int, Message, int]] = []  # (sent, client, its Message, flower bytes)
+        # (sent, client, the Message it decodes, its coded bytes, flower bytes)
+        self._sent: list[tuple[FlowerMessage, int, Message, int, int]] = []
         self.round: RoundReplies | None = None  # the round in progress
         self.started = 0.0  # when it started (time.perf_counter)
         self.outcome: RoundOutcome | None = None  # the round closed, waiting for its evaluation
@@ -200,29 +203,32 @@ class MethodStrategy(Strategy):
         return k, size
 
     # -- training ------------------------------------------------------------------------------------
-    def start_round(self, rnd: int, grid: Grid) -> list[tuple[int, Message, ConfigRecord]]:
-        """Sample round ``rnd``'s clients and open it; (client, broadcast, route) for each client with a node."""
+    def start_round(self, rnd: int, grid: Grid) -> list[tuple[int, Message, Message, ConfigRecord]]:
+        """Sample round ``rnd``'s clients and open it; (client, coded broadcast, what the client decodes from it,
+        route) for each client with a node (:func:`~fedlowrank.runtime.engine.send_down`)."""
         run = self.run
         self.refresh_nodes(grid)
         clients = sample_clients(run.cfg.run.seed, rnd, self.num_clients, run.cfg.run.clients_per_round)
-        self.round, self.started, self.outcome = RoundReplies(rnd, clients), time.perf_counter(), None
+        self.round = RoundReplies(rnd, clients, uplink=run.state.uplink, downlink=run.state.downlink)
+        self.started, self.outcome = time.perf_counter(), None
         out = []
         for k in clients:
             if k not in self.nodes:
                 self.round.drop(k, "no SuperNode for this client")
                 continue
             route = ConfigRecord({"client": k, "round": rnd, "accepted": self.accepted.get(k, 0)})
-            out.append((k, run.method.broadcast(run.server, k, rnd), route))
+            coded, down = send_down(run.state.downlink, run.method.broadcast(run.server, k, rnd), k, rnd)
+            out.append((k, coded, down, route))
         return out
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[FlowerMessage]:
         rnd = server_round
         self._sent = []
-        for k, msg, route in self.start_round(rnd, grid):
-            content = RecordDict({**to_records(msg), ROUTE: route})
+        for k, coded, down, route in self.start_round(rnd, grid):
+            content = RecordDict({**to_records(coded), ROUTE: route})
             sent = FlowerMessage(content, dst_node_id=self.nodes[k], message_type=MessageType.TRAIN)
-            self._sent.append((sent, k, msg, records_nbytes(content)))
+            self._sent.append((sent, k, down, coded.nbytes(), records_nbytes(content)))
         log(INFO, "fedlowrank: round %d: sampled clients %s, sent to %d nodes", rnd, self.round.clients,
             len(self._sent))
         return [sent for sent, *_ in self._sent]
@@ -232,40 +238,44 @@ class MethodStrategy(Strategy):
         got, rnd = self.round, server_round
         flower_up = flower_down = 0
         # the grid gave each sent message its id; replies (and the SuperLink's error replies) name it
-        pending = {sent.metadata.message_id: (sent.metadata.dst_node_id, k, down, fdown)
-                   for sent, k, down, fdown in self._sent}
+        pending = {sent.metadata.message_id: (sent.metadata.dst_node_id, k, down, down_bytes, fdown)
+                   for sent, k, down, down_bytes, fdown in self._sent}
         for reply in replies:
             if reply.metadata.reply_to_message_id not in pending:
                 log(WARNING, "fedlowrank: round %d: ignoring a reply to an unknown message", rnd)
                 continue
-            node, k, down, fdown = pending.pop(reply.metadata.reply_to_message_id)
+            node, k, down, down_bytes, fdown = pending.pop(reply.metadata.reply_to_message_id)
             flower_down += fdown
             if reply.has_error():
-                got.drop(k, f"node {node} answered with an error: {reply.error.reason}", down.nbytes())
+                got.drop(k, f"node {node} answered with an error: {reply.error.reason}", down_bytes)
                 continue
-            flower_up += self.take_reply(got, k, down, reply.content)
-        for node, k, down, fdown in pending.values():
+            flower_up += self.take_reply(got, k, down, reply.content, down_bytes)
+        for node, k, down, down_bytes, fdown in pending.values():
             got.drop(k, f"no reply from node {node} within flower.round-timeout = {self.settings.round_timeout:g} s",
-                     down.nbytes())
+                     down_bytes)
             flower_down += fdown
         self._sent = []
         got.extra = {"flower_bytes_up": int(flower_up), "flower_bytes_down": int(flower_down)}
         return self.close_round()
 
-    def take_reply(self, got: RoundReplies, client: int, down: Message, content: RecordDict) -> int:
-        """Decode ``client``'s reply ``content`` to ``down`` into ``got``: usable, or rejected with the reason
-        (:func:`decode_reply`, :meth:`RoundReplies.receive`); never raises. Returns its payload bytes."""
+    def take_reply(self, got: RoundReplies, client: int, down: Message, content: RecordDict,
+                   down_bytes: int | None = None) -> int:
+        """Decode ``client``'s reply ``content`` to ``down`` (sent in ``down_bytes``, default ``down.nbytes()``) into
+        ``got``: usable, or rejected with the reason (:func:`decode_reply`, :meth:`RoundReplies.receive`); never
+        raises. Returns its payload bytes."""
+        down_bytes = down.nbytes() if down_bytes is None else down_bytes
         try:
             size = records_nbytes(content)
         except Exception as exc:  # noqa: BLE001 - any malformed record is the node's fault, never the server's
-            got.reject(client, f"unreadable records ({type(exc).__name__}: {exc})", down.nbytes(), 0)
+            got.reject(client, f"unreadable records ({type(exc).__name__}: {exc})", down_bytes, 0)
             return 0
         try:
             msg = decode_reply(content, size, self.run.method.max_reply_bytes(down))
-            usable = got.receive(self.run.method, client, down, msg, self.size_bound(client), cap=self.weight_cap(client))
+            usable = got.receive(self.run.method, client, down, msg, self.size_bound(client), cap=self.weight_cap(client),
+                                 down_bytes=down_bytes)
         except Exception as exc:  # noqa: BLE001 - whatever a node sent, the run goes on without it
             reason = str(exc) if isinstance(exc, MalformedReply) else f"malformed reply ({type(exc).__name__}: {exc})"
-            got.reject(client, reason, down.nbytes(), size)
+            got.reject(client, reason, down_bytes, size)
             return size
         if usable:
             got.compute += reported_seconds(content.get("metrics", MetricRecord()).get("compute-seconds"))
