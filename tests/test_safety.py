@@ -492,3 +492,25 @@ def test_compare_resume_runs_again_a_finished_run_whose_metrics_were_emptied(tmp
     capsys.readouterr()
     assert main([*argv, "--resume"]) == 0, capsys.readouterr().err
     assert rounds_in(cmp / "fedit-seed0") == [1, 2]
+
+
+def test_a_checkpoint_of_a_config_with_fewer_keys_resumes(three_rounds, tmp_path, capsys):
+    """A run written by a fedlowrank whose configs had fewer keys (here: without the [uplink] and [downlink] sections
+    added since): its config.json lacks them and its checkpoints carry that config's fingerprint. It resumes, the
+    new keys at their defaults; a config.json edited in a key the run computes with is still refused."""
+    from fedlowrank.runtime.checkpoint import dict_fingerprint
+
+    run_dir = _copy(three_rounds[0], tmp_path)
+    config = json.loads((run_dir / "config.json").read_text())
+    older = {k: v for k, v in config.items() if k not in ("uplink", "downlink")}
+    (run_dir / "config.json").write_text(json.dumps(older))
+    for rnd in (2, 3):
+        _forge(run_dir / "checkpoints" / f"round-0000{rnd}",
+               record=lambda r: {**r, "config_fingerprint": dict_fingerprint(older)})
+    assert main(["resume", str(run_dir), "--round", "2", "--quiet"]) == 0, capsys.readouterr().err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["accuracy"] == three_rounds[1]["accuracy"] and summary["bytes_up"] == three_rounds[1]["bytes_up"]
+    edited = {**older, "train": {**older["train"], "lr": 0.5}}
+    (run_dir / "config.json").write_text(json.dumps(edited))
+    assert main(["resume", str(run_dir), "--quiet"]) == 2
+    assert "was written with another config" in capsys.readouterr().err
