@@ -249,8 +249,8 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT to the group", "kill -9"])
 def test_a_stopped_launcher_stops_every_rank_at_a_rounds_end_with_that_round_saved(tmp_path, how):
     """``run.devices`` with 2 ranks: SIGTERM to the launcher, Ctrl-C (SIGINT to its process group), or the launcher
-    killed outright. Every rank stops at the end of the same round, rank 0 saving it, within seconds; one line says
-    where and how to continue (none from rank 1); no rank runs on."""
+    killed outright. Every rank stops at the end of the same round, rank 0 saving it, within 10 s (killed: within
+    run.collective_timeout_s); one line says where and how to continue (none from rank 1); no rank runs on."""
     import signal
 
     run_dir, err_file = tmp_path / "run", tmp_path / "stderr.txt"
@@ -259,19 +259,20 @@ def test_a_stopped_launcher_stops_every_rank_at_a_rounds_end_with_that_round_sav
                    err_file, lambda text: "round 3/2000" in text)
     ranks = _descendants(proc.pid)
     assert ranks
+    limit = 30 if how == "kill -9" else 10  # run.collective_timeout_s; the issue's bound after a round's end
     t0 = time.monotonic()
     {"SIGTERM": lambda: os.kill(proc.pid, signal.SIGTERM), "SIGINT to the group": lambda: os.killpg(proc.pid, signal.SIGINT),
      "kill -9": lambda: os.kill(proc.pid, signal.SIGKILL)}[how]()
     try:
         proc.wait(timeout=60)
         while any(_alive(p) for p in ranks):
-            assert time.monotonic() - t0 < 40, "a rank runs on after its launcher stopped"
+            assert time.monotonic() - t0 < limit, "a rank runs on after its launcher stopped"
             time.sleep(0.2)
     finally:
         for p in [proc.pid, *ranks]:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
-    assert time.monotonic() - t0 < 40
+    assert time.monotonic() - t0 < limit
     text = err_file.read_text()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     saved = int((run_dir / "checkpoints" / "latest").read_text().strip()[len("round-"):])

@@ -36,6 +36,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -418,7 +419,11 @@ def _rank_main(rank: int, devices: list[str], port: int, target: Callable[..., A
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    raise SystemExit(status if isinstance(status, int) else 0)
+    # its files written and closed, the rank ends without the interpreter's teardown, which takes seconds with torch
+    # loaded on a busy machine while the launcher (and a user who stopped it) waits
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status if isinstance(status, int) else 0)
 
 
 def spawn(target: Callable[..., Any], args: tuple, devices: list[str], grace_s: float) -> list[int]:
