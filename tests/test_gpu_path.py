@@ -458,7 +458,7 @@ def test_gradient_checkpointing_gives_the_same_run_with_less_memory(cohort):
     plain.run()
     checkpointed = lm_simulation("train.gradient_checkpointing=true", *sets)
     checkpointed.run()
-    assert checkpointed.model.net.is_gradient_checkpointing
+    assert checkpointed.model.net.is_activation_checkpointing
     for key, value in plain.server.tensors().items():
         torch.testing.assert_close(checkpointed.server[key], value, rtol=1e-5, atol=1e-7, msg=key)
     peaks = []
@@ -669,7 +669,7 @@ def test_the_automatic_cohort_turns_checkpointing_on_when_that_fits_more_clients
     sim = lm_simulation("run.clients_per_round=4")
     assert sim.cfg.train.gradient_checkpointing == "auto"
     plain, checkpointed = (cohort_memory(sim.cfg, sim.task, sim.model, on) for on in (False, True))
-    assert checkpointed.step(4) < 0.8 * plain.step(4) and not sim.model.net.is_gradient_checkpointing
+    assert checkpointed.step(4) < 0.8 * plain.step(4) and not sim.model.net.is_activation_checkpointing
     assert plain.peak(1) < checkpointed.peak(4) < plain.peak(4)
     free = checkpointed.peak(4) / 0.9 * 1.01  # 4 members fit with checkpointing only
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free), 2 * int(free)))
@@ -681,7 +681,7 @@ def test_the_automatic_cohort_turns_checkpointing_on_when_that_fits_more_clients
     off = load_config("tiny-lm", ["task.options.eval_generate=0", "run.clients_per_round=4",
                                   "train.gradient_checkpointing=false"])
     assert cohort_size(off, sim.method, sim.task, sim.model, cuda)[0] < 4      # false: never switched on
-    assert not sim.model.net.is_gradient_checkpointing                          # the planner changes no model
+    assert not sim.model.net.is_activation_checkpointing                          # the planner changes no model
     fixed = load_config("tiny-lm", ["task.options.eval_generate=0", "run.clients_per_round=4", "run.cohort=4"])
     with caplog.at_level("INFO", logger="fedlowrank"):
         assert cohort_size(fixed, sim.method, sim.task, sim.model, cuda) == (4, "", True)  # a fixed cohort: on

@@ -101,15 +101,15 @@ def can_checkpoint(net: nn.Module) -> bool:
 def set_checkpointing(net: nn.Module, on: bool) -> None:
     """Gradient checkpointing (transformers', non-reentrant) of ``net`` on or off; on needs :func:`can_checkpoint`
     (one line naming ``train.gradient_checkpointing`` otherwise)."""
-    if on == bool(getattr(net, "is_gradient_checkpointing", False)):
+    if on == bool(getattr(net, "is_activation_checkpointing", False)):
         return
     if not on:
-        net.gradient_checkpointing_disable()
+        net.activation_checkpointing_disable()
     elif not can_checkpoint(net):
         raise ValueError(f"train.gradient_checkpointing: the model ({type(net).__name__}) does not support it; "
                          f"set train.gradient_checkpointing = false")
     else:
-        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _cast(obj: Any, dtype: torch.dtype) -> Any:

@@ -173,7 +173,7 @@ def cohort_memory(cfg, task, model: AdaptedModel, checkpointing: bool | None = N
     own = model.own_parameters()
     own_bytes = sum(p.numel() * 4 for p in own)
     was_training, requires = net.training, [p.requires_grad for p in own]
-    was_checkpointing = bool(getattr(net, "is_gradient_checkpointing", False))
+    was_checkpointing = bool(getattr(net, "is_activation_checkpointing", False))
     checkpointing = was_checkpointing if checkpointing is None else checkpointing
 
     def probe(rows: int) -> tuple[int, int]:
