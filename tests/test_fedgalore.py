@@ -8,7 +8,7 @@ from functools import lru_cache
 import numpy as np
 import pytest
 import torch
-from helpers import run_tiny, tiny_config, tiny_task
+from helpers import run_tiny, tiny_config, tiny_simulation, tiny_task
 
 from fedlowrank.message import Reply, State
 from fedlowrank.methods import get_method
@@ -120,6 +120,14 @@ def test_dense_path_when_the_final_basis_is_not_seeded():
         lifted = new[f"{name}.galore_v"] @ method.sync_basis(new, b, name).T
         torch.testing.assert_close(lifted, S @ Q.T, atol=1e-6, rtol=1e-4)
     assert method.pop_metrics()["sync_compact_path"] == 0.0
+
+
+def test_the_synced_basis_of_the_dense_path_is_a_declared_server_entry():
+    """Clients on unseeded bases leave ``{module}.galore_Q`` in the global state: the checkpoint check accepts it."""
+    sets = ("method.svd_refreshes=-1", "train.local_steps=3")
+    sim = run_tiny("fedgalore", *sets, rounds=1)
+    assert any(k.endswith(".galore_Q") for k in sim.server)
+    assert tiny_simulation("fedgalore", *sets, rounds=1).state_schema(None).problem(sim.server) is None
 
 
 def test_fedgalore_minus_sends_no_state_and_options_are_validated():

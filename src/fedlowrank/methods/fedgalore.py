@@ -68,7 +68,8 @@ class FedGaLore(FedAvgFull):
               "+ the [d_p,r] basis of SVD segments) and the projected ṽ [d_u,r]; head; final basis index")
     downlink = "dense W̄ [out,in] per target module, head, round seed, synced S̄ [d_u,r] per module + its basis id"
     needs_individual_replies = True
-    server_entries = ("{module}.galore_v", SYNC_SEED_KEY, SYNC_INDEX_KEY)  # the synced state, from round 1 on
+    # the synced state, from round 1 on; with the synced basis Q̄ [d_p, r] when the clients ended on different bases
+    server_entries = ("{module}.galore_v", "{module}.galore_Q", SYNC_SEED_KEY, SYNC_INDEX_KEY)
     batched = False  # FedAvg-full's vectorised round has no GaLore steps
 
     rank: int = setting(0, "GaLore rank r (0 = lora.rank, the baselines' rank)", ge=0)

@@ -174,9 +174,9 @@ def run_collapse(history: list[Mapping[str, Any]]) -> dict[str, Any] | None:
     return {**first, "rounds": rounds, "at_end": rounds[-1] == evaluated[-1]["round"]}
 
 
-def collapse_line(collapse: Mapping[str, Any]) -> str:
+def collapse_line(collapse: Mapping[str, Any], advice: str = "") -> str:
     """``collapse: round 3: the global model predicts class 'World' for 97.4 % of the test set (≥ 95 %; chance
-    level 25.0 %)``."""
+    level 25.0 %)``, then ``; advice`` (the task's :meth:`~fedlowrank.tasks.base.Task.collapse_advice`) if any."""
     return (f"collapse: round {collapse['round']}: the global model predicts class {collapse['top_label']!r} for "
             f"{100 * collapse['top_share']:.1f} % of the test set (≥ {100 * COLLAPSE_SHARE:.0f} %; chance level "
-            f"{100 * collapse['majority_share']:.1f} %)")
+            f"{100 * collapse['majority_share']:.1f} %)" + (f"; {advice}" if advice else ""))

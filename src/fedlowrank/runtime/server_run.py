@@ -178,7 +178,7 @@ class ServerRun:
             self.save_checkpoint()
         self.progress.round_end(row, metrics, rounds)
         if collapse_of(row) and not any(collapse_of(r) for r in self.history[:-1]):
-            self.warn(collapse_line(collapse_of(row)))
+            self.warn(collapse_line(collapse_of(row), self.task.collapse_advice()))
 
     def checkpoint_due(self, rnd: int) -> bool:
         """Whether the state after round ``rnd`` is saved (:meth:`~.checkpoint.Checkpointer.due`)."""

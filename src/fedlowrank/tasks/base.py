@@ -114,11 +114,21 @@ def log_prior(labels: np.ndarray, num_classes: int) -> Tensor:
     return torch.log(torch.as_tensor(np.maximum(counts / counts.sum(), PRIOR_FLOOR), dtype=torch.float32))
 
 
+def calibration_offset(labels: np.ndarray, num_classes: int) -> Tensor:
+    """``[C]`` ``−n_c^{−1/4}`` of a client's training labels ``[n_k]`` (``n_c`` its count of class ``c``), FedLC's
+    calibration per unit of τ (Zhang et al., arXiv:2209.00189, eq. 9); ``−inf`` for a class the client holds no
+    example of, which so leaves its softmax (``0^{−1/4} = ∞``, as the paper's released loss computes it)."""
+    counts = torch.as_tensor(np.bincount(np.asarray(labels), minlength=num_classes), dtype=torch.float32)
+    return -counts.pow(-0.25)
+
+
 def adjusted_cross_entropy(logits: Tensor, batch: dict[str, Tensor], reduction: str = "mean") -> Tensor:
-    """Cross-entropy of ``[B, C]`` logits against ``batch["labels"]`` ``[B]``; when the batch carries
-    ``"logit_offset"`` ``[B, C]`` (``τ · log π`` of each row's client), of ``logits + offset`` (the logit-adjusted
-    loss, arXiv:2007.07314)."""
+    """Cross-entropy of ``[B, C]`` logits against ``batch["labels"]`` ``[B]``; of ``logits · scale + offset`` when
+    the batch carries ``"logit_scale"`` and ``"logit_offset"`` ``[B, C]``, the per-class terms of each row's
+    client (:meth:`ClassificationOptions.client_terms`)."""
     logits = logits.float()
+    if "logit_scale" in batch:
+        logits = logits * batch["logit_scale"]
     if "logit_offset" in batch:
         logits = logits + batch["logit_offset"]
     return F.cross_entropy(logits, batch["labels"], reduction=reduction)
@@ -325,6 +335,11 @@ class Task:
         """A JSON-able summary for the run directory."""
         return {"name": self.name, "num_train": self.num_train}
 
+    def collapse_advice(self) -> str:
+        """What the collapse warning adds when the global model predicts one class (the remedies to try). Default:
+        nothing."""
+        return ""
+
     def describe_partition(self, parts: list[np.ndarray]) -> dict[str, Any]:
         """Task-specific facts about the clients' data for ``partition.json`` (e.g. each client's image domain)."""
         return {}
@@ -332,40 +347,85 @@ class Task:
 
 @dataclass
 class ClassificationOptions(Schema):
-    """``task.options`` every classification task declares (text and image classification)."""
+    """``task.options`` every classification task declares (text and image classification): the remedies for label
+    skew that change each client's training loss, composable (the loss reads ``logits · scale + offset``, the
+    terms of all in use; :meth:`client_terms`); evaluation always reads the plain logits."""
 
     prefix = "task.options"
 
     logit_adjustment: float = setting(0.0, "τ of the logit-adjusted training loss: each client trains on the "
                                       "cross-entropy of logits + τ · log π, π its own label distribution (a class "
                                       "it lacks counts 1e-3), so that its logits need not carry its own label skew "
-                                      "(Menon et al., arXiv:2007.07314); evaluation reads the plain logits; "
-                                      "0 = plain cross-entropy; refused with privacy.dpsgd", ge=0.0)
+                                      "(Menon et al., arXiv:2007.07314; τ = 1 is the balanced softmax of Ren et al., "
+                                      "arXiv:2007.10740); evaluation reads the plain logits; 0 = plain "
+                                      "cross-entropy; refused with privacy.dpsgd", ge=0.0)
+    calibration: float = setting(0.0, "τ of FedLC's calibrated loss: each client trains on the cross-entropy of "
+                                 "logits − τ · n_c^(−1/4), n_c its count of class c, a class it lacks left out of "
+                                 "its softmax (Zhang et al., arXiv:2209.00189); evaluation reads the plain logits; "
+                                 "0 = off; refused with privacy.dpsgd", ge=0.0)
+    restricted_softmax: float = setting(1.0, "α of FedRS's restricted softmax: in each client's training loss the "
+                                        "logit of every class it holds no example of is multiplied by α (Li & Zhan, "
+                                        "KDD 2021, doi:10.1145/3447548.3467254); evaluation reads the plain logits; "
+                                        "1 = off; refused with privacy.dpsgd", ge=0.0, le=1.0)
+
+    def in_use(self) -> list[str]:
+        """The options whose remedy changes the training loss (those off their neutral value)."""
+        return [name for name, on in (("logit_adjustment", self.logit_adjustment > 0),
+                                      ("calibration", self.calibration > 0),
+                                      ("restricted_softmax", self.restricted_softmax < 1)) if on]
+
+    def client_terms(self, labels: np.ndarray, num_classes: int) -> dict[str, Tensor]:
+        """The per-class terms of the training loss of a client whose labels are ``labels`` ``[n_k]``, those of the
+        remedies in use: ``"logit_scale"`` ``[C]`` (α for the classes it lacks, else 1) and ``"logit_offset"``
+        ``[C]`` (``τ · log π`` plus ``−τ_LC · n_c^{−1/4}``); ``{}`` with none, the plain loss."""
+        terms: dict[str, Tensor] = {}
+        if self.restricted_softmax < 1:
+            present = torch.as_tensor(np.bincount(np.asarray(labels), minlength=num_classes) > 0)
+            terms["logit_scale"] = torch.where(present, 1.0, self.restricted_softmax).float()
+        offsets = []
+        if self.logit_adjustment > 0:
+            offsets.append(self.logit_adjustment * log_prior(labels, num_classes))
+        if self.calibration > 0:
+            offsets.append(self.calibration * calibration_offset(labels, num_classes))
+        if offsets:
+            terms["logit_offset"] = torch.stack(offsets).sum(0)
+        return terms
 
 
 class Classification(Task):
     """The training loss of a classification task whose :meth:`output` is logits ``[B, C]`` and whose batches hold
-    ``"labels"`` ``[B]``: cross-entropy, logit-adjusted by each client's label prior when
-    :attr:`logit_adjustment` τ > 0 (:class:`ClassificationOptions`)."""
+    ``"labels"`` ``[B]``: cross-entropy, with the label-skew remedies of :attr:`remedies`
+    (:class:`ClassificationOptions`) applied to each client's logits."""
 
-    logit_adjustment: float = 0.0
+    remedies: ClassificationOptions = ClassificationOptions()
     num_labels: int
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        if cfg.task.options.get("logit_adjustment", 0) and cfg.privacy.dpsgd:
-            raise ValueError("task.options.logit_adjustment > 0 cannot run with privacy.dpsgd = true: the prior makes "
-                             "each example's loss depend on the client's other labels, which per-example clipping "
-                             "does not bound; set one of them off")
+        in_use = cls.checked_options(cfg).in_use()
+        if in_use and cfg.privacy.dpsgd:
+            raise ValueError(f"task.options.{in_use[0]} cannot run with privacy.dpsgd = true: the remedy makes each "
+                             "example's loss depend on the client's other labels, which per-example clipping does "
+                             "not bound; set one of them off")
 
     def client_batch(self, indices: np.ndarray, client_indices: np.ndarray) -> dict[str, Tensor]:
-        """:meth:`batch`, with ``"logit_offset"`` ``[B, C]``, ``τ · log π`` of the client's labels
-        (:func:`log_prior`), when τ > 0."""
+        """:meth:`batch`, with the client's per-class loss terms ``[B, C]`` (``"logit_scale"``, ``"logit_offset"``,
+        :meth:`ClassificationOptions.client_terms`) when a remedy is in use."""
         batch = self.batch(indices)
-        if self.logit_adjustment > 0:
-            offset = self.logit_adjustment * log_prior(self.train_labels[np.asarray(client_indices)], self.num_labels)
-            batch["logit_offset"] = offset.expand(len(batch["labels"]), -1).contiguous()
+        if self.remedies.in_use():
+            terms = self.remedies.client_terms(self.train_labels[np.asarray(client_indices)], self.num_labels)
+            for key, row in terms.items():
+                batch[key] = row.expand(len(batch["labels"]), -1).contiguous()
         return batch
+
+    def collapse_advice(self) -> str:
+        """The remedies in use, or those to try with their documented starting values."""
+        in_use = self.remedies.in_use()
+        if in_use:
+            return "remedies in use: " + ", ".join(f"task.options.{k} = {getattr(self.remedies, k):g}"
+                                                    for k in in_use)
+        return ("against label skew try task.options.logit_adjustment = 1, task.options.calibration = 1 or "
+                "task.options.restricted_softmax = 0.5 (docs/comparison.md, \"Remedies for label skew\")")
 
     def loss(self, net: nn.Module, batch: dict[str, Tensor]) -> Tensor:
         return self.output_loss(self.output(net, batch), batch)

@@ -88,7 +88,7 @@ class ImageClassification(Classification):
             client one domain) and the test set is evaluated under each.
         seed: for the domain assignment and the noise domain.
         source: where the data came from (for :meth:`describe`).
-        logit_adjustment: ``task.options.logit_adjustment`` τ (:class:`~.base.Classification`).
+        remedies: ``task.options``, the label-skew remedies of the training loss (:class:`~.base.Classification`).
     """
 
     name = "image-classification"
@@ -127,14 +127,13 @@ class ImageClassification(Classification):
             data, source = load_hf_images(d.hf_name), d.hf_name
         data = subsample_images(data, d.max_train_examples, d.max_test_examples, cfg.run.seed)
         return cls(data, cfg.task.model, cfg.lora.targets or None, cfg.task.eval_batch_size, options.domains or None,
-                   cfg.run.seed, source, options.logit_adjustment)
+                   cfg.run.seed, source, options)
 
     def __init__(self, data: ImageData, model: str = "tiny-vit", targets: list[str] | None = None,
                  eval_batch_size: int = 256, domains: list[str] | None = None, seed: int = 0, source: str = "",
-                 logit_adjustment: float = ImageOptions.logit_adjustment):
-        ClassificationOptions(logit_adjustment=logit_adjustment)  # checked
+                 remedies: ClassificationOptions | None = None):
         self.data = data
-        self.logit_adjustment = logit_adjustment
+        self.remedies = remedies or ClassificationOptions()
         self.model_name = model
         self.targets = targets
         self.eval_batch_size = eval_batch_size

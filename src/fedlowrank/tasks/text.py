@@ -41,7 +41,7 @@ class TextClassification(Classification):
             ``None`` = the architecture's default.
         eval_batch_size: examples per evaluation forward pass.
         length_buckets: ``task.length_buckets``: training batches are padded to the smallest that holds them.
-        logit_adjustment: ``task.options.logit_adjustment`` τ (:class:`~.base.Classification`).
+        remedies: ``task.options``, the label-skew remedies of the training loss (:class:`~.base.Classification`).
     """
 
     name = "text-classification"
@@ -81,15 +81,14 @@ class TextClassification(Classification):
     def with_data(cls, cfg, data: TextData) -> "TextClassification":
         """The task of ``cfg`` on ``data`` (a Flower node's own file, or what :meth:`from_config` read)."""
         return cls(data, cfg.task.model, cfg.task.max_length, cfg.lora.targets or None, cfg.task.eval_batch_size,
-                   cfg.task.quantize, cfg.task.length_buckets, cls.checked_options(cfg).logit_adjustment)
+                   cfg.task.quantize, cfg.task.length_buckets, cls.checked_options(cfg))
 
     def __init__(self, data: TextData, model: str = "minilm", max_length: int = 64,
                  targets: list[str] | str | None = None, eval_batch_size: int = 64, quantize: str = "",
                  length_buckets: list[int] | None = None,
-                 logit_adjustment: float = ClassificationOptions.logit_adjustment):
-        ClassificationOptions(logit_adjustment=logit_adjustment)  # checked
+                 remedies: ClassificationOptions | None = None):
         self.data = data
-        self.logit_adjustment = logit_adjustment
+        self.remedies = remedies or ClassificationOptions()
         self.model_name = model
         self.max_length = max_length
         self.length_buckets = list(length_buckets or [])
