@@ -64,6 +64,7 @@ def test_a_run_forced_to_predict_one_class_says_so_in_one_line():
     said = [line for line in lines if "collapse:" in line]
     assert len(said) == 1 and "round 1:" in said[0] and "'band2'" in said[0] and "100.0 %" in said[0]
     assert "try task.options.logit_adjustment = 1, task.options.calibration = 1" in said[0]  # the remedies to try
+    assert "remedies" not in sim.summary()
     assert sim.summary()["collapse"]["top_class"] == 2 and sim.summary()["collapse"]["at_end"]
     assert sim.history[0]["predictions"]["recall"] == [0.0, 0.0, 1.0]
 
@@ -75,11 +76,12 @@ def test_the_collapse_line_names_the_remedies_in_use():
     task = image_task()
     task.remedies = ClassificationOptions(calibration=0.5, restricted_softmax=0.25)
     try:
-        image_run(lines, rounds=1, forced=2)
+        summary = image_run(lines, rounds=1, forced=2).summary()
     finally:
         task.remedies = ClassificationOptions()
     said = [line for line in lines if "collapse:" in line]
     assert said[0].endswith("; remedies in use: task.options.calibration = 0.5, task.options.restricted_softmax = 0.25")
+    assert summary["remedies"] == {"calibration": 0.5, "restricted_softmax": 0.25} and summary["collapse"]
 
 
 def test_a_healthy_run_says_nothing_of_a_collapse():

@@ -254,8 +254,8 @@ class ServerRun:
         """The run's summary (also ``summary.json``): method, rounds, bytes, time by part, peak memory, the last
         evaluation's metrics, ``initial`` (round 0: the model before training, when this process ran it), ``epsilon``
         under client-level DP, ``dpsgd_epsilon`` under DP-SGD (:data:`~..privacy.runtime.PRIVACY_KEYS`),
-        ``best_accuracy``, ``collapse`` when the global model collapsed
-        (:func:`~.evaluation.run_collapse`)."""
+        ``best_accuracy``, ``collapse`` when the global model collapsed (:func:`~.evaluation.run_collapse`),
+        ``remedies``, the task's label-skew remedies in use (:meth:`~fedlowrank.tasks.base.Task.remedies_in_use`)."""
         times = {k: sum(r["time"][k] for r in self.history) for k in ROW_TIMES}
         out = {"method": self.method.name, "rounds": self.round, "bytes_up": self.ledger.total_up,
                "bytes_down": self.ledger.total_down, "time": times, "peak_rss_mb": peak_rss_mb()}
@@ -268,6 +268,8 @@ class ServerRun:
         collapse = run_collapse(self.history)
         if collapse:
             out["collapse"] = collapse
+        if self.task.remedies_in_use():
+            out["remedies"] = self.task.remedies_in_use()
         accuracies = [r["accuracy"] for r in self.history if "accuracy" in r]
         if accuracies:
             out["best_accuracy"] = max(accuracies)

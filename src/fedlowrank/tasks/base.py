@@ -335,6 +335,11 @@ class Task:
         """A JSON-able summary for the run directory."""
         return {"name": self.name, "num_train": self.num_train}
 
+    def remedies_in_use(self) -> dict[str, float]:
+        """The ``task.options`` that change the training loss against label skew, with their values (the run's
+        summary records them). Default: none."""
+        return {}
+
     def collapse_advice(self) -> str:
         """What the collapse warning adds when the global model predicts one class (the remedies to try). Default:
         nothing."""
@@ -418,12 +423,14 @@ class Classification(Task):
                 batch[key] = row.expand(len(batch["labels"]), -1).contiguous()
         return batch
 
+    def remedies_in_use(self) -> dict[str, float]:
+        return {k: getattr(self.remedies, k) for k in self.remedies.in_use()}
+
     def collapse_advice(self) -> str:
         """The remedies in use, or those to try with their documented starting values."""
-        in_use = self.remedies.in_use()
+        in_use = self.remedies_in_use()
         if in_use:
-            return "remedies in use: " + ", ".join(f"task.options.{k} = {getattr(self.remedies, k):g}"
-                                                    for k in in_use)
+            return "remedies in use: " + ", ".join(f"task.options.{k} = {v:g}" for k, v in in_use.items())
         return ("against label skew try task.options.logit_adjustment = 1, task.options.calibration = 1 or "
                 "task.options.restricted_softmax = 0.5 (docs/comparison.md, \"Remedies for label skew\")")
 
