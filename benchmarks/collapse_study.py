@@ -13,7 +13,7 @@ the partition alone).
     python benchmarks/collapse_study.py run --data bbc --arms base,centralized,alpha-100,uniform --out runs/collapse
     python benchmarks/collapse_study.py run --data agnews --arms logit-adjust-0.5,logit-adjust-1,logit-adjust-2 \
         --seeds 0,1,2,3,4,5 --out runs/collapse                                             # the τ sweep
-    python benchmarks/collapse_study.py run --data binary --arms base,logit-adjust-1,fedlc-1,fedrs-0.5 \
+    python benchmarks/collapse_study.py run --data binary --arms base,logit-adjust-1,fedlc-1,fedlc-10,fedrs-0.5 \
         --out runs/collapse                                                        # three remedies against one base
     python benchmarks/collapse_study.py report --out runs/collapse
 
@@ -55,6 +55,7 @@ ARMS = {
     "logit-adjust-1": (["fedit"], ["task.options.logit_adjustment=1"]),
     "logit-adjust-2": (["fedit"], ["task.options.logit_adjustment=2"]),
     "fedlc-1": (["fedit"], ["task.options.calibration=1"]),
+    "fedlc-10": (["fedit"], ["task.options.calibration=10"]),
     "fedrs-0.5": (["fedit"], ["task.options.restricted_softmax=0.5"]),
 }
 CLASSES = ("Business", "Sci/Tech")

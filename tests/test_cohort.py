@@ -21,6 +21,9 @@ from fedlowrank.tasks import build_task
 
 COHORT_METHODS = sorted(n for n, c in available_methods().items() if c.supports_cohorts)
 ONE_AT_A_TIME = sorted(n for n, c in available_methods().items() if not c.supports_cohorts)
+# the server re-factors the averaged ΔW by a truncated SVD: its factors' entries move by rounding / (singular-value
+# gap), so two float32 orders of the same sums agree to a few 1e-5, not to 1e-5 (measured: 1.03e-5 on |A| ≤ 0.31)
+SVD_ATOL = {"flexlora": 5e-5}
 CORRECTIONS = ("fedprox+scaffold", "fedprox", None)  # the most each method allows (tried in this order)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -123,7 +126,7 @@ def test_cohort_equals_one_at_a_time_on_text_classification(method, tmp_path):
     one = simulate("tiny", task, 1, sets, tmp_path / "one")
     joint = simulate("tiny", task, 3, sets, tmp_path / "joint")
     assert joint.cohort_size() == 3
-    assert_same_run(one, joint)
+    assert_same_run(one, joint, atol=SVD_ATOL.get(method, 1e-5))
     assert (tmp_path / "joint" / "ledger.jsonl").read_bytes() == (tmp_path / "one" / "ledger.jsonl").read_bytes()
     assert [r["train_loss"] for r in joint.history] == pytest.approx([r["train_loss"] for r in one.history])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -264,7 +265,15 @@ def test_a_stopped_launcher_stops_every_rank_at_a_rounds_end_with_that_round_sav
     {"SIGTERM": lambda: os.kill(proc.pid, signal.SIGTERM), "SIGINT to the group": lambda: os.killpg(proc.pid, signal.SIGINT),
      "kill -9": lambda: os.kill(proc.pid, signal.SIGKILL)}[how]()
     try:
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # say where each rank is (faulthandler on SIGUSR1) before failing
+            for p in ranks:
+                if _alive(p):
+                    os.kill(p, signal.SIGUSR1)
+            time.sleep(2)
+            pytest.fail(f"the launcher did not end within 60 s of {how}; its stderr and the ranks' stacks:\n"
+                        f"{err_file.read_text()}")
         while any(_alive(p) for p in ranks):
             assert time.monotonic() - t0 < limit, "a rank runs on after its launcher stopped"
             time.sleep(0.2)
@@ -284,3 +293,23 @@ def test_a_stopped_launcher_stops_every_rank_at_a_rounds_end_with_that_round_sav
         assert stops == [f"{what} in round {saved + 1} of 2000; saved the state after round {saved}; continue with: "
                          f"fedlowrank resume {run_dir}"], text
         assert "error" not in text and "Traceback" not in text, text
+
+
+def _fail_or_hold(seconds: float) -> int:
+    """A rank's work for the test below: rank 0 fails at once, rank 1 holds SIGTERM (as a rank in a round does)
+    and would run for ``seconds``."""
+    import signal
+
+    if os.environ["RANK"] == "0":
+        return 3
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    time.sleep(seconds)
+    return 0
+
+
+def test_a_rank_that_holds_sigterm_is_killed_once_the_grace_after_a_failure_ends():
+    from fedlowrank.runtime.distributed import spawn
+
+    t0 = time.monotonic()
+    codes = spawn(_fail_or_hold, (120.0,), ["cpu", "cpu"], grace_s=1.0)
+    assert codes == [3, -9] and time.monotonic() - t0 < 60

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -414,6 +415,7 @@ def _rank_main(rank: int, devices: list[str], port: int, target: Callable[..., A
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "FEDLOWRANK_DEVICE": devices[rank]})
     threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: a rank that seems stuck shows where
     try:
         status = target(*args)
     finally:
@@ -430,7 +432,8 @@ def spawn(target: Callable[..., Any], args: tuple, devices: list[str], grace_s: 
     """Run ``target(*args)`` in one new process per entry of ``devices``, as the ranks of one job on this machine
     (``torchrun``'s environment, a free port; rank r computes on ``devices[r]``); ``target`` is a module-level
     function (it is pickled by name). Waits for them all; once one has failed, the others get ``grace_s`` seconds to
-    end by themselves (their collectives fail or time out), then are terminated. Stopped itself (Ctrl-C, SIGTERM:
+    end by themselves (their collectives fail or time out), then are killed (SIGKILL: a rank holds SIGTERM until its
+    round's end, which a rank stuck in a round never reaches). Stopped itself (Ctrl-C, SIGTERM:
     ``KeyboardInterrupt``), it forwards SIGTERM to every rank, which stop together at the end of the round (rank 0
     saving it and saying so) and waits for them; a second stop kills them. Each rank also stops when this process
     ends without stopping it (:func:`_stop_when_orphaned`). Returns the exit codes by rank."""
@@ -458,7 +461,7 @@ def spawn(target: Callable[..., Any], args: tuple, devices: list[str], grace_s: 
         if deadline is not None and time.monotonic() > deadline:
             for p in procs:
                 if p.is_alive():
-                    p.terminate()
+                    p.kill()
             for p in procs:
                 p.join()
     return [p.exitcode for p in procs]
