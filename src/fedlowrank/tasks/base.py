@@ -116,7 +116,7 @@ def log_prior(labels: np.ndarray, num_classes: int) -> Tensor:
 
 def calibration_offset(labels: np.ndarray, num_classes: int) -> Tensor:
     """``[C]`` ``−n_c^{−1/4}`` of a client's training labels ``[n_k]`` (``n_c`` its count of class ``c``), FedLC's
-    calibration per unit of τ (Zhang et al., arXiv:2209.00189, eq. 9); ``−inf`` for a class the client holds no
+    calibration per unit of τ (Zhang et al., arXiv:2209.00189); ``−inf`` for a class the client holds no
     example of, which so leaves its softmax (``0^{−1/4} = ∞``, as the paper's released loss computes it)."""
     counts = torch.as_tensor(np.bincount(np.asarray(labels), minlength=num_classes), dtype=torch.float32)
     return -counts.pow(-0.25)
@@ -431,8 +431,9 @@ class Classification(Task):
         in_use = self.remedies_in_use()
         if in_use:
             return "remedies in use: " + ", ".join(f"task.options.{k} = {v:g}" for k, v in in_use.items())
-        return ("against label skew try task.options.logit_adjustment = 1, task.options.calibration = 1 or "
-                "task.options.restricted_softmax = 0.5 (docs/comparison.md, \"Remedies for label skew\")")
+        return ("against label skew try task.options.logit_adjustment = 1, or task.options.calibration = 10, or where "
+                "clients lack whole classes task.options.restricted_softmax = 0.5 (docs/comparison.md, \"Remedies "
+                "for label skew\")")
 
     def loss(self, net: nn.Module, batch: dict[str, Tensor]) -> Tensor:
         return self.output_loss(self.output(net, batch), batch)
