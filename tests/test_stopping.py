@@ -171,6 +171,32 @@ def test_interruptible_raises_at_once_and_elsewhere_the_signal_waits():
     assert order == ["after the signal"]
 
 
+def test_a_signal_inside_a_finalizer_is_noted_and_raised_by_the_next_check(monkeypatch):
+    """A stop raised inside ``__del__`` or a weakref callback (weakref.py's) would be printed and dropped by Python:
+    it is noted instead, and the next check raises it."""
+    import sys
+
+    from fedlowrank.runtime.stopping import check_stop, in_finalizer
+
+    class Dropped:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)  # the handler runs here, inside the finalizer
+
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", dropped.append)  # where Python puts an exception of a finalizer
+    with stop_signals():
+        with interruptible():
+            obj = Dropped()
+            del obj  # its finalizer gets the signal: nothing raised here
+        with pytest.raises(StopRequested) as exc:
+            check_stop()
+    assert exc.value.name == "SIGTERM" and dropped == []
+    scope: dict = {"sys": sys}
+    exec(compile("def remove():\n    return sys._getframe()\n", "/usr/lib/python3/weakref.py", "exec"), scope)
+    assert in_finalizer(scope["remove"]()) and not in_finalizer(sys._getframe())
+
+
 def test_an_ignored_signal_stays_ignored_while_a_run_goes():
     """A job that a script starts with ``&`` has SIGINT ignored: a run keeps it so, and catches SIGTERM."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -282,24 +282,31 @@ def _worker(tasks, events, lines: bool) -> None:
     It ignores SIGINT (Ctrl-C on a terminal reaches the whole process group: the parent decides) and stops on
     the SIGTERM its parent forwards, or stops likewise when its parent has ended (:func:`_stop_when_orphaned`): a
     run in progress saves the state after its last finished round (:mod:`fedlowrank.runtime.stopping`), then the
-    worker ends. Its runs' files closed and its events sent, it ends without the interpreter's teardown, which takes
-    seconds with torch loaded (and much longer on a busy machine) while the parent waits for it."""
+    worker ends. A second stop signal (the parent's forwarded SIGTERM after one from elsewhere) that arrives while
+    the first is handled ends it the same way. Its runs' files closed and its events sent, it ends without the
+    interpreter's teardown, which takes seconds with torch loaded (and much longer on a busy machine) while the
+    parent waits for it. ``events`` is this worker's own queue: a worker killed while it writes (SIGKILL) cannot
+    leave another one's writes waiting on the lock it held."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _stop_worker)
     threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
     i = None
     try:
-        for i, arguments in iter(tasks.get, None):
-            events.put(("start", i, os.getpid()))
-            log = (lambda line, i=i: events.put(("line", i, line))) if lines else None
-            try:
-                message = _run_one(*arguments, log=log)
-            except Exception as exc:
-                events.put(("failed", i, _picklable(exc)))
-                break
-            events.put(("done", i, message))
-            i = None
-    except KeyboardInterrupt:
+        try:
+            for i, arguments in iter(tasks.get, None):
+                events.put(("start", i, os.getpid()))
+                log = (lambda line, i=i: events.put(("line", i, line))) if lines else None
+                try:
+                    message = _run_one(*arguments, log=log)
+                except Exception as exc:
+                    events.put(("failed", i, _picklable(exc)))
+                    break
+                events.put(("done", i, message))
+                i = None
+        except KeyboardInterrupt:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            events.put(("stopped", i, os.getpid()))
+    except KeyboardInterrupt:  # the second stop signal, arrived while the first was handled
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         events.put(("stopped", i, os.getpid()))
     events.close()
@@ -341,7 +348,7 @@ def run_in_processes(runs: list[tuple[str, RunConfig, Path, list[np.ndarray], np
     report = report or (lambda kind, i, value: None)
     threads = max(1, (os.cpu_count() or 1) // jobs)
     ctx = multiprocessing.get_context("spawn")
-    tasks, events = ctx.Queue(), ctx.Queue()
+    tasks = ctx.Queue()
     tasks.cancel_join_thread()  # at exit, do not wait to write the runs left into a pipe no live worker reads
     partitions: set[str] = set()  # the label counts of a partition are logged once, with its first run
     for i, (_, cfg, run_dir, parts, held_out) in enumerate(runs):
@@ -349,8 +356,8 @@ def run_in_processes(runs: list[tuple[str, RunConfig, Path, list[np.ndarray], np
         digest = partition_digest(parts)
         tasks.put((i, (cfg, run_dir, parts, held_out, overwrite, digest not in partitions)))
         partitions.add(digest)
-    workers = [ctx.Process(target=_worker, args=(tasks, events, lines), daemon=True)
-               for _ in range(min(jobs, len(runs)))]
+    events = [ctx.Queue() for _ in range(min(jobs, len(runs)))]  # one per worker (:func:`_worker`)
+    workers = [ctx.Process(target=_worker, args=(tasks, q, lines), daemon=True) for q in events]
     for _ in workers:
         tasks.put(None)
     diverged: dict[str, str] = {}
@@ -399,7 +406,21 @@ def _ended_how(exitcode: int | None) -> str:
 GRACE = 1.0  # seconds the last events of a worker that ended may take to arrive
 
 
-def _next_event(events, workers: list, running: dict[int, Any], runs: list, ended: dict[int, float]) -> Event:
+def _get_event(events: list, timeout: float) -> Event:
+    """The next event on any of the workers' queues ``events``; ``queue.Empty`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for q in events:
+            try:
+                return q.get_nowait()
+            except queue.Empty:
+                pass
+        if time.monotonic() > deadline:
+            raise queue.Empty
+        time.sleep(0.01)
+
+
+def _next_event(events: list, workers: list, running: dict[int, Any], runs: list, ended: dict[int, float]) -> Event:
     """The next event of a worker; :class:`WorkerLost` once a worker that holds a run has ended (or every worker
     has, with runs left) and :data:`GRACE` has passed without its last events. ``ended``: when each was first seen
     ended (by run; -1: every worker), kept by the caller between calls."""
@@ -415,12 +436,12 @@ def _next_event(events, workers: list, running: dict[int, Any], runs: list, ende
             raise WorkerLost(f"the worker process of {', '.join(lost) or 'the runs left'} ended before its run "
                              "finished")
         try:
-            return events.get(timeout=0.25)
+            return _get_event(events, timeout=0.25)
         except queue.Empty:
             continue
 
 
-def _stop_workers(workers: list, events, report: Callable[[str, int, Any], None]) -> None:
+def _stop_workers(workers: list, events: list, report: Callable[[str, int, Any], None]) -> None:
     """Forward SIGTERM to the live workers and wait until each has saved its run's state and ended, passing on
     their last progress lines; a second stop meanwhile kills them."""
     try:
@@ -429,7 +450,7 @@ def _stop_workers(workers: list, events, report: Callable[[str, int, Any], None]
                 os.kill(w.pid, signal.SIGTERM)
         while any(w.is_alive() for w in workers):
             try:
-                kind, i, value = events.get(timeout=0.2)
+                kind, i, value = _get_event(events, timeout=0.2)
             except queue.Empty:
                 continue
             if kind == "line":

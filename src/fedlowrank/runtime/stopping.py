@@ -58,8 +58,23 @@ class _Signals:
     def handle(self, signum: int, frame) -> None:
         if self.received is None:
             self.received = signum
-        if self.depth and not self.hold:
+        if self.depth and not self.hold and not in_finalizer(frame):
             raise StopRequested(signum)
+
+
+_FINALIZER_FILES = ("weakref.py", "_weakrefset.py")
+
+
+def in_finalizer(frame) -> bool:
+    """Whether ``frame`` (where a signal arrived) runs inside a finalizer (a ``__del__`` or a weakref callback), where
+    Python prints an exception and drops it: the stop is then only noted, and :func:`check_stop` raises it before
+    the next round."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or code.co_filename.endswith(_FINALIZER_FILES):
+            return True
+        frame = frame.f_back
+    return False
 
 
 _caught: _Signals | None = None
