@@ -15,6 +15,7 @@ the partition alone).
         --seeds 0,1,2,3,4,5 --out runs/collapse                                             # the τ sweep
     python benchmarks/collapse_study.py run --data binary --arms base,logit-adjust-1,fedlc-1,fedlc-10,fedrs-0.5 \
         --out runs/collapse                                                        # three remedies against one base
+    python benchmarks/collapse_study.py run --data binary --arms base,frozen-head --out runs/collapse  # FedBABU
     python benchmarks/collapse_study.py report --out runs/collapse
 
 ``--data binary`` is AG News' Business and Sci/Tech classes (written once under ``--out`` from the local copy,
@@ -57,6 +58,7 @@ ARMS = {
     "fedlc-1": (["fedit"], ["task.options.calibration=1"]),
     "fedlc-10": (["fedit"], ["task.options.calibration=10"]),
     "fedrs-0.5": (["fedit"], ["task.options.restricted_softmax=0.5"]),
+    "frozen-head": (["fedit"], ["task.options.frozen_head=true"]),
 }
 CLASSES = ("Business", "Sci/Tech")
 SOURCES = {"agnews": "agnews", "bbc": "bbc-news"}  # --data -> data.source (binary: files written from AG News)

@@ -258,3 +258,109 @@ def test_flower_equals_the_simulator_with_remedies(monkeypatch):
     test_flower.assert_same_state(sim.server, ref.server)
     assert sim.ledger.rows == ref.ledger.rows
     assert [r["train_loss"] for r in sim.history] == [r["train_loss"] for r in ref.history]
+
+
+# -- FedBABU's frozen head -------------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def frozen_head_task():
+    return without_dropout(build_task(load_config("tiny", ["task.options.frozen_head=true"])))
+
+
+def test_a_frozen_head_is_the_initial_classifier_trained_by_no_client_and_sent_in_no_message():
+    """FedBABU on tiny (FedIT, 2 rounds): the classifier ends as it began, no message or server state holds it, the
+    uplink carries the adapters' bytes only, and the body trains (its adapters move, the loss is finite)."""
+    sets = ["method.name=fedit", "run.rounds=2", "task.options.frozen_head=true"]
+    task = frozen_head_task()
+    model = task.build_model()
+    assert model.head_names == [] and model.frozen_head_names == ["classifier.weight", "classifier.bias"]
+    frozen = Simulation(load_config("tiny", sets), task=task)
+    frozen.run()
+    plain = Simulation(load_config("tiny", sets[:2]), task=task_with())
+    plain.run()
+    start = task.build_model().net.classifier
+    frozen.method.load_global(frozen.model, frozen.server)
+    assert torch.equal(frozen.model.net.classifier.weight, start.weight)
+    assert torch.equal(frozen.model.net.classifier.bias, start.bias)
+    assert not [k for k in frozen.server if k.startswith("head/")] and [k for k in plain.server if k.startswith("head/")]
+    head_bytes = sum(v.numel() * v.element_size() for k, v in plain.server.items() if k.startswith("head/"))
+    per_reply = [(p["bytes_up"] - f["bytes_up"]) / len(f["clients"]) for p, f in zip(plain.history, frozen.history)]
+    assert all(d >= head_bytes for d in per_reply), (per_reply, head_bytes)
+    assert all(math.isfinite(r["train_loss"]) for r in frozen.history)
+    assert any(bool(m.lora_B.abs().max() > 0) for m in frozen.model.adapters().values())
+    assert frozen.summary()["remedies"] == {"frozen_head": True}
+    assert "task.options.frozen_head = true" in task.collapse_advice()
+
+
+@pytest.mark.parametrize("method", FAMILY_METHODS)
+def test_a_frozen_head_trains_every_method_family_and_resumes_bit_identically(method, tmp_path):
+    from test_robustness import _assert_same_run
+
+    sets = [f"method.name={method}", "run.rounds=2", "run.checkpoint_every=1", "run.clients_per_round=4",
+            "train.local_epochs=0.3", "task.options.frozen_head=true", *FAMILY_METHODS[method]]
+    task = frozen_head_task()
+    straight = Simulation(load_config("tiny", sets), task=task, run_dir=tmp_path / "a")
+    straight.run()
+    assert all(math.isfinite(r["train_loss"]) and not r.get("rejected") for r in straight.history)
+    assert not [k for k in straight.server if "classifier" in k]
+    straight.method.load_global(straight.model, straight.server)
+    assert torch.equal(straight.model.net.classifier.weight, task.build_model().net.classifier.weight)
+    interrupted = Simulation(load_config("tiny", sets), task=task, run_dir=tmp_path / "b")
+    interrupted.run_round()
+    del interrupted
+    resumed = Simulation.resume(tmp_path / "b", task=task)
+    resumed.run()
+    _assert_same_run(straight, resumed)
+
+
+def test_cohort_equals_one_at_a_time_with_a_frozen_head(tmp_path):
+    sets = [*SETS, "task.options.frozen_head=true"]
+    one = simulate("tiny", frozen_head_task(), 1, sets, tmp_path / "one")
+    joint = simulate("tiny", frozen_head_task(), 3, sets, tmp_path / "joint")
+    assert joint.cohort_size() == 3
+    assert_same_run(one, joint)
+
+
+def test_a_frozen_head_composes_with_dpsgd_and_with_the_loss_remedies():
+    cfg = load_config("tiny", ["task.options.frozen_head=true", "privacy.dpsgd=true"])
+    assert cfg.task.options["frozen_head"] is True
+    options = ClassificationOptions(frozen_head=True, calibration=1.0)
+    assert options.in_use() == ["calibration", "frozen_head"] and options.changing_loss() == ["calibration"]
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["task.options.frozen_head=maybe"])
+    assert str(err.value).count("\n") == 0 and "task.options.frozen_head" in str(err.value)
+
+
+def test_an_export_of_a_frozen_head_run_carries_the_head_the_base_does_not_hold(tmp_path):
+    """The peft export's ``modules_to_save`` holds the frozen classifier: loaded over a base whose new head was
+    initialised otherwise (as transformers does for a base without these classes), it gives the run's logits."""
+    from fedlowrank.export import export_run, load_peft
+
+    task = frozen_head_task()
+    sim = Simulation(load_config("tiny", ["method.name=fedit", "run.rounds=1", "run.checkpoint_every=1",
+                                          "train.lr=0.02", "task.options.frozen_head=true"]),
+                     task=task, run_dir=tmp_path / "run")
+    sim.run()
+    sim.method.load_global(sim.model, sim.server)
+    report = export_run(tmp_path / "run", tmp_path / "peft", "peft", task=task)
+    assert report["peft"]["modules_to_save"] == ["classifier"]
+    other = task.build_model().net
+    with torch.no_grad():
+        other.classifier.weight.normal_(generator=torch.Generator().manual_seed(5))
+        other.classifier.bias.fill_(0.3)
+    loaded = load_peft(other, tmp_path / "peft")
+    batch = {"input_ids": task.test_ids[:16], "attention_mask": task.test_mask[:16]}
+    with torch.no_grad():
+        expected = sim.model.net.eval()(**batch).logits
+        assert torch.allclose(loaded(**batch).logits, expected, atol=1e-5)
+
+
+def test_a_frozen_head_holds_the_image_classifier_and_trains_the_other_head_parameters():
+    """ResNet-20's head is its classifier and its norms: the frozen head is the classifier alone."""
+    from fedlowrank.models.loading import load_image_model
+    from fedlowrank.tasks.base import adapted_copy
+
+    loaded = load_image_model("resnet20", 10)
+    model = adapted_copy(loaded, None, train_outputs=True, frozen_classifier=True)
+    assert model.frozen_head_names == ["classifier.weight", "classifier.bias"]
+    assert model.head_names and not [n for n in model.head_names if n.startswith("classifier.")]
+    assert set(model.exported_head()) == {*model.head_names, *model.frozen_head_names}

@@ -128,15 +128,16 @@ def not_lora_reason(model: AdaptedModel) -> str | None:
 def _outside_update(model: AdaptedModel, pristine: nn.Module) -> list[str]:
     """State-dict keys outside the targets and the head where the global model differs from the pristine one."""
     prefixes = tuple(f"{n}." for n in model.target_names)
-    head = set(model.head_names)
+    head = set(model.exported_head())
     ref = pristine.state_dict()
     return [k for k, v in merged_state_dict(model).items()
             if not k.startswith(prefixes) and k not in head and not torch.equal(v, ref[k])]
 
 
 def head_modules(model: AdaptedModel) -> list[str]:
-    """Module names holding the head parameters (PEFT's ``modules_to_save``)."""
-    return sorted({n.rsplit(".", 1)[0] for n in model.head_names})
+    """Module names holding the exported head's parameters (PEFT's ``modules_to_save``), a frozen new head's
+    included (:meth:`~fedlowrank.adapters.model.AdaptedModel.exported_head`)."""
+    return sorted({n.rsplit(".", 1)[0] for n in model.exported_head()})
 
 
 # -- LoRA factors ---------------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def _save_peft(model: AdaptedModel, pristine: nn.Module, factors: dict[str, tupl
     net = copy.deepcopy(pristine)
     head = dict(net.named_parameters())
     with torch.no_grad():
-        for n, p in model.head_parameters().items():
+        for n, p in model.exported_head().items():
             head[n].copy_(p)
     net = hf_backbone(net)
     fan_in_fan_out = any(type(net.get_submodule(n)).__name__ == "Conv1D" for n in model.target_names)
@@ -271,9 +272,10 @@ def _save_routed(model: AdaptedModel, out_dir: Path, loaded=None) -> dict[str, A
                 tensors[f"{n}.{key}"] = value.detach().float().contiguous().clone()
         targets[n] = {"rank": m.rank, "scale": m.scale, "slot_expert": m.slot_expert.tolist(), "top_k": m.top_k,
                       "bias": m.router_bias is not None}
-    tensors.update({f"head/{n}": p.detach().float().contiguous().clone() for n, p in model.head_parameters().items()})
+    head = model.exported_head()
+    tensors.update({f"head/{n}": p.detach().float().contiguous().clone() for n, p in head.items()})
     save_file(tensors, str(out_dir / ROUTED_WEIGHTS))
-    config = {"format": "fedlowrank-routed-lora", "targets": targets, "head": sorted(model.head_parameters()),
+    config = {"format": "fedlowrank-routed-lora", "targets": targets, "head": sorted(head),
               "base_model_name_or_path": pretrained_id(loaded.source) if loaded is not None else None}
     (out_dir / ROUTED_CONFIG).write_text(json.dumps(config, indent=1))
     return config

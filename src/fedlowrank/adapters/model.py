@@ -341,24 +341,28 @@ class AdaptedModel(nn.Module):
         target_names: full module names of the target ``nn.Linear`` (or ``nn.Conv2d``) layers, e.g.
             ``bert.encoder.layer.0.attention.self.query``.
         head_names: full parameter names of the head (trained and shared unless a method says otherwise).
+        frozen_head_names: full parameter names of a new head held at its initialisation (trained by no client,
+            sent in no message; FedBABU), which the base does not hold and an export therefore carries.
 
     Attributes:
         stored_dtype: the dtype (``train.dtype``'s name) its frozen backbone is stored in, ``"fp32"`` as loaded
             (:func:`fedlowrank.device.store_frozen` sets it).
     """
 
-    def __init__(self, net: nn.Module, target_names: list[str], head_names: list[str]):
+    def __init__(self, net: nn.Module, target_names: list[str], head_names: list[str],
+                 frozen_head_names: list[str] = ()):
         super().__init__()
         self.net = net
         self.target_names = list(target_names)
         self.head_names = list(head_names)
+        self.frozen_head_names = list(frozen_head_names)
         self.stored_dtype = "fp32"
         for name in self.target_names:
             mod = net.get_submodule(name)
             if not isinstance(mod, (*TARGET_TYPES, AdaptedLinear)):
                 raise ValueError(f"target module {name!r} is a {type(mod).__name__}, not nn.Linear or nn.Conv2d")
         params = dict(net.named_parameters())
-        missing = [n for n in self.head_names if n not in params]
+        missing = [n for n in (*self.head_names, *self.frozen_head_names) if n not in params]
         if missing:
             raise ValueError(f"head parameters not found in the model: {missing}")
         for p in net.parameters():
@@ -394,6 +398,10 @@ class AdaptedModel(nn.Module):
     def head_parameters(self) -> dict[str, nn.Parameter]:
         """The head's parameters by name, each looked up by its path (not a walk of the whole network)."""
         return {n: self.net.get_parameter(n) for n in self.head_names}
+
+    def exported_head(self) -> dict[str, nn.Parameter]:
+        """What an export carries besides the adapters: the trained head's parameters and a frozen new head's."""
+        return {n: self.net.get_parameter(n) for n in sorted({*self.head_names, *self.frozen_head_names})}
 
     def head_modules(self) -> list[str]:
         """Names of the outermost modules holding the head's parameters (e.g. ``classifier``)."""

@@ -108,14 +108,16 @@ def method_cell(row: dict[str, Any]) -> str:
 def collapse_summary(row: dict[str, Any]) -> str | None:
     """One line naming the seeds where ``row``'s global model predicted one class for at least
     :data:`~fedlowrank.runtime.evaluation.COLLAPSE_SHARE` of the test set (first round, class, share; whether it
-    lasted to the end); ``None`` when none did."""
+    lasted to the end) and the label-skew remedies its runs used; ``None`` when none did."""
     runs = [r for r in row["runs"] if r.get("collapse")]
     if not runs:
         return None
     each = "; ".join(f"seed {r['seed']}: round {c['round']}, class {c['top_label']!r} ({100 * c['top_share']:.1f} %"
                      f"{', to the end' if c['at_end'] else ', recovered'})" for r in runs for c in [r["collapse"]])
+    remedies = runs[0].get("remedies") or {}
+    used = ", ".join(f"task.options.{k} = {json.dumps(v)}" for k, v in sorted(remedies.items())) or "none"
     return (f"collapse: {row['method']} predicted one class for ≥ {100 * COLLAPSE_SHARE:.0f} % of the test set in "
-            f"{len(runs)} of {len(row['runs'])} seeds ({each})")
+            f"{len(runs)} of {len(row['runs'])} seeds ({each}); label-skew remedies in use: {used}")
 
 
 def parse_methods(text: str | list[str] | None, cfg: RunConfig) -> list[str]:
@@ -277,7 +279,7 @@ def run_comparison(config: str | Path | None, methods: str | list[str] | None = 
             "seed": run.cfg.run.seed, "final": values[-1], "best": max(values) if higher_is_better(metric) else min(values),
             "bytes_up": summary["bytes_up"], "bytes_down": summary["bytes_down"], "time": summary["time"]["total"],
             **{key: summary.get(key) for key in PRIVACY_KEYS}, "partition": partition_digest(sweep.partition(run.cfg)),
-            "collapse": run_collapse(outcome.history),
+            "collapse": run_collapse(outcome.history), "remedies": summary.get("remedies", {}),
             "sampling": hashlib.sha256(json.dumps([r["clients"] for r in outcome.history]).encode()).hexdigest()[:16],
             **({"run_dir": str(run.run_dir)} if out else {})})
     setup = setup_of(runs[0].cfg, sweep.task(runs[0].cfg).describe(), seed_list)

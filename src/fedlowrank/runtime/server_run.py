@@ -268,8 +268,9 @@ class ServerRun:
         collapse = run_collapse(self.history)
         if collapse:
             out["collapse"] = collapse
-        if self.task.remedies_in_use():
-            out["remedies"] = self.task.remedies_in_use()
+        remedies = self.task.remedies_in_use()
+        if remedies:
+            out["remedies"] = remedies
         accuracies = [r["accuracy"] for r in self.history if "accuracy" in r]
         if accuracies:
             out["best_accuracy"] = max(accuracies)

@@ -23,12 +23,15 @@ from ..adapters.targets import default_targets, resolve_targets
 from ..schema import Schema, setting
 
 
-def adapted_copy(loaded, targets: list[str] | str | None, train_outputs: bool) -> AdaptedModel:
+def adapted_copy(loaded, targets: list[str] | str | None, train_outputs: bool,
+                 frozen_classifier: bool = False) -> AdaptedModel:
     """A fresh copy of ``loaded.net`` (a :class:`~fedlowrank.models.loading.LoadedModel`) with its adapter targets resolved:
     ``targets`` (``lora.targets``) or the architecture's default, never the output modules
     (``loaded.output_modules``: a classifier, ``lm_head``), whose parameters are the trained head when
-    ``train_outputs`` and stay frozen otherwise. With ``loaded.quantize`` (``task.quantize``) every other
-    ``nn.Linear`` of the copy is stored in 4 or 8 bits (:func:`fedlowrank.models.quantize.quantize_linears`)."""
+    ``train_outputs`` and stay frozen otherwise; ``frozen_classifier``: the last linear layer of the output modules
+    (the classifier) is held at its initialisation instead (FedBABU), the rest of them trained. With
+    ``loaded.quantize`` (``task.quantize``) every other ``nn.Linear`` of the copy is stored in 4 or 8 bits
+    (:func:`fedlowrank.models.quantize.quantize_linears`)."""
     from ..models.quantize import quantize_linears
 
     net = copy.deepcopy(loaded.net)
@@ -37,7 +40,19 @@ def adapted_copy(loaded, targets: list[str] | str | None, train_outputs: bool) -
     quantize_linears(net, getattr(loaded, "quantize", ""), outputs)
     names = resolve_targets(net, targets or default_targets(loaded.model_type), outputs)
     head = [n for n, _ in net.named_parameters() if n.startswith(tuple(f"{m}." for m in outputs))] if train_outputs else []
-    return AdaptedModel(net, names, head)
+    frozen = classifier_parameters(net, outputs) if frozen_classifier else []
+    return AdaptedModel(net, names, [n for n in head if n not in frozen], frozen)
+
+
+def classifier_parameters(net: nn.Module, outputs: tuple[str, ...]) -> list[str]:
+    """Full names of the parameters of the classifier: the last ``nn.Linear`` registered inside the output modules
+    ``outputs``; ``ValueError`` when they hold none."""
+    linears = [n for out in outputs for n, m in net.get_submodule(out).named_modules(prefix=out)
+               if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError(f"task.options.frozen_head: the model's output modules ({', '.join(outputs) or 'none'}) "
+                         "hold no linear classifier to freeze")
+    return [f"{linears[-1]}.{n}" for n, _ in net.get_submodule(linears[-1]).named_parameters()]
 
 
 def check_max_length(loaded, max_length: int) -> None:
@@ -335,9 +350,9 @@ class Task:
         """A JSON-able summary for the run directory."""
         return {"name": self.name, "num_train": self.num_train}
 
-    def remedies_in_use(self) -> dict[str, float]:
-        """The ``task.options`` that change the training loss against label skew, with their values (the run's
-        summary records them). Default: none."""
+    def remedies_in_use(self) -> dict[str, float | bool]:
+        """The ``task.options`` of remedies against label skew that are on, with their values (the run's summary
+        records them). Default: none."""
         return {}
 
     def collapse_advice(self) -> str:
@@ -373,8 +388,18 @@ class ClassificationOptions(Schema):
                                         "KDD 2021, doi:10.1145/3447548.3467254); evaluation reads the plain logits; "
                                         "1 = off; refused with privacy.dpsgd", ge=0.0, le=1.0)
 
+    frozen_head: bool = setting(False, "FedBABU's frozen head: the classifier (the last linear layer of the "
+                                "model's head) stays at its initialisation during the federated rounds, trained by "
+                                "no client and sent in no message, so that only the body learns and is averaged "
+                                "(Oh et al., arXiv:2106.06042); evaluation and exports use that head, exports "
+                                "carry it; the head is not fine-tuned after training")
+
     def in_use(self) -> list[str]:
-        """The options whose remedy changes the training loss (those off their neutral value)."""
+        """The options whose remedy is on (off their neutral value)."""
+        return [*self.changing_loss(), *(["frozen_head"] if self.frozen_head else [])]
+
+    def changing_loss(self) -> list[str]:
+        """The options in use whose remedy changes the training loss (per-class terms, :meth:`client_terms`)."""
         return [name for name, on in (("logit_adjustment", self.logit_adjustment > 0),
                                       ("calibration", self.calibration > 0),
                                       ("restricted_softmax", self.restricted_softmax < 1)) if on]
@@ -407,7 +432,7 @@ class Classification(Task):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        in_use = cls.checked_options(cfg).in_use()
+        in_use = cls.checked_options(cfg).changing_loss()
         if in_use and cfg.privacy.dpsgd:
             raise ValueError(f"task.options.{in_use[0]} cannot run with privacy.dpsgd = true: the remedy makes each "
                              "example's loss depend on the client's other labels, which per-example clipping does "
@@ -417,20 +442,21 @@ class Classification(Task):
         """:meth:`batch`, with the client's per-class loss terms ``[B, C]`` (``"logit_scale"``, ``"logit_offset"``,
         :meth:`ClassificationOptions.client_terms`) when a remedy is in use."""
         batch = self.batch(indices)
-        if self.remedies.in_use():
+        if self.remedies.changing_loss():
             terms = self.remedies.client_terms(self.train_labels[np.asarray(client_indices)], self.num_labels)
             for key, row in terms.items():
                 batch[key] = row.expand(len(batch["labels"]), -1).contiguous()
         return batch
 
-    def remedies_in_use(self) -> dict[str, float]:
+    def remedies_in_use(self) -> dict[str, float | bool]:
         return {k: getattr(self.remedies, k) for k in self.remedies.in_use()}
 
     def collapse_advice(self) -> str:
         """The remedies in use, or those to try with their documented starting values."""
         in_use = self.remedies_in_use()
         if in_use:
-            return "remedies in use: " + ", ".join(f"task.options.{k} = {v:g}" for k, v in in_use.items())
+            return "remedies in use: " + ", ".join(
+                f"task.options.{k} = {str(v).lower() if isinstance(v, bool) else f'{v:g}'}" for k, v in in_use.items())
         return ("against label skew try task.options.logit_adjustment = 1, or task.options.calibration = 10, or where "
                 "clients lack whole classes task.options.restricted_softmax = 0.5 (docs/comparison.md, \"Remedies "
                 "for label skew\")")

@@ -164,7 +164,8 @@ class ImageClassification(Classification):
         return self.data.num_labels
 
     def build_model(self) -> AdaptedModel:
-        return adapted_copy(self.loaded, self.targets, train_outputs=True)  # the classifier: trained, never a target
+        return adapted_copy(self.loaded, self.targets, train_outputs=True,  # the head: never a target
+                            frozen_classifier=self.remedies.frozen_head)
 
     def inputs(self, images: torch.Tensor) -> torch.Tensor:
         return to_model_input(images, self.loaded.preprocess)

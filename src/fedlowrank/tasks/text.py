@@ -120,7 +120,8 @@ class TextClassification(Classification):
         return self.data.num_labels
 
     def build_model(self) -> AdaptedModel:
-        return adapted_copy(self.loaded, self.targets, train_outputs=True)  # the classifier: trained, never a target
+        return adapted_copy(self.loaded, self.targets, train_outputs=True,  # the head: never a target
+                            frozen_classifier=self.remedies.frozen_head)
 
     def _trim(self, ids: torch.Tensor, mask: torch.Tensor,
               buckets: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
