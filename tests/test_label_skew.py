@@ -203,8 +203,6 @@ FAMILY_METHODS = {"fedit": [], "florg": [], "ffa-lora": [], "fedsa-lora": [], "f
 def test_remedies_train_every_method_family_and_resume_bit_identically(method, tmp_path):
     """FedLC and FedRS together on a method of each family: a finite round that differs from the plain one, and a
     run resumed after its first round equal to the straight run."""
-    from test_robustness import _assert_same_run
-
     sets = [f"method.name={method}", "run.rounds=2", "run.checkpoint_every=1", "run.clients_per_round=4",
             "train.local_epochs=0.3", *FAMILY_METHODS[method]]
     remedied = task_with(0.0, 1.0, 0.5)
@@ -215,11 +213,17 @@ def test_remedies_train_every_method_family_and_resume_bit_identically(method, t
     straight.run()
     assert all(math.isfinite(r["train_loss"]) and not r.get("rejected") for r in straight.history)
     assert [r["train_loss"] for r in straight.history] != [r["train_loss"] for r in plain.history]
-    interrupted = Simulation(load_config("tiny", [*sets, *option_sets(0.0, 1.0, 0.5)]), task=remedied,
-                             run_dir=tmp_path / "b")
+    assert_resumes_as(straight, [*sets, *option_sets(0.0, 1.0, 0.5)], remedied, tmp_path / "b")
+
+
+def assert_resumes_as(straight: Simulation, sets: list[str], task, run_dir) -> None:
+    """A run of ``sets`` stopped after its first round and resumed from ``run_dir`` ends as ``straight``."""
+    from test_robustness import _assert_same_run
+
+    interrupted = Simulation(load_config("tiny", sets), task=task, run_dir=run_dir)
     interrupted.run_round()
     del interrupted
-    resumed = Simulation.resume(tmp_path / "b", task=remedied)
+    resumed = Simulation.resume(run_dir, task=task)
     resumed.run()
     _assert_same_run(straight, resumed)
 
@@ -293,8 +297,6 @@ def test_a_frozen_head_is_the_initial_classifier_trained_by_no_client_and_sent_i
 
 @pytest.mark.parametrize("method", FAMILY_METHODS)
 def test_a_frozen_head_trains_every_method_family_and_resumes_bit_identically(method, tmp_path):
-    from test_robustness import _assert_same_run
-
     sets = [f"method.name={method}", "run.rounds=2", "run.checkpoint_every=1", "run.clients_per_round=4",
             "train.local_epochs=0.3", "task.options.frozen_head=true", *FAMILY_METHODS[method]]
     task = frozen_head_task()
@@ -304,12 +306,7 @@ def test_a_frozen_head_trains_every_method_family_and_resumes_bit_identically(me
     assert not [k for k in straight.server if "classifier" in k]
     straight.method.load_global(straight.model, straight.server)
     assert torch.equal(straight.model.net.classifier.weight, task.build_model().net.classifier.weight)
-    interrupted = Simulation(load_config("tiny", sets), task=task, run_dir=tmp_path / "b")
-    interrupted.run_round()
-    del interrupted
-    resumed = Simulation.resume(tmp_path / "b", task=task)
-    resumed.run()
-    _assert_same_run(straight, resumed)
+    assert_resumes_as(straight, sets, task, tmp_path / "b")
 
 
 def test_cohort_equals_one_at_a_time_with_a_frozen_head(tmp_path):
