@@ -304,15 +304,19 @@ def _worker(tasks, events, lines: bool) -> None:
                 events.put(("done", i, message))
                 i = None
         except KeyboardInterrupt:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            events.put(("stopped", i, os.getpid()))
+            _report_stopped(events, i)
     except KeyboardInterrupt:  # the second stop signal, arrived while the first was handled
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        events.put(("stopped", i, os.getpid()))
+        _report_stopped(events, i)
     events.close()
     events.join_thread()  # every event is in the pipe
     sys.stderr.flush()
     os._exit(0)
+
+
+def _report_stopped(events, i: int | None) -> None:
+    """A stopped worker's last event: further stop signals are ignored, then ``("stopped", i, pid)`` is sent."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    events.put(("stopped", i, os.getpid()))
 
 
 def _picklable(exc: Exception) -> Exception:
