@@ -16,6 +16,8 @@ the partition alone).
     python benchmarks/collapse_study.py run --data binary --arms base,logit-adjust-1,fedlc-1,fedlc-10,fedrs-0.5 \
         --out runs/collapse                                                        # three remedies against one base
     python benchmarks/collapse_study.py run --data binary --arms base,frozen-head --out runs/collapse  # FedBABU
+    python benchmarks/collapse_study.py run --data binary --out runs/collapse --arms check-fedit,check-florg,\
+        check-florg-examples,check-florg-lr-1e-3,check-florg-lr-1e-4,check-florg-head-lr-1e-3,check-fedit-uniform
     python benchmarks/collapse_study.py report --out runs/collapse
 
 ``--data binary`` is AG News' Business and Sci/Tech classes (written once under ``--out`` from the local copy,
@@ -59,7 +61,17 @@ ARMS = {
     "fedlc-10": (["fedit"], ["task.options.calibration=10"]),
     "fedrs-0.5": (["fedit"], ["task.options.restricted_softmax=0.5"]),
     "frozen-head": (["fedit"], ["task.options.frozen_head=true"]),
+    # FLoRG under label skew: the held-out check's setting (every client every round, 6 rounds, rank 4, main's lr
+    # 5e-3), one factor at a time from FLoRG as that check ran it (its preset's uniform weights)
+    "check-fedit": (["fedit"], []),
+    "check-florg": (["florg"], ["server.weighting=uniform"]),
+    "check-florg-examples": (["florg"], []),
+    "check-florg-lr-1e-3": (["florg"], ["server.weighting=uniform", "train.lr=1e-3"]),
+    "check-florg-lr-1e-4": (["florg"], ["server.weighting=uniform", "train.lr=1e-4"]),
+    "check-florg-head-lr-1e-3": (["florg"], ["server.weighting=uniform", "train.head_lr=1e-3"]),
+    "check-fedit-uniform": (["fedit"], ["server.weighting=uniform"]),
 }
+CHECK = ["run.rounds=6", "run.clients_per_round=10", "lora.rank=4", "train.lr=5e-3"]  # the check-* arms' base
 CLASSES = ("Business", "Sci/Tech")
 SOURCES = {"agnews": "agnews", "bbc": "bbc-news"}  # --data -> data.source (binary: files written from AG News)
 
@@ -78,10 +90,15 @@ def binary_files(out: Path) -> list[str]:
             "data.header=false", "data.max_train_examples=0"]
 
 
+def arm_settings(arm: str) -> list[str]:
+    """The ``--set`` values of ``arm`` on top of :data:`BASE` (a ``check-*`` arm's start with :data:`CHECK`)."""
+    return (CHECK if arm.startswith("check-") else []) + ARMS[arm][1]
+
+
 def run(args) -> None:
     data = binary_files(args.out) if args.data == "binary" else [f"data.source={SOURCES[args.data]}"]
     for arm in args.arms:
-        methods, sets = ARMS[arm]
+        methods, sets = ARMS[arm][0], arm_settings(arm)
         print(f"\n## {args.data} / {arm}: {','.join(methods)} --set {' '.join(sets) or '(base)'}", flush=True)
         run_comparison("agnews", methods, args.seeds, BASE + data + sets, args.out / args.data / arm,
                        lambda line: print(line, flush=True), resume=True)
@@ -121,18 +138,24 @@ def rounds_of(run_dir: Path) -> list[str]:
     return out
 
 
+def base_arm(arm: str) -> str:
+    """The arm ``arm`` is paired with: ``check-florg`` for the ``check-*`` arms, else ``base``."""
+    return "check-florg" if arm.startswith("check-") else "base"
+
+
 def report(args) -> None:
     found = per_seed(args.out)
     for data in sorted({d for d, _ in found}):
-        base = found.get((data, "base"), {})
         print(f"\n### {data}\n")
         print("| arm | final accuracy per seed (collapsed: first round → end) | mean | collapsed at the end | "
-              "arm − base: median; ahead; signed-rank p |")
+              "arm − its base (base; check-florg for check-*): median; ahead; signed-rank p |")
         print("|---|---|---|---|---|")
         for arm in ARMS:
             runs = found.get((data, arm))
             if not runs:
                 continue
+            reference = base_arm(arm)
+            base = found.get((data, reference), {})
             seeds = sorted(runs)
             cells = []
             for s in seeds:
@@ -143,7 +166,7 @@ def report(args) -> None:
             at_end = sum(1 for s in seeds if runs[s]["collapse"] and runs[s]["collapse"]["at_end"])
             shared = [s for s in seeds if s in base]
             diff = "–"
-            if arm != "base" and shared:
+            if arm != reference and shared:
                 d = [runs[s]["final"] - base[s]["final"] for s in shared]
                 diff = (f"{median(d):+.3f}; {sum(x > 0 for x in d)} of {len(d)}; "
                         f"p = {wilcoxon_signed_rank(d).p:.3g}")

@@ -54,3 +54,33 @@ def test_each_arm_changes_one_setting_of_the_base(study, arm):
     changed = {f"{s}.{k}" for s in ("train", "server", "partition", "run")
                for k, v in vars(getattr(cfg, s)).items() if v != vars(getattr(base, s))[k]}
     assert methods == ["fedit"] and len(changed) == (0 if arm == "base" else 1)
+
+
+def changed_settings(base: list[str], other: list[str]) -> set[str]:
+    """The config keys of train, server, partition, run and lora whose values differ between ``base`` and
+    ``other``."""
+    before, after = load_config("agnews", base), load_config("agnews", other)
+    return {f"{s}.{k}" for s in ("train", "server", "partition", "run", "lora")
+            for k, v in vars(getattr(after, s)).items() if v != vars(getattr(before, s))[k]}
+
+
+@pytest.mark.parametrize("arm", ["check-florg-examples", "check-florg-lr-1e-3", "check-florg-lr-1e-4",
+                                 "check-florg-head-lr-1e-3", "check-fedit-uniform"])
+def test_each_check_arm_changes_one_factor_of_florg_as_the_held_out_check_ran_it(study, arm):
+    reference = study.base_arm(arm)
+    assert reference == "check-florg" and study.base_arm("uniform") == "base"
+    base = study.BASE + study.arm_settings(reference)
+    changed = changed_settings(base, study.BASE + study.arm_settings(arm))
+    method_changed = study.ARMS[arm][0] != study.ARMS[reference][0]
+    assert len(changed) + method_changed == 1
+    # the held-out check's setting: every client every round, 6 rounds, rank 4, main's rate
+    cfg = load_config("agnews", base)
+    assert (cfg.run.clients_per_round, cfg.partition.num_clients, cfg.run.rounds, cfg.lora.rank, cfg.train.lr) == \
+        (10, 10, 6, 4, 5e-3)
+
+
+def test_check_fedit_differs_from_check_florg_as_the_held_out_check_did(study):
+    # the method and its weighting (FLoRG ran with its preset's uniform weights, FedIT by examples)
+    base = study.BASE + study.arm_settings("check-florg")
+    assert changed_settings(base, study.BASE + study.arm_settings("check-fedit")) == {"server.weighting"}
+    assert study.ARMS["check-fedit"][0] == ["fedit"] and study.ARMS["check-florg"][0] == ["florg"]

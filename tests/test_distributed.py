@@ -23,6 +23,7 @@ from fedlowrank.message import State
 from fedlowrank.methods import available_methods
 from fedlowrank.runtime.distributed import Distributed, RankFailure, assign, spawn
 from fedlowrank.runtime.simulator import Simulation
+from fedlowrank.tasks import build_task
 
 from helpers import started, tiny_config, tiny_task
 
@@ -71,6 +72,13 @@ def _read(out: Path, name: str) -> tuple[dict, bytes]:
     return json.loads((out / f"{name}.json").read_text()), (out / f"{name}.server").read_bytes()
 
 
+CCVR = "task.options.ccvr_samples=20"  # the classifier calibrated after the last round, on rank 0
+
+
+def _ccvr_task():
+    return build_task(tiny_config(CCVR))
+
+
 def _job(out: str, resume_dir: str) -> int:
     """Each rank of the 2-rank job: every method for 2 rounds, a 3-round run to resume on 1 rank, and the resume
     on 2 ranks of a 1-rank checkpoint."""
@@ -90,6 +98,10 @@ def _job(out: str, resume_dir: str) -> int:
         _write_states(out_path, f"coded-{method}", run)
         if rank == 0:
             _write(out_path, f"coded-{method}", run)
+    run = Distributed(_config("fedit", CCVR), task=_ccvr_task())
+    run.run()
+    if rank == 0:
+        _write(out_path, "ccvr-fedit", run)
     for method in RESUMED:
         run = Distributed(_config(method, "run.rounds=3", "run.checkpoint_every=1"), task=tiny_task(),
                           run_dir=out_path / f"two-ranks-{method}")
@@ -151,6 +163,10 @@ def test_two_gloo_ranks_equal_one_process_for_every_method_and_resume_across_ran
         for key, value in expected.items():
             assert (torch.equal(states[key], value) if isinstance(value, torch.Tensor)
                     else states[key] == value), (name, key)
+    calibrated = Simulation(_config("fedit", CCVR), task=_ccvr_task())
+    calibrated.run()
+    assert "ccvr" in calibrated.history[-1]
+    _assert_equal(_read(out, "ccvr-fedit"), calibrated, "ccvr-fedit")
     for method in RESUMED:
         _assert_equal(_read(out, f"resumed-{method}"), uninterrupted[method])  # 1 -> 2 ranks
         resumed = Simulation.resume(out / f"two-ranks-{method}", task=tiny_task(), round=2)  # 2 -> 1 rank

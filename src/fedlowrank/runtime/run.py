@@ -40,10 +40,12 @@ class DivergenceError(RuntimeError):
 class Ledger:
     """Bytes sent per client per round, counted from serialised messages."""
 
-    rows: list[dict[str, int]] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
 
-    def add(self, round: int, client: int, down: int, up: int) -> None:
-        self.rows.append({"round": round, "client": client, "down": down, "up": up})
+    def add(self, round: int, client: int, down: int, up: int, phase: str | None = None) -> None:
+        """One client's bytes in ``round``; ``phase``: an exchange after the round's training (``"ccvr"``)."""
+        self.rows.append({"round": round, "client": client, "down": down, "up": up, **({"phase": phase} if phase
+                                                                                        else {})})
 
     @property
     def total_up(self) -> int:

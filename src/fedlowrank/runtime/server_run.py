@@ -36,6 +36,7 @@ from ..privacy.runtime import PRIVACY_KEYS, accounting
 from ..reporting.progress import Progress
 from ..reporting.tracking import RunTracker, require_package
 from ..serialization import FormatError
+from .calibration import ClassifierCalibration
 from .checkpoint import (ROW_TIMES, Checkpointer, CheckpointError, StateSchema, check_history, check_state,
                          read_run_checkpoint, restart_from, restore)
 from .evaluation import Evaluator, collapse_line, collapse_of, run_collapse, scalar_metrics
@@ -96,6 +97,7 @@ class ServerRun:
         self.progress = Progress(log, self.method.name, cfg.run.rounds, counts=self.task.metric_counts)
         self.log = self.progress.write if log is not None else None
         self.evaluator = Evaluator(cfg, self.task, self.method, self.model, self.progress, self.parts)
+        self.calibration = ClassifierCalibration.of_run(run)  # CCVR after the last round, or None
         self._lock = None
         self.use_dir(None)
         if run_dir is not None:
@@ -126,8 +128,23 @@ class ServerRun:
     # -- a round's end ----------------------------------------------------------------------------------
     def close_round(self, got: RoundReplies, started: float, warn: Warn | None = None) -> RoundOutcome:
         """The server's step of round ``got.round`` (:func:`.rounds.close_round`); ``warn`` (default: the run's
-        log) gets the round's warnings."""
-        return close_round(self.state, got, started, warn or self.warn)
+        log) gets the round's warnings. At the last round, with ``task.options.ccvr_samples``, the aggregated model's
+        classifier is calibrated (:mod:`.calibration`): the row's ``ccvr``, its exchange in the ledger and the
+        round's bytes, its seconds in ``time.aggregation``."""
+        outcome = close_round(self.state, got, started, warn or self.warn)
+        if self.calibration is None or outcome.skipped or got.round != self.cfg.run.rounds:
+            return outcome
+        before = scalar_metrics(self.evaluator.evaluate(outcome.server, self.store))
+        outcome.server, ledger, info = self.calibration.calibrate(self.state, outcome.server, got.round)
+        row = outcome.row
+        row["time"]["aggregation"] += info.pop("seconds")
+        row["ccvr"] = {**info, "before": before}
+        for key, side in (("bytes_up", "up"), ("bytes_down", "down")):
+            added = sum(r[side] for r in ledger)
+            row[key] += added
+            row[f"cum_{key}"] += added
+        outcome.ledger.extend(ledger)
+        return outcome
 
     def evaluate_round(self, outcome: RoundOutcome,
                        new_states: Mapping[int, State] | None = None) -> tuple[dict[str, float], float]:

@@ -28,7 +28,8 @@ the most-predicted class, its share of the test set, the per-class recall, the c
 ``cum_bytes_down`` (the coded messages' bytes, :mod:`fedlowrank.codecs`), ``time`` (``client_compute``,
 ``aggregation``, ``evaluation``, ``other``, ``total``, in seconds; with a codec ``codec``, the seconds spent coding and
 decoding in this process, a part of ``other``), ``peak_rss_mb``, optional ``codec`` (each direction's codec in words, when one is configured), ``dropped``,
-``rejected``, ``skipped``, ``diagnostics``, ``privacy``, ``robust``
+``rejected``, ``skipped``, ``diagnostics``, ``privacy``, ``ccvr`` (the last round's classifier calibration,
+:mod:`.calibration`), ``robust``
 (``server.update_clip``, ``server.aggregate``: :mod:`.robust`), ``update_norm`` (the median norm per local step of
 the aggregated replies' updates, what a later round's lone reply is measured against: :mod:`.robust`), and
 ``per_client``:

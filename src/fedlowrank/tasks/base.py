@@ -50,8 +50,8 @@ def classifier_parameters(net: nn.Module, outputs: tuple[str, ...]) -> list[str]
     linears = [n for out in outputs for n, m in net.get_submodule(out).named_modules(prefix=out)
                if isinstance(m, nn.Linear)]
     if not linears:
-        raise ValueError(f"task.options.frozen_head: the model's output modules ({', '.join(outputs) or 'none'}) "
-                         "hold no linear classifier to freeze")
+        raise ValueError(f"the model's output modules ({', '.join(outputs) or 'none'}) hold no linear classifier, "
+                         "which task.options.frozen_head and task.options.ccvr_samples need; set them off")
     return [f"{linears[-1]}.{n}" for n, _ in net.get_submodule(linears[-1]).named_parameters()]
 
 
@@ -393,10 +393,19 @@ class ClassificationOptions(Schema):
                                 "no client and sent in no message, so that only the body learns and is averaged "
                                 "(Oh et al., arXiv:2106.06042); evaluation and exports use that head, exports "
                                 "carry it; the head is not fine-tuned after training")
+    ccvr_samples: int = setting(0, "CCVR's classifier calibration after the last round: every client sends the "
+                                "count, mean and covariance of its features per class, and the server trains the "
+                                "global classifier on this many virtual features per class drawn from the pooled "
+                                "Gaussians (Luo et al., arXiv:2106.05001); 0 = off; reveals each client's label "
+                                "counts and feature moments, so refused with any privacy setting, and on Flower",
+                                ge=0)
+    ccvr_epochs: int = setting(10, "CCVR: epochs of SGD over the virtual features", ge=1)
+    ccvr_lr: float = setting(1e-2, "CCVR: the learning rate of the classifier's SGD (momentum 0.9)", gt=0.0)
 
     def in_use(self) -> list[str]:
         """The options whose remedy is on (off their neutral value)."""
-        return [*self.changing_loss(), *(["frozen_head"] if self.frozen_head else [])]
+        return [*self.changing_loss(), *(["frozen_head"] if self.frozen_head else []),
+                *(["ccvr_samples"] if self.ccvr_samples else [])]
 
     def changing_loss(self) -> list[str]:
         """The options in use whose remedy changes the training loss (per-class terms, :meth:`client_terms`)."""
@@ -432,11 +441,18 @@ class Classification(Task):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        in_use = cls.checked_options(cfg).changing_loss()
+        options = cls.checked_options(cfg)
+        in_use = options.changing_loss()
         if in_use and cfg.privacy.dpsgd:
             raise ValueError(f"task.options.{in_use[0]} cannot run with privacy.dpsgd = true: the remedy makes each "
                              "example's loss depend on the client's other labels, which per-example clipping does "
                              "not bound; set one of them off")
+        if options.ccvr_samples and (cfg.privacy.dpsgd or cfg.privacy.mode):
+            raise ValueError("task.options.ccvr_samples cannot run with privacy.dpsgd or privacy.mode: the class "
+                             "statistics CCVR uploads are covered by no accountant; set it to 0 or the privacy off")
+        if options.ccvr_samples and options.frozen_head:
+            raise ValueError("task.options.ccvr_samples cannot run with task.options.frozen_head = true: the frozen "
+                             "classifier is in no server state to calibrate; set one of them off")
 
     def client_batch(self, indices: np.ndarray, client_indices: np.ndarray) -> dict[str, Tensor]:
         """:meth:`batch`, with the client's per-class loss terms ``[B, C]`` (``"logit_scale"``, ``"logit_offset"``,

@@ -107,6 +107,10 @@ class MethodStrategy(Strategy):
             raise ValueError(f"method.name = {run.method.name!r} trains on the pooled data of each round's clients "
                              f"(a centralised reference); on Flower each client's data stays on its node: run it "
                              f"with `fedlowrank run` or `fedlowrank compare`")
+        if run.calibration is not None:
+            raise ValueError("task.options.ccvr_samples: CCVR's class statistics are computed where the clients' data "
+                             "are, and Flower's nodes do not send them; set it to 0, or run it with `fedlowrank run` "
+                             "(run.devices for several processes)")
         self.run = run
         run.client_states = False  # they live on the SuperNodes; the run's checkpoints say so
         self.settings = settings
