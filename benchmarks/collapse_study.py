@@ -16,14 +16,17 @@ the partition alone).
     python benchmarks/collapse_study.py run --data binary --arms base,logit-adjust-1,fedlc-1,fedlc-10,fedrs-0.5 \
         --out runs/collapse                                                        # three remedies against one base
     python benchmarks/collapse_study.py run --data binary --arms base,frozen-head --out runs/collapse  # FedBABU
+    python benchmarks/collapse_study.py run --data binary --arms base,ccvr --out runs/collapse         # CCVR
     python benchmarks/collapse_study.py run --data binary --out runs/collapse --arms check-fedit,check-florg,\
-        check-florg-examples,check-florg-lr-1e-3,check-florg-lr-1e-4,check-florg-head-lr-1e-3,check-fedit-uniform
+        check-florg-examples,check-florg-no-procrustes,check-florg-lr-1e-3,check-florg-lr-1e-4,\
+        check-florg-head-lr-1e-3,check-fedit-uniform
     python benchmarks/collapse_study.py report --out runs/collapse
 
 ``--data binary`` is AG News' Business and Sci/Tech classes (written once under ``--out`` from the local copy,
 ``$FEDLOWRANK_DATA/agnews``): a binary task built from the data the project uses; ``--data bbc`` is the packaged BBC
-News (5 classes). Every run is kept under
-``--out/<data>/<arm>/`` and read back when the command is repeated (``compare --resume``).
+News (5 classes); ``--train FILE [--test FILE]`` is your own data set (any file the text task reads, docs/data.md;
+without ``--test`` a stratified split of it), named by its folder. Every run is kept under ``--out/<data>/<arm>/``
+and read back when the command is repeated (``compare --resume``).
 """
 
 from __future__ import annotations
@@ -61,11 +64,13 @@ ARMS = {
     "fedlc-10": (["fedit"], ["task.options.calibration=10"]),
     "fedrs-0.5": (["fedit"], ["task.options.restricted_softmax=0.5"]),
     "frozen-head": (["fedit"], ["task.options.frozen_head=true"]),
+    "ccvr": (["fedit"], ["task.options.ccvr_samples=100"]),
     # FLoRG under label skew: the held-out check's setting (every client every round, 6 rounds, rank 4, main's lr
     # 5e-3), one factor at a time from FLoRG as that check ran it (its preset's uniform weights)
     "check-fedit": (["fedit"], []),
     "check-florg": (["florg"], ["server.weighting=uniform"]),
     "check-florg-examples": (["florg"], []),
+    "check-florg-no-procrustes": (["florg-no-procrustes"], ["server.weighting=uniform"]),  # Q kept whole
     "check-florg-lr-1e-3": (["florg"], ["server.weighting=uniform", "train.lr=1e-3"]),
     "check-florg-lr-1e-4": (["florg"], ["server.weighting=uniform", "train.lr=1e-4"]),
     "check-florg-head-lr-1e-3": (["florg"], ["server.weighting=uniform", "train.head_lr=1e-3"]),
@@ -95,12 +100,23 @@ def arm_settings(arm: str) -> list[str]:
     return (CHECK if arm.startswith("check-") else []) + ARMS[arm][1]
 
 
+def data_settings(args) -> tuple[str, list[str]]:
+    """``(name, --set values)`` of the study's data set: ``--data`` or, with ``--train``, the user's files (their
+    folder's name; any file the task reads, docs/data.md)."""
+    if args.train is not None:
+        sets = ["data.source=files", f"data.train={args.train.resolve()}", "data.max_train_examples=0"]
+        return args.train.resolve().parent.name, sets + ([f"data.test={args.test.resolve()}"] if args.test else [])
+    if args.data == "binary":
+        return "binary", binary_files(args.out)
+    return args.data, [f"data.source={SOURCES[args.data]}"]
+
+
 def run(args) -> None:
-    data = binary_files(args.out) if args.data == "binary" else [f"data.source={SOURCES[args.data]}"]
+    name, data = data_settings(args)
     for arm in args.arms:
         methods, sets = ARMS[arm][0], arm_settings(arm)
-        print(f"\n## {args.data} / {arm}: {','.join(methods)} --set {' '.join(sets) or '(base)'}", flush=True)
-        run_comparison("agnews", methods, args.seeds, BASE + data + sets, args.out / args.data / arm,
+        print(f"\n## {name} / {arm}: {','.join(methods)} --set {' '.join(sets) or '(base)'}", flush=True)
+        run_comparison("agnews", methods, args.seeds, BASE + data + sets, args.out / name / arm,
                        lambda line: print(line, flush=True), resume=True)
 
 
@@ -184,10 +200,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=("run", "report"))
     ap.add_argument("--data", choices=("binary", *SOURCES), default="binary")
+    ap.add_argument("--train", type=Path, help="your own training file (.tsv/.csv/.jsonl, docs/data.md) instead of "
+                    "--data; its folder's name names the data set under --out")
+    ap.add_argument("--test", type=Path, help="with --train: its test file (default: a split of --train)")
     ap.add_argument("--arms", type=lambda s: s.split(","), default=list(ARMS))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--out", type=Path, default=Path("runs/collapse"))
     args = ap.parse_args(argv)
+    if args.test is not None and args.train is None:
+        ap.error("--test needs --train")
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
         ap.error(f"--arms: unknown {', '.join(unknown)} (known: {', '.join(ARMS)})")

@@ -64,7 +64,7 @@ def changed_settings(base: list[str], other: list[str]) -> set[str]:
             for k, v in vars(getattr(after, s)).items() if v != vars(getattr(before, s))[k]}
 
 
-@pytest.mark.parametrize("arm", ["check-florg-examples", "check-florg-lr-1e-3", "check-florg-lr-1e-4",
+@pytest.mark.parametrize("arm", ["check-florg-examples", "check-florg-no-procrustes", "check-florg-lr-1e-3", "check-florg-lr-1e-4",
                                  "check-florg-head-lr-1e-3", "check-fedit-uniform"])
 def test_each_check_arm_changes_one_factor_of_florg_as_the_held_out_check_ran_it(study, arm):
     reference = study.base_arm(arm)
@@ -84,3 +84,36 @@ def test_check_fedit_differs_from_check_florg_as_the_held_out_check_did(study):
     base = study.BASE + study.arm_settings("check-florg")
     assert changed_settings(base, study.BASE + study.arm_settings("check-fedit")) == {"server.weighting"}
     assert study.ARMS["check-fedit"][0] == ["fedit"] and study.ARMS["check-florg"][0] == ["florg"]
+
+
+def test_your_own_files_are_a_data_set_of_the_study_named_by_their_folder(study, tmp_path):
+    folder = tmp_path / "reviews"
+    folder.mkdir()
+    (folder / "train.tsv").write_text("great film\tpos\nawful plot\tneg\n")
+    args = study_args(study, ["run", "--train", str(folder / "train.tsv"), "--out", str(tmp_path / "out")])
+    name, sets = study.data_settings(args)
+    assert name == "reviews" and sets == ["data.source=files", f"data.train={folder / 'train.tsv'}",
+                                          "data.max_train_examples=0"]
+    cfg = load_config("agnews", study.BASE + sets)
+    assert (cfg.data.source, cfg.data.train, cfg.data.test) == ("files", str(folder / "train.tsv"), "")
+    with_test = study_args(study, ["run", "--train", str(folder / "train.tsv"), "--test", str(folder / "t.tsv")])
+    assert study.data_settings(with_test)[1][-1] == f"data.test={folder / 't.tsv'}"
+    assert study.data_settings(study_args(study, ["run", "--data", "bbc"])) == ("bbc", ["data.source=bbc-news"])
+
+
+def study_args(study, argv: list[str]):
+    """The parsed arguments of ``collapse_study.py argv`` (what :func:`main` runs with), without running it."""
+    captured = {}
+    original = study.run
+    study.run = lambda args: captured.setdefault("args", args)
+    try:
+        study.main(argv)
+    finally:
+        study.run = original
+    return captured["args"]
+
+
+def test_test_without_train_is_refused(study, capsys):
+    with pytest.raises(SystemExit):
+        study.main(["run", "--test", "t.tsv"])
+    assert "--test needs --train" in capsys.readouterr().err
