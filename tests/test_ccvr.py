@@ -164,7 +164,12 @@ def test_a_calibrated_run_changes_only_the_classifier_and_counts_every_clients_s
     assert last["ccvr"] | {"before": None} == {"classes": task.num_labels, "virtual_features": 40 * task.num_labels,
                                                "clients": len(rows), "bytes_up": len(rows) * stats.nbytes(),
                                                "bytes_down": len(rows) * down, "before": None}
-    assert summary["remedies"] == {"ccvr_samples": 40}
+    assert summary["remedies"] == {"ccvr_samples": 40} and summary["ccvr"] == last["ccvr"]
+    from fedlowrank.cli import summary_table
+
+    line = next(x for x in summary_table(summary).splitlines() if x.startswith("ccvr"))
+    assert f"on {40 * task.num_labels} virtual features of {task.num_labels} classes from {len(rows)} clients" in line
+    assert f"before it: accuracy {scalar['accuracy']:.4g}" in line
     assert "task.options.ccvr_samples = 40" in task.collapse_advice()
 
 

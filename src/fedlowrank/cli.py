@@ -217,7 +217,7 @@ def summary_table(summary: dict) -> str:
     t = summary["time"]
     rows = [("method", f"{summary['method']}, {summary['rounds']} rounds")]
     skip = {"method", "rounds", "bytes_up", "bytes_down", "time", "peak_rss_mb", "best_accuracy", "predictions",
-            "collapse", "initial", "by_task"}
+            "collapse", "initial", "by_task", "ccvr"}
     for key, value in summary.items():
         if key not in skip:
             rows.append((key, f"{value:.4g}" if isinstance(value, float) else str(value)))
@@ -231,6 +231,11 @@ def summary_table(summary: dict) -> str:
         c = summary["collapse"]
         rows.append(("collapse", f"from round {c['round']}: class {c['top_label']!r}, {100 * c['top_share']:.1f} % "
                                  f"of the test set ({'to the end' if c['at_end'] else 'recovered'})"))
+    if "ccvr" in summary:
+        c = summary["ccvr"]
+        before = ", ".join(f"{k} {v:.4g}" for k, v in c["before"].items())
+        rows.append(("ccvr", f"classifier calibrated on {c['virtual_features']} virtual features of {c['classes']} "
+                             f"classes from {c['clients']} clients' statistics; before it: {before}"))
     if "best_accuracy" in summary:
         rows.append(("best accuracy", f"{summary['best_accuracy']:.4g}"))
     rows.append(("bytes up / down", f"{format_bytes(summary['bytes_up'])} / {format_bytes(summary['bytes_down'])}"))

@@ -272,7 +272,8 @@ class ServerRun:
         evaluation's metrics, ``initial`` (round 0: the model before training, when this process ran it), ``epsilon``
         under client-level DP, ``dpsgd_epsilon`` under DP-SGD (:data:`~..privacy.runtime.PRIVACY_KEYS`),
         ``best_accuracy``, ``collapse`` when the global model collapsed (:func:`~.evaluation.run_collapse`),
-        ``remedies``, the task's label-skew remedies in use (:meth:`~fedlowrank.tasks.base.Task.remedies_in_use`)."""
+        ``remedies``, the task's label-skew remedies in use (:meth:`~fedlowrank.tasks.base.Task.remedies_in_use`),
+        ``ccvr``, the last round's classifier calibration (:mod:`.calibration`)."""
         times = {k: sum(r["time"][k] for r in self.history) for k in ROW_TIMES}
         out = {"method": self.method.name, "rounds": self.round, "bytes_up": self.ledger.total_up,
                "bytes_down": self.ledger.total_down, "time": times, "peak_rss_mb": peak_rss_mb()}
@@ -288,6 +289,8 @@ class ServerRun:
         remedies = self.task.remedies_in_use()
         if remedies:
             out["remedies"] = remedies
+        if self.history and "ccvr" in self.history[-1]:
+            out["ccvr"] = self.history[-1]["ccvr"]
         accuracies = [r["accuracy"] for r in self.history if "accuracy" in r]
         if accuracies:
             out["best_accuracy"] = max(accuracies)
