@@ -26,7 +26,9 @@ the partition alone).
 ``$FEDLOWRANK_DATA/agnews``): a binary task built from the data the project uses; ``--data bbc`` is the packaged BBC
 News (5 classes); ``--train FILE [--test FILE]`` is your own data set (any file the text task reads, docs/data.md;
 without ``--test`` a stratified split of it), named by its folder. Every run is kept under ``--out/<data>/<arm>/``
-and read back when the command is repeated (``compare --resume``).
+and read back when the command is repeated (``compare --resume``); with ``--records benchmarks/records/collapse``
+the finished runs are kept there too, and ``run`` with the same arms then rebuilds the tables from them without
+training (the per-round lines need each run's ``partition.json``, which records do not keep).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance, run_resumable  # noqa: E402
+from common import keep_records, provenance, run_resumable  # noqa: E402
 
 from fedlowrank.experiments.compare import run_comparison  # noqa: E402
 from fedlowrank.experiments.stats import median, wilcoxon_signed_rank  # noqa: E402
@@ -113,11 +115,17 @@ def data_settings(args) -> tuple[str, list[str]]:
 
 def run(args) -> None:
     name, data = data_settings(args)
-    for arm in args.arms:
-        methods, sets = ARMS[arm][0], arm_settings(arm)
-        print(f"\n## {name} / {arm}: {','.join(methods)} --set {' '.join(sets) or '(base)'}", flush=True)
-        run_comparison("agnews", methods, args.seeds, BASE + data + sets, args.out / name / arm,
-                       lambda line: print(line, flush=True), resume=True)
+    if args.records:
+        keep_records(args.records, args.out, [name], into_out=True)
+    try:
+        for arm in args.arms:
+            methods, sets = ARMS[arm][0], arm_settings(arm)
+            print(f"\n## {name} / {arm}: {','.join(methods)} --set {' '.join(sets) or '(base)'}", flush=True)
+            run_comparison("agnews", methods, args.seeds, BASE + data + sets, args.out / name / arm,
+                           lambda line: print(line, flush=True), resume=True)
+    finally:
+        if args.records:
+            keep_records(args.records, args.out, [name], into_out=False)
 
 
 def per_seed(out: Path) -> dict:
@@ -135,6 +143,8 @@ def rounds_of(run_dir: Path) -> list[str]:
     and that class's share of the label mix the server's average saw (the sampled clients' label histograms
     weighted as ``server.weighting`` weights them), e.g. ``r1 0.501 Sci/Tech 100 % (mix 71 %, its largest
     class)``; for a pooled reference (``centralized``) the mix of the data it pooled (the row's ``pooled``)."""
+    if not (run_dir / "partition.json").is_file():  # a run read back from --records: no partition file
+        return []
     part = json.loads((run_dir / "partition.json").read_text())
     cfg = json.loads((run_dir / "config.json").read_text())
     names, hist = part["task"]["labels"], [[float(x) for x in h] for h in part["label_histograms"]]
@@ -206,6 +216,9 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", type=lambda s: s.split(","), default=list(ARMS))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--out", type=Path, default=Path("runs/collapse"))
+    ap.add_argument("--records", type=Path, metavar="DIR", help="finished runs kept between machines (e.g. "
+                    "benchmarks/records/collapse): copied from DIR into --out before `run`, reused instead of run "
+                    "again, and every finished run copied back after (also when stopped)")
     args = ap.parse_args(argv)
     if args.test is not None and args.train is None:
         ap.error("--test needs --train")

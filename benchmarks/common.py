@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from pathlib import Path
 
 
 def provenance(argv: list[str] | None = None) -> str:
@@ -18,6 +19,24 @@ def provenance(argv: list[str] | None = None) -> str:
     return (f"command: {' '.join([os.path.basename(sys.argv[0]), *args])}\nload average (1, 5, 15 min): {load}\n"
             f"python {platform.python_version()}, torch {torch.__version__}, numpy {numpy.__version__}, "
             f"threads {torch.get_num_threads()}, cpus {os.cpu_count()}")
+
+
+def keep_records(records: Path, out: Path, homes: list[str], into_out: bool) -> None:
+    """Copy the finished runs of each folder in ``homes`` from ``records`` into ``out`` (``into_out``) or back
+    (:func:`fedlowrank.experiments.sweep.copy_finished_runs`: four small files a run, all that a verdict and a
+    resumed sweep read, only while they match their seal), logging to stderr what was copied and what was refused."""
+    from fedlowrank.experiments.sweep import copy_finished_runs
+
+    src, dest = (records, out) if into_out else (out, records)
+    for home in homes:
+        if (src / home).is_dir():
+            written, skipped, refused = copy_finished_runs(src / home, dest / home)
+            for line in refused:
+                print(f"--records: not copied: {line}", file=sys.stderr, flush=True)
+            runs = f"{len(written)} finished run{'' if len(written) == 1 else 's'}"
+            print(f"--records: {runs} of {home} copied from {src / home} to {dest / home} ({len(skipped)} there "
+                  f"already, kept as they are{f'; {len(refused)} refused' if refused else ''})", file=sys.stderr,
+                  flush=True)
 
 
 def run_resumable(main) -> int:

@@ -40,11 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import provenance, run_resumable  # noqa: E402
+from common import keep_records, provenance, run_resumable  # noqa: E402
 
 from fedlowrank.experiments.compare import (against_reference, results_markdown, run_comparison,  # noqa: E402
                                             write_report)
-from fedlowrank.experiments.sweep import copy_finished_runs  # noqa: E402
 from fedlowrank.experiments.tune import run_tuning  # noqa: E402
 
 # AG News, MiniLM-L6: 10 clients, all every round, 8 × 32 tokens per step, r = 4, 2,000 test examples
@@ -343,21 +342,6 @@ def read_against_reference(name: str, out: Path, device: str, seeds: int | None,
     (home / "results.md").write_text(results_markdown(results))
     write_report(home, results)
     return results
-
-
-def keep_records(records: Path, out: Path, homes: list[str], into_out: bool) -> None:
-    """Copy the finished runs of each protocol folder in ``homes`` from ``records`` into ``out`` (``into_out``) or
-    back (:func:`fedlowrank.experiments.sweep.copy_finished_runs`: four small files a run, all that a verdict and a
-    resumed protocol read, only while they match their seal), logging what was copied and what was refused."""
-    src, dest = (records, out) if into_out else (out, records)
-    for home in homes:
-        if (src / home).is_dir():
-            written, skipped, refused = copy_finished_runs(src / home, dest / home)
-            for line in refused:
-                log(f"--records: not copied: {line}")
-            runs = f"{len(written)} finished run{'' if len(written) == 1 else 's'}"
-            log(f"--records: {runs} of {home} copied from {src / home} to {dest / home} ({len(skipped)} there "
-                f"already, kept as they are{f'; {len(refused)} refused' if refused else ''})")
 
 
 def main(argv=None) -> int:

@@ -117,3 +117,18 @@ def test_test_without_train_is_refused(study, capsys):
     with pytest.raises(SystemExit):
         study.main(["run", "--test", "t.tsv"])
     assert "--test needs --train" in capsys.readouterr().err
+
+
+def test_records_are_read_before_the_arms_run_and_written_back_after_even_when_stopped(study, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(study, "keep_records", lambda records, out, homes, into_out: calls.append((homes, into_out)))
+
+    def stopped(*args, **kwargs):
+        calls.append("arm")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(study, "run_comparison", stopped)
+    args = study_args(study, ["run", "--data", "bbc", "--arms", "base", "--records", str(tmp_path / "rec")])
+    with pytest.raises(KeyboardInterrupt):
+        study.run(args)
+    assert calls == [(["bbc"], True), "arm", (["bbc"], False)]
