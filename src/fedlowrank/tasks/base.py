@@ -473,9 +473,9 @@ class Classification(Task):
         if in_use:
             return "remedies in use: " + ", ".join(
                 f"task.options.{k} = {str(v).lower() if isinstance(v, bool) else f'{v:g}'}" for k, v in in_use.items())
-        return ("against label skew try task.options.logit_adjustment = 1, or task.options.calibration = 10, or where "
-                "clients lack whole classes task.options.restricted_softmax = 0.5 (docs/comparison.md, \"Remedies "
-                "for label skew\")")
+        return ("against label skew try task.options.logit_adjustment = 1, or without privacy settings "
+                "task.options.ccvr_samples = 100, or task.options.calibration = 10, or where clients lack whole "
+                "classes task.options.restricted_softmax = 0.5 (docs/comparison.md, \"Remedies for label skew\")")
 
     def loss(self, net: nn.Module, batch: dict[str, Tensor]) -> Tensor:
         return self.output_loss(self.output(net, batch), batch)
