@@ -212,10 +212,10 @@ def close_round(run: Run, got: RoundReplies, started: float, warn: Warn | None =
 
 def client_rows(ledger: list[dict[str, int]], replies: list[Reply],
                 tests: dict[int, dict[str, float]]) -> list[dict[str, Any]]:
-    """The round's ``per_client`` entries, sorted by client: one per ledger row of its training exchange (train loss and examples of its
-    used reply, ``None`` when it was dropped or rejected; bytes up and down), with ``"test"`` metrics for the
-    clients in ``tests`` (a personalised method's own models; an evaluated client that was not sampled gets an
-    entry with zero bytes)."""
+    """The round's ``per_client`` entries, sorted by client: one per ledger row of its training exchange (train loss
+    and examples of its used reply, ``None`` when it was dropped or rejected; bytes up and down), with ``"test"``
+    metrics for the clients in ``tests`` (a personalised method's own models; an evaluated client that was not
+    sampled gets an entry with zero bytes)."""
     used = {r.client: r for r in replies}
     rows: dict[int, dict[str, Any]] = {}
     for lr in (r for r in ledger if "phase" not in r):  # the round's training exchange only

@@ -44,8 +44,10 @@ class Ledger:
 
     def add(self, round: int, client: int, down: int, up: int, phase: str | None = None) -> None:
         """One client's bytes in ``round``; ``phase``: an exchange after the round's training (``"ccvr"``)."""
-        self.rows.append({"round": round, "client": client, "down": down, "up": up, **({"phase": phase} if phase
-                                                                                        else {})})
+        row: dict[str, Any] = {"round": round, "client": client, "down": down, "up": up}
+        if phase is not None:
+            row["phase"] = phase
+        self.rows.append(row)
 
     @property
     def total_up(self) -> int:
