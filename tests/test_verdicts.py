@@ -63,7 +63,8 @@ def test_a_run_forced_to_predict_one_class_says_so_in_one_line():
     sim = image_run(lines, forced=2)
     said = [line for line in lines if "collapse:" in line]
     assert len(said) == 1 and "round 1:" in said[0] and "'band2'" in said[0] and "100.0 %" in said[0]
-    assert "try task.options.logit_adjustment = 1, or task.options.calibration = 10" in said[0]  # the remedies to try
+    assert ("try task.options.logit_adjustment = 1, or without privacy settings task.options.ccvr_samples = 100, or "
+            "task.options.calibration = 10") in said[0]  # the remedies to try
     assert "remedies" not in sim.summary()
     assert sim.summary()["collapse"]["top_class"] == 2 and sim.summary()["collapse"]["at_end"]
     assert sim.history[0]["predictions"]["recall"] == [0.0, 0.0, 1.0]
