@@ -170,3 +170,51 @@ def test_the_server_reads_each_reply_at_most_twice_not_once_per_tensor():
         return False
     reads = sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense" and in_server_part(e))
     assert reads <= 2 * 4, reads
+
+
+def round_ops_per_member(*sets: str) -> tuple[dict[str, float], int]:
+    """``(ops, tensors)``: the top-level aten operations one round of tiny-llama's FedIT dispatches outside its local
+    steps per client (the difference between rounds of 4 and of 2 clients, halved), by the innermost part of the
+    round they run in (``wire``, ``receive``, ``close_round``, ...), and the tensors of one reply."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = {}
+    for k in (2, 4):
+        cfg = load_config("tiny-lm", ["task.options.eval_generate=0", "run.eval_every=100", "partition.kind=iid",
+                                      f"run.clients_per_round={k}", "run.rounds=3", "server.outlier_ratio=10", *sets])
+        sim = Simulation(cfg, task=build_task(cfg))
+        try:
+            sim.run_round()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                sim.run_round()
+            tensors = len(sim.server.tensors())
+        finally:
+            sim.close()
+        count: dict[str, int] = {}
+        for event in prof.events():
+            names, parent = [], event.cpu_parent
+            while parent is not None:
+                names.append(parent.name)
+                parent = parent.cpu_parent
+            if not event.name.startswith("aten::") or LOCAL_STEP in names or any(n.startswith("aten::")
+                                                                                 for n in names):
+                continue
+            part = next((n.removeprefix("fedlowrank.") for n in names if n.startswith("fedlowrank.")), "other")
+            count[part] = count.get(part, 0) + 1
+        counts[k] = count
+    return {part: (counts[4].get(part, 0) - counts[2].get(part, 0)) / 2 for part in counts[4]}, tensors
+
+
+def test_a_round_s_work_per_client_outside_its_steps_does_not_grow_with_the_tensors_it_sends():
+    """tiny-llama's FedIT on q/v and on every attention projection (twice the factors), the outlier check on: the
+    server's checks, update norm and aggregation of a reply are a few multi-tensor operations whatever its number of
+    tensors (not several per tensor), and the wire parses a message with at most one operation (its shape) per
+    tensor: none copies a tensor, and nothing is written out per tensor."""
+    few, few_tensors = round_ops_per_member("lora.targets=[\"q_proj\", \"v_proj\"]")
+    many, many_tensors = round_ops_per_member("lora.targets=[\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\"]")
+    assert many_tensors == 2 * few_tensors >= 8, (few_tensors, many_tensors)
+    server = {part: few.get(part, 0) + many.get(part, 0) for part in ("receive", "close_round")}
+    assert few["receive"] == many["receive"] and few["close_round"] == many["close_round"], (few, many)
+    assert few["receive"] + few["close_round"] <= 16, server
+    for ops, tensors in ((few, few_tensors), (many, many_tensors)):
+        assert ops["wire"] <= 2 * tensors, ops  # a broadcast and a reply: one shape each per tensor

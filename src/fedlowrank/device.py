@@ -190,8 +190,9 @@ def stage(obj: Any, device: torch.device) -> Any:
 
 
 def to_host(obj: Any) -> Any:
-    """:func:`to_device` to the CPU, detached: where messages and states live."""
-    return map_tensors(obj, lambda t: t.detach().to("cpu"))
+    """:func:`to_device` to the CPU, detached: where messages and states live (a host tensor outside autograd is
+    kept as it is: no operation)."""
+    return map_tensors(obj, lambda t: t if t.device.type == "cpu" and not t.requires_grad else t.detach().to("cpu"))
 
 
 __all__ = ["DEVICES", "DTYPES", "OPTIMIZER_KERNELS", "can_checkpoint", "check_device_spec", "check_dtype",

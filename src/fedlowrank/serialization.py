@@ -13,6 +13,7 @@ boolean tensors of 0/1 bytes, scalars in a JSON object, no name both a tensor an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from typing import Any, Mapping
@@ -145,7 +146,8 @@ def _header(tensors: Mapping[str, torch.Tensor], scalars_json: str | None) -> by
 
 def dumps(tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Scalar] | None = None) -> bytes:
     """Serialise tensors (+ scalars in the metadata, :func:`encode_scalars`) to safetensors bytes."""
-    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items() if _code(name, t)}
+    cpu = {name: t if t.device.type == "cpu" and t.is_contiguous() else t.detach().to("cpu").contiguous()
+           for name, t in tensors.items() if _code(name, t)}  # a host tensor is written from its own memory
     specs = {name: TensorSpec(dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), data_ptr=t.data_ptr(),
                               data_len=t.numel() * t.element_size()) for name, t in cpu.items()}
     metadata = {_SCALARS_KEY: encode_scalars(scalars)} if scalars else None
@@ -165,10 +167,35 @@ def _scalars(header_bytes: bytes) -> dict[str, Scalar]:
     return scalars
 
 
+_ALIGNMENT = 64  # bytes: where torch's CPU allocator starts every tensor
+
+
+@dataclasses.dataclass
+class _HostBuffer:
+    """One writable host allocation for a container's tensors: ``memory`` (uint8) and each tensor's ``(start, end)``
+    in it, every start a multiple of :data:`_ALIGNMENT` from an aligned base (so that vectorised kernels see a parsed
+    tensor as they see one torch allocated, and sum in the same order)."""
+
+    memory: np.ndarray
+    spans: list[tuple[int, int]]
+
+
+def _host_buffer(sizes: list[int]) -> _HostBuffer:
+    """An aligned :class:`_HostBuffer` for tensors of ``sizes`` bytes, in order."""
+    spans, offset = [], 0
+    for n in sizes:
+        spans.append((offset, offset + n))
+        offset += n + (-n % _ALIGNMENT)
+    raw = np.empty(offset + _ALIGNMENT, dtype=np.uint8)
+    skip = -raw.ctypes.data % _ALIGNMENT
+    return _HostBuffer(raw[skip : skip + offset], spans)
+
+
 def loads(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Scalar]]:
     """Parse safetensors bytes into ``(tensors, scalars)``, each in the order of their names (what iterates over a
     container, e.g. a sum over modules, then does not depend on the file's layout); raises :class:`FormatError` on
-    anything else."""
+    anything else. The tensors are writable views of one aligned host allocation (:class:`_HostBuffer`): parsing
+    dispatches at most one operation per tensor (its shape), whatever their number."""
     data = bytes(data)
     if len(data) < 8:
         raise FormatError(f"tensor container truncated: {len(data)} bytes, need at least 8")
@@ -178,17 +205,23 @@ def loads(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Scalar]]:
         raise FormatError(f"not a valid tensor container: {exc}") from None
     (hlen,) = struct.unpack("<Q", data[:8])
     scalars = _scalars(data[8 : 8 + hlen])
-    tensors: dict[str, torch.Tensor] = {}
-    for name, info in sorted(entries, key=lambda entry: entry[0]):  # by name, whatever order the file has
-        dtype = _TORCH_OF.get(info["dtype"])
-        if dtype is None:
+    entries = sorted(entries, key=lambda entry: entry[0])  # by name, whatever order the file has
+    for name, info in entries:
+        if info["dtype"] not in _TORCH_OF:
             raise FormatError(f"tensor {name!r}: dtype {info['dtype']} is not one of {', '.join(_TORCH_OF)}")
-        raw, shape = info["data"], list(info["shape"])
-        if dtype == torch.bool and len(raw) and int(np.frombuffer(raw, dtype=np.uint8).max()) > 1:
+        raw = info["data"]
+        if info["dtype"] == "BOOL" and len(raw) and int(np.frombuffer(raw, dtype=np.uint8).max()) > 1:
             raise FormatError(f"tensor {name!r}: a boolean tensor holds bytes other than 0 and 1")
-        # cloned into torch's own (aligned) memory: vectorised kernels then sum in the same order as for any tensor
-        tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape).clone() if len(raw) else \
-            torch.empty(shape, dtype=dtype)
+    host = _host_buffer([len(info["data"]) for _, info in entries])
+    tensors: dict[str, torch.Tensor] = {}
+    for (name, info), (start, end) in zip(entries, host.spans):
+        dtype, shape = _TORCH_OF[info["dtype"]], list(info["shape"])
+        if start == end:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        host.memory[start:end] = np.frombuffer(info["data"], dtype=np.uint8)
+        flat = torch.frombuffer(host.memory[start:end], dtype=dtype)  # a view: no copy, no operation
+        tensors[name] = flat if len(shape) == 1 else flat.view(shape)
     both = sorted(set(tensors) & set(scalars))
     if both:
         raise FormatError(f"tensor container names {both[0]!r} both as a tensor and as a scalar")

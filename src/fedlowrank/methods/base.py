@@ -393,13 +393,18 @@ class Method(Schema):
         return avg if beta == 1.0 else old + beta * (avg - old)
 
 
+def weighted_sums(rows: Sequence[Sequence[torch.Tensor]], weights: torch.Tensor) -> list[torch.Tensor]:
+    """``[Σₖ wₖ rows[k][i] for each i]``: the tensors of K rows (one per reply, equal in shapes) weighted and summed,
+    accumulated in float64 (one multi-tensor add per row, not one per tensor) and cast back to row 0's dtypes."""
+    acc = [torch.zeros_like(t, dtype=torch.float64) for t in rows[0]]
+    for row, w in zip(rows, weights.tolist()):
+        torch._foreach_add_(acc, list(row), alpha=w)
+    return [a.to(t.dtype) for a, t in zip(acc, rows[0])]
+
+
 def weighted_sum(tensors: Iterable[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
-    """Σₖ wₖ tₖ, accumulated in float64 and cast back to the first tensor's dtype."""
-    it = list(tensors)
-    acc = torch.zeros_like(it[0], dtype=torch.float64)
-    for t, w in zip(it, weights.tolist()):
-        acc.add_(t.to(torch.float64), alpha=w)
-    return acc.to(it[0].dtype)
+    """Σₖ wₖ tₖ (:func:`weighted_sums` of one tensor per row)."""
+    return weighted_sums([[t] for t in tensors], weights)[0]
 
 
 def head_tensors(model: AdaptedModel) -> dict[str, torch.Tensor]:
@@ -589,8 +594,10 @@ class LoRAMethod(Corrected):
     # -- server side -----------------------------------------------------------------------------------
     def average_into(self, server: State, replies: Sequence[Reply], keys: Iterable[str], weights: torch.Tensor) -> None:
         """``server[key] ← server_step(server[key], Σₖ pₖ reply_k[key])`` for each key."""
-        for key in keys:
-            avg = weighted_sum((r.message[key] for r in replies), weights)
+        keys = list(keys)
+        if not keys:
+            return
+        for key, avg in zip(keys, weighted_sums([[r.message[k] for k in keys] for r in replies], weights)):
             server[key] = self.server_step(server[key], avg)
 
     def aggregate_corrections(self, server: State, replies: Sequence[Reply]) -> None:

@@ -13,10 +13,10 @@ changes nothing, bit for bit.
 
 from __future__ import annotations
 
+from typing import Sequence
 
 import torch
 
-from ..linalg.reductions import total_norm
 from ..message import Message
 
 
@@ -44,10 +44,33 @@ def update_keys(reply: Message) -> list[str]:
     return sorted(k for k, t in reply.tensors().items() if t.is_floating_point())
 
 
+def update_norms(pairs: Sequence[tuple[Message, Message]]) -> list[float]:
+    """‖Δ‖₂ of each ``(reply, down)``'s update (see the module docstring), in float64, as work per reply rather than
+    per tensor: a reply's update is written into float64 buffers that the replies of its layout (names and shapes)
+    share, by one multi-tensor copy, subtraction and norm, and all the norms are read at once."""
+    buffers: dict[tuple, list[torch.Tensor]] = {}
+    norms = []
+    for reply, down in pairs:
+        keys = update_keys(reply)
+        tensors = [reply[k] for k in keys]
+        layout = tuple((k, tuple(t.shape)) for k, t in zip(keys, tensors))
+        if layout not in buffers:
+            buffers[layout] = [torch.empty(t.shape, dtype=torch.float64, device=t.device) for t in tensors]
+        deltas = buffers[layout]
+        if not deltas:
+            norms.append(torch.zeros((), dtype=torch.float64))
+            continue
+        torch._foreach_copy_(deltas, tensors)
+        measured = [(d, ref) for d, k, t in zip(deltas, keys, tensors) if (ref := _reference(down, k, t)) is not None]
+        if measured:
+            torch._foreach_sub_([d for d, _ in measured], [ref for _, ref in measured])
+        norms.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(deltas))))
+    return torch.stack(norms).tolist() if norms else []
+
+
 def update_norm(reply: Message, down: Message) -> float:
-    """‖Δ‖₂ of the reply's update (see the module docstring), read once (:func:`~fedlowrank.linalg.reductions.
-    total_norm`)."""
-    return total_norm([update_tensor(reply, down, key) for key in update_keys(reply)])
+    """‖Δ‖₂ of the reply's update (:func:`update_norms`)."""
+    return update_norms([(reply, down)])[0]
 
 
 def clip_update(reply: Message, down: Message, clip: float) -> tuple[Message, float]:

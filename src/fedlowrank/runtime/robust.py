@@ -45,7 +45,7 @@ import torch
 
 from ..linalg.reductions import total_norm
 from ..message import Message, Reply
-from ..privacy.mechanisms import clip_update, update_keys, update_norm
+from ..privacy.mechanisms import clip_update, update_keys, update_norms
 from ..privacy.runtime import central_replies
 from ..training.local import steps_per_round
 
@@ -70,8 +70,8 @@ def outlying_replies(replies: list[Reply], downs: dict[int, Message], ratio: flo
     zero, of ``initial(client)``, its initial client state),
     ``{"client", "reason"}`` for each other one, and the median norm per step of the kept replies (``None``: none
     kept), the ``earlier`` of later rounds."""
-    norms = [update_norm(r.message, downs[r.client]) / max(1, steps_per_round(train, r.num_examples))
-             for r in replies]
+    norms = [n / max(1, steps_per_round(train, r.num_examples))
+             for n, r in zip(update_norms([(r.message, downs[r.client]) for r in replies]), replies)]
     kept, kept_norms, rejected = [], [], []
     for i, r in enumerate(replies):
         others = norms[:i] + norms[i + 1:]
