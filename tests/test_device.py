@@ -86,3 +86,34 @@ def test_device_errors_are_one_line(monkeypatch):
     with pytest.raises(ValueError, match=r"run.device = 'cuda:7' but this machine has 1 CUDA device\(s\)") as err:
         resolve_device("cuda:7")
     assert "\n" not in str(err.value)
+
+
+def _factors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 5, generator=g), torch.randn(7, 2, generator=g), torch.randn(3, generator=g),
+            torch.randn(4, 4, generator=g).to(torch.bfloat16), torch.randn(2, 2, generator=g, dtype=torch.float64)]
+
+
+def test_staging_many_tensors_moves_each_dtype_once_and_keeps_those_already_there(monkeypatch):
+    """:func:`stage_together` to another device (``meta``, which any machine has) moves one packed buffer per dtype,
+    each tensor coming back as a view of its shape and dtype; to the device they are on, it moves nothing and hands
+    back the very tensors."""
+    from fedlowrank import device
+
+    tensors = _factors()
+    assert all(a is b for a, b in zip(device.stage_together(tensors, torch.device("cpu")), tensors))
+    moved = []
+    staging = device.stage_tensor
+    monkeypatch.setattr(device, "stage_tensor", lambda t, d: moved.append(t.dtype) or staging(t, d))
+    out = device.stage_together(tensors, torch.device("meta"))
+    assert sorted(map(str, moved)) == ["torch.bfloat16", "torch.float32", "torch.float64"]
+    assert [(t.device.type, t.shape, t.dtype) for t in out] == [("meta", t.shape, t.dtype) for t in tensors]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_staging_many_tensors_to_cuda_keeps_their_values():
+    from fedlowrank.device import stage_together
+
+    tensors = _factors()
+    out = stage_together(tensors, torch.device("cuda", torch.cuda.current_device()))
+    assert all(o.is_cuda and torch.equal(o.cpu(), t) for o, t in zip(out, tensors))

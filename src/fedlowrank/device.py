@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -189,6 +189,22 @@ def stage(obj: Any, device: torch.device) -> Any:
     return map_tensors(obj, lambda t: stage_tensor(t, device))
 
 
+def stage_together(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` on ``device`` ahead of use (:func:`stage_tensor`) as one move per dtype, not one per tensor: those
+    of a dtype elsewhere packed into one buffer, moved at once (on CUDA from pinned memory, without the host
+    waiting) and split into views of their shapes; those already on ``device`` kept as they are."""
+    out = list(tensors)
+    elsewhere: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.device != device:
+            elsewhere.setdefault(t.dtype, []).append(i)
+    for idx in elsewhere.values():
+        flat = stage_tensor(torch.cat([tensors[i].reshape(-1) for i in idx]), device)
+        for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+            out[i] = piece.view(tensors[i].shape)
+    return out
+
+
 def to_host(obj: Any) -> Any:
     """:func:`to_device` to the CPU, detached: where messages and states live (a host tensor outside autograd is
     kept as it is: no operation)."""
@@ -197,4 +213,4 @@ def to_host(obj: Any) -> Any:
 
 __all__ = ["DEVICES", "DTYPES", "OPTIMIZER_KERNELS", "can_checkpoint", "check_device_spec", "check_dtype",
            "grad_scaler", "map_tensors", "module_device", "optimizer_kernel", "resolve_device", "set_checkpointing",
-           "stage", "stage_tensor", "store_frozen", "to_device", "to_host"]
+           "stage", "stage_tensor", "stage_together", "store_frozen", "to_device", "to_host"]

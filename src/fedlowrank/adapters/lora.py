@@ -8,10 +8,12 @@ factors and recomputes ``s`` from the new rank by the same rule.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 from torch import nn
 
+from ..device import stage_together
 from ..schema import check_choice
 from .model import AdaptedLinear, AdaptedModel
 
@@ -56,17 +58,19 @@ class LoRALinear(AdaptedLinear):
 
     def set_factors(self, A: torch.Tensor, B: torch.Tensor) -> None:
         """Load ``A: [r, in]``, ``B: [out, r]`` (any r); the scale follows the rank by the configured rule."""
+        load_factors([self], [(A, B)])
+
+    def _fit_rank(self, A: torch.Tensor, B: torch.Tensor) -> None:
+        """Check that ``A``, ``B`` fit the layer and give it factors of their rank (where the old ones are, in
+        their dtype: fp32 over a bf16 backbone)."""
         r = A.shape[0]
         if A.shape != (r, self.in_features) or B.shape != (self.out_features, r):
             raise ValueError(f"LoRA factors of shapes A{tuple(A.shape)}, B{tuple(B.shape)} do not fit a "
                              f"[{self.out_features}, {self.in_features}] layer")
-        if r != self.rank:  # new factors where the old ones are, in their dtype (fp32 over a bf16 backbone)
+        if r != self.rank:
             self.lora_A = nn.Parameter(self.lora_A.new_empty(r, self.in_features))
             self.lora_B = nn.Parameter(self.lora_B.new_empty(self.out_features, r))
             self.scale = lora_scale(self.alpha, r, self.scaling_rule)
-        with torch.no_grad():
-            self.lora_A.copy_(A)
-            self.lora_B.copy_(B)
 
     def adapter_delta(self) -> torch.Tensor:
         return self.scale * (self.lora_B @ self.lora_A)
@@ -74,6 +78,19 @@ class LoRALinear(AdaptedLinear):
     def adapter_output(self, x: torch.Tensor) -> torch.Tensor:
         return self.scale * self.output_map(self.input_map(self.dropout(x), self.lora_A), self.lora_B)
 
+
+
+def load_factors(layers: Sequence[LoRALinear], factors: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each layer's :meth:`LoRALinear.set_factors` of its ``(A, B)``, written together: the factors staged on the
+    layers' device as one move per dtype (:func:`~fedlowrank.device.stage_together`) and copied into the layers by
+    one multi-tensor copy, not one per factor."""
+    for layer, (A, B) in zip(layers, factors):
+        layer._fit_rank(A, B)
+    targets = [p for layer in layers for p in (layer.lora_A, layer.lora_B)]
+    if not targets:
+        return
+    with torch.no_grad():
+        torch._foreach_copy_(targets, stage_together([t for pair in factors for t in pair], targets[0].device))
 
 
 class LoRAStacks:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from typing import Callable, Iterator
 
 import torch
@@ -27,7 +28,7 @@ def matrix_shape(layer: nn.Module) -> tuple[int, int]:
     """``(out, in)`` of a target's weight seen as a matrix: ``nn.Linear`` ``[out, in]``, ``nn.Conv2d``
     ``[out, in·kh·kw]``."""
     w = layer.weight
-    return int(w.shape[0]), int(w[0].numel())
+    return int(w.shape[0]), math.prod(w.shape[1:])
 
 
 def weight_matrix(layer: nn.Module) -> torch.Tensor:

@@ -360,7 +360,8 @@ class Method(Schema):
               loss: float) -> Message:
         """The reply: ``params[k]`` for ``k`` in ``keys``, the corrections' ``extra`` entries, ``num_examples``
         and ``train_loss``."""
-        msg = Message({k: params[k].detach().clone() for k in keys})
+        with torch.no_grad():  # a copy outside autograd: one operation per tensor
+            msg = Message({k: params[k].clone() for k in keys})
         msg.update(extra)
         msg["num_examples"] = int(trainer.num_examples)
         msg["train_loss"] = float(loss)
@@ -391,6 +392,14 @@ class Method(Schema):
         """Scaled averaging (Task-Arithmetic style): ``old + β·(avg − old)``; β = ``info.server_lr``."""
         beta = self.info.server_lr
         return avg if beta == 1.0 else old + beta * (avg - old)
+
+    def average_into(self, server: State, replies: Sequence[Reply], keys: Iterable[str], weights: torch.Tensor) -> None:
+        """``server[key] ← server_step(server[key], Σₖ pₖ reply_k[key])`` for each key."""
+        keys = list(keys)
+        if not keys:
+            return
+        for key, avg in zip(keys, weighted_sums([[r.message[k] for k in keys] for r in replies], weights)):
+            server[key] = self.server_step(server[key], avg)
 
 
 def weighted_sums(rows: Sequence[Sequence[torch.Tensor]], weights: torch.Tensor) -> list[torch.Tensor]:
@@ -592,14 +601,6 @@ class LoRAMethod(Corrected):
         return self.local_fit(model, msg, state, self.trains)
 
     # -- server side -----------------------------------------------------------------------------------
-    def average_into(self, server: State, replies: Sequence[Reply], keys: Iterable[str], weights: torch.Tensor) -> None:
-        """``server[key] ← server_step(server[key], Σₖ pₖ reply_k[key])`` for each key."""
-        keys = list(keys)
-        if not keys:
-            return
-        for key, avg in zip(keys, weighted_sums([[r.message[k] for k in keys] for r in replies], weights)):
-            server[key] = self.server_step(server[key], avg)
-
     def aggregate_corrections(self, server: State, replies: Sequence[Reply]) -> None:
         for c in self._corrections:
             c.aggregate(server, replies, self.info.num_clients)

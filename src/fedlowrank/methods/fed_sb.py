@@ -37,7 +37,7 @@ from ..schema import setting
 from ..seeding import torch_generator
 from ..training.local import Fit
 from . import register
-from .base import Method, SetupInfo, TensorSpec, Upload, head_tensors, load_head, on_host, specs_of, weighted_sum
+from .base import Method, SetupInfo, TensorSpec, Upload, head_tensors, load_head, on_host, specs_of
 
 INITS = ("gradient", "random")
 
@@ -217,9 +217,8 @@ class FedSB(Method):
                 gains.append(float(R0.diagonal().pow(2).sum()))
             self.report(init_core_norm=sum(gains) ** 0.5)
             return new
-        p = self.client_weights(replies)
-        for key in [k for k in server.tensors() if k.endswith(".fedsb_R") or k.startswith("head/")]:
-            new[key] = self.server_step(server[key], weighted_sum((r.message[key] for r in replies), p))
+        keys = [k for k in server.tensors() if k.endswith(".fedsb_R") or k.startswith("head/")]
+        self.average_into(new, replies, keys, self.client_weights(replies))
         return new
 
     def load_global(self, model: AdaptedModel, server: State) -> None:

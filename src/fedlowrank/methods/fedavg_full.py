@@ -17,7 +17,7 @@ from torch import nn
 from ..adapters.model import AdaptedModel
 from ..message import Message, State
 from . import register
-from .base import Corrected, SetupInfo, Upload, correction_option, head_tensors, load_head, specs_of, weighted_sum
+from .base import Corrected, SetupInfo, Upload, correction_option, head_tensors, load_head, specs_of
 
 
 @register
@@ -67,9 +67,7 @@ class FedAvgFull(Corrected):
 
     def aggregate(self, server, replies, rnd):
         new = State(server)
-        weights = self.client_weights(replies)
-        for key in self.weight_keys(server):
-            new[key] = self.server_step(server[key], weighted_sum((r.message[key] for r in replies), weights))
+        self.average_into(new, replies, self.weight_keys(server), self.client_weights(replies))
         for c in self._corrections:
             c.aggregate(new, replies, self.info.num_clients)
         return new

@@ -31,6 +31,7 @@ import torch
 
 from ..codecs import RESIDUAL
 from ..execution.compiling import release_compiled
+from ..linalg.reductions import all_finite
 from ..message import State
 from ..privacy.runtime import PRIVACY_KEYS, accounting
 from ..reporting.progress import Progress
@@ -205,7 +206,9 @@ class ServerRun:
         """Stop on a non-finite global parameter, a round whose every reply was non-finite (from two clients or
         more: one client's bad reply is that node's, not the run's), or a metric bound."""
         name, rnd = self.method.name, row["round"]
-        bad = [k for k, v in self.server.tensors().items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        tensors = self.server.tensors()
+        bad = [] if all_finite(list(tensors.values())) else \
+            [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
         if bad:
             raise DivergenceError(f"round {rnd}: method {name!r}: non-finite global parameter {bad[0]!r}")
         rejected = row.get("rejected", [])
