@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..adapters.lora import attach_lora, init_lora_factors, lora_modules
+from ..adapters.lora import attach_lora, init_lora_factors, load_factors, lora_modules
 from ..adapters.model import AdaptedModel
 from ..message import Message, Reply, State
 from ..schema import Declared, Schema, declared, setting
@@ -555,9 +555,11 @@ class LoRAMethod(Corrected):
 
     # -- client side -----------------------------------------------------------------------------------
     def load_message(self, model: AdaptedModel, msg: Message) -> None:
-        """Load factors, base deltas and head from a message into the model."""
-        for name, mod in lora_modules(model).items():
-            mod.set_factors(msg[f"{name}.lora_A"], msg[f"{name}.lora_B"])
+        """Load factors (together: :func:`~fedlowrank.adapters.lora.load_factors`), base deltas and head from a
+        message into the model."""
+        modules = lora_modules(model)
+        load_factors(list(modules.values()), [(msg[f"{name}.lora_A"], msg[f"{name}.lora_B"]) for name in modules])
+        for name, mod in modules.items():
             mod.set_base_delta(msg.get(f"{name}.base_delta"))
         load_head(model, msg)
 
